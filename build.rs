@@ -1,0 +1,23 @@
+//! Compiles `proto/` with the pure-Rust `protox` compiler, so a build needs no system `protoc`.
+
+use std::{env, fs, path::PathBuf};
+
+use prost::Message;
+
+const PROTO_FILE: &str = "proto/payledger/v1/payledger.proto";
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto");
+    let descriptors = protox::compile([PROTO_FILE], ["proto"])?;
+    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
+    // Server reflection serves this encoded set, so grpcurl, buf curl and ghz need no .proto.
+    fs::write(
+        out_dir.join("payledger_descriptor.bin"),
+        descriptors.encode_to_vec(),
+    )?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(descriptors)?;
+    Ok(())
+}

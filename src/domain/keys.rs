@@ -1,0 +1,155 @@
+//! Business numbers: caller-chosen identifiers that double as idempotency keys.
+
+use super::FieldViolation;
+
+/// The longest business number, in characters.
+pub const BUSINESS_NO_LEN_MAX: usize = 64;
+
+/// Checks the shared rule for business numbers: 1-64 characters of `[A-Za-z0-9._:-]`.
+fn check_business_no(field: &'static str, raw: &str) -> Result<(), FieldViolation> {
+    if raw.is_empty() {
+        return Err(FieldViolation::new(field, "is required"));
+    }
+    if raw.len() > BUSINESS_NO_LEN_MAX {
+        return Err(FieldViolation::new(
+            field,
+            format!("must be at most {BUSINESS_NO_LEN_MAX} characters"),
+        ));
+    }
+    let allowed = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'-');
+    if !raw.bytes().all(allowed) {
+        return Err(FieldViolation::new(
+            field,
+            "may contain only A-Z a-z 0-9 . _ : -",
+        ));
+    }
+    Ok(())
+}
+
+macro_rules! business_number {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Parses a raw wire value; `field` names the proto field in the violation.
+            ///
+            /// # Errors
+            /// A [`FieldViolation`] when the value is empty, longer than 64 characters or
+            /// has a character outside `[A-Za-z0-9._:-]`.
+            pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
+                check_business_no(field, raw)?;
+                Ok(Self(raw.to_owned()))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+business_number!(
+    /// A caller-chosen account id.
+    AccountId
+);
+business_number!(
+    /// The merchant that owns orders, payments and refunds; scopes their numbers.
+    MerchantId
+);
+business_number!(
+    /// The merchant's order number, unique per merchant.
+    OrderNo
+);
+business_number!(
+    /// The merchant's payment number: the idempotency key of a Pay, unique per merchant.
+    OutTradeNo
+);
+business_number!(
+    /// The merchant's refund number: the idempotency key of a Refund, unique per merchant.
+    OutRefundNo
+);
+business_number!(
+    /// The idempotency key of a Deposit, unique across all deposits.
+    RequestId
+);
+
+/// Free text such as an order subject or a refund reason: at most 256 characters, no
+/// control characters. May be empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FreeText(String);
+
+impl FreeText {
+    /// The longest free text, in characters (Unicode scalar values).
+    pub const LEN_MAX: usize = 256;
+
+    /// # Errors
+    /// A [`FieldViolation`] when `raw` is longer than [`FreeText::LEN_MAX`] characters or
+    /// holds a control character.
+    pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
+        // Bytes bound the work before characters are counted.
+        if raw.len() > Self::LEN_MAX * 4 || raw.chars().count() > Self::LEN_MAX {
+            return Err(FieldViolation::new(
+                field,
+                format!("must be at most {} characters", Self::LEN_MAX),
+            ));
+        }
+        if raw.chars().any(char::is_control) {
+            return Err(FieldViolation::new(
+                field,
+                "must not contain control characters",
+            ));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn business_number_of_allowed_characters_is_accepted() {
+        let no = OutTradeNo::parse("out_trade_no", "ORD-2026.11_29:0001").unwrap();
+        assert_eq!(no.as_str(), "ORD-2026.11_29:0001");
+    }
+
+    #[test]
+    fn empty_business_number_is_rejected_as_required() {
+        let err = OrderNo::parse("order_no", "").unwrap_err();
+        assert_eq!(err.field, "order_no");
+        assert_eq!(err.description, "is required");
+    }
+
+    #[test]
+    fn business_number_of_65_characters_is_rejected() {
+        assert!(MerchantId::parse("merchant_id", &"a".repeat(64)).is_ok());
+        assert!(MerchantId::parse("merchant_id", &"a".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn free_text_of_256_characters_is_accepted_and_257_rejected() {
+        assert!(FreeText::parse("subject", &"\u{e9}".repeat(256)).is_ok());
+        assert!(FreeText::parse("subject", &"a".repeat(257)).is_err());
+        assert!(FreeText::parse("subject", "line\nbreak").is_err());
+        assert!(FreeText::parse("subject", "").is_ok());
+    }
+
+    #[test]
+    fn business_number_with_space_slash_or_non_ascii_is_rejected() {
+        for raw in ["a b", "a/b", "caf\u{e9}", "a\0", "@external:USD"] {
+            assert!(AccountId::parse("account_id", raw).is_err(), "{raw:?}");
+        }
+    }
+}

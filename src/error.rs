@@ -1,0 +1,182 @@
+//! The one error type of the service and its one mapping to a gRPC status.
+//!
+//! Every status carries a `google.rpc.ErrorInfo` with domain [`ERROR_DOMAIN`] and a stable
+//! UPPER_SNAKE reason; bad input also carries a `google.rpc.BadRequest` with one field
+//! violation per bad field. Database details are logged, never sent.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::domain::{FieldViolation, Rejection};
+use crate::store::{classify, Fault};
+
+/// The `ErrorInfo.domain` of every error payledger returns.
+pub const ERROR_DOMAIN: &str = "payledger";
+
+/// What a caller asked for that does not exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    Account,
+    Order,
+    Payment,
+    Refund,
+}
+
+impl Resource {
+    fn reason(self) -> &'static str {
+        match self {
+            Resource::Account => "ACCOUNT_NOT_FOUND",
+            Resource::Order => "ORDER_NOT_FOUND",
+            Resource::Payment => "PAYMENT_NOT_FOUND",
+            Resource::Refund => "REFUND_NOT_FOUND",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Resource::Account => "account",
+            Resource::Order => "order",
+            Resource::Payment => "payment",
+            Resource::Refund => "refund",
+        }
+    }
+}
+
+/// A key that was used before with different parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReusedKey {
+    AccountId,
+    RequestId,
+    OrderNo,
+    OutTradeNo,
+    OutRefundNo,
+}
+
+impl ReusedKey {
+    fn reason(self) -> &'static str {
+        match self {
+            ReusedKey::AccountId => "ACCOUNT_ALREADY_EXISTS",
+            ReusedKey::RequestId => "REQUEST_ID_REUSED",
+            ReusedKey::OrderNo => "ORDER_NO_REUSED",
+            ReusedKey::OutTradeNo => "OUT_TRADE_NO_REUSED",
+            ReusedKey::OutRefundNo => "OUT_REFUND_NO_REUSED",
+        }
+    }
+
+    fn field(self) -> &'static str {
+        match self {
+            ReusedKey::AccountId => "account_id",
+            ReusedKey::RequestId => "request_id",
+            ReusedKey::OrderNo => "order_no",
+            ReusedKey::OutTradeNo => "out_trade_no",
+            ReusedKey::OutRefundNo => "out_refund_no",
+        }
+    }
+}
+
+/// Everything that can go wrong, named by what the caller can do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad input: fix the request. INVALID_ARGUMENT.
+    #[error("invalid argument: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    InvalidArgument(Vec<FieldViolation>),
+    /// NOT_FOUND.
+    #[error("{} not found", .0.name())]
+    NotFound(Resource),
+    /// The key was used before with other parameters (`fields` lists the ones that differ).
+    /// ALREADY_EXISTS.
+    #[error("{} was already used with a different {}", .key.field(), .fields.join(", "))]
+    KeyReused {
+        key: ReusedKey,
+        fields: Vec<&'static str>,
+    },
+    /// A business rule refuses the request in the current state. FAILED_PRECONDITION.
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+    /// Optimistic-lock retries ran out under contention. ABORTED: retry with the same key.
+    #[error("too much contention on the same accounts or order; retry with the same key")]
+    Contention,
+    /// The database failed; `classify` tells whether it is unreachable, transient or a bug.
+    #[error("database error")]
+    Database(#[from] sqlx::Error),
+    /// A bug or an impossible state. INTERNAL.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<FieldViolation> for Error {
+    fn from(violation: FieldViolation) -> Self {
+        Error::InvalidArgument(vec![violation])
+    }
+}
+
+/// How long a caller should wait before retrying a contended or unavailable call.
+const RETRY_DELAY: Duration = Duration::from_millis(50);
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Self {
+        let mut details = ErrorDetails::new();
+        let (code, reason, message) = match &error {
+            Error::InvalidArgument(violations) => {
+                for violation in violations {
+                    details
+                        .add_bad_request_violation(violation.field, violation.description.clone());
+                }
+                (Code::InvalidArgument, "INVALID_ARGUMENT", error.to_string())
+            }
+            Error::NotFound(resource) => (Code::NotFound, resource.reason(), error.to_string()),
+            Error::KeyReused { key, fields } => {
+                let metadata = HashMap::from([
+                    ("key".to_owned(), key.field().to_owned()),
+                    ("fields".to_owned(), fields.join(",")),
+                ]);
+                details.set_error_info(key.reason(), ERROR_DOMAIN, metadata);
+                (Code::AlreadyExists, key.reason(), error.to_string())
+            }
+            Error::Rejected(rejection) => (
+                Code::FailedPrecondition,
+                rejection.reason(),
+                error.to_string(),
+            ),
+            Error::Contention => {
+                details.set_retry_info(Some(RETRY_DELAY));
+                (Code::Aborted, "CONTENTION", error.to_string())
+            }
+            Error::Database(db_error) => match classify(db_error) {
+                Fault::Unavailable => {
+                    tracing::warn!(error = %db_error, "database unavailable");
+                    details.set_retry_info(Some(RETRY_DELAY));
+                    (
+                        Code::Unavailable,
+                        "DATABASE_UNAVAILABLE",
+                        "database unavailable; retry with the same key".to_owned(),
+                    )
+                }
+                Fault::Transient => {
+                    tracing::info!(error = %db_error, "transient database conflict after retries");
+                    details.set_retry_info(Some(RETRY_DELAY));
+                    (
+                        Code::Aborted,
+                        "CONTENTION",
+                        "transaction conflict; retry with the same key".to_owned(),
+                    )
+                }
+                Fault::Other => {
+                    tracing::error!(error = ?db_error, "database error");
+                    (Code::Internal, "INTERNAL", "internal error".to_owned())
+                }
+            },
+            Error::Internal(cause) => {
+                tracing::error!(%cause, "internal error");
+                (Code::Internal, "INTERNAL", "internal error".to_owned())
+            }
+        };
+        if details.error_info().is_none() {
+            details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
+        }
+        Status::with_error_details(code, message, details)
+    }
+}

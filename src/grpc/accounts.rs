@@ -1,0 +1,99 @@
+//! `payledger.v1.AccountService`.
+
+use tonic::{Request, Response, Status};
+use tracing::info_span;
+
+use crate::ledger::Ledger;
+use crate::proto;
+use crate::proto::account_service_server::AccountService;
+
+use super::{decode, encode, reply, reply_replayable, run_detached};
+
+/// The AccountService handlers.
+#[derive(Clone)]
+pub struct AccountApi {
+    ledger: Ledger,
+}
+
+impl AccountApi {
+    pub fn new(ledger: Ledger) -> Self {
+        Self { ledger }
+    }
+}
+
+#[tonic::async_trait]
+impl AccountService for AccountApi {
+    async fn open_account(
+        &self,
+        request: Request<proto::OpenAccountRequest>,
+    ) -> Result<Response<proto::OpenAccountResponse>, Status> {
+        let command = decode::open_account(request.into_inner())?;
+        let span = info_span!("OpenAccount", account_id = %command.account_id);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move { ledger.open_account(command).await }).await?;
+        reply_replayable(answer, |account| {
+            Ok(proto::OpenAccountResponse {
+                account: Some(encode::account(account)?),
+            })
+        })
+    }
+
+    async fn deposit(
+        &self,
+        request: Request<proto::DepositRequest>,
+    ) -> Result<Response<proto::DepositResponse>, Status> {
+        let command = decode::deposit(request.into_inner())?;
+        let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move { ledger.deposit(command).await }).await?;
+        reply_replayable(answer, |receipt| {
+            Ok(proto::DepositResponse {
+                account: Some(encode::account(receipt.account)?),
+                entry: Some(encode::entry(receipt.entry)?),
+            })
+        })
+    }
+
+    async fn get_account(
+        &self,
+        request: Request<proto::GetAccountRequest>,
+    ) -> Result<Response<proto::GetAccountResponse>, Status> {
+        let account_id = decode::account_id(request.into_inner())?;
+        let span = info_span!("GetAccount", account_id = %account_id);
+        let ledger = self.ledger.clone();
+        let account =
+            run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
+        Ok(reply(
+            proto::GetAccountResponse {
+                account: Some(encode::account(account)?),
+            },
+            false,
+        ))
+    }
+
+    async fn list_entries(
+        &self,
+        request: Request<proto::ListEntriesRequest>,
+    ) -> Result<Response<proto::ListEntriesResponse>, Status> {
+        let query = decode::list_entries(request.into_inner())?;
+        let span = info_span!("ListEntries", account_id = %query.account_id);
+        let ledger = self.ledger.clone();
+        let page = run_detached(span, async move { ledger.list_entries(query).await }).await?;
+        let entries = page
+            .entries
+            .into_iter()
+            .map(encode::entry)
+            .collect::<Result<Vec<_>, _>>()?;
+        let next_page_token = page
+            .next_before_entry_id
+            .map(|id| id.to_string())
+            .unwrap_or_default();
+        Ok(reply(
+            proto::ListEntriesResponse {
+                entries,
+                next_page_token,
+            },
+            false,
+        ))
+    }
+}

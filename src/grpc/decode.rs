@@ -1,0 +1,275 @@
+//! Wire requests to commands. Every conversion destructures the whole message, so a field
+//! added to the .proto fails the build until it is handled here. All bad fields of a
+//! request are reported together.
+
+use crate::domain::{
+    AccountId, Amount, Currency, FieldViolation, FreeText, MerchantId, OrderNo, OutRefundNo,
+    OutTradeNo, RequestId,
+};
+use crate::error::Error;
+use crate::ledger::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund};
+use crate::proto;
+
+/// Collects the violations of one request.
+#[derive(Default)]
+struct Violations(Vec<FieldViolation>);
+
+impl Violations {
+    fn check<T>(&mut self, parsed: Result<T, FieldViolation>) -> Option<T> {
+        parsed.map_err(|violation| self.0.push(violation)).ok()
+    }
+
+    /// Parses an amount against a currency that may itself have failed to parse.
+    fn amount(&mut self, raw: &str, currency: Option<Currency>) -> Option<Amount> {
+        match currency {
+            Some(currency) => self.check(Amount::parse("amount", raw, currency)),
+            None if raw.is_empty() => self.check(Err(FieldViolation::new("amount", "is required"))),
+            None => None,
+        }
+    }
+
+    fn into_error(self) -> Error {
+        debug_assert!(
+            !self.0.is_empty(),
+            "a request failed to parse with no violation"
+        );
+        Error::InvalidArgument(self.0)
+    }
+}
+
+pub(super) fn open_account(request: proto::OpenAccountRequest) -> Result<OpenAccount, Error> {
+    let proto::OpenAccountRequest {
+        account_id,
+        currency,
+    } = request;
+    let mut v = Violations::default();
+    let account_id = v.check(AccountId::parse("account_id", &account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    match (account_id, currency) {
+        (Some(account_id), Some(currency)) => Ok(OpenAccount {
+            account_id,
+            currency,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn deposit(request: proto::DepositRequest) -> Result<Deposit, Error> {
+    let proto::DepositRequest {
+        request_id,
+        account_id,
+        amount,
+        currency,
+    } = request;
+    let mut v = Violations::default();
+    let request_id = v.check(RequestId::parse("request_id", &request_id));
+    let account_id = v.check(AccountId::parse("account_id", &account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    match (request_id, account_id, amount) {
+        (Some(request_id), Some(account_id), Some(amount)) => Ok(Deposit {
+            request_id,
+            account_id,
+            amount,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn account_id(request: proto::GetAccountRequest) -> Result<AccountId, Error> {
+    let proto::GetAccountRequest { account_id } = request;
+    Ok(AccountId::parse("account_id", &account_id)?)
+}
+
+pub(super) fn list_entries(request: proto::ListEntriesRequest) -> Result<ListEntries, Error> {
+    let proto::ListEntriesRequest {
+        account_id,
+        page_size,
+        page_token,
+    } = request;
+    let mut v = Violations::default();
+    let account_id = v.check(AccountId::parse("account_id", &account_id));
+    // AIP-158: zero means the default, a size above the maximum is clamped to it.
+    let page_size = match page_size {
+        0 => Some(ListEntries::PAGE_SIZE_DEFAULT),
+        size if size < 0 => v.check(Err(FieldViolation::new(
+            "page_size",
+            "must not be negative",
+        ))),
+        size => Some(
+            u32::try_from(size)
+                .unwrap_or(u32::MAX)
+                .min(ListEntries::PAGE_SIZE_MAX),
+        ),
+    };
+    let before_entry_id = if page_token.is_empty() {
+        Some(None)
+    } else {
+        let token = page_token
+            .parse::<i64>()
+            .ok()
+            .filter(|id| *id > 0 && page_token.len() <= 20)
+            .map(Some);
+        v.check(token.ok_or_else(|| {
+            FieldViolation::new("page_token", "is not a next_page_token of this API")
+        }))
+    };
+    match (account_id, page_size, before_entry_id) {
+        (Some(account_id), Some(page_size), Some(before_entry_id)) => Ok(ListEntries {
+            account_id,
+            page_size,
+            before_entry_id,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn create_order(request: proto::CreateOrderRequest) -> Result<CreateOrder, Error> {
+    let proto::CreateOrderRequest {
+        merchant_id,
+        order_no,
+        payee_account_id,
+        amount,
+        currency,
+        subject,
+    } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let order_no = v.check(OrderNo::parse("order_no", &order_no));
+    let payee_account_id = v.check(AccountId::parse("payee_account_id", &payee_account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    let subject = v.check(FreeText::parse("subject", &subject));
+    match (merchant_id, order_no, payee_account_id, amount, subject) {
+        (
+            Some(merchant_id),
+            Some(order_no),
+            Some(payee_account_id),
+            Some(amount),
+            Some(subject),
+        ) => Ok(CreateOrder {
+            merchant_id,
+            order_no,
+            payee_account_id,
+            amount,
+            subject,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn close_order(
+    request: proto::CloseOrderRequest,
+) -> Result<(MerchantId, OrderNo), Error> {
+    let proto::CloseOrderRequest {
+        merchant_id,
+        order_no,
+    } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let order_no = v.check(OrderNo::parse("order_no", &order_no));
+    match (merchant_id, order_no) {
+        (Some(merchant_id), Some(order_no)) => Ok((merchant_id, order_no)),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn pay(request: proto::PayRequest) -> Result<Pay, Error> {
+    let proto::PayRequest {
+        merchant_id,
+        out_trade_no,
+        order_no,
+        payer_account_id,
+        amount,
+        currency,
+    } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let out_trade_no = v.check(OutTradeNo::parse("out_trade_no", &out_trade_no));
+    let order_no = v.check(OrderNo::parse("order_no", &order_no));
+    let payer_account_id = v.check(AccountId::parse("payer_account_id", &payer_account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    match (
+        merchant_id,
+        out_trade_no,
+        order_no,
+        payer_account_id,
+        amount,
+    ) {
+        (
+            Some(merchant_id),
+            Some(out_trade_no),
+            Some(order_no),
+            Some(payer_account_id),
+            Some(amount),
+        ) => Ok(Pay {
+            merchant_id,
+            out_trade_no,
+            order_no,
+            payer_account_id,
+            amount,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn refund(request: proto::RefundRequest) -> Result<Refund, Error> {
+    let proto::RefundRequest {
+        merchant_id,
+        out_trade_no,
+        out_refund_no,
+        amount,
+        currency,
+        reason,
+    } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let out_trade_no = v.check(OutTradeNo::parse("out_trade_no", &out_trade_no));
+    let out_refund_no = v.check(OutRefundNo::parse("out_refund_no", &out_refund_no));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    let reason = v.check(FreeText::parse("reason", &reason));
+    match (merchant_id, out_trade_no, out_refund_no, amount, reason) {
+        (
+            Some(merchant_id),
+            Some(out_trade_no),
+            Some(out_refund_no),
+            Some(amount),
+            Some(reason),
+        ) => Ok(Refund {
+            merchant_id,
+            out_trade_no,
+            out_refund_no,
+            amount,
+            reason,
+        }),
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKey), Error> {
+    use proto::query_request::Key;
+    let proto::QueryRequest { merchant_id, key } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let key = match key {
+        Some(Key::OutTradeNo(raw)) => v
+            .check(OutTradeNo::parse("out_trade_no", &raw))
+            .map(QueryKey::OutTradeNo),
+        Some(Key::OrderNo(raw)) => v
+            .check(OrderNo::parse("order_no", &raw))
+            .map(QueryKey::OrderNo),
+        Some(Key::OutRefundNo(raw)) => v
+            .check(OutRefundNo::parse("out_refund_no", &raw))
+            .map(QueryKey::OutRefundNo),
+        None => v.check(Err(FieldViolation::new(
+            "key",
+            "one of out_trade_no, order_no or out_refund_no is required",
+        ))),
+    };
+    match (merchant_id, key) {
+        (Some(merchant_id), Some(key)) => Ok((merchant_id, key)),
+        _ => Err(v.into_error()),
+    }
+}

@@ -1,0 +1,121 @@
+//! `payledger.v1.PaymentService`.
+
+use tonic::{Request, Response, Status};
+use tracing::info_span;
+
+use crate::ledger::{Ledger, QueryKey};
+use crate::proto;
+use crate::proto::payment_service_server::PaymentService;
+
+use super::{decode, encode, reply, reply_replayable, run_detached};
+
+/// The PaymentService handlers.
+#[derive(Clone)]
+pub struct PaymentApi {
+    ledger: Ledger,
+}
+
+impl PaymentApi {
+    pub fn new(ledger: Ledger) -> Self {
+        Self { ledger }
+    }
+}
+
+#[tonic::async_trait]
+impl PaymentService for PaymentApi {
+    async fn create_order(
+        &self,
+        request: Request<proto::CreateOrderRequest>,
+    ) -> Result<Response<proto::CreateOrderResponse>, Status> {
+        let command = decode::create_order(request.into_inner())?;
+        let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move { ledger.create_order(command).await }).await?;
+        reply_replayable(answer, |order| {
+            Ok(proto::CreateOrderResponse {
+                order: Some(encode::order(order)?),
+            })
+        })
+    }
+
+    async fn close_order(
+        &self,
+        request: Request<proto::CloseOrderRequest>,
+    ) -> Result<Response<proto::CloseOrderResponse>, Status> {
+        let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
+        let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move {
+            ledger.close_order(&merchant_id, &order_no).await
+        })
+        .await?;
+        reply_replayable(answer, |order| {
+            Ok(proto::CloseOrderResponse {
+                order: Some(encode::order(order)?),
+            })
+        })
+    }
+
+    async fn pay(
+        &self,
+        request: Request<proto::PayRequest>,
+    ) -> Result<Response<proto::PayResponse>, Status> {
+        let command = decode::pay(request.into_inner())?;
+        let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move { ledger.pay(command).await }).await?;
+        reply_replayable(answer, |receipt| {
+            Ok(proto::PayResponse {
+                payment: Some(encode::payment(receipt.payment)?),
+                order: Some(encode::order(receipt.order)?),
+            })
+        })
+    }
+
+    async fn refund(
+        &self,
+        request: Request<proto::RefundRequest>,
+    ) -> Result<Response<proto::RefundResponse>, Status> {
+        let command = decode::refund(request.into_inner())?;
+        let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(span, async move { ledger.refund(command).await }).await?;
+        reply_replayable(answer, |receipt| {
+            Ok(proto::RefundResponse {
+                refund: Some(encode::refund(receipt.refund)?),
+                order: Some(encode::order(receipt.order)?),
+            })
+        })
+    }
+
+    async fn query(
+        &self,
+        request: Request<proto::QueryRequest>,
+    ) -> Result<Response<proto::QueryResponse>, Status> {
+        let (merchant_id, key) = decode::query(request.into_inner())?;
+        let span = match &key {
+            QueryKey::OutTradeNo(no) => {
+                info_span!("Query", merchant_id = %merchant_id, out_trade_no = %no)
+            }
+            QueryKey::OrderNo(no) => {
+                info_span!("Query", merchant_id = %merchant_id, order_no = %no)
+            }
+            QueryKey::OutRefundNo(no) => {
+                info_span!("Query", merchant_id = %merchant_id, out_refund_no = %no)
+            }
+        };
+        let ledger = self.ledger.clone();
+        let details =
+            run_detached(span, async move { ledger.query(&merchant_id, &key).await }).await?;
+        let response = proto::QueryResponse {
+            order: Some(encode::order(details.order)?),
+            payment: details.payment.map(encode::payment).transpose()?,
+            refunds: details
+                .refunds
+                .into_iter()
+                .map(encode::refund)
+                .collect::<Result<_, _>>()?,
+        };
+        Ok(reply(response, false))
+    }
+}

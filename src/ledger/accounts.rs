@@ -1,0 +1,235 @@
+//! Accounts: open, deposit, read, list the journal.
+
+use crate::domain::AccountId;
+use crate::error::{Error, Resource, ReusedKey};
+use crate::store::{AccountRow, DepositRow, EntryRow, Queries};
+
+use super::commands::{Deposit, ListEntries, OpenAccount};
+use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use super::transaction::in_transaction;
+use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
+
+/// The answer to a Deposit: the account as it stood right after the deposit, and the entry
+/// that credited it. A replay rebuilds exactly the same answer from the stored entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DepositReceipt {
+    pub account: AccountRow,
+    pub entry: EntryRow,
+}
+
+/// One page of journal entries, newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryPage {
+    pub entries: Vec<EntryRow>,
+    /// The entry_id to continue below, when there are more entries.
+    pub next_before_entry_id: Option<i64>,
+}
+
+impl Ledger {
+    /// Opens an account, and the currency's external funding account on first use.
+    ///
+    /// # Errors
+    /// [`Error::KeyReused`] (ACCOUNT_ALREADY_EXISTS) when the id exists with another currency.
+    pub async fn open_account(
+        &self,
+        command: OpenAccount,
+    ) -> Result<Replayable<AccountRow>, Error> {
+        if let Some(account) = self.open_account_replay(&command).await? {
+            return Ok(Replayable::replayed(account));
+        }
+        let now = now_micros();
+        let code = command.currency.code();
+        let account = AccountRow {
+            account_id: command.account_id.as_str().to_owned(),
+            currency: code.to_owned(),
+            kind: KIND_CUSTOMER.to_owned(),
+            balance: 0,
+            version: 0,
+            created_at: now,
+            updated_at: now,
+        };
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            let external_id = external_account_id(code);
+            if queries.find_account(&external_id).await?.is_none() {
+                let external = AccountRow { account_id: external_id, kind: KIND_EXTERNAL.to_owned(), ..account.clone() };
+                queries.insert_account(&external).await?;
+            }
+            Ok(if queries.insert_account(&account).await? { Inserted::Done(()) } else { Inserted::KeyTaken })
+        })?;
+        match outcome {
+            Inserted::Done(()) => Ok(Replayable::fresh(account)),
+            Inserted::KeyTaken => self
+                .open_account_replay(&command)
+                .await?
+                .map(Replayable::replayed)
+                .ok_or_else(key_vanished),
+        }
+    }
+
+    async fn open_account_replay(
+        &self,
+        command: &OpenAccount,
+    ) -> Result<Option<AccountRow>, Error> {
+        let mut reader = self.store.reader().await?;
+        let Some(account) = reader
+            .queries()
+            .find_account(command.account_id.as_str())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let fields = differing_fields(&[("currency", account.currency == command.currency.code())]);
+        if !fields.is_empty() {
+            return Err(Error::KeyReused {
+                key: ReusedKey::AccountId,
+                fields,
+            });
+        }
+        Ok(Some(account))
+    }
+
+    /// Credits an account from the currency's external funding account, once per request_id.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
+    /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
+    pub async fn deposit(&self, command: Deposit) -> Result<Replayable<DepositReceipt>, Error> {
+        if let Some(receipt) = self.deposit_replay(&command).await? {
+            return Ok(Replayable::replayed(receipt));
+        }
+        let deposit_id = new_id('D');
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            let now = now_micros();
+            let account_id = command.account_id.as_str();
+            let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
+            if account.currency != command.amount.currency().code() {
+                return Err(crate::domain::Rejection::CurrencyMismatch.into());
+            }
+            let deposit = DepositRow {
+                request_id: command.request_id.as_str().to_owned(),
+                deposit_id: deposit_id.clone(),
+                account_id: account_id.to_owned(),
+                amount: command.amount.minor_units(),
+                currency: account.currency.clone(),
+                created_at: now,
+            };
+            if !queries.insert_deposit(&deposit).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            let external_id = external_account_id(&account.currency);
+            let posting = Posting {
+                posting_id: &deposit_id,
+                kind: EntryKind::Deposit,
+                reference: command.request_id.as_str(),
+                from_account_id: &external_id,
+                to_account_id: account_id,
+                amount: command.amount,
+                now,
+            };
+            post(&mut queries, &posting).await?;
+            Ok(Inserted::Done(deposit_receipt(&mut queries, account, &deposit_id).await?))
+        })?;
+        match outcome {
+            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
+            Inserted::KeyTaken => self
+                .deposit_replay(&command)
+                .await?
+                .map(Replayable::replayed)
+                .ok_or_else(key_vanished),
+        }
+    }
+
+    async fn deposit_replay(&self, command: &Deposit) -> Result<Option<DepositReceipt>, Error> {
+        let mut reader = self.store.reader().await?;
+        let mut queries = reader.queries();
+        let Some(deposit) = queries.find_deposit(command.request_id.as_str()).await? else {
+            return Ok(None);
+        };
+        let fields = differing_fields(&[
+            (
+                "account_id",
+                deposit.account_id == command.account_id.as_str(),
+            ),
+            ("amount", deposit.amount == command.amount.minor_units()),
+            (
+                "currency",
+                deposit.currency == command.amount.currency().code(),
+            ),
+        ]);
+        if !fields.is_empty() {
+            return Err(Error::KeyReused {
+                key: ReusedKey::RequestId,
+                fields,
+            });
+        }
+        let account = queries
+            .find_account(&deposit.account_id)
+            .await?
+            .ok_or_else(|| Error::Internal("a deposit's account is missing".into()))?;
+        Ok(Some(
+            deposit_receipt(&mut queries, account, &deposit.deposit_id).await?,
+        ))
+    }
+
+    /// # Errors
+    /// [`Error::NotFound`] (ACCOUNT_NOT_FOUND).
+    pub async fn get_account(&self, account_id: &AccountId) -> Result<AccountRow, Error> {
+        let mut reader = self.store.reader().await?;
+        reader
+            .queries()
+            .find_account(account_id.as_str())
+            .await?
+            .ok_or(Error::NotFound(Resource::Account))
+    }
+
+    /// # Errors
+    /// [`Error::NotFound`] (ACCOUNT_NOT_FOUND).
+    pub async fn list_entries(&self, request: ListEntries) -> Result<EntryPage, Error> {
+        let mut reader = self.store.reader().await?;
+        let mut queries = reader.queries();
+        let account_id = request.account_id.as_str();
+        if queries.find_account(account_id).await?.is_none() {
+            return Err(Error::NotFound(Resource::Account));
+        }
+        let page_size = usize::try_from(request.page_size).unwrap_or(usize::MAX);
+        // One more than the page tells whether another page follows.
+        let mut entries = queries
+            .list_entries(
+                account_id,
+                request.before_entry_id.unwrap_or(i64::MAX),
+                i64::from(request.page_size) + 1,
+            )
+            .await?;
+        let next_before_entry_id = if entries.len() > page_size {
+            entries.truncate(page_size);
+            entries.last().map(|entry| entry.entry_id)
+        } else {
+            None
+        };
+        Ok(EntryPage {
+            entries,
+            next_before_entry_id,
+        })
+    }
+}
+
+/// The account as it stood right after the deposit's entry, with that entry.
+async fn deposit_receipt(
+    queries: &mut Queries<'_>,
+    account: AccountRow,
+    deposit_id: &str,
+) -> Result<DepositReceipt, Error> {
+    let entry = queries
+        .find_entry(deposit_id, &account.account_id)
+        .await?
+        .ok_or_else(|| Error::Internal("a deposit's entry is missing".into()))?;
+    let account = AccountRow {
+        balance: entry.balance_after,
+        version: entry.version_after,
+        updated_at: entry.created_at,
+        ..account
+    };
+    Ok(DepositReceipt { account, entry })
+}

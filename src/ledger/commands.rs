@@ -1,0 +1,67 @@
+//! Inputs of the use cases, built from domain types only (parsed at the edge).
+
+use crate::domain::{
+    AccountId, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId,
+};
+
+#[derive(Debug, Clone)]
+pub struct OpenAccount {
+    pub account_id: AccountId,
+    pub currency: Currency,
+}
+
+#[derive(Debug, Clone)]
+pub struct Deposit {
+    pub request_id: RequestId,
+    pub account_id: AccountId,
+    pub amount: Amount,
+}
+
+#[derive(Debug, Clone)]
+pub struct ListEntries {
+    pub account_id: AccountId,
+    /// 1..=[`ListEntries::PAGE_SIZE_MAX`].
+    pub page_size: u32,
+    /// Only entries with a smaller entry_id (the previous page's last); `None` for the first.
+    pub before_entry_id: Option<i64>,
+}
+
+impl ListEntries {
+    pub const PAGE_SIZE_DEFAULT: u32 = 50;
+    pub const PAGE_SIZE_MAX: u32 = 500;
+}
+
+#[derive(Debug, Clone)]
+pub struct CreateOrder {
+    pub merchant_id: MerchantId,
+    pub order_no: OrderNo,
+    pub payee_account_id: AccountId,
+    pub amount: Amount,
+    pub subject: FreeText,
+}
+
+#[derive(Debug, Clone)]
+pub struct Pay {
+    pub merchant_id: MerchantId,
+    pub out_trade_no: OutTradeNo,
+    pub order_no: OrderNo,
+    pub payer_account_id: AccountId,
+    pub amount: Amount,
+}
+
+#[derive(Debug, Clone)]
+pub struct Refund {
+    pub merchant_id: MerchantId,
+    pub out_trade_no: OutTradeNo,
+    pub out_refund_no: OutRefundNo,
+    pub amount: Amount,
+    pub reason: FreeText,
+}
+
+/// Which business number a Query looks an order up by.
+#[derive(Debug, Clone)]
+pub enum QueryKey {
+    OutTradeNo(OutTradeNo),
+    OrderNo(OrderNo),
+    OutRefundNo(OutRefundNo),
+}

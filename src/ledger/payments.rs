@@ -1,0 +1,486 @@
+//! Orders, payments and refunds.
+
+use crate::domain::{
+    MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition,
+};
+use crate::error::{Error, Resource, ReusedKey};
+use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
+
+use super::commands::{CreateOrder, Pay, QueryKey, Refund};
+use super::posting::{post, EntryKind, Posting};
+use super::transaction::{in_transaction, CAS_ATTEMPTS_MAX};
+use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
+
+/// Stored status of a payment row; payments are recorded only when they succeed.
+pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
+
+/// The answer to a Pay: the payment (as first recorded) and the order as it stands now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayReceipt {
+    pub payment: PaymentRow,
+    pub order: OrderRow,
+}
+
+/// The answer to a Refund: the refund (as first recorded) and the order as it stands now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundReceipt {
+    pub refund: RefundRow,
+    pub order: OrderRow,
+}
+
+/// The answer to a Query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderDetails {
+    pub order: OrderRow,
+    pub payment: Option<PaymentRow>,
+    /// Oldest first.
+    pub refunds: Vec<RefundRow>,
+}
+
+/// The state-machine view of a stored order.
+fn order_state(order: &OrderRow) -> Result<OrderState, Error> {
+    let status = OrderStatus::from_stored(&order.status).ok_or_else(|| {
+        Error::Internal(format!("unknown stored order status {:?}", order.status))
+    })?;
+    Ok(OrderState {
+        status,
+        amount_minor_units: order.amount,
+        refunded_minor_units: order.refunded_amount,
+    })
+}
+
+impl Ledger {
+    /// Creates an order in PENDING, once per (merchant_id, order_no).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
+    /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
+    pub async fn create_order(&self, command: CreateOrder) -> Result<Replayable<OrderRow>, Error> {
+        if let Some(order) = self.create_order_replay(&command).await? {
+            return Ok(Replayable::replayed(order));
+        }
+        let now = now_micros();
+        let order = OrderRow {
+            merchant_id: command.merchant_id.as_str().to_owned(),
+            order_no: command.order_no.as_str().to_owned(),
+            payee_account_id: command.payee_account_id.as_str().to_owned(),
+            amount: command.amount.minor_units(),
+            currency: command.amount.currency().code().to_owned(),
+            subject: command.subject.as_str().to_owned(),
+            status: OrderStatus::Pending.as_str().to_owned(),
+            out_trade_no: None,
+            refunded_amount: 0,
+            created_at: now,
+            updated_at: now,
+        };
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
+            if payee.currency != order.currency {
+                return Err(Rejection::CurrencyMismatch.into());
+            }
+            Ok(if queries.insert_order(&order).await? { Inserted::Done(()) } else { Inserted::KeyTaken })
+        })?;
+        match outcome {
+            Inserted::Done(()) => Ok(Replayable::fresh(order)),
+            Inserted::KeyTaken => self
+                .create_order_replay(&command)
+                .await?
+                .map(Replayable::replayed)
+                .ok_or_else(key_vanished),
+        }
+    }
+
+    async fn create_order_replay(&self, command: &CreateOrder) -> Result<Option<OrderRow>, Error> {
+        let mut reader = self.store.reader().await?;
+        let Some(order) = reader
+            .queries()
+            .find_order(command.merchant_id.as_str(), command.order_no.as_str())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let fields = differing_fields(&[
+            (
+                "payee_account_id",
+                order.payee_account_id == command.payee_account_id.as_str(),
+            ),
+            ("amount", order.amount == command.amount.minor_units()),
+            (
+                "currency",
+                order.currency == command.amount.currency().code(),
+            ),
+            ("subject", order.subject == command.subject.as_str()),
+        ]);
+        if !fields.is_empty() {
+            return Err(Error::KeyReused {
+                key: ReusedKey::OrderNo,
+                fields,
+            });
+        }
+        Ok(Some(order))
+    }
+
+    /// Moves a PENDING order to CLOSED; a closed order is returned unchanged (replayed).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (ORDER_NOT_FOUND), [`Rejection::OrderAlreadyPaid`].
+    pub async fn close_order(
+        &self,
+        merchant_id: &MerchantId,
+        order_no: &OrderNo,
+    ) -> Result<Replayable<OrderRow>, Error> {
+        let (merchant_id, order_no) = (merchant_id.as_str(), order_no.as_str());
+        in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            let now = now_micros();
+            let (pending, closed) = (OrderStatus::Pending.as_str(), OrderStatus::Closed.as_str());
+            let moved = queries.transition_order(merchant_id, order_no, pending, 0, closed, 0, now).await?;
+            let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+            if moved {
+                return Ok(Replayable::fresh(order));
+            }
+            match order_state(&order)?.apply(OrderEvent::Close)? {
+                Transition::AlreadyApplied => Ok(Replayable::replayed(order)),
+                // Zero rows but PENDING now: it changed under us and changed back; cannot
+                // happen with the transitions that exist, so report contention.
+                Transition::To(_) => Err(Error::Contention),
+            }
+        })
+    }
+
+    /// Pays an order: the payer's money moves to the order's payee and the order moves from
+    /// PENDING to PAID, once per (merchant_id, out_trade_no).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (order or payer), [`Rejection`]s AMOUNT_MISMATCH,
+    /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
+    /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
+    pub async fn pay(&self, command: Pay) -> Result<Replayable<PayReceipt>, Error> {
+        if let Some(receipt) = self.pay_replay(&command).await? {
+            return Ok(Replayable::replayed(receipt));
+        }
+        let trade_no = new_id('T');
+        let outcome = in_transaction!(self.store, tx => { pay_in_transaction(&mut tx.queries(), &command, &trade_no).await })?;
+        match outcome {
+            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
+            Inserted::KeyTaken => match self.pay_replay(&command).await? {
+                Some(receipt) => Ok(Replayable::replayed(receipt)),
+                // The taken key was the order's one payment, under another out_trade_no.
+                None => Err(Rejection::OrderAlreadyPaid.into()),
+            },
+        }
+    }
+
+    async fn pay_replay(&self, command: &Pay) -> Result<Option<PayReceipt>, Error> {
+        let mut reader = self.store.reader().await?;
+        let mut queries = reader.queries();
+        let merchant_id = command.merchant_id.as_str();
+        let Some(payment) = queries
+            .find_payment(merchant_id, command.out_trade_no.as_str())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let fields = differing_fields(&[
+            ("order_no", payment.order_no == command.order_no.as_str()),
+            (
+                "payer_account_id",
+                payment.payer_account_id == command.payer_account_id.as_str(),
+            ),
+            ("amount", payment.amount == command.amount.minor_units()),
+            (
+                "currency",
+                payment.currency == command.amount.currency().code(),
+            ),
+        ]);
+        if !fields.is_empty() {
+            return Err(Error::KeyReused {
+                key: ReusedKey::OutTradeNo,
+                fields,
+            });
+        }
+        let order = queries
+            .find_order(merchant_id, &payment.order_no)
+            .await?
+            .ok_or_else(|| Error::Internal("a payment's order is missing".into()))?;
+        Ok(Some(PayReceipt { payment, order }))
+    }
+
+    /// Refunds part or all of a payment, once per (merchant_id, out_refund_no).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (PAYMENT_NOT_FOUND), [`Rejection`]s REFUND_EXCEEDS_PAID,
+    /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
+    /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
+    pub async fn refund(&self, command: Refund) -> Result<Replayable<RefundReceipt>, Error> {
+        if let Some(receipt) = self.refund_replay(&command).await? {
+            return Ok(Replayable::replayed(receipt));
+        }
+        let refund_no = new_id('R');
+        let outcome = in_transaction!(self.store, tx => { refund_in_transaction(&mut tx.queries(), &command, &refund_no).await })?;
+        match outcome {
+            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
+            Inserted::KeyTaken => self
+                .refund_replay(&command)
+                .await?
+                .map(Replayable::replayed)
+                .ok_or_else(key_vanished),
+        }
+    }
+
+    async fn refund_replay(&self, command: &Refund) -> Result<Option<RefundReceipt>, Error> {
+        let mut reader = self.store.reader().await?;
+        let mut queries = reader.queries();
+        let merchant_id = command.merchant_id.as_str();
+        let Some(refund) = queries
+            .find_refund(merchant_id, command.out_refund_no.as_str())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let fields = differing_fields(&[
+            (
+                "out_trade_no",
+                refund.out_trade_no == command.out_trade_no.as_str(),
+            ),
+            ("amount", refund.amount == command.amount.minor_units()),
+            (
+                "currency",
+                refund.currency == command.amount.currency().code(),
+            ),
+            ("reason", refund.reason == command.reason.as_str()),
+        ]);
+        if !fields.is_empty() {
+            return Err(Error::KeyReused {
+                key: ReusedKey::OutRefundNo,
+                fields,
+            });
+        }
+        let order = queries
+            .find_order(merchant_id, &refund.order_no)
+            .await?
+            .ok_or_else(|| Error::Internal("a refund's order is missing".into()))?;
+        Ok(Some(RefundReceipt { refund, order }))
+    }
+
+    /// An order with its payment and refunds, found by any of its business numbers.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for the number asked by.
+    pub async fn query(
+        &self,
+        merchant_id: &MerchantId,
+        key: &QueryKey,
+    ) -> Result<OrderDetails, Error> {
+        let mut reader = self.store.reader().await?;
+        let mut queries = reader.queries();
+        let merchant_id = merchant_id.as_str();
+        let order_no = match key {
+            QueryKey::OrderNo(order_no) => order_no.as_str().to_owned(),
+            QueryKey::OutTradeNo(out_trade_no) => {
+                queries
+                    .find_payment(merchant_id, out_trade_no.as_str())
+                    .await?
+                    .ok_or(Error::NotFound(Resource::Payment))?
+                    .order_no
+            }
+            QueryKey::OutRefundNo(out_refund_no) => {
+                queries
+                    .find_refund(merchant_id, out_refund_no.as_str())
+                    .await?
+                    .ok_or(Error::NotFound(Resource::Refund))?
+                    .order_no
+            }
+        };
+        let order = queries
+            .find_order(merchant_id, &order_no)
+            .await?
+            .ok_or(Error::NotFound(Resource::Order))?;
+        let payment = match &order.out_trade_no {
+            Some(out_trade_no) => queries.find_payment(merchant_id, out_trade_no).await?,
+            None => None,
+        };
+        let refunds = queries.list_refunds(merchant_id, &order_no).await?;
+        Ok(OrderDetails {
+            order,
+            payment,
+            refunds,
+        })
+    }
+}
+
+/// The writes of one Pay, in order: the payment row first (it claims out_trade_no and, by
+/// the unique (merchant_id, order_no), the order's one payment; a concurrent duplicate waits
+/// here for the first one's outcome), then PENDING -> PAID by conditional UPDATE, then the
+/// money.
+async fn pay_in_transaction(
+    queries: &mut Queries<'_>,
+    command: &Pay,
+    trade_no: &str,
+) -> Result<Inserted<PayReceipt>, Error> {
+    let now = now_micros();
+    let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
+    let order = queries
+        .find_order(merchant_id, order_no)
+        .await?
+        .ok_or(Error::NotFound(Resource::Order))?;
+    if order.currency != command.amount.currency().code() {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    if order.amount != command.amount.minor_units() {
+        return Err(Rejection::AmountMismatch.into());
+    }
+    if order.payee_account_id == command.payer_account_id.as_str() {
+        return Err(Rejection::PayerIsPayee.into());
+    }
+    let payer = queries
+        .find_account(command.payer_account_id.as_str())
+        .await?
+        .ok_or(Error::NotFound(Resource::Account))?;
+    if payer.currency != order.currency {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    let payment = PaymentRow {
+        trade_no: trade_no.to_owned(),
+        merchant_id: merchant_id.to_owned(),
+        out_trade_no: command.out_trade_no.as_str().to_owned(),
+        order_no: order_no.to_owned(),
+        payer_account_id: command.payer_account_id.as_str().to_owned(),
+        payee_account_id: order.payee_account_id.clone(),
+        amount: order.amount,
+        currency: order.currency.clone(),
+        status: PAYMENT_SUCCEEDED.to_owned(),
+        created_at: now,
+    };
+    if !queries.insert_payment(&payment).await? {
+        return Ok(Inserted::KeyTaken);
+    }
+    if !queries
+        .mark_order_paid(merchant_id, order_no, &payment.out_trade_no, now)
+        .await?
+    {
+        // The state moved on; the state machine says why, and nothing is written.
+        let current = queries
+            .find_order(merchant_id, order_no)
+            .await?
+            .ok_or(Error::NotFound(Resource::Order))?;
+        order_state(&current)?.apply(OrderEvent::Pay)?;
+        return Err(Error::Contention);
+    }
+    let posting = Posting {
+        posting_id: trade_no,
+        kind: EntryKind::Pay,
+        reference: &payment.out_trade_no,
+        from_account_id: &payment.payer_account_id,
+        to_account_id: &payment.payee_account_id,
+        amount: command.amount,
+        now,
+    };
+    post(queries, &posting).await?;
+    let order = OrderRow {
+        status: OrderStatus::Paid.as_str().to_owned(),
+        out_trade_no: Some(payment.out_trade_no.clone()),
+        updated_at: now,
+        ..order
+    };
+    Ok(Inserted::Done(PayReceipt { payment, order }))
+}
+
+/// The writes of one Refund: the refund row first (it claims out_refund_no), then the order's
+/// refund CAS (status and refunded amount move only from the values read, and the new
+/// refunded amount is bounded by the order amount in the same statement), then the money.
+async fn refund_in_transaction(
+    queries: &mut Queries<'_>,
+    command: &Refund,
+    refund_no: &str,
+) -> Result<Inserted<RefundReceipt>, Error> {
+    let now = now_micros();
+    let merchant_id = command.merchant_id.as_str();
+    let payment = queries
+        .find_payment(merchant_id, command.out_trade_no.as_str())
+        .await?
+        .ok_or(Error::NotFound(Resource::Payment))?;
+    if payment.currency != command.amount.currency().code() {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    let refund = RefundRow {
+        refund_no: refund_no.to_owned(),
+        merchant_id: merchant_id.to_owned(),
+        out_refund_no: command.out_refund_no.as_str().to_owned(),
+        out_trade_no: payment.out_trade_no.clone(),
+        order_no: payment.order_no.clone(),
+        amount: command.amount.minor_units(),
+        currency: payment.currency.clone(),
+        reason: command.reason.as_str().to_owned(),
+        created_at: now,
+    };
+    if !queries.insert_refund(&refund).await? {
+        return Ok(Inserted::KeyTaken);
+    }
+    let order = refund_order(queries, merchant_id, &payment.order_no, refund.amount, now).await?;
+    let posting = Posting {
+        posting_id: refund_no,
+        kind: EntryKind::Refund,
+        reference: &refund.out_refund_no,
+        from_account_id: &payment.payee_account_id,
+        to_account_id: &payment.payer_account_id,
+        amount: command.amount,
+        now,
+    };
+    post(queries, &posting).await?;
+    Ok(Inserted::Done(RefundReceipt { refund, order }))
+}
+
+/// Applies a refund to the order with a CAS on (status, refunded_amount), re-reading and
+/// retrying when a concurrent refund won (the retry reads under a row lock, as in
+/// `posting::change_balance`). Returns the order after.
+async fn refund_order(
+    queries: &mut Queries<'_>,
+    merchant_id: &str,
+    order_no: &str,
+    amount: i64,
+    now: i64,
+) -> Result<OrderRow, Error> {
+    for attempt in 1..=CAS_ATTEMPTS_MAX {
+        let order = if attempt == 1 {
+            queries.find_order(merchant_id, order_no).await?
+        } else {
+            queries.find_order_for_update(merchant_id, order_no).await?
+        };
+        let order = order.ok_or(Error::NotFound(Resource::Order))?;
+        let from = order_state(&order)?;
+        let Transition::To(to) = from.apply(OrderEvent::Refund {
+            amount_minor_units: amount,
+        })?
+        else {
+            return Err(Error::Internal("a refund is never already applied".into()));
+        };
+        let moved = queries
+            .transition_order(
+                merchant_id,
+                order_no,
+                from.status.as_str(),
+                from.refunded_minor_units,
+                to.status.as_str(),
+                to.refunded_minor_units,
+                now,
+            )
+            .await?;
+        if moved {
+            return Ok(OrderRow {
+                status: to.status.as_str().to_owned(),
+                refunded_amount: to.refunded_minor_units,
+                updated_at: now,
+                ..order
+            });
+        }
+        tracing::debug!(
+            merchant_id,
+            order_no,
+            attempt,
+            "order CAS lost; re-reading the order under a row lock"
+        );
+    }
+    Err(Error::Contention)
+}

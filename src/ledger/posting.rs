@@ -1,0 +1,165 @@
+//! Double entry: one posting moves an amount from one account to another with two journal
+//! entries that sum to zero, each balance changed by a version CAS (optimistic lock).
+
+use crate::domain::{Amount, Rejection, BALANCE_MINOR_UNITS_MAX};
+use crate::error::{Error, Resource};
+use crate::store::{NewEntry, Queries};
+
+use super::transaction::CAS_ATTEMPTS_MAX;
+
+/// The per-currency funding account: the counterparty of deposits and the only account
+/// allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
+pub(super) fn external_account_id(currency_code: &str) -> String {
+    format!("@external:{currency_code}")
+}
+
+pub(super) const KIND_EXTERNAL: &str = "EXTERNAL";
+pub(super) const KIND_CUSTOMER: &str = "CUSTOMER";
+
+/// What caused a posting; stored as the entries' `kind`.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum EntryKind {
+    Deposit,
+    Pay,
+    Refund,
+}
+
+impl EntryKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            EntryKind::Deposit => "DEPOSIT",
+            EntryKind::Pay => "PAY",
+            EntryKind::Refund => "REFUND",
+        }
+    }
+}
+
+pub(super) struct Posting<'a> {
+    /// Links both legs: the trade_no, refund_no or deposit id.
+    pub posting_id: &'a str,
+    pub kind: EntryKind,
+    /// The business number that caused it: out_trade_no, out_refund_no or request_id.
+    pub reference: &'a str,
+    /// Money leaves this account.
+    pub from_account_id: &'a str,
+    /// Money arrives in this account.
+    pub to_account_id: &'a str,
+    pub amount: Amount,
+    pub now: i64,
+}
+
+/// Applies a posting inside the caller's transaction.
+///
+/// Accounts are touched in ascending account_id order, whichever side they are on, so two
+/// opposite postings between the same accounts cannot deadlock.
+///
+/// # Errors
+/// [`Rejection::InsufficientFunds`] when `from` would go below zero,
+/// [`Rejection::CurrencyMismatch`] when an account holds another currency,
+/// [`Error::NotFound`] for a missing account, [`Error::Contention`] when the CAS kept losing.
+pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>) -> Result<(), Error> {
+    assert_ne!(
+        posting.from_account_id, posting.to_account_id,
+        "a posting moves money between two accounts"
+    );
+    let minor_units = posting.amount.minor_units();
+    let currency = posting.amount.currency().code();
+    let (from, to) = (posting.from_account_id, posting.to_account_id);
+    let ((from_balance, from_version), (to_balance, to_version)) = if from < to {
+        let from_after = change_balance(queries, from, currency, -minor_units, posting.now).await?;
+        (
+            from_after,
+            change_balance(queries, to, currency, minor_units, posting.now).await?,
+        )
+    } else {
+        let to_after = change_balance(queries, to, currency, minor_units, posting.now).await?;
+        (
+            change_balance(queries, from, currency, -minor_units, posting.now).await?,
+            to_after,
+        )
+    };
+    let leg =
+        |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
+            account_id,
+            currency,
+            amount,
+            balance_after,
+            version_after,
+            kind: posting.kind.as_str(),
+            reference: posting.reference,
+            posting_id: posting.posting_id,
+            counterparty_account_id,
+            created_at: posting.now,
+        };
+    let entries = [
+        leg(
+            posting.from_account_id,
+            posting.to_account_id,
+            -minor_units,
+            from_balance,
+            from_version,
+        ),
+        leg(
+            posting.to_account_id,
+            posting.from_account_id,
+            minor_units,
+            to_balance,
+            to_version,
+        ),
+    ];
+    debug_assert_eq!(
+        entries[0].amount + entries[1].amount,
+        0,
+        "debits equal credits"
+    );
+    queries.insert_entry_pair(&entries).await?;
+    Ok(())
+}
+
+/// Adds `delta` minor units to one balance with a version CAS: read (balance, version),
+/// check the rules, `UPDATE ... WHERE version = ?`; zero rows means another writer won, so
+/// re-read and try again, bounded. Returns (balance, version) after.
+///
+/// The first read takes no lock (optimistic). A retry re-reads with `FOR UPDATE`, which
+/// waits for the winner to commit and then holds the row, so the next CAS cannot lose: on a
+/// hot account every writer gets through in lock order instead of losing races at random
+/// until its retries run out.
+async fn change_balance(
+    queries: &mut Queries<'_>,
+    account_id: &str,
+    currency: &str,
+    delta: i64,
+    now: i64,
+) -> Result<(i64, i64), Error> {
+    for attempt in 1..=CAS_ATTEMPTS_MAX {
+        let account = if attempt == 1 {
+            queries.find_account(account_id).await?
+        } else {
+            queries.find_account_for_update(account_id).await?
+        };
+        let account = account.ok_or(Error::NotFound(Resource::Account))?;
+        if account.currency != currency {
+            return Err(Rejection::CurrencyMismatch.into());
+        }
+        let balance = account
+            .balance
+            .checked_add(delta)
+            .filter(|balance| balance.abs() <= BALANCE_MINOR_UNITS_MAX)
+            .ok_or(Rejection::BalanceLimitExceeded)?;
+        if balance < 0 && account.kind != KIND_EXTERNAL {
+            return Err(Rejection::InsufficientFunds.into());
+        }
+        if queries
+            .cas_balance(account_id, balance, account.version, now)
+            .await?
+        {
+            return Ok((balance, account.version + 1));
+        }
+        tracing::debug!(
+            account_id,
+            attempt,
+            "version CAS lost; re-reading the balance under a row lock"
+        );
+    }
+    Err(Error::Contention)
+}

@@ -1,0 +1,73 @@
+//! The transaction boundary: run a body in one local transaction, commit it or roll it back,
+//! and run it again from BEGIN after a deadlock or serialization failure.
+
+use std::time::Duration;
+
+use crate::error::Error;
+use crate::store::{classify, Fault, Tx};
+
+/// Runs of a whole transaction before a transient failure is returned (as ABORTED).
+const TRANSACTION_ATTEMPTS_MAX: u32 = 5;
+/// Attempts of one version CAS or conditional UPDATE inside a transaction.
+pub(super) const CAS_ATTEMPTS_MAX: u32 = 4;
+/// The first backoff step; each retry doubles the ceiling, with full jitter.
+const BACKOFF_BASE_MS: u64 = 2;
+
+/// Runs a body in a transaction: commit on `Ok`, roll back on `Err`. A deadlock (40P01,
+/// 1213), serialization failure (40001), lock timeout or busy database rolls the whole
+/// transaction back, so the body runs again from BEGIN, never a single statement.
+///
+/// `in_transaction!(store, tx => { ...; Ok(value) })`: the body is an async block over the
+/// [`Tx`] named `tx`, so `?` inside it ends the attempt, not the caller.
+macro_rules! in_transaction {
+    ($store:expr, $tx:ident => $body:block) => {{
+        let mut attempt = 1;
+        loop {
+            let outcome = match $store.begin().await {
+                Ok(mut $tx) => {
+                    let result = async { $body }.await;
+                    $crate::ledger::transaction::finish($tx, result).await
+                }
+                Err(error) => Err($crate::error::Error::from(error)),
+            };
+            if !$crate::ledger::transaction::should_retry(&outcome, &mut attempt).await {
+                break outcome;
+            }
+        }
+    }};
+}
+pub(super) use in_transaction;
+
+/// Commits on `Ok`, rolls back on `Err`.
+pub(crate) async fn finish<T>(tx: Tx, result: Result<T, Error>) -> Result<T, Error> {
+    match result {
+        Ok(value) => tx.commit().await.map(|()| value).map_err(Error::from),
+        Err(error) => {
+            if let Err(rollback_error) = tx.rollback().await {
+                tracing::warn!(error = %rollback_error, "rollback failed; the connection is discarded");
+            }
+            Err(error)
+        }
+    }
+}
+
+/// True (after a backoff) when the attempt failed transiently and attempts remain.
+pub(crate) async fn should_retry<T>(outcome: &Result<T, Error>, attempt: &mut u32) -> bool {
+    match outcome {
+        Err(Error::Database(error))
+            if classify(error) == Fault::Transient && *attempt < TRANSACTION_ATTEMPTS_MAX =>
+        {
+            tracing::debug!(%error, attempt = *attempt, "transient conflict; running the transaction again");
+            backoff(*attempt).await;
+            *attempt += 1;
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Sleeps a random time in `0..=BACKOFF_BASE_MS * 2^attempt` ms ("full jitter").
+async fn backoff(attempt: u32) {
+    let ceiling_ms = BACKOFF_BASE_MS << attempt.min(6);
+    tokio::time::sleep(Duration::from_millis(rand::random_range(0..=ceiling_ms))).await;
+}

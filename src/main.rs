@@ -1,0 +1,92 @@
+//! The `payledger` command: `serve`, `audit`, `demo`.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use payledger::config::{DatabaseSettings, LogSettings, ServeSettings};
+use payledger::startup::{open_ledger, shutdown_signal, Application};
+use payledger::{demo, telemetry};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "payledger",
+    version,
+    about = "A gRPC payment ledger that moves money exactly once under retries"
+)]
+struct Cli {
+    #[command(flatten)]
+    log: LogSettings,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve PaymentService, AccountService, gRPC health and reflection.
+    Serve(ServeSettings),
+    /// Check the ledger invariants; exits 1 on any violation.
+    Audit(DatabaseSettings),
+    /// Play a short story that shows exactly-once money movement; exits 1 if a step misbehaves.
+    Demo(demo::DemoSettings),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(&cli.log);
+    let result = match cli.command {
+        Command::Serve(settings) => serve(settings).await,
+        Command::Audit(settings) => audit(settings).await,
+        Command::Demo(settings) => demo::run(settings).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("payledger: {}", error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
+    let application = Application::build(&settings).await?;
+    tracing::info!(
+        listen = %application.local_addr(),
+        backend = application.ledger().store().dialect().name(),
+        "payledger serving"
+    );
+    application.run_until(shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
+    let ledger = open_ledger(&settings).await?;
+    let violations = ledger.audit().await?;
+    for violation in &violations {
+        println!(
+            "VIOLATION {}: {} ({})",
+            violation.check, violation.subject, violation.detail
+        );
+    }
+    if violations.is_empty() {
+        println!("audit: ledger is consistent");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("audit: {} violation(s)", violations.len());
+        Ok(ExitCode::FAILURE)
+    }
+}
+
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

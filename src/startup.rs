@@ -1,0 +1,191 @@
+//! Builds the server on a listener: both services, health, reflection, graceful shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+
+use crate::config::{DatabaseSettings, ServeSettings};
+use crate::grpc::{AccountApi, PaymentApi};
+use crate::ledger::Ledger;
+use crate::proto;
+use crate::proto::account_service_server::AccountServiceServer;
+use crate::proto::payment_service_server::PaymentServiceServer;
+use crate::store::{ConnectError, Store};
+
+/// The largest request message accepted, in bytes; every field has a far smaller limit.
+const REQUEST_BYTES_MAX: usize = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error(transparent)]
+    Database(#[from] ConnectError),
+    #[error("cannot listen on {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
+    #[error("cannot build the reflection service")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("the gRPC server failed")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// Connects to the database and applies its migrations.
+///
+/// # Errors
+/// [`StartupError::Database`].
+pub async fn open_ledger(settings: &DatabaseSettings) -> Result<Ledger, StartupError> {
+    let store = Store::connect(&settings.database_url, &settings.pool()).await?;
+    store.migrate().await?;
+    Ok(Ledger::new(store))
+}
+
+/// A ready server: database migrated, port bound.
+pub struct Application {
+    listener: TcpListener,
+    ledger: Ledger,
+    shutdown_grace: Duration,
+}
+
+impl Application {
+    /// # Errors
+    /// [`StartupError`] when the database or the port cannot be had.
+    pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
+        let ledger = open_ledger(&settings.database).await?;
+        let listener = TcpListener::bind(settings.listen)
+            .await
+            .map_err(|error| StartupError::Bind(settings.listen, error))?;
+        Ok(Self::with_listener(
+            listener,
+            ledger,
+            Duration::from_secs(settings.shutdown_grace_seconds),
+        ))
+    }
+
+    /// A server on an already bound listener (tests bind port 0).
+    pub fn with_listener(listener: TcpListener, ledger: Ledger, shutdown_grace: Duration) -> Self {
+        Self {
+            listener,
+            ledger,
+            shutdown_grace,
+        }
+    }
+
+    /// The bound address (the real port when bound to port 0).
+    ///
+    /// # Panics
+    /// When the socket has no local address, which a bound listener always has.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Serves until `shutdown` completes. Then health turns NOT_SERVING, the listener stops
+    /// accepting, and calls in flight get the grace period to finish.
+    ///
+    /// # Errors
+    /// [`StartupError`] when the server cannot start or fails.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), StartupError> {
+        let Self {
+            listener,
+            ledger,
+            shutdown_grace,
+        } = self;
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_serving::<AccountServiceServer<AccountApi>>()
+            .await;
+        health
+            .set_serving::<PaymentServiceServer<PaymentApi>>()
+            .await;
+        let reflection_v1 = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()?;
+        let (stop_accepting, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = Server::builder()
+            .trace_fn(|request| tracing::info_span!("grpc", path = %request.uri().path()))
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(
+                AccountServiceServer::new(AccountApi::new(ledger.clone()))
+                    .max_decoding_message_size(REQUEST_BYTES_MAX),
+            )
+            .add_service(
+                PaymentServiceServer::new(PaymentApi::new(ledger.clone()))
+                    .max_decoding_message_size(REQUEST_BYTES_MAX),
+            )
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = stopped.await;
+            });
+        tokio::pin!(server);
+        tokio::select! {
+            result = &mut server => return Ok(result?),
+            () = shutdown => {}
+        }
+        tracing::info!(
+            grace_seconds = shutdown_grace.as_secs(),
+            "shutting down: health NOT_SERVING, draining calls"
+        );
+        for service in [
+            "",
+            "payledger.v1.AccountService",
+            "payledger.v1.PaymentService",
+        ] {
+            health
+                .set_service_status(service, ServingStatus::NotServing)
+                .await;
+        }
+        let _ = stop_accepting.send(());
+        match tokio::time::timeout(shutdown_grace, server).await {
+            Ok(result) => result?,
+            Err(_) => tracing::warn!(
+                "grace period over with calls in flight; their transactions roll back"
+            ),
+        }
+        if tokio::time::timeout(shutdown_grace, ledger.store().close())
+            .await
+            .is_err()
+        {
+            tracing::warn!("database connections still busy at exit");
+        }
+        Ok(())
+    }
+}
+
+/// Completes on SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}

@@ -1,0 +1,198 @@
+//! SQL only. One small interface ([`Store`], [`Tx`], [`Queries`]) over PostgreSQL,
+//! MySQL/MariaDB and SQLite; what differs between them lives in [`dialect`].
+//!
+//! Every column is a BIGINT or a string: amounts are integer minor units and timestamps are
+//! microseconds since the Unix epoch, so all three backends store exactly the same values.
+//! The idempotency algorithm (what to insert first, what zero rows means, what to replay) is
+//! not here: it is written once in `crate::ledger`.
+
+mod dialect;
+mod queries;
+mod rows;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::any::AnyPoolOptions;
+use sqlx::pool::PoolConnection;
+use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use dialect::{classify, Dialect, Fault};
+pub use queries::Queries;
+pub use rows::{
+    AccountRow, AuditViolation, DepositRow, EntryRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+};
+
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
+static MYSQL_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// Most connections the pool opens.
+    pub max_connections: u32,
+    /// How long a request waits for a free connection before UNAVAILABLE.
+    pub acquire_timeout: Duration,
+}
+
+/// A connection pool to one database, and the rules of its dialect.
+#[derive(Clone)]
+pub struct Store {
+    pool: AnyPool,
+    dialect: Dialect,
+    /// SQLite has one writer at a time. Write transactions of this process queue here, in
+    /// FIFO order, instead of polling SQLite's busy handler; the busy timeout still covers
+    /// writers in other processes.
+    write_gate: Option<Arc<Semaphore>>,
+}
+
+/// Errors of [`Store::connect`].
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("DATABASE_URL must start with postgres://, mysql://, mariadb:// or sqlite:")]
+    UnknownScheme,
+    #[error("cannot connect to the {0} database")]
+    Connect(&'static str, #[source] sqlx::Error),
+    #[error("cannot apply the {0} migrations")]
+    Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
+}
+
+impl Store {
+    /// Opens a pool to `url` (the scheme picks the backend) and prepares every connection
+    /// as its dialect requires. Does not run migrations: see [`Store::migrate`].
+    ///
+    /// # Errors
+    /// [`ConnectError`] for an unknown scheme or an unreachable database.
+    pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, ConnectError> {
+        sqlx::any::install_default_drivers();
+        let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .acquire_timeout(settings.acquire_timeout)
+            .after_connect(move |connection, _| {
+                Box::pin(async move {
+                    for statement in dialect.session_setup() {
+                        connection.execute(*statement).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&dialect.driver_url(url))
+            .await
+            .map_err(|error| ConnectError::Connect(dialect.name(), error))?;
+        let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
+        Ok(Self {
+            pool,
+            dialect,
+            write_gate,
+        })
+    }
+
+    /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
+    /// from several instances at once: sqlx takes a database lock while it migrates.
+    ///
+    /// # Errors
+    /// [`ConnectError::Migrate`] when a migration fails or the history does not match.
+    pub async fn migrate(&self) -> Result<(), ConnectError> {
+        let migrator = match self.dialect {
+            Dialect::Postgres => &POSTGRES_MIGRATIONS,
+            Dialect::MySql => &MYSQL_MIGRATIONS,
+            Dialect::Sqlite => &SQLITE_MIGRATIONS,
+        };
+        migrator
+            .run(&self.pool)
+            .await
+            .map_err(|error| ConnectError::Migrate(self.dialect.name(), error))
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Begins a write transaction.
+    ///
+    /// # Errors
+    /// The driver error when no connection is free in time or BEGIN fails.
+    pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
+        let write_permit = match &self.write_gate {
+            Some(gate) => Some(
+                gate.clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| sqlx::Error::PoolClosed)?,
+            ),
+            None => None,
+        };
+        let transaction = self.pool.begin_with(self.dialect.begin_statement()).await?;
+        Ok(Tx {
+            transaction,
+            dialect: self.dialect,
+            _write_permit: write_permit,
+        })
+    }
+
+    /// Takes a pooled connection for reads outside a write transaction (each statement sees
+    /// what committed before it).
+    ///
+    /// # Errors
+    /// The driver error when no connection is free in time.
+    pub async fn reader(&self) -> Result<Reader, sqlx::Error> {
+        Ok(Reader {
+            connection: self.pool.acquire().await?,
+            dialect: self.dialect,
+        })
+    }
+
+    /// Closes the pool, waiting for connections in use to come back.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// A write transaction. Dropping it without [`Tx::commit`] rolls it back.
+pub struct Tx {
+    transaction: Transaction<'static, Any>,
+    dialect: Dialect,
+    _write_permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Tx {
+    pub fn queries(&mut self) -> Queries<'_> {
+        Queries::new(&mut self.transaction, self.dialect)
+    }
+
+    /// # Errors
+    /// The driver error; the transaction is then rolled back by the database.
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        self.transaction.commit().await
+    }
+
+    /// # Errors
+    /// The driver error; the connection is then closed rather than returned to the pool.
+    pub async fn rollback(self) -> Result<(), sqlx::Error> {
+        self.transaction.rollback().await
+    }
+}
+
+/// A pooled connection for reads.
+pub struct Reader {
+    connection: PoolConnection<Any>,
+    dialect: Dialect,
+}
+
+impl Reader {
+    pub fn queries(&mut self) -> Queries<'_> {
+        let connection: &mut AnyConnection = &mut self.connection;
+        Queries::new(connection, self.dialect)
+    }
+
+    /// Checks that the database answers.
+    ///
+    /// # Errors
+    /// The driver error.
+    pub async fn ping(&mut self) -> Result<(), sqlx::Error> {
+        self.connection.ping().await
+    }
+}

@@ -1,0 +1,517 @@
+//! The statements, each written once (see [`Sql`] for how it is rendered per backend).
+
+use sqlx::any::{AnyArguments, AnyRow};
+use sqlx::query::Query;
+use sqlx::AnyConnection;
+use sqlx::{Any, Row};
+
+use super::dialect::{Dialect, Sql};
+use super::rows::{
+    AccountRow, AuditViolation, DepositRow, EntryRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+};
+
+static FIND_ACCOUNT: Sql = Sql::new(
+    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id = ?",
+);
+static FIND_ACCOUNT_FOR_UPDATE: Sql = Sql::new(
+    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id = ? FOR UPDATE",
+);
+static INSERT_ACCOUNT: Sql = Sql::new(
+    "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+static CAS_BALANCE: Sql = Sql::new(
+    "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ?",
+);
+static INSERT_ENTRY_PAIR: Sql = Sql::new(
+    "INSERT INTO journal_entries \
+     (account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+);
+static FIND_ENTRY: Sql = Sql::new(
+    "SELECT entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at \
+     FROM journal_entries WHERE posting_id = ? AND account_id = ?",
+);
+static LIST_ENTRIES: Sql = Sql::new(
+    "SELECT entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at \
+     FROM journal_entries WHERE account_id = ? AND entry_id < ? ORDER BY entry_id DESC LIMIT ?",
+);
+
+static FIND_ORDER: Sql = Sql::new(
+    "SELECT merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at \
+     FROM orders WHERE merchant_id = ? AND order_no = ?",
+);
+static FIND_ORDER_FOR_UPDATE: Sql = Sql::new(
+    "SELECT merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at \
+     FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE",
+);
+static INSERT_ORDER: Sql = Sql::new(
+    "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) ON CONFLICT DO NOTHING",
+);
+static MARK_ORDER_PAID: Sql = Sql::new(
+    "UPDATE orders SET status = 'PAID', out_trade_no = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
+);
+static TRANSITION_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = ?, refunded_amount = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = ? AND refunded_amount = ? AND ? <= amount",
+);
+
+static FIND_PAYMENT: Sql = Sql::new(
+    "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at \
+     FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
+);
+static INSERT_PAYMENT: Sql = Sql::new(
+    "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+
+static FIND_REFUND: Sql = Sql::new(
+    "SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at \
+     FROM refunds WHERE merchant_id = ? AND out_refund_no = ?",
+);
+static LIST_REFUNDS: Sql = Sql::new(
+    "SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at \
+     FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no",
+);
+static INSERT_REFUND: Sql = Sql::new(
+    "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+
+static FIND_DEPOSIT: Sql = Sql::new(
+    "SELECT request_id, deposit_id, account_id, amount, currency, created_at FROM deposits WHERE request_id = ?",
+);
+static INSERT_DEPOSIT: Sql = Sql::new(
+    "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at) \
+     VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+
+/// Each audit query returns (subject, detail) rows, one per violation.
+static AUDIT_CHECKS: [(&str, Sql); 8] = [
+    (
+        "every entry, payment, order and deposit names an existing account and order",
+        Sql::new(
+            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail FROM journal_entries e \
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = e.account_id) \
+             UNION ALL SELECT p.trade_no, 'payment account missing' FROM payment_flow p \
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = p.payer_account_id) \
+             OR NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = p.payee_account_id) \
+             UNION ALL SELECT p.trade_no, 'order missing' FROM payment_flow p \
+             WHERE NOT EXISTS (SELECT 1 FROM orders o WHERE o.merchant_id = p.merchant_id AND o.order_no = p.order_no) \
+             UNION ALL SELECT o.order_no, 'payee missing' FROM orders o \
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = o.payee_account_id) \
+             UNION ALL SELECT d.deposit_id, 'deposit account missing' FROM deposits d \
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = d.account_id)",
+        ),
+    ),
+    (
+        "balance equals the sum of the account's entries, version their count",
+        Sql::new(
+            "SELECT a.account_id AS subject, \
+             CONCAT_WS('', 'balance ', CAST(a.balance AS CHAR(24)), ' version ', CAST(a.version AS CHAR(24)), ' entries sum ', \
+               CAST(COALESCE(CAST(SUM(e.amount) AS BIGINT), 0) AS CHAR(24)), ' count ', CAST(COUNT(e.entry_id) AS CHAR(24))) AS detail \
+             FROM accounts a LEFT JOIN journal_entries e ON e.account_id = a.account_id \
+             GROUP BY a.account_id, a.balance, a.version \
+             HAVING a.balance <> COALESCE(SUM(e.amount), 0) OR a.version <> COUNT(e.entry_id)",
+        ),
+    ),
+    (
+        "the latest entry records the account's balance and version",
+        Sql::new(
+            "SELECT a.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
+             FROM accounts a JOIN journal_entries e ON e.account_id = a.account_id \
+             WHERE e.entry_id = (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = a.account_id) \
+             AND (e.balance_after <> a.balance OR e.version_after <> a.version)",
+        ),
+    ),
+    (
+        "balances of each currency sum to zero",
+        Sql::new(
+            "SELECT currency AS subject, CONCAT_WS('', 'sum ', CAST(CAST(SUM(balance) AS BIGINT) AS CHAR(24))) AS detail \
+             FROM accounts GROUP BY currency HAVING SUM(balance) <> 0",
+        ),
+    ),
+    (
+        "every posting has two entries that sum to zero",
+        Sql::new(
+            "SELECT posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
+             FROM journal_entries GROUP BY posting_id HAVING SUM(amount) <> 0 OR COUNT(*) <> 2",
+        ),
+    ),
+    (
+        "refunds of an order sum to its refunded amount, at most what was paid",
+        Sql::new(
+            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, \
+             CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) AS detail FROM orders o \
+             WHERE o.refunded_amount > o.amount OR o.refunded_amount <> \
+             (SELECT COALESCE(CAST(SUM(r.amount) AS BIGINT), 0) FROM refunds r WHERE r.merchant_id = o.merchant_id AND r.order_no = o.order_no)",
+        ),
+    ),
+    (
+        "an order is paid exactly when it has a payment",
+        Sql::new(
+            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
+             LEFT JOIN payment_flow p ON p.merchant_id = o.merchant_id AND p.order_no = o.order_no \
+             WHERE (p.trade_no IS NULL AND o.status IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED')) \
+             OR (p.trade_no IS NOT NULL AND (o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') \
+                 OR p.amount <> o.amount OR p.out_trade_no <> o.out_trade_no))",
+        ),
+    ),
+    (
+        "every payment, refund and deposit has its posting",
+        Sql::new(
+            "SELECT p.trade_no AS subject, 'payment without entries' AS detail FROM payment_flow p \
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = p.trade_no AND e.amount = p.amount) \
+             UNION ALL SELECT r.refund_no, 'refund without entries' FROM refunds r \
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = r.refund_no AND e.amount = r.amount) \
+             UNION ALL SELECT d.deposit_id, 'deposit without entries' FROM deposits d \
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = d.deposit_id AND e.amount = d.amount)",
+        ),
+    ),
+];
+
+/// Statements over one connection: a write transaction's or a reader's.
+pub struct Queries<'c> {
+    connection: &'c mut AnyConnection,
+    dialect: Dialect,
+}
+
+type AnyQuery<'q> = Query<'q, Any, AnyArguments<'q>>;
+
+impl<'c> Queries<'c> {
+    pub(super) fn new(connection: &'c mut AnyConnection, dialect: Dialect) -> Self {
+        Self {
+            connection,
+            dialect,
+        }
+    }
+
+    fn query(&self, sql: &'static Sql) -> AnyQuery<'static> {
+        sqlx::query(sql.text(self.dialect))
+    }
+
+    /// Runs an `INSERT ... ON CONFLICT DO NOTHING`: true when the row was inserted, false
+    /// when a unique key was already taken (by a committed row; a concurrent uncommitted
+    /// insert of the same key makes the database wait for its outcome first).
+    ///
+    /// PostgreSQL and SQLite report the conflict as zero rows. MySQL has no ON CONFLICT:
+    /// the insert fails with a duplicate-key error, which leaves the transaction usable
+    /// there, and is recognised by `is_unique_violation()`, never by SQLSTATE 23000 (MySQL
+    /// uses it for foreign-key and NOT NULL errors too).
+    async fn insert_if_absent(&mut self, query: AnyQuery<'_>) -> Result<bool, sqlx::Error> {
+        match query.execute(&mut *self.connection).await {
+            Ok(result) => Ok(result.rows_affected() == 1),
+            Err(sqlx::Error::Database(error))
+                if self.dialect == Dialect::MySql && error.is_unique_violation() =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Runs a conditional UPDATE that must change exactly one row when its predicate holds:
+    /// true when it did, false when the predicate no longer held. (MySQL reports matched
+    /// rows, so the predicate itself, never "nothing changed", carries the meaning.)
+    async fn update_one(&mut self, query: AnyQuery<'_>) -> Result<bool, sqlx::Error> {
+        let rows = query.execute(&mut *self.connection).await?.rows_affected();
+        assert!(
+            rows <= 1,
+            "a conditional update by primary key changed {rows} rows"
+        );
+        Ok(rows == 1)
+    }
+
+    pub async fn find_account(
+        &mut self,
+        account_id: &str,
+    ) -> Result<Option<AccountRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ACCOUNT.text(self.dialect))
+            .bind(account_id)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Reads an account and locks its row until the transaction ends (`FOR UPDATE`), so the
+    /// version read cannot change before this transaction's CAS.
+    pub async fn find_account_for_update(
+        &mut self,
+        account_id: &str,
+    ) -> Result<Option<AccountRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ACCOUNT_FOR_UPDATE.text(self.dialect))
+            .bind(account_id)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    pub async fn insert_account(&mut self, row: &AccountRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_ACCOUNT)
+            .bind(row.account_id.clone())
+            .bind(row.currency.clone())
+            .bind(row.kind.clone())
+            .bind(row.balance)
+            .bind(row.version)
+            .bind(row.created_at)
+            .bind(row.updated_at);
+        self.insert_if_absent(query).await
+    }
+
+    /// The version CAS: sets the balance and bumps the version only if nobody else did
+    /// since `expected_version` was read. False means another writer won.
+    pub async fn cas_balance(
+        &mut self,
+        account_id: &str,
+        new_balance: i64,
+        expected_version: i64,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&CAS_BALANCE)
+            .bind(new_balance)
+            .bind(now)
+            .bind(account_id.to_owned())
+            .bind(expected_version);
+        self.update_one(query).await
+    }
+
+    /// Writes both legs of a posting in one statement.
+    pub async fn insert_entry_pair(&mut self, legs: &[NewEntry<'_>; 2]) -> Result<(), sqlx::Error> {
+        let mut query = self.query(&INSERT_ENTRY_PAIR);
+        for leg in legs {
+            query = query
+                .bind(leg.account_id.to_owned())
+                .bind(leg.currency.to_owned())
+                .bind(leg.amount)
+                .bind(leg.balance_after)
+                .bind(leg.version_after)
+                .bind(leg.kind)
+                .bind(leg.reference.to_owned())
+                .bind(leg.posting_id.to_owned())
+                .bind(leg.counterparty_account_id.to_owned())
+                .bind(leg.created_at);
+        }
+        let inserted = query.execute(&mut *self.connection).await?.rows_affected();
+        assert_eq!(inserted, 2, "a posting writes exactly two entries");
+        Ok(())
+    }
+
+    pub async fn find_entry(
+        &mut self,
+        posting_id: &str,
+        account_id: &str,
+    ) -> Result<Option<EntryRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ENTRY.text(self.dialect))
+            .bind(posting_id)
+            .bind(account_id)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Entries of an account with `entry_id < before`, newest first, at most `limit`.
+    pub async fn list_entries(
+        &mut self,
+        account_id: &str,
+        before: i64,
+        limit: i64,
+    ) -> Result<Vec<EntryRow>, sqlx::Error> {
+        sqlx::query_as(LIST_ENTRIES.text(self.dialect))
+            .bind(account_id)
+            .bind(before)
+            .bind(limit)
+            .fetch_all(&mut *self.connection)
+            .await
+    }
+
+    pub async fn find_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+    ) -> Result<Option<OrderRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ORDER.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Reads an order and locks its row until the transaction ends (`FOR UPDATE`).
+    pub async fn find_order_for_update(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+    ) -> Result<Option<OrderRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ORDER_FOR_UPDATE.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    pub async fn insert_order(&mut self, row: &OrderRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_ORDER)
+            .bind(row.merchant_id.clone())
+            .bind(row.order_no.clone())
+            .bind(row.payee_account_id.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.subject.clone())
+            .bind(row.status.clone())
+            .bind(row.created_at)
+            .bind(row.updated_at);
+        self.insert_if_absent(query).await
+    }
+
+    /// PENDING -> PAID by `out_trade_no`, only if the order is still PENDING.
+    pub async fn mark_order_paid(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+        out_trade_no: &str,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&MARK_ORDER_PAID)
+            .bind(out_trade_no.to_owned())
+            .bind(now)
+            .bind(merchant_id.to_owned())
+            .bind(order_no.to_owned());
+        self.update_one(query).await
+    }
+
+    /// Moves an order from (`from_status`, `from_refunded`) to (`to_status`, `to_refunded`),
+    /// only if it is still in the `from` state and `to_refunded` is within the order amount:
+    /// the refund bound is part of the same conditional statement.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn transition_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+        from_status: &'static str,
+        from_refunded: i64,
+        to_status: &'static str,
+        to_refunded: i64,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&TRANSITION_ORDER)
+            .bind(to_status)
+            .bind(to_refunded)
+            .bind(now)
+            .bind(merchant_id.to_owned())
+            .bind(order_no.to_owned())
+            .bind(from_status)
+            .bind(from_refunded)
+            .bind(to_refunded);
+        self.update_one(query).await
+    }
+
+    pub async fn find_payment(
+        &mut self,
+        merchant_id: &str,
+        out_trade_no: &str,
+    ) -> Result<Option<PaymentRow>, sqlx::Error> {
+        sqlx::query_as(FIND_PAYMENT.text(self.dialect))
+            .bind(merchant_id)
+            .bind(out_trade_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    pub async fn insert_payment(&mut self, row: &PaymentRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_PAYMENT)
+            .bind(row.trade_no.clone())
+            .bind(row.merchant_id.clone())
+            .bind(row.out_trade_no.clone())
+            .bind(row.order_no.clone())
+            .bind(row.payer_account_id.clone())
+            .bind(row.payee_account_id.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.status.clone())
+            .bind(row.created_at);
+        self.insert_if_absent(query).await
+    }
+
+    pub async fn find_refund(
+        &mut self,
+        merchant_id: &str,
+        out_refund_no: &str,
+    ) -> Result<Option<RefundRow>, sqlx::Error> {
+        sqlx::query_as(FIND_REFUND.text(self.dialect))
+            .bind(merchant_id)
+            .bind(out_refund_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Refunds of one order, oldest first.
+    pub async fn list_refunds(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+    ) -> Result<Vec<RefundRow>, sqlx::Error> {
+        sqlx::query_as(LIST_REFUNDS.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_all(&mut *self.connection)
+            .await
+    }
+
+    pub async fn insert_refund(&mut self, row: &RefundRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_REFUND)
+            .bind(row.refund_no.clone())
+            .bind(row.merchant_id.clone())
+            .bind(row.out_refund_no.clone())
+            .bind(row.out_trade_no.clone())
+            .bind(row.order_no.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.reason.clone())
+            .bind(row.created_at);
+        self.insert_if_absent(query).await
+    }
+
+    pub async fn find_deposit(
+        &mut self,
+        request_id: &str,
+    ) -> Result<Option<DepositRow>, sqlx::Error> {
+        sqlx::query_as(FIND_DEPOSIT.text(self.dialect))
+            .bind(request_id)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    pub async fn insert_deposit(&mut self, row: &DepositRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_DEPOSIT)
+            .bind(row.request_id.clone())
+            .bind(row.deposit_id.clone())
+            .bind(row.account_id.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.created_at);
+        self.insert_if_absent(query).await
+    }
+
+    /// Runs every ledger invariant check and returns what breaks them (empty when sound).
+    pub async fn audit(&mut self) -> Result<Vec<AuditViolation>, sqlx::Error> {
+        let mut violations = Vec::new();
+        for (check, sql) in &AUDIT_CHECKS {
+            let rows: Vec<AnyRow> = self.query(sql).fetch_all(&mut *self.connection).await?;
+            for row in rows {
+                violations.push(AuditViolation {
+                    check,
+                    subject: row.try_get(0)?,
+                    detail: row.try_get(1)?,
+                });
+            }
+        }
+        Ok(violations)
+    }
+}

@@ -1,0 +1,110 @@
+//! Rows as stored: amounts in minor units, timestamps in microseconds since the Unix epoch.
+
+/// `accounts`: one per account; `kind` is `CUSTOMER` or `EXTERNAL` (the per-currency funding
+/// account, the only one allowed below zero).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct AccountRow {
+    pub account_id: String,
+    pub currency: String,
+    pub kind: String,
+    pub balance: i64,
+    pub version: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// `orders`, keyed by (merchant_id, order_no).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct OrderRow {
+    pub merchant_id: String,
+    pub order_no: String,
+    pub payee_account_id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub subject: String,
+    pub status: String,
+    pub out_trade_no: Option<String>,
+    pub refunded_amount: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// `payment_flow`: one row per successful payment, unique on (merchant_id, out_trade_no)
+/// and on (merchant_id, order_no).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct PaymentRow {
+    pub trade_no: String,
+    pub merchant_id: String,
+    pub out_trade_no: String,
+    pub order_no: String,
+    pub payer_account_id: String,
+    pub payee_account_id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub status: String,
+    pub created_at: i64,
+}
+
+/// `refunds`: one row per successful refund, unique on (merchant_id, out_refund_no).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct RefundRow {
+    pub refund_no: String,
+    pub merchant_id: String,
+    pub out_refund_no: String,
+    pub out_trade_no: String,
+    pub order_no: String,
+    pub amount: i64,
+    pub currency: String,
+    pub reason: String,
+    pub created_at: i64,
+}
+
+/// `deposits`: one row per successful deposit, keyed by request_id.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct DepositRow {
+    pub request_id: String,
+    pub deposit_id: String,
+    pub account_id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub created_at: i64,
+}
+
+/// `journal_entries`: one leg of a double-entry posting.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct EntryRow {
+    pub entry_id: i64,
+    pub account_id: String,
+    pub currency: String,
+    pub amount: i64,
+    pub balance_after: i64,
+    pub version_after: i64,
+    pub kind: String,
+    pub reference: String,
+    pub posting_id: String,
+    pub counterparty_account_id: String,
+    pub created_at: i64,
+}
+
+/// A journal entry about to be written (the database assigns `entry_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEntry<'a> {
+    pub account_id: &'a str,
+    pub currency: &'a str,
+    pub amount: i64,
+    pub balance_after: i64,
+    pub version_after: i64,
+    pub kind: &'static str,
+    pub reference: &'a str,
+    pub posting_id: &'a str,
+    pub counterparty_account_id: &'a str,
+    pub created_at: i64,
+}
+
+/// One broken ledger invariant found by the audit: which check, and the offending key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditViolation {
+    pub check: &'static str,
+    pub subject: String,
+    pub detail: String,
+}

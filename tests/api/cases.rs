@@ -1,0 +1,930 @@
+//! The behavioural suite, written once and run against every backend (see `main.rs`).
+
+use std::time::Duration;
+
+use payledger::proto::{self, query_request::Key, EntryKind, OrderStatus};
+use tonic::Code;
+
+use crate::helpers::{assert_status, replayed, violated_fields, TestApp};
+
+pub async fn open_account_is_replayed_and_a_different_currency_is_already_exists(app: &TestApp) {
+    let mut accounts = app.accounts.clone();
+    let request = proto::OpenAccountRequest {
+        account_id: "alice".into(),
+        currency: "USD".into(),
+    };
+
+    let first = accounts.open_account(request.clone()).await.unwrap();
+    let again = accounts.open_account(request).await.unwrap();
+    let other_currency = accounts
+        .open_account(proto::OpenAccountRequest {
+            account_id: "alice".into(),
+            currency: "EUR".into(),
+        })
+        .await
+        .unwrap_err();
+
+    assert!(!replayed(&first));
+    assert!(replayed(&again));
+    let account = first.into_inner().account.unwrap();
+    assert_eq!(
+        (
+            account.balance.as_str(),
+            account.version,
+            account.currency.as_str()
+        ),
+        ("0.00", 0, "USD")
+    );
+    assert_eq!(again.into_inner().account.unwrap(), account);
+    assert_status(
+        &other_currency,
+        Code::AlreadyExists,
+        "ACCOUNT_ALREADY_EXISTS",
+    );
+    assert_eq!(
+        app.rows("accounts").await,
+        2,
+        "alice and the USD funding account"
+    );
+}
+
+pub async fn deposit_credits_the_account_and_a_repeated_request_id_is_a_replay(app: &TestApp) {
+    app.open("alice", "USD").await;
+
+    let first = app
+        .deposit("dep-1", "alice", "100.50", "USD")
+        .await
+        .unwrap();
+    let again = app
+        .deposit("dep-1", "alice", "100.50", "USD")
+        .await
+        .unwrap();
+    let changed = app
+        .deposit("dep-1", "alice", "7.00", "USD")
+        .await
+        .unwrap_err();
+
+    assert!(!replayed(&first) && replayed(&again));
+    let (first, again) = (first.into_inner(), again.into_inner());
+    assert_eq!(first, again, "a replay answers with the original result");
+    let entry = first.entry.unwrap();
+    assert_eq!(
+        (
+            entry.amount.as_str(),
+            entry.balance_after.as_str(),
+            entry.version_after
+        ),
+        ("100.50", "100.50", 1)
+    );
+    assert_eq!(entry.kind(), EntryKind::Deposit);
+    assert_eq!(entry.reference, "dep-1");
+    assert_eq!(entry.counterparty_account_id, "@external:USD");
+    assert_eq!(first.account.unwrap().balance, "100.50");
+    assert_status(&changed, Code::AlreadyExists, "REQUEST_ID_REUSED");
+    assert!(changed.message().contains("amount"), "{changed:?}");
+    assert_eq!(app.balance("alice").await, "100.50");
+    assert_eq!(
+        app.rows("journal_entries").await,
+        2,
+        "one posting, two legs"
+    );
+}
+
+pub async fn deposit_into_a_missing_account_or_in_another_currency_is_refused(app: &TestApp) {
+    app.open("alice", "USD").await;
+    let before = app.all_rows().await;
+
+    let missing = app
+        .deposit("dep-1", "nobody", "1.00", "USD")
+        .await
+        .unwrap_err();
+    let wrong_currency = app
+        .deposit("dep-2", "alice", "1.00", "EUR")
+        .await
+        .unwrap_err();
+
+    assert_status(&missing, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    assert_status(
+        &wrong_currency,
+        Code::FailedPrecondition,
+        "CURRENCY_MISMATCH",
+    );
+    assert_eq!(
+        app.all_rows().await,
+        before,
+        "refused requests leave nothing behind"
+    );
+}
+
+pub async fn list_entries_pages_newest_first(app: &TestApp) {
+    app.open("alice", "USD").await;
+    for n in 1..=5 {
+        app.deposit(&format!("dep-{n}"), "alice", &format!("{n}.00"), "USD")
+            .await
+            .unwrap();
+    }
+    let mut accounts = app.accounts.clone();
+    let mut amounts = Vec::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let request = proto::ListEntriesRequest {
+            account_id: "alice".into(),
+            page_size: 2,
+            page_token: token.clone(),
+        };
+        let page = accounts.list_entries(request).await.unwrap().into_inner();
+        pages += 1;
+        assert!(page.entries.len() <= 2);
+        amounts.extend(page.entries.into_iter().map(|entry| entry.amount));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(amounts, ["5.00", "4.00", "3.00", "2.00", "1.00"]);
+
+    let bad_token = proto::ListEntriesRequest {
+        account_id: "alice".into(),
+        page_size: 2,
+        page_token: "garbage".into(),
+    };
+    let error = accounts.list_entries(bad_token).await.unwrap_err();
+    assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(violated_fields(&error), ["page_token"]);
+}
+
+pub async fn create_order_is_replayed_and_other_fields_are_already_exists(app: &TestApp) {
+    app.open("shop", "USD").await;
+
+    let first = app
+        .create_order("m1", "order-1", "shop", "25.00")
+        .await
+        .unwrap();
+    let again = app
+        .create_order("m1", "order-1", "shop", "25.00")
+        .await
+        .unwrap();
+    let changed = app
+        .create_order("m1", "order-1", "shop", "26.00")
+        .await
+        .unwrap_err();
+    let same_number_other_merchant = app
+        .create_order("m2", "order-1", "shop", "26.00")
+        .await
+        .unwrap();
+
+    assert!(!replayed(&first) && replayed(&again));
+    let order = first.into_inner().order.unwrap();
+    assert_eq!(order.status(), OrderStatus::Pending);
+    assert_eq!(
+        (order.amount.as_str(), order.refunded_amount.as_str()),
+        ("25.00", "0.00")
+    );
+    assert_eq!(again.into_inner().order.unwrap(), order);
+    assert_status(&changed, Code::AlreadyExists, "ORDER_NO_REUSED");
+    assert!(
+        !replayed(&same_number_other_merchant),
+        "order numbers are scoped by merchant"
+    );
+    assert_eq!(app.rows("orders").await, 2);
+}
+
+pub async fn create_order_for_a_missing_payee_is_not_found(app: &TestApp) {
+    let error = app
+        .create_order("m1", "order-1", "nobody", "1.00")
+        .await
+        .unwrap_err();
+    assert_status(&error, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    assert_eq!(app.rows("orders").await, 0);
+}
+
+pub async fn pay_moves_the_order_amount_from_payer_to_payee_once(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+
+    let response = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+
+    assert!(!replayed(&response));
+    let response = response.into_inner();
+    let payment = response.payment.unwrap();
+    assert!(payment.trade_no.starts_with('T'));
+    assert_eq!(
+        (
+            payment.merchant_id.as_str(),
+            payment.out_trade_no.as_str(),
+            payment.order_no.as_str()
+        ),
+        ("m1", "pay-1", "order-1")
+    );
+    assert_eq!(
+        (
+            payment.payer_account_id.as_str(),
+            payment.payee_account_id.as_str()
+        ),
+        ("alice", "shop")
+    );
+    assert_eq!(
+        (payment.amount.as_str(), payment.currency.as_str()),
+        ("30.00", "USD")
+    );
+    assert_eq!(payment.status(), proto::PaymentStatus::Succeeded);
+    let order = response.order.unwrap();
+    assert_eq!(
+        (order.status(), order.out_trade_no.as_str()),
+        (OrderStatus::Paid, "pay-1")
+    );
+    assert_eq!(app.balance("alice").await, "70.00");
+    assert_eq!(app.balance("shop").await, "30.00");
+}
+
+pub async fn pay_retried_with_the_same_out_trade_no_is_replayed_with_the_original_trade_no(
+    app: &TestApp,
+) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+
+    let first = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+    let again = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+
+    assert!(replayed(&again));
+    assert_eq!(first.into_inner().payment, again.into_inner().payment);
+    assert_eq!(app.balance("alice").await, "70.00", "debited once");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn pay_with_a_used_out_trade_no_and_other_fields_names_the_differing_fields(
+    app: &TestApp,
+) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00")
+        .await
+        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+
+    let error = app
+        .pay("m1", "pay-1", "order-2", "alice", "30.00")
+        .await
+        .unwrap_err();
+
+    assert_status(&error, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
+    let details = tonic_types::StatusExt::get_error_details(&error);
+    assert_eq!(
+        details
+            .error_info()
+            .unwrap()
+            .metadata
+            .get("fields")
+            .map(String::as_str),
+        Some("order_no")
+    );
+    assert_eq!(app.balance("alice").await, "70.00");
+}
+
+pub async fn a_second_out_trade_no_for_a_paid_order_moves_no_money(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+    let before = app.all_rows().await;
+
+    let error = app
+        .pay("m1", "pay-2", "order-1", "alice", "30.00")
+        .await
+        .unwrap_err();
+
+    assert_status(&error, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    assert_eq!(app.balance("alice").await, "70.00");
+    assert_eq!(app.all_rows().await, before);
+}
+
+pub async fn pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing(
+    app: &TestApp,
+) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.open("bob-eur", "EUR").await;
+    let before = app.all_rows().await;
+
+    let amount = app
+        .pay("m1", "pay-1", "order-1", "alice", "29.99")
+        .await
+        .unwrap_err();
+    let mut eur = app.pay_request("m1", "pay-2", "order-1", "alice", "30.00");
+    eur.currency = "EUR".into();
+    let currency = app.payments.clone().pay(eur).await.unwrap_err();
+    let self_payment = app
+        .pay("m1", "pay-3", "order-1", "shop", "30.00")
+        .await
+        .unwrap_err();
+    let missing_order = app
+        .pay("m1", "pay-4", "order-404", "alice", "30.00")
+        .await
+        .unwrap_err();
+    let missing_payer = app
+        .pay("m1", "pay-5", "order-1", "nobody", "30.00")
+        .await
+        .unwrap_err();
+
+    assert_status(&amount, Code::FailedPrecondition, "AMOUNT_MISMATCH");
+    assert_status(&currency, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    assert_status(&self_payment, Code::FailedPrecondition, "PAYER_IS_PAYEE");
+    assert_status(&missing_order, Code::NotFound, "ORDER_NOT_FOUND");
+    assert_status(&missing_payer, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    assert_eq!(app.all_rows().await, before);
+    let retry = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+    assert!(!replayed(&retry), "a refused key is evaluated afresh");
+}
+
+pub async fn pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "10.00", "30.00").await;
+    let before = app.all_rows().await;
+
+    let error = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap_err();
+    let after_refusal = app.all_rows().await;
+    app.deposit("top-up", "alice", "20.00", "USD")
+        .await
+        .unwrap();
+    let retry = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+
+    assert_status(&error, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(after_refusal, before);
+    assert!(!replayed(&retry));
+    assert_eq!(app.balance("alice").await, "0.00");
+}
+
+pub async fn close_order_closes_once_and_refuses_paid_orders(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00")
+        .await
+        .unwrap();
+    let mut payments = app.payments.clone();
+    let close = |order_no: &str| proto::CloseOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: order_no.into(),
+    };
+
+    let first = payments.close_order(close("order-1")).await.unwrap();
+    let again = payments.close_order(close("order-1")).await.unwrap();
+    let pay_closed = app
+        .pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap_err();
+    app.pay("m1", "pay-2", "order-2", "alice", "30.00")
+        .await
+        .unwrap();
+    let close_paid = payments.close_order(close("order-2")).await.unwrap_err();
+    let close_missing = payments.close_order(close("order-404")).await.unwrap_err();
+
+    assert!(!replayed(&first) && replayed(&again));
+    assert_eq!(
+        first.into_inner().order.unwrap().status(),
+        OrderStatus::Closed
+    );
+    assert_eq!(
+        again.into_inner().order.unwrap().status(),
+        OrderStatus::Closed
+    );
+    assert_status(&pay_closed, Code::FailedPrecondition, "ORDER_CLOSED");
+    assert_status(&close_paid, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    assert_status(&close_missing, Code::NotFound, "ORDER_NOT_FOUND");
+    assert_eq!(app.balance("alice").await, "70.00");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn partial_then_full_refunds_move_money_back_and_replays_do_not(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+
+    let part = app
+        .refund("m1", "pay-1", "refund-1", "10.00")
+        .await
+        .unwrap();
+    let part_again = app
+        .refund("m1", "pay-1", "refund-1", "10.00")
+        .await
+        .unwrap();
+    let too_much = app
+        .refund("m1", "pay-1", "refund-2", "20.01")
+        .await
+        .unwrap_err();
+    let rest = app
+        .refund("m1", "pay-1", "refund-3", "20.00")
+        .await
+        .unwrap();
+    let beyond = app
+        .refund("m1", "pay-1", "refund-4", "0.01")
+        .await
+        .unwrap_err();
+    let key_reused = app
+        .refund("m1", "pay-1", "refund-1", "11.00")
+        .await
+        .unwrap_err();
+
+    assert!(!replayed(&part) && replayed(&part_again));
+    let (part, part_again) = (part.into_inner(), part_again.into_inner());
+    assert_eq!(part.refund, part_again.refund);
+    let refund = part.refund.unwrap();
+    assert!(refund.refund_no.starts_with('R'));
+    assert_eq!(
+        (
+            refund.amount.as_str(),
+            refund.out_trade_no.as_str(),
+            refund.reason.as_str()
+        ),
+        ("10.00", "pay-1", "customer asked")
+    );
+    let order = part.order.unwrap();
+    assert_eq!(
+        (order.status(), order.refunded_amount.as_str()),
+        (OrderStatus::PartiallyRefunded, "10.00")
+    );
+    assert_status(&too_much, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
+    let order = rest.into_inner().order.unwrap();
+    assert_eq!(
+        (order.status(), order.refunded_amount.as_str()),
+        (OrderStatus::Refunded, "30.00")
+    );
+    assert_status(&beyond, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
+    assert_status(&key_reused, Code::AlreadyExists, "OUT_REFUND_NO_REUSED");
+    assert_eq!(app.balance("alice").await, "100.00");
+    assert_eq!(app.balance("shop").await, "0.00");
+    assert_eq!(app.rows("refunds").await, 2);
+}
+
+pub async fn refund_of_an_unknown_payment_or_without_an_amount_is_refused(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+    let before = app.all_rows().await;
+
+    let unknown = app
+        .refund("m1", "pay-404", "refund-1", "1.00")
+        .await
+        .unwrap_err();
+    let no_amount = app.refund("m1", "pay-1", "refund-2", "").await.unwrap_err();
+    let other_merchant = app
+        .refund("m2", "pay-1", "refund-3", "1.00")
+        .await
+        .unwrap_err();
+
+    assert_status(&unknown, Code::NotFound, "PAYMENT_NOT_FOUND");
+    assert_status(&no_amount, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(
+        violated_fields(&no_amount),
+        ["amount"],
+        "a missing amount never means refund everything"
+    );
+    assert_status(&other_merchant, Code::NotFound, "PAYMENT_NOT_FOUND");
+    assert_eq!(app.all_rows().await, before);
+}
+
+pub async fn query_finds_the_order_by_each_business_number(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "5.00")
+        .await
+        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
+        .await
+        .unwrap();
+    app.refund("m1", "pay-1", "refund-1", "1.00").await.unwrap();
+    app.refund("m1", "pay-1", "refund-2", "2.00").await.unwrap();
+
+    let by_order = app
+        .query("m1", Key::OrderNo("order-1".into()))
+        .await
+        .unwrap();
+    let by_trade = app
+        .query("m1", Key::OutTradeNo("pay-1".into()))
+        .await
+        .unwrap();
+    let by_refund = app
+        .query("m1", Key::OutRefundNo("refund-2".into()))
+        .await
+        .unwrap();
+    let unpaid = app
+        .query("m1", Key::OrderNo("order-2".into()))
+        .await
+        .unwrap();
+    let missing = app
+        .query("m1", Key::OutRefundNo("refund-404".into()))
+        .await
+        .unwrap_err();
+    let no_key = app
+        .payments
+        .clone()
+        .query(proto::QueryRequest {
+            merchant_id: "m1".into(),
+            key: None,
+        })
+        .await
+        .unwrap_err();
+
+    assert_eq!(by_order, by_trade);
+    assert_eq!(by_order, by_refund);
+    assert_eq!(
+        by_order.order.as_ref().unwrap().status(),
+        OrderStatus::PartiallyRefunded
+    );
+    assert_eq!(by_order.payment.as_ref().unwrap().out_trade_no, "pay-1");
+    let refunds: Vec<_> = by_order
+        .refunds
+        .iter()
+        .map(|r| (r.out_refund_no.as_str(), r.amount.as_str()))
+        .collect();
+    assert_eq!(refunds, [("refund-1", "1.00"), ("refund-2", "2.00")]);
+    assert!(unpaid.payment.is_none() && unpaid.refunds.is_empty());
+    assert_status(&missing, Code::NotFound, "REFUND_NOT_FOUND");
+    assert_status(&no_key, Code::InvalidArgument, "INVALID_ARGUMENT");
+}
+
+pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_nothing(
+    app: &TestApp,
+) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let before = app.all_rows().await;
+    let mut payments = app.payments.clone();
+
+    let mut request = app.pay_request("m 1", &"x".repeat(65), "", "alice", "-30.00");
+    request.currency = "usd".into();
+    let error = payments.pay(request).await.unwrap_err();
+    assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(
+        violated_fields(&error),
+        ["merchant_id", "out_trade_no", "order_no", "currency"]
+    );
+    assert!(
+        error.message().len() < 512,
+        "messages never echo large input"
+    );
+
+    for amount in [
+        "30.001",
+        "0",
+        "0.00",
+        "1e3",
+        " 30.00",
+        "30,00",
+        "99999999999999999999",
+        "NaN",
+    ] {
+        let error = app
+            .pay("m1", "pay-1", "order-1", "alice", amount)
+            .await
+            .unwrap_err();
+        assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
+        assert_eq!(violated_fields(&error), ["amount"], "amount {amount:?}");
+    }
+    let huge_subject = proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: "order-2".into(),
+        payee_account_id: "shop".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+        subject: "s".repeat(10_000),
+    };
+    let error = payments.create_order(huge_subject).await.unwrap_err();
+    assert_eq!(violated_fields(&error), ["subject"]);
+    let huge_message = proto::OpenAccountRequest {
+        account_id: "a".repeat(100_000),
+        currency: "USD".into(),
+    };
+    let error = app
+        .accounts
+        .clone()
+        .open_account(huge_message)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error.code(),
+            Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted
+        ),
+        "{error:?}"
+    );
+    let xau = app
+        .accounts
+        .clone()
+        .open_account(proto::OpenAccountRequest {
+            account_id: "gold".into(),
+            currency: "XAU".into(),
+        })
+        .await;
+    assert_status(&xau.unwrap_err(), Code::InvalidArgument, "INVALID_ARGUMENT");
+
+    assert_eq!(app.all_rows().await, before);
+}
+
+pub async fn yen_and_dinar_amounts_follow_their_minor_units(app: &TestApp) {
+    app.open("yen", "JPY").await;
+    app.open("dinar", "KWD").await;
+
+    let yen = app
+        .deposit("dep-jpy", "yen", "500", "JPY")
+        .await
+        .unwrap()
+        .into_inner();
+    let dinar = app
+        .deposit("dep-kwd", "dinar", "1.005", "KWD")
+        .await
+        .unwrap()
+        .into_inner();
+    let yen_fraction = app
+        .deposit("dep-jpy-2", "yen", "1.5", "JPY")
+        .await
+        .unwrap_err();
+
+    assert_eq!(yen.account.unwrap().balance, "500");
+    assert_eq!(dinar.account.unwrap().balance, "1.005");
+    assert_status(&yen_fraction, Code::InvalidArgument, "INVALID_ARGUMENT");
+}
+
+pub async fn twenty_concurrent_identical_pays_execute_once_with_one_trade_no(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+
+    let calls = (0..20).map(|_| {
+        let mut payments = app.payments.clone();
+        let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+        tokio::spawn(async move { payments.pay(request).await })
+    });
+    let responses: Vec<_> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|joined| joined.unwrap().unwrap())
+        .collect();
+
+    let fresh = responses
+        .iter()
+        .filter(|response| !replayed(response))
+        .count();
+    let trade_nos: std::collections::HashSet<_> = responses
+        .into_iter()
+        .map(|response| response.into_inner().payment.unwrap().trade_no)
+        .collect();
+    assert_eq!(fresh, 1, "exactly one call ran, the others were replays");
+    assert_eq!(trade_nos.len(), 1, "every caller got the same trade_no");
+    assert_eq!(app.balance("alice").await, "70.00");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn concurrent_pays_against_one_balance_never_overdraw_it(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    for n in 0..110 {
+        app.create_order("m1", &format!("order-{n}"), "shop", "1.00")
+            .await
+            .unwrap();
+    }
+
+    let calls = (0..110).map(|n| {
+        let mut payments = app.payments.clone();
+        let request = app.pay_request(
+            "m1",
+            &format!("pay-{n}"),
+            &format!("order-{n}"),
+            "alice",
+            "1.00",
+        );
+        tokio::spawn(async move { payments.pay(request).await })
+    });
+    let outcomes: Vec<_> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|joined| joined.unwrap())
+        .collect();
+
+    let paid = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
+    for error in outcomes.iter().filter_map(|outcome| outcome.as_ref().err()) {
+        assert_status(error, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    }
+    assert_eq!(paid, 100);
+    assert_eq!(app.balance("alice").await, "0.00");
+    assert_eq!(app.balance("shop").await, "100.00");
+    assert_eq!(app.rows("payment_flow").await, 100);
+    app.create_order("m1", "order-last", "shop", "1.00")
+        .await
+        .unwrap();
+    let next = app
+        .pay("m1", "pay-last", "order-last", "alice", "1.00")
+        .await
+        .unwrap_err();
+    assert_status(&next, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+}
+
+pub async fn concurrent_partial_refunds_never_exceed_the_paid_amount(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "10.00").await;
+    app.pay("m1", "pay-1", "order-1", "alice", "10.00")
+        .await
+        .unwrap();
+
+    let calls = (0..25).map(|n| {
+        let mut payments = app.payments.clone();
+        let request = app.refund_request("m1", "pay-1", &format!("refund-{n}"), "1.00");
+        tokio::spawn(async move { payments.refund(request).await })
+    });
+    let outcomes: Vec<_> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|joined| joined.unwrap())
+        .collect();
+
+    let refunded = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
+    for error in outcomes.iter().filter_map(|outcome| outcome.as_ref().err()) {
+        assert_status(error, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
+    }
+    assert_eq!(refunded, 10);
+    let details = app
+        .query("m1", Key::OrderNo("order-1".into()))
+        .await
+        .unwrap();
+    let order = details.order.unwrap();
+    assert_eq!(
+        (order.status(), order.refunded_amount.as_str()),
+        (OrderStatus::Refunded, "10.00")
+    );
+    assert_eq!(details.refunds.len(), 10);
+    assert_eq!(app.balance("alice").await, "100.00");
+    assert_eq!(app.balance("shop").await, "0.00");
+}
+
+pub async fn opposite_payments_between_two_accounts_finish_without_deadlock(app: &TestApp) {
+    app.funded("alpha", "100.00").await;
+    app.funded("beta", "100.00").await;
+    for n in 0..30 {
+        app.create_order("m1", &format!("to-beta-{n}"), "beta", "1.00")
+            .await
+            .unwrap();
+        app.create_order("m1", &format!("to-alpha-{n}"), "alpha", "2.00")
+            .await
+            .unwrap();
+    }
+
+    let calls = (0..30).flat_map(|n| {
+        let to_beta = app.pay_request(
+            "m1",
+            &format!("pay-b-{n}"),
+            &format!("to-beta-{n}"),
+            "alpha",
+            "1.00",
+        );
+        let to_alpha = app.pay_request(
+            "m1",
+            &format!("pay-a-{n}"),
+            &format!("to-alpha-{n}"),
+            "beta",
+            "2.00",
+        );
+        [to_beta, to_alpha].map(|request| {
+            let mut payments = app.payments.clone();
+            tokio::spawn(async move { payments.pay(request).await })
+        })
+    });
+    let outcomes = futures::future::join_all(calls).await;
+
+    for outcome in outcomes {
+        outcome
+            .unwrap()
+            .expect("no client-visible deadlock or abort");
+    }
+    assert_eq!(app.balance("alpha").await, "130.00");
+    assert_eq!(app.balance("beta").await, "70.00");
+}
+
+pub async fn a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+
+    let mut impatient = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+    let mut payments = app.payments.clone();
+    let mut request = tonic::Request::new(impatient.clone());
+    request.set_timeout(Duration::from_micros(200));
+    let first = payments.pay(request).await;
+    // The detached transaction finishes (commit or rollback) whatever the client did.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let paid_rows = app.rows("payment_flow").await;
+    assert!(paid_rows <= 1);
+    assert_eq!(
+        app.balance("alice").await,
+        if paid_rows == 1 { "70.00" } else { "100.00" }
+    );
+    assert_eq!(
+        app.sessions_idle_in_transaction().await,
+        0,
+        "no session left idle in a transaction"
+    );
+
+    impatient.currency = "USD".into();
+    let retry = app.payments.clone().pay(impatient).await.unwrap();
+
+    if let Ok(first) = first {
+        assert_eq!(first.into_inner().payment, retry.get_ref().payment.clone());
+    }
+    assert_eq!(replayed(&retry), paid_rows == 1);
+    assert_eq!(app.balance("alice").await, "70.00");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn health_is_serving_and_reflection_lists_both_services(app: &TestApp) {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", app.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    for service in [
+        "",
+        "payledger.v1.PaymentService",
+        "payledger.v1.AccountService",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, 1, "{service:?} is SERVING");
+    }
+
+    let mut reflection = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = reflection
+        .server_reflection_info(futures::stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        stream.message().await.unwrap().unwrap().message_response
+    else {
+        panic!("expected a service list");
+    };
+    let names: Vec<_> = list
+        .service
+        .into_iter()
+        .map(|service| service.name)
+        .collect();
+    assert!(
+        names.contains(&"payledger.v1.PaymentService".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"payledger.v1.AccountService".to_owned()),
+        "{names:?}"
+    );
+}
+
+pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE account_id = 'alice'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    let violations = app.ledger.audit().await.unwrap();
+    sqlx::query("UPDATE accounts SET balance = balance - 1 WHERE account_id = 'alice'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+
+    let subjects: Vec<_> = violations
+        .iter()
+        .map(|violation| violation.subject.as_str())
+        .collect();
+    assert!(subjects.contains(&"alice"), "{violations:#?}");
+    assert!(
+        subjects.contains(&"USD"),
+        "the balances no longer sum to zero: {violations:#?}"
+    );
+}

@@ -1,0 +1,422 @@
+//! A real payledger server on port 0 over a fresh database, and a client to drive it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use payledger::ledger::Ledger;
+use payledger::proto::account_service_client::AccountServiceClient;
+use payledger::proto::payment_service_client::PaymentServiceClient;
+use payledger::proto::{self, query_request::Key};
+use payledger::startup::Application;
+use payledger::store::{PoolSettings, Store};
+use sqlx::{AnyPool, Row};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::{Code, Response, Status};
+use tonic_types::StatusExt;
+
+/// The backends the one suite runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+impl Backend {
+    /// The variable holding an admin URL of this backend's server; each test creates its
+    /// own database there.
+    fn admin_url_variable(self) -> Option<&'static str> {
+        match self {
+            Backend::Sqlite => None,
+            Backend::Postgres => Some("PAYLEDGER_TEST_POSTGRES_URL"),
+            Backend::MySql => Some("PAYLEDGER_TEST_MYSQL_URL"),
+        }
+    }
+}
+
+/// Runs one case on a fresh server and database, then checks the ledger invariants and
+/// drops the database. A server backend without its URL variable is skipped, except in CI
+/// (`CI=true`), where it fails.
+pub async fn run(backend: Backend, case: impl AsyncFnOnce(&TestApp)) {
+    let Some(app) = TestApp::spawn(backend).await else {
+        return;
+    };
+    case(&app).await;
+    app.finish().await;
+}
+
+enum TestDatabase {
+    /// Removed with the test.
+    Sqlite {
+        _directory: tempfile::TempDir,
+    },
+    Server {
+        admin_url: String,
+        name: String,
+    },
+}
+
+pub struct TestApp {
+    pub backend: Backend,
+    pub address: SocketAddr,
+    pub accounts: AccountServiceClient<Channel>,
+    pub payments: PaymentServiceClient<Channel>,
+    pub ledger: Ledger,
+    /// A separate pool for looking at the tables directly.
+    pub raw: AnyPool,
+    database: TestDatabase,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let path_start = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{name}", &base[..path_start]);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    out
+}
+
+impl TestApp {
+    pub async fn spawn(backend: Backend) -> Option<Self> {
+        sqlx::any::install_default_drivers();
+        let (database, database_url) = match backend.admin_url_variable() {
+            None => {
+                let dir = tempfile::tempdir().expect("a temporary directory");
+                let url = format!("sqlite:{}", dir.path().join("ledger.db").display());
+                (TestDatabase::Sqlite { _directory: dir }, url)
+            }
+            Some(variable) => {
+                let Ok(admin_url) = std::env::var(variable) else {
+                    assert!(
+                        std::env::var("CI").as_deref() != Ok("true"),
+                        "{variable} is required in CI: the {backend:?} suite must not be skipped"
+                    );
+                    eprintln!("{backend:?}: not configured (set {variable}); skipped");
+                    return None;
+                };
+                let name = format!("payledger_test_{}", uuid::Uuid::new_v4().simple());
+                let admin = AnyPool::connect(&admin_url)
+                    .await
+                    .expect("the admin URL connects");
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(&admin)
+                    .await
+                    .expect("CREATE DATABASE");
+                admin.close().await;
+                let url = with_database(&admin_url, &name);
+                (TestDatabase::Server { admin_url, name }, url)
+            }
+        };
+        let settings = PoolSettings {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+        };
+        let store = Store::connect(&database_url, &settings)
+            .await
+            .expect("the test database connects");
+        store.migrate().await.expect("migrations apply");
+        let ledger = Ledger::new(store);
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("port 0 binds");
+        let application =
+            Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+        let address = application.local_addr();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            application
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .expect("the server runs");
+        });
+        let channel = Channel::from_shared(format!("http://{address}"))
+            .unwrap()
+            .connect()
+            .await
+            .expect("the server accepts");
+        let raw = AnyPool::connect(&database_url).await.expect("a raw pool");
+        Some(Self {
+            backend,
+            address,
+            accounts: AccountServiceClient::new(channel.clone()),
+            payments: PaymentServiceClient::new(channel),
+            ledger,
+            raw,
+            database,
+            stop: Some(stop),
+            server: Some(server),
+        })
+    }
+
+    /// Asserts the audit invariants, stops the server and drops the database.
+    pub async fn finish(mut self) {
+        let violations = self.ledger.audit().await.expect("the audit runs");
+        assert!(
+            violations.is_empty(),
+            "ledger invariants broken: {violations:#?}"
+        );
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let _ = server.await;
+        }
+        self.raw.close().await;
+        self.ledger.store().close().await;
+        if let TestDatabase::Server { admin_url, name } = &self.database {
+            let admin = AnyPool::connect(admin_url)
+                .await
+                .expect("the admin URL connects");
+            let _ = sqlx::query(&format!("DROP DATABASE {name}"))
+                .execute(&admin)
+                .await;
+            admin.close().await;
+        }
+    }
+
+    /// Rows in a table, read directly.
+    pub async fn rows(&self, table: &str) -> i64 {
+        let row = sqlx::query(&format!("SELECT COUNT(*) FROM {table}"))
+            .fetch_one(&self.raw)
+            .await
+            .expect("COUNT(*)");
+        row.try_get::<i64, _>(0).expect("a count")
+    }
+
+    /// Row counts of every business table, to show that a refused request left nothing.
+    pub async fn all_rows(&self) -> [i64; 6] {
+        [
+            self.rows("accounts").await,
+            self.rows("journal_entries").await,
+            self.rows("orders").await,
+            self.rows("payment_flow").await,
+            self.rows("refunds").await,
+            self.rows("deposits").await,
+        ]
+    }
+
+    pub async fn open(&self, account_id: &str, currency: &str) -> proto::Account {
+        let request = proto::OpenAccountRequest {
+            account_id: account_id.into(),
+            currency: currency.into(),
+        };
+        self.accounts
+            .clone()
+            .open_account(request)
+            .await
+            .expect("OpenAccount")
+            .into_inner()
+            .account
+            .unwrap()
+    }
+
+    pub async fn deposit(
+        &self,
+        request_id: &str,
+        account_id: &str,
+        amount: &str,
+        currency: &str,
+    ) -> Result<Response<proto::DepositResponse>, Status> {
+        let request = proto::DepositRequest {
+            request_id: request_id.into(),
+            account_id: account_id.into(),
+            amount: amount.into(),
+            currency: currency.into(),
+        };
+        self.accounts.clone().deposit(request).await
+    }
+
+    /// Opens an account and deposits `amount` into it.
+    pub async fn funded(&self, account_id: &str, amount: &str) {
+        self.open(account_id, "USD").await;
+        self.deposit(&format!("fund-{account_id}"), account_id, amount, "USD")
+            .await
+            .expect("Deposit");
+    }
+
+    pub async fn balance(&self, account_id: &str) -> String {
+        let request = proto::GetAccountRequest {
+            account_id: account_id.into(),
+        };
+        self.accounts
+            .clone()
+            .get_account(request)
+            .await
+            .expect("GetAccount")
+            .into_inner()
+            .account
+            .unwrap()
+            .balance
+    }
+
+    pub async fn create_order(
+        &self,
+        merchant_id: &str,
+        order_no: &str,
+        payee: &str,
+        amount: &str,
+    ) -> Result<Response<proto::CreateOrderResponse>, Status> {
+        let request = proto::CreateOrderRequest {
+            merchant_id: merchant_id.into(),
+            order_no: order_no.into(),
+            payee_account_id: payee.into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+            subject: format!("order {order_no}"),
+        };
+        self.payments.clone().create_order(request).await
+    }
+
+    pub fn pay_request(
+        &self,
+        merchant_id: &str,
+        out_trade_no: &str,
+        order_no: &str,
+        payer: &str,
+        amount: &str,
+    ) -> proto::PayRequest {
+        proto::PayRequest {
+            merchant_id: merchant_id.into(),
+            out_trade_no: out_trade_no.into(),
+            order_no: order_no.into(),
+            payer_account_id: payer.into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+        }
+    }
+
+    pub async fn pay(
+        &self,
+        merchant_id: &str,
+        out_trade_no: &str,
+        order_no: &str,
+        payer: &str,
+        amount: &str,
+    ) -> Result<Response<proto::PayResponse>, Status> {
+        self.payments
+            .clone()
+            .pay(self.pay_request(merchant_id, out_trade_no, order_no, payer, amount))
+            .await
+    }
+
+    pub fn refund_request(
+        &self,
+        merchant_id: &str,
+        out_trade_no: &str,
+        out_refund_no: &str,
+        amount: &str,
+    ) -> proto::RefundRequest {
+        proto::RefundRequest {
+            merchant_id: merchant_id.into(),
+            out_trade_no: out_trade_no.into(),
+            out_refund_no: out_refund_no.into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+            reason: "customer asked".into(),
+        }
+    }
+
+    pub async fn refund(
+        &self,
+        merchant_id: &str,
+        out_trade_no: &str,
+        out_refund_no: &str,
+        amount: &str,
+    ) -> Result<Response<proto::RefundResponse>, Status> {
+        self.payments
+            .clone()
+            .refund(self.refund_request(merchant_id, out_trade_no, out_refund_no, amount))
+            .await
+    }
+
+    pub async fn query(&self, merchant_id: &str, key: Key) -> Result<proto::QueryResponse, Status> {
+        let request = proto::QueryRequest {
+            merchant_id: merchant_id.into(),
+            key: Some(key),
+        };
+        self.payments
+            .clone()
+            .query(request)
+            .await
+            .map(Response::into_inner)
+    }
+
+    /// A payer with `funds`, a merchant account, and a PENDING order of `amount`.
+    pub async fn order_ready_to_pay(&self, order_no: &str, funds: &str, amount: &str) {
+        self.funded("alice", funds).await;
+        self.open("shop", "USD").await;
+        self.create_order("m1", order_no, "shop", amount)
+            .await
+            .expect("CreateOrder");
+    }
+
+    /// Sessions of this test's database left idle inside a transaction (PostgreSQL and
+    /// MySQL; SQLite has no sessions).
+    pub async fn sessions_idle_in_transaction(&self) -> i64 {
+        let TestDatabase::Server { name, .. } = &self.database else {
+            return 0;
+        };
+        let sql = match self.backend {
+            Backend::Postgres => format!("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = '{name}' AND state LIKE 'idle in transaction%'"),
+            Backend::MySql => format!(
+                "SELECT COUNT(*) FROM information_schema.innodb_trx t JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id \
+                 WHERE p.db = '{name}' AND p.command = 'Sleep'"
+            ),
+            Backend::Sqlite => return 0,
+        };
+        let row = sqlx::query(&sql)
+            .fetch_one(&self.raw)
+            .await
+            .expect("session count");
+        row.try_get::<i64, _>(0).expect("a count")
+    }
+}
+
+/// True when the response carries `idempotent-replayed: true`.
+pub fn replayed<T>(response: &Response<T>) -> bool {
+    response
+        .metadata()
+        .get("idempotent-replayed")
+        .and_then(|v| v.to_str().ok())
+        == Some("true")
+}
+
+/// Asserts a status code and ErrorInfo reason (domain `payledger`).
+#[track_caller]
+pub fn assert_status(status: &Status, code: Code, reason: &str) {
+    assert_eq!(status.code(), code, "unexpected status: {status:?}");
+    let details = status.get_error_details();
+    let info = details
+        .error_info()
+        .unwrap_or_else(|| panic!("no ErrorInfo in {status:?}"));
+    assert_eq!(info.domain, "payledger");
+    assert_eq!(info.reason, reason, "unexpected reason in {status:?}");
+}
+
+/// The fields named by a status's BadRequest field violations.
+pub fn violated_fields(status: &Status) -> Vec<String> {
+    let details = status.get_error_details();
+    details
+        .bad_request()
+        .map(|bad| {
+            bad.field_violations
+                .iter()
+                .map(|v| v.field.clone())
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,59 @@
+//! Black-box tests: a real payledger server on an ephemeral port, driven through the
+//! generated tonic clients, with a fresh database per test. The suite in `cases` is written
+//! once and instantiated for every backend below.
+//!
+//! SQLite always runs. PostgreSQL and MySQL/MariaDB run when `PAYLEDGER_TEST_POSTGRES_URL`
+//! and `PAYLEDGER_TEST_MYSQL_URL` hold admin URLs; without them they are reported as not
+//! configured, except under `CI=true`, where a missing backend fails the run.
+
+mod cases;
+mod helpers;
+
+macro_rules! suite_for_backend {
+    ($module:ident, $backend:expr, [$($case:ident),* $(,)?]) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    crate::helpers::run($backend, crate::cases::$case).await;
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! backend_suite {
+    ($($case:ident),* $(,)?) => {
+        suite_for_backend!(sqlite, crate::helpers::Backend::Sqlite, [$($case),*]);
+        suite_for_backend!(postgres, crate::helpers::Backend::Postgres, [$($case),*]);
+        suite_for_backend!(mysql, crate::helpers::Backend::MySql, [$($case),*]);
+    };
+}
+
+backend_suite!(
+    open_account_is_replayed_and_a_different_currency_is_already_exists,
+    deposit_credits_the_account_and_a_repeated_request_id_is_a_replay,
+    deposit_into_a_missing_account_or_in_another_currency_is_refused,
+    list_entries_pages_newest_first,
+    create_order_is_replayed_and_other_fields_are_already_exists,
+    create_order_for_a_missing_payee_is_not_found,
+    pay_moves_the_order_amount_from_payer_to_payee_once,
+    pay_retried_with_the_same_out_trade_no_is_replayed_with_the_original_trade_no,
+    pay_with_a_used_out_trade_no_and_other_fields_names_the_differing_fields,
+    a_second_out_trade_no_for_a_paid_order_moves_no_money,
+    pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing,
+    pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit,
+    close_order_closes_once_and_refuses_paid_orders,
+    partial_then_full_refunds_move_money_back_and_replays_do_not,
+    refund_of_an_unknown_payment_or_without_an_amount_is_refused,
+    query_finds_the_order_by_each_business_number,
+    bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_nothing,
+    yen_and_dinar_amounts_follow_their_minor_units,
+    twenty_concurrent_identical_pays_execute_once_with_one_trade_no,
+    concurrent_pays_against_one_balance_never_overdraw_it,
+    concurrent_partial_refunds_never_exceed_the_paid_amount,
+    opposite_payments_between_two_accounts_finish_without_deadlock,
+    a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact,
+    health_is_serving_and_reflection_lists_both_services,
+    audit_reports_a_balance_that_disagrees_with_its_entries,
+);
