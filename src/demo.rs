@@ -1,15 +1,370 @@
-//! `payledger demo`.
-use std::process::ExitCode;
+//! `payledger demo`: a short story that shows money moving exactly once, told step by step
+//! through the public gRPC API. Every step states what must happen and checks it, so the
+//! demo doubles as a smoke test: it exits non-zero when any step misbehaves.
 
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+use tonic::{Code, Response, Status};
+use tonic_types::StatusExt;
+
+use crate::config::DatabaseSettings;
+use crate::grpc::REPLAYED_HEADER;
+use crate::proto::account_service_client::AccountServiceClient;
+use crate::proto::payment_service_client::PaymentServiceClient;
+use crate::proto::{self, query_request::Key};
+use crate::startup::{open_ledger, Application};
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `payledger demo` settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoSettings {
-    /// Play against a running server instead of an in-process one on a temporary SQLite file.
+    /// Play against a running server (e.g. `http://127.0.0.1:50051`) instead of starting one
+    /// in-process on a temporary SQLite database.
     #[arg(long)]
     pub target: Option<String>,
 }
 
-pub async fn run(
-    _settings: DemoSettings,
-) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
-    Ok(ExitCode::SUCCESS)
+/// Runs the demo; `Ok(ExitCode::FAILURE)` when a step did not behave as stated.
+///
+/// # Errors
+/// When the in-process server cannot start or the target cannot be reached.
+pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
+    match settings.target {
+        Some(target) => {
+            println!("payledger demo against {target}\n");
+            let channel = Channel::from_shared(target)?.connect().await?;
+            let passed = Story::new(channel).play().await?;
+            Ok(verdict(passed))
+        }
+        None => {
+            let directory = tempfile::tempdir()?;
+            let database_url = format!("sqlite:{}", directory.path().join("demo.db").display());
+            println!("payledger demo on a temporary SQLite database ({database_url})\n");
+            let database = DatabaseSettings {
+                database_url,
+                pool_size: 4,
+                pool_acquire_timeout_ms: 5_000,
+            };
+            let ledger = open_ledger(&database).await?;
+            let listener = TcpListener::bind("127.0.0.1:0").await?;
+            let application =
+                Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+            let address = application.local_addr();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(application.run_until(async {
+                let _ = stopped.await;
+            }));
+            let channel = Channel::from_shared(format!("http://{address}"))?
+                .connect()
+                .await?;
+            let mut passed = Story::new(channel).play().await?;
+            let violations = ledger.audit().await?;
+            passed &= check(
+                violations.is_empty(),
+                "payledger audit: every balance equals the sum of its entries, all balances sum to zero",
+            );
+            for violation in violations {
+                println!(
+                    "    VIOLATION {}: {} ({})",
+                    violation.check, violation.subject, violation.detail
+                );
+            }
+            let _ = stop.send(());
+            server.await??;
+            Ok(verdict(passed))
+        }
+    }
+}
+
+fn verdict(passed: bool) -> ExitCode {
+    if passed {
+        println!("\nEvery step behaved as stated: money moved exactly once.");
+        ExitCode::SUCCESS
+    } else {
+        println!("\nSome steps did NOT behave as stated (marked FAILED above).");
+        ExitCode::FAILURE
+    }
+}
+
+/// Prints one expectation and whether it held.
+fn check(held: bool, expectation: &str) -> bool {
+    println!(
+        "    [{}] {expectation}",
+        if held { " ok " } else { "FAILED" }
+    );
+    held
+}
+
+fn was_replayed<T>(response: &Response<T>) -> bool {
+    response
+        .metadata()
+        .get(REPLAYED_HEADER)
+        .and_then(|value| value.to_str().ok())
+        == Some("true")
+}
+
+fn reason(status: &Status) -> String {
+    status
+        .get_error_details()
+        .error_info()
+        .map(|info| info.reason.clone())
+        .unwrap_or_default()
+}
+
+struct Story {
+    accounts: AccountServiceClient<Channel>,
+    payments: PaymentServiceClient<Channel>,
+    /// Makes the ids of this run unique, so the demo can run again against one server.
+    run: String,
+    passed: bool,
+}
+
+impl Story {
+    fn new(channel: Channel) -> Self {
+        let run = uuid::Uuid::now_v7().simple().to_string()[20..].to_owned();
+        Self {
+            accounts: AccountServiceClient::new(channel.clone()),
+            payments: PaymentServiceClient::new(channel),
+            run,
+            passed: true,
+        }
+    }
+
+    fn id(&self, name: &str) -> String {
+        format!("demo-{}-{name}", self.run)
+    }
+
+    fn expect(&mut self, held: bool, expectation: &str) {
+        self.passed &= check(held, expectation);
+    }
+
+    async fn balance(&self, account_id: &str) -> Result<String, Status> {
+        let request = proto::GetAccountRequest {
+            account_id: account_id.to_owned(),
+        };
+        Ok(self
+            .accounts
+            .clone()
+            .get_account(request)
+            .await?
+            .into_inner()
+            .account
+            .unwrap_or_default()
+            .balance)
+    }
+
+    fn pay_request(&self, out_trade_no: &str, payer: &str) -> proto::PayRequest {
+        proto::PayRequest {
+            merchant_id: self.id("merchant"),
+            out_trade_no: self.id(out_trade_no),
+            order_no: self.id("order-1"),
+            payer_account_id: payer.to_owned(),
+            amount: "30.00".into(),
+            currency: "USD".into(),
+        }
+    }
+
+    fn refund_request(&self, out_refund_no: &str, amount: &str) -> proto::RefundRequest {
+        proto::RefundRequest {
+            merchant_id: self.id("merchant"),
+            out_trade_no: self.id("pay-1"),
+            out_refund_no: self.id(out_refund_no),
+            amount: amount.into(),
+            currency: "USD".into(),
+            reason: "customer returned an item".into(),
+        }
+    }
+
+    async fn play(mut self) -> Result<bool, AnyError> {
+        let (alice, shop) = (self.id("alice"), self.id("shop"));
+
+        println!("1. Open a payer account ({alice}) and a merchant account ({shop}), both in USD.");
+        for account_id in [&alice, &shop] {
+            let request = proto::OpenAccountRequest {
+                account_id: account_id.clone(),
+                currency: "USD".into(),
+            };
+            self.accounts.open_account(request).await?;
+        }
+        let balance = self.balance(&alice).await?;
+        self.expect(balance == "0.00", "both accounts start at 0.00");
+
+        println!("2. Deposit 100.00 into the payer's account.");
+        let deposit = proto::DepositRequest {
+            request_id: self.id("deposit-1"),
+            account_id: alice.clone(),
+            amount: "100.00".into(),
+            currency: "USD".into(),
+        };
+        self.accounts.deposit(deposit).await?;
+        let balance = self.balance(&alice).await?;
+        self.expect(balance == "100.00", "the payer holds 100.00");
+
+        println!("3. The merchant creates order order-1 for 30.00.");
+        let order = proto::CreateOrderRequest {
+            merchant_id: self.id("merchant"),
+            order_no: self.id("order-1"),
+            payee_account_id: shop.clone(),
+            amount: "30.00".into(),
+            currency: "USD".into(),
+            subject: "a pot of tea".into(),
+        };
+        let order = self
+            .payments
+            .create_order(order)
+            .await?
+            .into_inner()
+            .order
+            .unwrap_or_default();
+        self.expect(
+            order.status() == proto::OrderStatus::Pending,
+            "the order is PENDING",
+        );
+
+        println!("4. Pay order-1 with out_trade_no pay-1.");
+        let first = self.payments.pay(self.pay_request("pay-1", &alice)).await?;
+        let first_replayed = was_replayed(&first);
+        let first = first.into_inner();
+        let trade_no = first.payment.clone().unwrap_or_default().trade_no;
+        println!("    trade_no = {trade_no}");
+        self.expect(!first_replayed, "the payment runs");
+        self.expect(
+            first.order.unwrap_or_default().status() == proto::OrderStatus::Paid,
+            "the order is PAID",
+        );
+        let balance = self.balance(&alice).await?;
+        self.expect(balance == "70.00", "the payer holds 70.00");
+
+        println!(
+            "5. The caller's client times out and retries: Pay again with the same out_trade_no."
+        );
+        let retry = self.payments.pay(self.pay_request("pay-1", &alice)).await?;
+        self.expect(
+            was_replayed(&retry),
+            "the answer is marked idempotent-replayed: true",
+        );
+        self.expect(
+            retry.into_inner().payment.unwrap_or_default().trade_no == trade_no,
+            "the retry gets the original trade_no",
+        );
+        let balance = self.balance(&alice).await?;
+        self.expect(
+            balance == "70.00",
+            "the payer still holds 70.00: debited once",
+        );
+
+        println!("6. Someone pays order-1 again under a new out_trade_no pay-2.");
+        let second = self.payments.pay(self.pay_request("pay-2", &alice)).await;
+        self.expect(
+            matches!(&second, Err(status) if status.code() == Code::FailedPrecondition && reason(status) == "ORDER_ALREADY_PAID"),
+            "refused with FAILED_PRECONDITION ORDER_ALREADY_PAID",
+        );
+        let balance = self.balance(&alice).await?;
+        self.expect(balance == "70.00", "no money moved");
+
+        println!("7. Two partial refunds: refund-1 of 10.00, then refund-2 of 15.00.");
+        let refund_one = self
+            .payments
+            .refund(self.refund_request("refund-1", "10.00"))
+            .await?
+            .into_inner();
+        self.expect(
+            refund_one.order.unwrap_or_default().status() == proto::OrderStatus::PartiallyRefunded,
+            "the order is PARTIALLY_REFUNDED",
+        );
+        let refund_two = self
+            .payments
+            .refund(self.refund_request("refund-2", "15.00"))
+            .await?
+            .into_inner();
+        let refund_no = refund_two.refund.unwrap_or_default().refund_no;
+        self.expect(
+            refund_two.order.unwrap_or_default().refunded_amount == "25.00",
+            "25.00 of 30.00 is refunded",
+        );
+
+        println!("8. A refund refund-3 of 10.00 would exceed the 5.00 left.");
+        let too_much = self
+            .payments
+            .refund(self.refund_request("refund-3", "10.00"))
+            .await;
+        self.expect(
+            matches!(&too_much, Err(status) if status.code() == Code::FailedPrecondition && reason(status) == "REFUND_EXCEEDS_PAID"),
+            "refused with FAILED_PRECONDITION REFUND_EXCEEDS_PAID",
+        );
+
+        println!("9. The refund-2 call is retried.");
+        let retried = self
+            .payments
+            .refund(self.refund_request("refund-2", "15.00"))
+            .await?;
+        self.expect(
+            was_replayed(&retried),
+            "the answer is marked idempotent-replayed: true",
+        );
+        self.expect(
+            retried.into_inner().refund.unwrap_or_default().refund_no == refund_no,
+            "the retry gets the original refund_no",
+        );
+
+        println!("10. Query order-1 by its out_trade_no.");
+        let query = proto::QueryRequest {
+            merchant_id: self.id("merchant"),
+            key: Some(Key::OutTradeNo(self.id("pay-1"))),
+        };
+        let details = self.payments.query(query).await?.into_inner();
+        self.expect(
+            details.payment.map(|payment| payment.trade_no) == Some(trade_no.clone()),
+            "one payment, the original",
+        );
+        self.expect(details.refunds.len() == 2, "two refunds, none doubled");
+
+        println!("11. Final balances and the payer's journal.");
+        let (alice_balance, shop_balance) =
+            (self.balance(&alice).await?, self.balance(&shop).await?);
+        println!("    {alice}: {alice_balance}    {shop}: {shop_balance}");
+        self.expect(
+            alice_balance == "95.00" && shop_balance == "5.00",
+            "payer 95.00, merchant 5.00",
+        );
+        for account_id in [&alice, &shop] {
+            let request = proto::ListEntriesRequest {
+                account_id: account_id.clone(),
+                page_size: 50,
+                page_token: String::new(),
+            };
+            let entries = self
+                .accounts
+                .list_entries(request)
+                .await?
+                .into_inner()
+                .entries;
+            if account_id == &alice {
+                for entry in entries.iter().rev() {
+                    println!(
+                        "    {:>8} {:>7}  balance {:>6}  {}",
+                        entry.kind().as_str_name().trim_start_matches("ENTRY_KIND_"),
+                        entry.amount,
+                        entry.balance_after,
+                        entry.reference
+                    );
+                }
+            }
+            let total: rust_decimal::Decimal = entries
+                .iter()
+                .filter_map(|entry| entry.amount.parse::<rust_decimal::Decimal>().ok())
+                .sum();
+            let balance: rust_decimal::Decimal =
+                self.balance(account_id).await?.parse().unwrap_or_default();
+            self.expect(
+                total == balance,
+                &format!("{account_id}: balance equals the sum of its journal entries"),
+            );
+        }
+        Ok(self.passed)
+    }
 }

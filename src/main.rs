@@ -33,7 +33,11 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if matches!(cli.command, Command::Demo(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
+        // The story is the demo's output; the in-process server only speaks up on problems.
+        cli.log.log_filter = "warn".into();
+    }
     telemetry::init(&cli.log);
     let result = match cli.command {
         Command::Serve(settings) => serve(settings).await,

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Starts PostgreSQL, MariaDB and Redis when they are not already answering, and waits for
+# them. The start commands are those of this machine's image (Debian packages).
+set -euo pipefail
+
+wait_for() { # name, command...
+  local name=$1; shift
+  for _ in $(seq 1 60); do
+    if "$@" >/dev/null 2>&1; then echo "$name is up"; return 0; fi
+    sleep 1
+  done
+  echo "$name did not come up" >&2
+  return 1
+}
+
+if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
+  echo "starting PostgreSQL"
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start || true
+fi
+wait_for PostgreSQL pg_isready -h 127.0.0.1 -p 5432
+
+if ! mariadb -uroot -h127.0.0.1 -e 'SELECT 1' >/dev/null 2>&1; then
+  echo "starting MariaDB"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
+fi
+wait_for MariaDB mariadb -uroot -h127.0.0.1 -e 'SELECT 1'
+
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  echo "starting Redis"
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log || true
+fi
+wait_for Redis redis-cli -h 127.0.0.1 -p 6379 ping
