@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::ledger::{LedgerSettings, ReaperSettings};
 use crate::store::PoolSettings;
 
 /// Where the ledger keeps its data.
@@ -23,6 +24,10 @@ pub struct DatabaseSettings {
         default_value_t = 5_000
     )]
     pub pool_acquire_timeout_ms: u64,
+    /// Milliseconds a call waits for a row lock, or for a concurrent request with the same
+    /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
+    #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
+    pub lock_timeout_ms: u64,
 }
 
 impl DatabaseSettings {
@@ -30,6 +35,65 @@ impl DatabaseSettings {
         PoolSettings {
             max_connections: self.pool_size.max(1),
             acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
+            lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
+        }
+    }
+}
+
+/// Idempotency keys, one-time tokens and the reaper that deletes them once expired.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IdempotencySettings {
+    /// Where one-time tokens live: `database` (consumed in the business transaction) or a
+    /// Redis URL such as `redis://127.0.0.1:6379` (see README, "One-time tokens").
+    #[arg(long, env = "PAYLEDGER_TOKEN_STORE", default_value = "database")]
+    pub token_store: String,
+    /// Seconds an `idempotency-key` is kept (default 24 hours).
+    #[arg(
+        long,
+        env = "PAYLEDGER_IDEMPOTENCY_KEY_TTL_SECONDS",
+        default_value_t = 86_400
+    )]
+    pub idempotency_key_ttl_seconds: u64,
+    /// Seconds an issued one-time token stays valid.
+    #[arg(long, env = "PAYLEDGER_TOKEN_TTL_SECONDS", default_value_t = 300)]
+    pub token_ttl_seconds: u64,
+    /// Seconds between two sweeps of the reaper.
+    #[arg(long, env = "PAYLEDGER_REAPER_INTERVAL_SECONDS", default_value_t = 60)]
+    pub reaper_interval_seconds: u64,
+    /// Most expired rows one reaper DELETE removes.
+    #[arg(long, env = "PAYLEDGER_REAPER_BATCH_SIZE", default_value_t = 500)]
+    pub reaper_batch_size: u32,
+    /// Milliseconds the reaper pauses between two batches.
+    #[arg(long, env = "PAYLEDGER_REAPER_PAUSE_MS", default_value_t = 50)]
+    pub reaper_pause_ms: u64,
+}
+
+impl Default for IdempotencySettings {
+    fn default() -> Self {
+        Self {
+            token_store: "database".to_owned(),
+            idempotency_key_ttl_seconds: 86_400,
+            token_ttl_seconds: 300,
+            reaper_interval_seconds: 60,
+            reaper_batch_size: 500,
+            reaper_pause_ms: 50,
+        }
+    }
+}
+
+impl IdempotencySettings {
+    pub fn ledger(&self) -> LedgerSettings {
+        LedgerSettings {
+            key_ttl: Duration::from_secs(self.idempotency_key_ttl_seconds),
+            token_ttl: Duration::from_secs(self.token_ttl_seconds.max(1)),
+        }
+    }
+
+    pub fn reaper(&self) -> ReaperSettings {
+        ReaperSettings {
+            interval: Duration::from_secs(self.reaper_interval_seconds.max(1)),
+            batch_size: self.reaper_batch_size.max(1),
+            pause: Duration::from_millis(self.reaper_pause_ms),
         }
     }
 }
@@ -42,6 +106,8 @@ pub struct ServeSettings {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub database: DatabaseSettings,
+    #[command(flatten)]
+    pub idempotency: IdempotencySettings,
     /// Seconds that calls in flight get to finish after SIGTERM or SIGINT.
     #[arg(long, env = "PAYLEDGER_SHUTDOWN_GRACE_SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,

@@ -10,7 +10,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Response, Status};
 use tonic_types::StatusExt;
 
-use crate::config::DatabaseSettings;
+use crate::config::{DatabaseSettings, IdempotencySettings};
 use crate::grpc::REPLAYED_HEADER;
 use crate::proto::account_service_client::AccountServiceClient;
 use crate::proto::payment_service_client::PaymentServiceClient;
@@ -48,8 +48,9 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 database_url,
                 pool_size: 4,
                 pool_acquire_timeout_ms: 5_000,
+                lock_timeout_ms: 5_000,
             };
-            let ledger = open_ledger(&database).await?;
+            let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let application =
                 Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));

@@ -93,6 +93,13 @@ pub enum Error {
         key: ReusedKey,
         fields: Vec<&'static str>,
     },
+    /// The `idempotency-key` was used before for another request (`fields` lists what
+    /// differs, or `method`). ALREADY_EXISTS.
+    #[error("idempotency-key was already used with a different {}", .fields.join(", "))]
+    IdempotencyKeyReused { fields: Vec<String> },
+    /// The `idempotency-token` was consumed by another request. ALREADY_EXISTS.
+    #[error("idempotency-token was already used with a different {}", .fields.join(", "))]
+    TokenReused { fields: Vec<String> },
     /// A business rule refuses the request in the current state. FAILED_PRECONDITION.
     #[error(transparent)]
     Rejected(#[from] Rejection),
@@ -102,6 +109,9 @@ pub enum Error {
     /// The database failed; `classify` tells whether it is unreachable, transient or a bug.
     #[error("database error")]
     Database(#[from] sqlx::Error),
+    /// The Redis token store failed. UNAVAILABLE.
+    #[error("token store error")]
+    TokenStore(#[from] redis::RedisError),
     /// A bug or an impossible state. INTERNAL.
     #[error("internal error: {0}")]
     Internal(String),
@@ -136,6 +146,25 @@ impl From<Error> for Status {
                 details.set_error_info(key.reason(), ERROR_DOMAIN, metadata);
                 (Code::AlreadyExists, key.reason(), error.to_string())
             }
+            Error::IdempotencyKeyReused { fields } | Error::TokenReused { fields } => {
+                let reason = if matches!(error, Error::TokenReused { .. }) {
+                    "TOKEN_REUSED"
+                } else {
+                    "IDEMPOTENCY_KEY_REUSED"
+                };
+                let metadata = HashMap::from([("fields".to_owned(), fields.join(","))]);
+                details.set_error_info(reason, ERROR_DOMAIN, metadata);
+                (Code::AlreadyExists, reason, error.to_string())
+            }
+            Error::TokenStore(redis_error) => {
+                tracing::warn!(error = %redis_error, "token store unavailable");
+                details.set_retry_info(Some(RETRY_DELAY));
+                (
+                    Code::Unavailable,
+                    "TOKEN_STORE_UNAVAILABLE",
+                    "token store unavailable; retry".to_owned(),
+                )
+            }
             Error::Rejected(rejection) => (
                 Code::FailedPrecondition,
                 rejection.reason(),
@@ -153,6 +182,15 @@ impl From<Error> for Status {
                         Code::Unavailable,
                         "DATABASE_UNAVAILABLE",
                         "database unavailable; retry with the same key".to_owned(),
+                    )
+                }
+                Fault::LockTimeout => {
+                    tracing::info!(error = %db_error, "lock wait timed out");
+                    details.set_retry_info(Some(RETRY_DELAY));
+                    (
+                        Code::Aborted,
+                        "LOCK_TIMEOUT",
+                        "timed out waiting for a concurrent request with the same key or account; retry with the same key".to_owned(),
                     )
                 }
                 Fault::Transient => {

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use payledger::config::{DatabaseSettings, LogSettings, ServeSettings};
+use payledger::config::{DatabaseSettings, IdempotencySettings, LogSettings, ServeSettings};
 use payledger::startup::{open_ledger, shutdown_signal, Application};
 use payledger::{demo, telemetry};
 
@@ -67,7 +67,7 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
 }
 
 async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
-    let ledger = open_ledger(&settings).await?;
+    let ledger = open_ledger(&settings, &IdempotencySettings::default()).await?;
     let violations = ledger.audit().await?;
     for violation in &violations {
         println!(

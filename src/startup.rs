@@ -9,9 +9,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-use crate::config::{DatabaseSettings, ServeSettings};
+use crate::config::{DatabaseSettings, IdempotencySettings, ServeSettings};
 use crate::grpc::{AccountApi, PaymentApi};
-use crate::ledger::Ledger;
+use crate::ledger::{spawn_reaper, Ledger, ReaperSettings, TokenStore};
 use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
 use crate::proto::payment_service_server::PaymentServiceServer;
@@ -28,18 +28,26 @@ pub enum StartupError {
     Bind(SocketAddr, #[source] std::io::Error),
     #[error("cannot build the reflection service")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("cannot reach the token store: {0}")]
+    TokenStore(String),
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
 
-/// Connects to the database and applies its migrations.
+/// Connects to the database (applying its migrations) and to the token store.
 ///
 /// # Errors
-/// [`StartupError::Database`].
-pub async fn open_ledger(settings: &DatabaseSettings) -> Result<Ledger, StartupError> {
-    let store = Store::connect(&settings.database_url, &settings.pool()).await?;
+/// [`StartupError::Database`], [`StartupError::TokenStore`].
+pub async fn open_ledger(
+    database: &DatabaseSettings,
+    idempotency: &IdempotencySettings,
+) -> Result<Ledger, StartupError> {
+    let store = Store::connect(&database.database_url, &database.pool()).await?;
     store.migrate().await?;
-    Ok(Ledger::new(store))
+    let tokens = TokenStore::connect(&idempotency.token_store)
+        .await
+        .map_err(|error| StartupError::TokenStore(error.to_string()))?;
+    Ok(Ledger::with_settings(store, tokens, idempotency.ledger()))
 }
 
 /// A ready server: database migrated, port bound.
@@ -47,21 +55,23 @@ pub struct Application {
     listener: TcpListener,
     ledger: Ledger,
     shutdown_grace: Duration,
+    reaper: ReaperSettings,
 }
 
 impl Application {
     /// # Errors
     /// [`StartupError`] when the database or the port cannot be had.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        let ledger = open_ledger(&settings.database).await?;
+        let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
         let listener = TcpListener::bind(settings.listen)
             .await
             .map_err(|error| StartupError::Bind(settings.listen, error))?;
-        Ok(Self::with_listener(
+        let application = Self::with_listener(
             listener,
             ledger,
             Duration::from_secs(settings.shutdown_grace_seconds),
-        ))
+        );
+        Ok(application.with_reaper(settings.idempotency.reaper()))
     }
 
     /// A server on an already bound listener (tests bind port 0).
@@ -70,7 +80,14 @@ impl Application {
             listener,
             ledger,
             shutdown_grace,
+            reaper: ReaperSettings::default(),
         }
+    }
+
+    /// Replaces the reaper's schedule (the default sweeps every minute).
+    pub fn with_reaper(mut self, reaper: ReaperSettings) -> Self {
+        self.reaper = reaper;
+        self
     }
 
     /// The bound address (the real port when bound to port 0).
@@ -100,7 +117,9 @@ impl Application {
             listener,
             ledger,
             shutdown_grace,
+            reaper,
         } = self;
+        let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
         health
             .set_serving::<AccountServiceServer<AccountApi>>()
@@ -135,7 +154,10 @@ impl Application {
             });
         tokio::pin!(server);
         tokio::select! {
-            result = &mut server => return Ok(result?),
+            result = &mut server => {
+                reaper.abort();
+                return Ok(result?);
+            }
             () = shutdown => {}
         }
         tracing::info!(
@@ -152,6 +174,7 @@ impl Application {
                 .await;
         }
         let _ = stop_accepting.send(());
+        reaper.abort();
         match tokio::time::timeout(shutdown_grace, server).await {
             Ok(result) => result?,
             Err(_) => tracing::warn!(

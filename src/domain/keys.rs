@@ -81,6 +81,59 @@ business_number!(
     RequestId
 );
 
+/// A client-supplied idempotency key (the `idempotency-key` header): 1-128 printable ASCII
+/// characters (0x20-0x7E).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// The longest key, in characters.
+    pub const LEN_MAX: usize = 128;
+
+    /// # Errors
+    /// A [`FieldViolation`] on `field` when the key is empty, too long or not printable ASCII.
+    pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
+        if raw.is_empty() || raw.len() > Self::LEN_MAX {
+            return Err(FieldViolation::new(
+                field,
+                format!("must be 1-{} characters", Self::LEN_MAX),
+            ));
+        }
+        if !raw.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
+            return Err(FieldViolation::new(field, "must be printable ASCII"));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A server-issued one-time token (the `idempotency-token` header): 16-64 characters of
+/// `[A-Za-z0-9_-]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct OneTimeToken(String);
+
+impl OneTimeToken {
+    /// # Errors
+    /// A [`FieldViolation`] on `field` when the text cannot be a token of this service.
+    pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
+        let allowed = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
+        if !(16..=64).contains(&raw.len()) || !raw.bytes().all(allowed) {
+            return Err(FieldViolation::new(
+                field,
+                "is not a token issued by IssueToken",
+            ));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 /// Free text such as an order subject or a refund reason: at most 256 characters, no
 /// control characters. May be empty.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,6 +189,25 @@ mod tests {
     fn business_number_of_65_characters_is_rejected() {
         assert!(MerchantId::parse("merchant_id", &"a".repeat(64)).is_ok());
         assert!(MerchantId::parse("merchant_id", &"a".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn idempotency_key_is_1_to_128_printable_ascii_characters() {
+        assert!(IdempotencyKey::parse("idempotency-key", "a b~!").is_ok());
+        assert!(IdempotencyKey::parse("idempotency-key", &"k".repeat(128)).is_ok());
+        for raw in ["", "tab\there", "caf\u{e9}", &"k".repeat(129)] {
+            assert!(
+                IdempotencyKey::parse("idempotency-key", raw).is_err(),
+                "{raw:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn token_text_is_checked_before_any_lookup() {
+        assert!(OneTimeToken::parse("idempotency-token", "abcdefghijklmnop").is_ok());
+        assert!(OneTimeToken::parse("idempotency-token", "short").is_err());
+        assert!(OneTimeToken::parse("idempotency-token", "abcdefghijklmnop!").is_err());
     }
 
     #[test]

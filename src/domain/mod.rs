@@ -8,8 +8,8 @@ mod money;
 mod order;
 
 pub use keys::{
-    AccountId, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId,
-    BUSINESS_NO_LEN_MAX,
+    AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
+    OutTradeNo, RequestId, BUSINESS_NO_LEN_MAX,
 };
 pub use money::{format_minor, Amount, Currency, AMOUNT_MINOR_UNITS_MAX, BALANCE_MINOR_UNITS_MAX};
 pub use order::{OrderEvent, OrderState, OrderStatus, Transition};
@@ -60,6 +60,8 @@ pub enum Rejection {
     PayerIsPayee,
     #[error("the balance would exceed the largest balance the ledger holds")]
     BalanceLimitExceeded,
+    #[error("the idempotency token is unknown, expired or issued to another merchant")]
+    TokenInvalid,
 }
 
 impl Rejection {
@@ -75,6 +77,7 @@ impl Rejection {
             Rejection::AmountMismatch => "AMOUNT_MISMATCH",
             Rejection::PayerIsPayee => "PAYER_IS_PAYEE",
             Rejection::BalanceLimitExceeded => "BALANCE_LIMIT_EXCEEDED",
+            Rejection::TokenInvalid => "TOKEN_INVALID",
         }
     }
 }

@@ -27,10 +27,15 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::OpenAccountRequest>,
     ) -> Result<Response<proto::OpenAccountResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let command = decode::open_account(request.into_inner())?;
         let span = info_span!("OpenAccount", account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.open_account(command).await }).await?;
+        let answer = run_detached(
+            span,
+            async move { ledger.open_account(command, &guards).await },
+        )
+        .await?;
         reply_replayable(answer, |account| {
             Ok(proto::OpenAccountResponse {
                 account: Some(encode::account(account)?),
@@ -42,10 +47,12 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::DepositRequest>,
     ) -> Result<Response<proto::DepositResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let command = decode::deposit(request.into_inner())?;
         let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.deposit(command).await }).await?;
+        let answer =
+            run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::DepositResponse {
                 account: Some(encode::account(receipt.account)?),
@@ -95,5 +102,24 @@ impl AccountService for AccountApi {
             },
             false,
         ))
+    }
+
+    async fn transfer(
+        &self,
+        request: Request<proto::TransferRequest>,
+    ) -> Result<Response<proto::TransferResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
+        let command = decode::transfer(request.into_inner())?;
+        let span = info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
+        let ledger = self.ledger.clone();
+        let answer =
+            run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
+        reply_replayable(answer, |receipt| {
+            Ok(proto::TransferResponse {
+                transfer: Some(encode::transfer(receipt.transfer)?),
+                from_entry: Some(encode::entry(receipt.from_entry)?),
+                to_entry: Some(encode::entry(receipt.to_entry)?),
+            })
+        })
     }
 }

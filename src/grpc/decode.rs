@@ -3,11 +3,14 @@
 //! request are reported together.
 
 use crate::domain::{
-    AccountId, Amount, Currency, FieldViolation, FreeText, MerchantId, OrderNo, OutRefundNo,
-    OutTradeNo, RequestId,
+    AccountId, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId,
+    OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
 };
 use crate::error::Error;
-use crate::ledger::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund};
+use crate::ledger::{
+    CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
+    IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
+};
 use crate::proto;
 
 /// Collects the violations of one request.
@@ -270,6 +273,85 @@ pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKe
     };
     match (merchant_id, key) {
         (Some(merchant_id), Some(key)) => Ok((merchant_id, key)),
+        _ => Err(v.into_error()),
+    }
+}
+
+/// The `idempotency-key` and `idempotency-token` request headers.
+pub(super) fn guards(metadata: &tonic::metadata::MetadataMap) -> Result<Guards, Error> {
+    let mut v = Violations::default();
+    let header = |name: &'static str, v: &mut Violations| -> Option<String> {
+        let value = metadata.get(name)?;
+        v.check(
+            value
+                .to_str()
+                .map(str::to_owned)
+                .map_err(|_| FieldViolation::new(name, "must be printable ASCII")),
+        )
+    };
+    let idempotency_key = header(IDEMPOTENCY_KEY_HEADER, &mut v)
+        .and_then(|raw| v.check(IdempotencyKey::parse(IDEMPOTENCY_KEY_HEADER, &raw)));
+    let token = header(IDEMPOTENCY_TOKEN_HEADER, &mut v)
+        .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, &raw)));
+    if v.0.is_empty() {
+        Ok(Guards {
+            idempotency_key,
+            token,
+        })
+    } else {
+        Err(v.into_error())
+    }
+}
+
+pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Error> {
+    let proto::TransferRequest {
+        from_account_id,
+        to_account_id,
+        amount,
+        currency,
+        memo,
+    } = request;
+    let mut v = Violations::default();
+    let from_account_id = v.check(AccountId::parse("from_account_id", &from_account_id));
+    let to_account_id = v.check(AccountId::parse("to_account_id", &to_account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    let memo = v.check(FreeText::parse("memo", &memo));
+    if let (Some(from), Some(to)) = (&from_account_id, &to_account_id) {
+        if from == to {
+            v.check::<()>(Err(FieldViolation::new(
+                "to_account_id",
+                "must differ from from_account_id",
+            )));
+        }
+    }
+    match (from_account_id, to_account_id, amount, memo) {
+        (Some(from_account_id), Some(to_account_id), Some(amount), Some(memo))
+            if v.0.is_empty() =>
+        {
+            Ok(Transfer {
+                from_account_id,
+                to_account_id,
+                amount,
+                memo,
+            })
+        }
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn issue_token(
+    request: proto::IssueTokenRequest,
+) -> Result<(MerchantId, FreeText), Error> {
+    let proto::IssueTokenRequest {
+        merchant_id,
+        purpose,
+    } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let purpose = v.check(FreeText::parse("purpose", &purpose));
+    match (merchant_id, purpose) {
+        (Some(merchant_id), Some(purpose)) => Ok((merchant_id, purpose)),
         _ => Err(v.into_error()),
     }
 }

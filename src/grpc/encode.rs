@@ -4,7 +4,7 @@ use prost_types::Timestamp;
 
 use crate::domain::{format_minor, Currency, OrderStatus};
 use crate::error::Error;
-use crate::ledger::records::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow};
+use crate::ledger::records::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
 use crate::proto;
 
 /// Minor units of a stored currency code as a decimal string.
@@ -16,7 +16,7 @@ fn money(minor_units: i64, currency_code: &str) -> Result<String, Error> {
 }
 
 /// Microseconds since the Unix epoch as a protobuf Timestamp.
-fn timestamp(micros: i64) -> Option<Timestamp> {
+pub(super) fn timestamp(micros: i64) -> Option<Timestamp> {
     let nanos = i32::try_from(micros.rem_euclid(1_000_000) * 1_000).unwrap_or(0);
     Some(Timestamp {
         seconds: micros.div_euclid(1_000_000),
@@ -40,6 +40,7 @@ pub(super) fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
         "DEPOSIT" => proto::EntryKind::Deposit,
         "PAY" => proto::EntryKind::Pay,
         "REFUND" => proto::EntryKind::Refund,
+        "TRANSFER" => proto::EntryKind::Transfer,
         _ => proto::EntryKind::Unspecified,
     };
     Ok(proto::Entry {
@@ -107,5 +108,17 @@ pub(super) fn refund(row: RefundRow) -> Result<proto::Refund, Error> {
         created_at: timestamp(row.created_at),
         merchant_id: row.merchant_id,
         order_no: row.order_no,
+    })
+}
+
+pub(super) fn transfer(row: TransferRow) -> Result<proto::Transfer, Error> {
+    Ok(proto::Transfer {
+        amount: money(row.amount, &row.currency)?,
+        transfer_id: row.transfer_id,
+        from_account_id: row.from_account_id,
+        to_account_id: row.to_account_id,
+        currency: row.currency,
+        memo: row.memo,
+        created_at: timestamp(row.created_at),
     })
 }

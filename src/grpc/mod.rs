@@ -19,6 +19,8 @@ use crate::ledger::Replayable;
 
 /// Response metadata header set to `true` on an answer replayed from an earlier call.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// Response metadata header: until when the call's `idempotency-key` is kept (RFC 3339).
+pub const KEY_EXPIRES_HEADER: &str = "idempotency-expires-at";
 
 /// Runs a use case on its own task, so that a client that cancels or whose deadline passes
 /// (tonic then drops the handler future) cannot cut a transaction in half: the task runs to
@@ -58,10 +60,19 @@ fn reply<T>(message: T, replayed: bool) -> Response<T> {
     response
 }
 
-/// Encodes a replayable use-case answer.
+/// Encodes a replayable use-case answer, with the replay and key-expiry headers.
 fn reply_replayable<T, M>(
     answer: Replayable<T>,
     encode: impl FnOnce(T) -> Result<M, Error>,
 ) -> Result<Response<M>, Status> {
-    Ok(reply(encode(answer.value)?, answer.replayed))
+    let mut response = reply(encode(answer.value)?, answer.replayed);
+    if let Some(expires_at) = answer.key_expires_at {
+        let text = encode::timestamp(expires_at)
+            .map(|timestamp| timestamp.to_string())
+            .unwrap_or_default();
+        if let Ok(value) = MetadataValue::try_from(text) {
+            response.metadata_mut().insert(KEY_EXPIRES_HEADER, value);
+        }
+    }
+    Ok(response)
 }

@@ -27,10 +27,15 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CreateOrderRequest>,
     ) -> Result<Response<proto::CreateOrderResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let command = decode::create_order(request.into_inner())?;
         let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.create_order(command).await }).await?;
+        let answer = run_detached(
+            span,
+            async move { ledger.create_order(command, &guards).await },
+        )
+        .await?;
         reply_replayable(answer, |order| {
             Ok(proto::CreateOrderResponse {
                 order: Some(encode::order(order)?),
@@ -42,11 +47,12 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CloseOrderRequest>,
     ) -> Result<Response<proto::CloseOrderResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
         let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move {
-            ledger.close_order(&merchant_id, &order_no).await
+            ledger.close_order(&merchant_id, &order_no, &guards).await
         })
         .await?;
         reply_replayable(answer, |order| {
@@ -60,10 +66,11 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::PayRequest>,
     ) -> Result<Response<proto::PayResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let command = decode::pay(request.into_inner())?;
         let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.pay(command).await }).await?;
+        let answer = run_detached(span, async move { ledger.pay(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::PayResponse {
                 payment: Some(encode::payment(receipt.payment)?),
@@ -76,10 +83,12 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::RefundRequest>,
     ) -> Result<Response<proto::RefundResponse>, Status> {
+        let guards = decode::guards(request.metadata())?;
         let command = decode::refund(request.into_inner())?;
         let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.refund(command).await }).await?;
+        let answer =
+            run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::RefundResponse {
                 refund: Some(encode::refund(receipt.refund)?),
@@ -117,5 +126,25 @@ impl PaymentService for PaymentApi {
                 .collect::<Result<_, _>>()?,
         };
         Ok(reply(response, false))
+    }
+
+    async fn issue_token(
+        &self,
+        request: Request<proto::IssueTokenRequest>,
+    ) -> Result<Response<proto::IssueTokenResponse>, Status> {
+        let (merchant_id, purpose) = decode::issue_token(request.into_inner())?;
+        let span = info_span!("IssueToken", merchant_id = %merchant_id);
+        let ledger = self.ledger.clone();
+        let issued = run_detached(span, async move {
+            ledger.issue_token(&merchant_id, &purpose).await
+        })
+        .await?;
+        Ok(reply(
+            proto::IssueTokenResponse {
+                token: issued.token,
+                expires_at: encode::timestamp(issued.expires_at),
+            },
+            false,
+        ))
     }
 }

@@ -1,20 +1,31 @@
 //! Accounts: open, deposit, read, list the journal.
 
-use crate::domain::AccountId;
+use crate::domain::{AccountId, FieldViolation, FreeText, MerchantId};
 use crate::error::{Error, Resource, ReusedKey};
-use crate::store::{AccountRow, DepositRow, EntryRow, Queries};
+use crate::store::{AccountRow, DepositRow, EntryRow, Queries, TransferRow};
 
-use super::commands::{Deposit, ListEntries, OpenAccount};
+use super::commands::{Deposit, ListEntries, OpenAccount, Transfer};
+use super::guards::{Call, Guards, Opened, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use super::tokens::IssuedToken;
 use super::transaction::in_transaction;
 use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
 
 /// The answer to a Deposit: the account as it stood right after the deposit, and the entry
 /// that credited it. A replay rebuilds exactly the same answer from the stored entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DepositReceipt {
     pub account: AccountRow,
     pub entry: EntryRow,
+}
+
+/// The answer to a Transfer: the transfer and its two entries (each with the balance right
+/// after it).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransferReceipt {
+    pub transfer: TransferRow,
+    pub from_entry: EntryRow,
+    pub to_entry: EntryRow,
 }
 
 /// One page of journal entries, newest first.
@@ -33,10 +44,24 @@ impl Ledger {
     pub async fn open_account(
         &self,
         command: OpenAccount,
+        guards: &Guards,
     ) -> Result<Replayable<AccountRow>, Error> {
+        let call = Call::new(
+            "OpenAccount",
+            Scope::Account(&command.account_id),
+            &[
+                ("account_id", command.account_id.to_string()),
+                ("currency", command.currency.to_string()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
         if let Some(account) = self.open_account_replay(&command).await? {
-            return Ok(Replayable::replayed(account));
+            return Ok(self.natural_replay(account));
         }
+        session.reserve_token().await?;
         let now = now_micros();
         let code = command.currency.code();
         let account = AccountRow {
@@ -50,19 +75,26 @@ impl Ledger {
         };
         let outcome = in_transaction!(self.store, tx => {
             let mut queries = tx.queries();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
             let external_id = external_account_id(code);
             if queries.find_account(&external_id).await?.is_none() {
                 let external = AccountRow { account_id: external_id, kind: KIND_EXTERNAL.to_owned(), ..account.clone() };
                 queries.insert_account(&external).await?;
             }
-            Ok(if queries.insert_account(&account).await? { Inserted::Done(()) } else { Inserted::KeyTaken })
-        })?;
-        match outcome {
-            Inserted::Done(()) => Ok(Replayable::fresh(account)),
-            Inserted::KeyTaken => self
+            if !queries.insert_account(&account).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            session.complete(&mut queries, &account).await?;
+            Ok(Inserted::Done(account.clone()))
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => self
                 .open_account_replay(&command)
                 .await?
-                .map(Replayable::replayed)
+                .map(|account| self.natural_replay(account))
                 .ok_or_else(key_vanished),
         }
     }
@@ -81,10 +113,10 @@ impl Ledger {
         };
         let fields = differing_fields(&[("currency", account.currency == command.currency.code())]);
         if !fields.is_empty() {
-            return Err(Error::KeyReused {
+            return Err(self.natural_conflict(Error::KeyReused {
                 key: ReusedKey::AccountId,
                 fields,
-            });
+            }));
         }
         Ok(Some(account))
     }
@@ -94,14 +126,36 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
     /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
-    pub async fn deposit(&self, command: Deposit) -> Result<Replayable<DepositReceipt>, Error> {
+    pub async fn deposit(
+        &self,
+        command: Deposit,
+        guards: &Guards,
+    ) -> Result<Replayable<DepositReceipt>, Error> {
+        let call = Call::new(
+            "Deposit",
+            Scope::Account(&command.account_id),
+            &[
+                ("request_id", command.request_id.to_string()),
+                ("account_id", command.account_id.to_string()),
+                ("amount", command.amount.minor_units().to_string()),
+                ("currency", command.amount.currency().to_string()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
         if let Some(receipt) = self.deposit_replay(&command).await? {
-            return Ok(Replayable::replayed(receipt));
+            return Ok(self.natural_replay(receipt));
         }
+        session.reserve_token().await?;
         let deposit_id = new_id('D');
+        let now = now_micros();
         let outcome = in_transaction!(self.store, tx => {
             let mut queries = tx.queries();
-            let now = now_micros();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
             let account_id = command.account_id.as_str();
             let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
             if account.currency != command.amount.currency().code() {
@@ -129,14 +183,16 @@ impl Ledger {
                 now,
             };
             post(&mut queries, &posting).await?;
-            Ok(Inserted::Done(deposit_receipt(&mut queries, account, &deposit_id).await?))
-        })?;
-        match outcome {
-            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
-            Inserted::KeyTaken => self
+            let receipt = deposit_receipt(&mut queries, account, &deposit_id).await?;
+            session.complete(&mut queries, &receipt).await?;
+            Ok(Inserted::Done(receipt))
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => self
                 .deposit_replay(&command)
                 .await?
-                .map(Replayable::replayed)
+                .map(|receipt| self.natural_replay(receipt))
                 .ok_or_else(key_vanished),
         }
     }
@@ -159,10 +215,10 @@ impl Ledger {
             ),
         ]);
         if !fields.is_empty() {
-            return Err(Error::KeyReused {
+            return Err(self.natural_conflict(Error::KeyReused {
                 key: ReusedKey::RequestId,
                 fields,
-            });
+            }));
         }
         let account = queries
             .find_account(&deposit.account_id)
@@ -171,6 +227,98 @@ impl Ledger {
         Ok(Some(
             deposit_receipt(&mut queries, account, &deposit.deposit_id).await?,
         ))
+    }
+
+    /// Moves money between two accounts of one currency. Transfers have no natural key, so
+    /// the call must carry an `idempotency-key`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] without an idempotency key; [`Error::NotFound`] (account);
+    /// [`crate::domain::Rejection`]s INSUFFICIENT_FUNDS, CURRENCY_MISMATCH;
+    /// [`Error::IdempotencyKeyReused`].
+    pub async fn transfer(
+        &self,
+        command: Transfer,
+        guards: &Guards,
+    ) -> Result<Replayable<TransferReceipt>, Error> {
+        if guards.idempotency_key.is_none() {
+            return Err(FieldViolation::new(
+                IDEMPOTENCY_KEY_HEADER,
+                "is required on Transfer, which has no natural key",
+            )
+            .into());
+        }
+        let call = Call::new(
+            "Transfer",
+            Scope::Account(&command.from_account_id),
+            &[
+                ("from_account_id", command.from_account_id.to_string()),
+                ("to_account_id", command.to_account_id.to_string()),
+                ("amount", command.amount.minor_units().to_string()),
+                ("currency", command.amount.currency().to_string()),
+                ("memo", command.memo.as_str().to_owned()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
+        session.reserve_token().await?;
+        let transfer_id = new_id('X');
+        let now = now_micros();
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            let transfer = TransferRow {
+                transfer_id: transfer_id.clone(),
+                from_account_id: command.from_account_id.as_str().to_owned(),
+                to_account_id: command.to_account_id.as_str().to_owned(),
+                amount: command.amount.minor_units(),
+                currency: command.amount.currency().code().to_owned(),
+                memo: command.memo.as_str().to_owned(),
+                created_at: now,
+            };
+            let posting = Posting {
+                posting_id: &transfer_id,
+                kind: EntryKind::Transfer,
+                reference: &transfer_id,
+                from_account_id: &transfer.from_account_id,
+                to_account_id: &transfer.to_account_id,
+                amount: command.amount,
+                now,
+            };
+            post(&mut queries, &posting).await?;
+            queries.insert_transfer(&transfer).await?;
+            let missing = || Error::Internal("a transfer's entry is missing".into());
+            let from_entry = queries.find_entry(&transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
+            let to_entry = queries.find_entry(&transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
+            let receipt = TransferReceipt { transfer, from_entry, to_entry };
+            session.complete(&mut queries, &receipt).await?;
+            Ok(Inserted::Done(receipt))
+        });
+        session.settle(outcome, now).await?.ok_or_else(key_vanished)
+    }
+
+    /// Issues a one-time token to `merchant_id` for the `idempotency-token` header.
+    ///
+    /// # Errors
+    /// [`Error::Database`] or [`Error::TokenStore`].
+    pub async fn issue_token(
+        &self,
+        merchant_id: &MerchantId,
+        purpose: &FreeText,
+    ) -> Result<IssuedToken, Error> {
+        self.tokens
+            .issue(
+                &self.store,
+                merchant_id,
+                purpose.as_str(),
+                now_micros(),
+                self.settings.token_ttl,
+            )
+            .await
     }
 
     /// # Errors

@@ -65,3 +65,12 @@ pub enum QueryKey {
     OrderNo(OrderNo),
     OutRefundNo(OutRefundNo),
 }
+
+#[derive(Debug, Clone)]
+pub struct Transfer {
+    pub from_account_id: AccountId,
+    /// Differs from `from_account_id` (checked at the edge).
+    pub to_account_id: AccountId,
+    pub amount: Amount,
+    pub memo: FreeText,
+}

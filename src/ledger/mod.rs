@@ -19,58 +19,150 @@
 
 mod accounts;
 mod commands;
+mod guards;
 mod payments;
 mod posting;
-
+mod reaper;
+mod tokens;
 mod transaction;
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use accounts::{DepositReceipt, EntryPage};
-pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund};
+pub use accounts::{DepositReceipt, EntryPage, TransferReceipt};
+pub use commands::{
+    CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
+};
+pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
+pub use reaper::{spawn_reaper, ReapReport, ReaperSettings};
+pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
 use crate::store::{AuditViolation, Store};
 
 /// Stored records, as the use cases return them.
 pub mod records {
-    pub use crate::store::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow};
+    pub use crate::store::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
 }
 
-/// The value of a mutating call, and whether it was replayed from an earlier call with the
-/// same key (then the transport adds `idempotent-replayed: true`).
+/// The value of a mutating call, whether it was replayed from an earlier call with the same
+/// key (then the transport adds `idempotent-replayed: true`), and until when the call's
+/// `idempotency-key` is kept (microseconds since the Unix epoch; `None` without a key).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Replayable<T> {
     pub value: T,
     pub replayed: bool,
+    pub key_expires_at: Option<i64>,
 }
 
-impl<T> Replayable<T> {
-    fn fresh(value: T) -> Self {
-        Self {
-            value,
-            replayed: false,
-        }
-    }
+/// Lifetimes of idempotency keys and one-time tokens.
+#[derive(Debug, Clone)]
+pub struct LedgerSettings {
+    /// How long an `idempotency-key` record is kept (default 24 hours). After that a retry
+    /// is still stopped by the natural key (out_trade_no, out_refund_no, request_id...).
+    pub key_ttl: Duration,
+    /// How long an issued one-time token stays valid (default 5 minutes).
+    pub token_ttl: Duration,
+}
 
-    fn replayed(value: T) -> Self {
+impl Default for LedgerSettings {
+    fn default() -> Self {
         Self {
-            value,
-            replayed: true,
+            key_ttl: Duration::from_secs(24 * 60 * 60),
+            token_ttl: Duration::from_secs(5 * 60),
         }
     }
+}
+
+impl LedgerSettings {
+    fn key_ttl_micros(&self) -> i64 {
+        i64::try_from(self.key_ttl.as_micros()).unwrap_or(i64::MAX)
+    }
+}
+
+/// Counters of the idempotency machinery, ready for a metrics exporter.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Calls answered with an earlier call's result (any mechanism).
+    pub replays: AtomicU64,
+    /// Keys or tokens reused for a different request (ALREADY_EXISTS).
+    pub key_conflicts: AtomicU64,
+    /// Calls whose idempotency key or token was taken by a duplicate still in flight when
+    /// they arrived: they waited for its outcome.
+    pub in_flight_waits: AtomicU64,
+    /// One-time tokens consumed by a committed call.
+    pub token_consumptions: AtomicU64,
+    /// Expired idempotency records and tokens deleted by the reaper.
+    pub reaper_deletions: AtomicU64,
+}
+
+/// A copy of the [`Counters`] at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CountersSnapshot {
+    pub replays: u64,
+    pub key_conflicts: u64,
+    pub in_flight_waits: u64,
+    pub token_consumptions: u64,
+    pub reaper_deletions: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
 #[derive(Clone)]
 pub struct Ledger {
     store: Store,
+    tokens: TokenStore,
+    settings: LedgerSettings,
+    counters: Arc<Counters>,
 }
 
 impl Ledger {
+    /// A ledger with the database token store and default lifetimes.
     pub fn new(store: Store) -> Self {
-        Self { store }
+        Self::with_settings(store, TokenStore::Database, LedgerSettings::default())
+    }
+
+    pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
+        Self {
+            store,
+            tokens,
+            settings,
+            counters: Arc::default(),
+        }
+    }
+
+    /// The idempotency counters now.
+    pub fn counters(&self) -> CountersSnapshot {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let counters = &self.counters;
+        CountersSnapshot {
+            replays: read(&counters.replays),
+            key_conflicts: read(&counters.key_conflicts),
+            in_flight_waits: read(&counters.in_flight_waits),
+            token_consumptions: read(&counters.token_consumptions),
+            reaper_deletions: read(&counters.reaper_deletions),
+        }
+    }
+
+    pub fn token_store(&self) -> &TokenStore {
+        &self.tokens
+    }
+
+    /// Counts and marks a replay answered by a natural key (out_trade_no, request_id...).
+    fn natural_replay<T>(&self, value: T) -> Replayable<T> {
+        self.counters.replays.fetch_add(1, Ordering::Relaxed);
+        Replayable {
+            value,
+            replayed: true,
+            key_expires_at: None,
+        }
+    }
+
+    /// Counts a natural key reused with other parameters.
+    fn natural_conflict(&self, error: Error) -> Error {
+        self.counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
+        error
     }
 
     pub fn store(&self) -> &Store {

@@ -7,6 +7,7 @@ use crate::error::{Error, Resource, ReusedKey};
 use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
+use super::guards::{Call, Guards, Opened, Scope};
 use super::posting::{post, EntryKind, Posting};
 use super::transaction::{in_transaction, CAS_ATTEMPTS_MAX};
 use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
@@ -15,14 +16,14 @@ use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
 
 /// The answer to a Pay: the payment (as first recorded) and the order as it stands now.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PayReceipt {
     pub payment: PaymentRow,
     pub order: OrderRow,
 }
 
 /// The answer to a Refund: the refund (as first recorded) and the order as it stands now.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RefundReceipt {
     pub refund: RefundRow,
     pub order: OrderRow,
@@ -55,10 +56,30 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
     /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
-    pub async fn create_order(&self, command: CreateOrder) -> Result<Replayable<OrderRow>, Error> {
+    pub async fn create_order(
+        &self,
+        command: CreateOrder,
+        guards: &Guards,
+    ) -> Result<Replayable<OrderRow>, Error> {
+        let call = Call::new(
+            "CreateOrder",
+            Scope::Merchant(&command.merchant_id),
+            &[
+                ("order_no", command.order_no.to_string()),
+                ("payee_account_id", command.payee_account_id.to_string()),
+                ("amount", command.amount.minor_units().to_string()),
+                ("currency", command.amount.currency().to_string()),
+                ("subject", command.subject.as_str().to_owned()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
         if let Some(order) = self.create_order_replay(&command).await? {
-            return Ok(Replayable::replayed(order));
+            return Ok(self.natural_replay(order));
         }
+        session.reserve_token().await?;
         let now = now_micros();
         let order = OrderRow {
             merchant_id: command.merchant_id.as_str().to_owned(),
@@ -75,18 +96,25 @@ impl Ledger {
         };
         let outcome = in_transaction!(self.store, tx => {
             let mut queries = tx.queries();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
             let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
             if payee.currency != order.currency {
                 return Err(Rejection::CurrencyMismatch.into());
             }
-            Ok(if queries.insert_order(&order).await? { Inserted::Done(()) } else { Inserted::KeyTaken })
-        })?;
-        match outcome {
-            Inserted::Done(()) => Ok(Replayable::fresh(order)),
-            Inserted::KeyTaken => self
+            if !queries.insert_order(&order).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            session.complete(&mut queries, &order).await?;
+            Ok(Inserted::Done(order.clone()))
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => self
                 .create_order_replay(&command)
                 .await?
-                .map(Replayable::replayed)
+                .map(|order| self.natural_replay(order))
                 .ok_or_else(key_vanished),
         }
     }
@@ -113,10 +141,10 @@ impl Ledger {
             ("subject", order.subject == command.subject.as_str()),
         ]);
         if !fields.is_empty() {
-            return Err(Error::KeyReused {
+            return Err(self.natural_conflict(Error::KeyReused {
                 key: ReusedKey::OrderNo,
                 fields,
-            });
+            }));
         }
         Ok(Some(order))
     }
@@ -129,24 +157,52 @@ impl Ledger {
         &self,
         merchant_id: &MerchantId,
         order_no: &OrderNo,
+        guards: &Guards,
     ) -> Result<Replayable<OrderRow>, Error> {
+        let call = Call::new(
+            "CloseOrder",
+            Scope::Merchant(merchant_id),
+            &[("order_no", order_no.to_string())],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
+        session.reserve_token().await?;
         let (merchant_id, order_no) = (merchant_id.as_str(), order_no.as_str());
-        in_transaction!(self.store, tx => {
+        let now = now_micros();
+        let outcome = in_transaction!(self.store, tx => {
             let mut queries = tx.queries();
-            let now = now_micros();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
             let (pending, closed) = (OrderStatus::Pending.as_str(), OrderStatus::Closed.as_str());
             let moved = queries.transition_order(merchant_id, order_no, pending, 0, closed, 0, now).await?;
             let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-            if moved {
-                return Ok(Replayable::fresh(order));
+            if !moved {
+                match order_state(&order)?.apply(OrderEvent::Close)? {
+                    // Closing a closed order: nothing to write, answered as a replay.
+                    Transition::AlreadyApplied => return Ok(Inserted::KeyTaken),
+                    // Zero rows but PENDING now: it changed under us and changed back; cannot
+                    // happen with the transitions that exist, so report contention.
+                    Transition::To(_) => return Err(Error::Contention),
+                }
             }
-            match order_state(&order)?.apply(OrderEvent::Close)? {
-                Transition::AlreadyApplied => Ok(Replayable::replayed(order)),
-                // Zero rows but PENDING now: it changed under us and changed back; cannot
-                // happen with the transitions that exist, so report contention.
-                Transition::To(_) => Err(Error::Contention),
+            session.complete(&mut queries, &order).await?;
+            Ok(Inserted::Done(order))
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => {
+                let mut reader = self.store.reader().await?;
+                let order = reader
+                    .queries()
+                    .find_order(merchant_id, order_no)
+                    .await?
+                    .ok_or(Error::NotFound(Resource::Order))?;
+                Ok(self.natural_replay(order))
             }
-        })
+        }
     }
 
     /// Pays an order: the payer's money moves to the order's payee and the order moves from
@@ -156,16 +212,47 @@ impl Ledger {
     /// [`Error::NotFound`] (order or payer), [`Rejection`]s AMOUNT_MISMATCH,
     /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
     /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
-    pub async fn pay(&self, command: Pay) -> Result<Replayable<PayReceipt>, Error> {
+    pub async fn pay(
+        &self,
+        command: Pay,
+        guards: &Guards,
+    ) -> Result<Replayable<PayReceipt>, Error> {
+        let call = Call::new(
+            "Pay",
+            Scope::Merchant(&command.merchant_id),
+            &[
+                ("out_trade_no", command.out_trade_no.to_string()),
+                ("order_no", command.order_no.to_string()),
+                ("payer_account_id", command.payer_account_id.to_string()),
+                ("amount", command.amount.minor_units().to_string()),
+                ("currency", command.amount.currency().to_string()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
         if let Some(receipt) = self.pay_replay(&command).await? {
-            return Ok(Replayable::replayed(receipt));
+            return Ok(self.natural_replay(receipt));
         }
+        session.reserve_token().await?;
         let trade_no = new_id('T');
-        let outcome = in_transaction!(self.store, tx => { pay_in_transaction(&mut tx.queries(), &command, &trade_no).await })?;
-        match outcome {
-            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
-            Inserted::KeyTaken => match self.pay_replay(&command).await? {
-                Some(receipt) => Ok(Replayable::replayed(receipt)),
+        let now = now_micros();
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            let outcome = pay_in_transaction(&mut queries, &command, &trade_no, now).await?;
+            if let Inserted::Done(receipt) = &outcome {
+                session.complete(&mut queries, receipt).await?;
+            }
+            Ok(outcome)
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => match self.pay_replay(&command).await? {
+                Some(receipt) => Ok(self.natural_replay(receipt)),
                 // The taken key was the order's one payment, under another out_trade_no.
                 None => Err(Rejection::OrderAlreadyPaid.into()),
             },
@@ -195,10 +282,10 @@ impl Ledger {
             ),
         ]);
         if !fields.is_empty() {
-            return Err(Error::KeyReused {
+            return Err(self.natural_conflict(Error::KeyReused {
                 key: ReusedKey::OutTradeNo,
                 fields,
-            });
+            }));
         }
         let order = queries
             .find_order(merchant_id, &payment.order_no)
@@ -213,18 +300,49 @@ impl Ledger {
     /// [`Error::NotFound`] (PAYMENT_NOT_FOUND), [`Rejection`]s REFUND_EXCEEDS_PAID,
     /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
-    pub async fn refund(&self, command: Refund) -> Result<Replayable<RefundReceipt>, Error> {
+    pub async fn refund(
+        &self,
+        command: Refund,
+        guards: &Guards,
+    ) -> Result<Replayable<RefundReceipt>, Error> {
+        let call = Call::new(
+            "Refund",
+            Scope::Merchant(&command.merchant_id),
+            &[
+                ("out_trade_no", command.out_trade_no.to_string()),
+                ("out_refund_no", command.out_refund_no.to_string()),
+                ("amount", command.amount.minor_units().to_string()),
+                ("currency", command.amount.currency().to_string()),
+                ("reason", command.reason.as_str().to_owned()),
+            ],
+        );
+        let mut session = match self.open_guards(guards, &call).await? {
+            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Run(session) => session,
+        };
         if let Some(receipt) = self.refund_replay(&command).await? {
-            return Ok(Replayable::replayed(receipt));
+            return Ok(self.natural_replay(receipt));
         }
+        session.reserve_token().await?;
         let refund_no = new_id('R');
-        let outcome = in_transaction!(self.store, tx => { refund_in_transaction(&mut tx.queries(), &command, &refund_no).await })?;
-        match outcome {
-            Inserted::Done(receipt) => Ok(Replayable::fresh(receipt)),
-            Inserted::KeyTaken => self
+        let now = now_micros();
+        let outcome = in_transaction!(self.store, tx => {
+            let mut queries = tx.queries();
+            if !session.claim(&mut queries, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            let outcome = refund_in_transaction(&mut queries, &command, &refund_no, now).await?;
+            if let Inserted::Done(receipt) = &outcome {
+                session.complete(&mut queries, receipt).await?;
+            }
+            Ok(outcome)
+        });
+        match session.settle(outcome, now).await? {
+            Some(answer) => Ok(answer),
+            None => self
                 .refund_replay(&command)
                 .await?
-                .map(Replayable::replayed)
+                .map(|receipt| self.natural_replay(receipt))
                 .ok_or_else(key_vanished),
         }
     }
@@ -252,10 +370,10 @@ impl Ledger {
             ("reason", refund.reason == command.reason.as_str()),
         ]);
         if !fields.is_empty() {
-            return Err(Error::KeyReused {
+            return Err(self.natural_conflict(Error::KeyReused {
                 key: ReusedKey::OutRefundNo,
                 fields,
-            });
+            }));
         }
         let order = queries
             .find_order(merchant_id, &refund.order_no)
@@ -318,8 +436,8 @@ async fn pay_in_transaction(
     queries: &mut Queries<'_>,
     command: &Pay,
     trade_no: &str,
+    now: i64,
 ) -> Result<Inserted<PayReceipt>, Error> {
-    let now = now_micros();
     let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
     let order = queries
         .find_order(merchant_id, order_no)
@@ -394,8 +512,8 @@ async fn refund_in_transaction(
     queries: &mut Queries<'_>,
     command: &Refund,
     refund_no: &str,
+    now: i64,
 ) -> Result<Inserted<RefundReceipt>, Error> {
-    let now = now_micros();
     let merchant_id = command.merchant_id.as_str();
     let payment = queries
         .find_payment(merchant_id, command.out_trade_no.as_str())

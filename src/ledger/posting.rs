@@ -22,6 +22,7 @@ pub(super) enum EntryKind {
     Deposit,
     Pay,
     Refund,
+    Transfer,
 }
 
 impl EntryKind {
@@ -30,6 +31,7 @@ impl EntryKind {
             EntryKind::Deposit => "DEPOSIT",
             EntryKind::Pay => "PAY",
             EntryKind::Refund => "REFUND",
+            EntryKind::Transfer => "TRANSFER",
         }
     }
 }

@@ -3,6 +3,7 @@
 //! driver errors are transient.
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 
@@ -51,7 +52,8 @@ impl Dialect {
         }
     }
 
-    /// Statements run on every new connection.
+    /// Statements run on every new connection; `lock_timeout` bounds every row-lock wait
+    /// (including a request waiting for an in-flight duplicate of its key).
     ///
     /// - PostgreSQL keeps its default READ COMMITTED: each statement sees what committed
     ///   before it, so a version CAS that lost re-reads the winner's row. A session left idle
@@ -59,25 +61,31 @@ impl Dialect {
     /// - MySQL/MariaDB default to REPEATABLE READ, where a plain re-read inside the
     ///   transaction returns the old snapshot and a CAS retry loop would spin on a stale
     ///   version; we choose READ COMMITTED (MySQL manual, "Transaction Isolation Levels").
-    ///   Strict mode turns data errors into errors instead of warnings.
-    /// - SQLite: WAL so readers never block the writer, a busy timeout for other processes,
-    ///   foreign keys on, and full fsync at commit (WAL + synchronous=FULL is durable).
-    pub(super) fn session_setup(self) -> &'static [&'static str] {
+    ///   Strict mode turns data errors into errors instead of warnings. InnoDB's lock wait
+    ///   timeout has whole seconds.
+    /// - SQLite: WAL so readers never block the writer, a busy timeout for writers in other
+    ///   processes, foreign keys on, and full fsync at commit (WAL + synchronous=FULL is
+    ///   durable).
+    pub(super) fn session_setup(self, lock_timeout: Duration) -> Vec<String> {
+        let millis = lock_timeout.as_millis().max(1);
         match self {
-            Dialect::Postgres => &[
-                "SET idle_in_transaction_session_timeout = '60s'",
-                "SET lock_timeout = '10s'",
+            Dialect::Postgres => vec![
+                "SET idle_in_transaction_session_timeout = '60s'".to_owned(),
+                format!("SET lock_timeout = '{millis}ms'"),
             ],
-            Dialect::MySql => &[
-                "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-                "SET SESSION innodb_lock_wait_timeout = 10",
-                "SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')",
+            Dialect::MySql => vec![
+                "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
+                format!(
+                    "SET SESSION innodb_lock_wait_timeout = {}",
+                    millis.div_ceil(1000)
+                ),
+                "SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')".to_owned(),
             ],
-            Dialect::Sqlite => &[
-                "PRAGMA journal_mode = WAL",
-                "PRAGMA busy_timeout = 10000",
-                "PRAGMA foreign_keys = ON",
-                "PRAGMA synchronous = FULL",
+            Dialect::Sqlite => vec![
+                "PRAGMA journal_mode = WAL".to_owned(),
+                format!("PRAGMA busy_timeout = {millis}"),
+                "PRAGMA foreign_keys = ON".to_owned(),
+                "PRAGMA synchronous = FULL".to_owned(),
             ],
         }
     }
@@ -98,9 +106,12 @@ impl Dialect {
 pub enum Fault {
     /// The database cannot be reached or the pool is exhausted: UNAVAILABLE.
     Unavailable,
-    /// A deadlock, serialization failure, lock timeout or busy database: the whole
-    /// transaction was (or must be) rolled back and can run again from BEGIN.
+    /// A deadlock or serialization failure: the whole transaction was (or must be) rolled
+    /// back and can run again from BEGIN.
     Transient,
+    /// A lock wait ran out of time (another transaction holds the row or key for long):
+    /// not retried here, the caller gets ABORTED and may retry with the same key.
+    LockTimeout,
     /// Anything else: a bug or a broken schema. INTERNAL.
     Other,
 }
@@ -109,10 +120,10 @@ pub enum Fault {
 ///
 /// Sources: PostgreSQL Appendix A (40P01 deadlock_detected, 40001 serialization_failure,
 /// 55P03 lock_not_available, class 57 operator intervention, class 08 connection);
-/// MySQL server error reference (1213 ER_LOCK_DEADLOCK, 1205 ER_LOCK_WAIT_TIMEOUT, which
-/// rolls back only the statement, so the whole transaction is rolled back and retried;
-/// 1927 ER_CONNECTION_KILLED, 1053 ER_SERVER_SHUTDOWN); SQLite result codes (5 BUSY,
-/// 6 LOCKED, 261 BUSY_RECOVERY, 517 BUSY_SNAPSHOT).
+/// MySQL server error reference (1213 ER_LOCK_DEADLOCK; 1205 ER_LOCK_WAIT_TIMEOUT, which
+/// rolls back only the statement, so the whole transaction is rolled back; 1927
+/// ER_CONNECTION_KILLED, 1053 ER_SERVER_SHUTDOWN); SQLite result codes (5 BUSY once the busy
+/// timeout ran out, 6 LOCKED, 261 BUSY_RECOVERY, 517 BUSY_SNAPSHOT).
 pub fn classify(error: &sqlx::Error) -> Fault {
     match error {
         sqlx::Error::PoolTimedOut
@@ -128,7 +139,8 @@ pub fn classify(error: &sqlx::Error) -> Fault {
 fn classify_database_error(error: &dyn DatabaseError) -> Fault {
     if let Some(mysql) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
         return match mysql.number() {
-            1213 | 1205 => Fault::Transient,
+            1213 => Fault::Transient,
+            1205 => Fault::LockTimeout,
             1927 | 1053 => Fault::Unavailable,
             _ => Fault::Other,
         };
@@ -139,12 +151,14 @@ fn classify_database_error(error: &dyn DatabaseError) -> Fault {
         .is_some()
     {
         return match code.as_ref() {
-            "5" | "6" | "261" | "517" => Fault::Transient,
+            "5" => Fault::LockTimeout,
+            "6" | "261" | "517" => Fault::Transient,
             _ => Fault::Other,
         };
     }
     match code.as_ref() {
-        "40P01" | "40001" | "55P03" => Fault::Transient,
+        "40P01" | "40001" => Fault::Transient,
+        "55P03" => Fault::LockTimeout,
         code if code.starts_with("57") || code.starts_with("08") => Fault::Unavailable,
         _ => Fault::Other,
     }
@@ -159,6 +173,8 @@ fn classify_database_error(error: &dyn DatabaseError) -> Fault {
 /// on SQLite, whose write transactions already exclude each other.
 pub struct Sql {
     portable: &'static str,
+    /// Replaces the portable text on MySQL where its grammar differs.
+    mysql: Option<&'static str>,
     rendered: [OnceLock<String>; 3],
 }
 
@@ -166,6 +182,16 @@ impl Sql {
     pub const fn new(portable: &'static str) -> Self {
         Self {
             portable,
+            mysql: None,
+            rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
+        }
+    }
+
+    /// A statement whose MySQL form is written out separately.
+    pub const fn with_mysql(portable: &'static str, mysql: &'static str) -> Self {
+        Self {
+            portable,
+            mysql: Some(mysql),
             rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
         }
     }
@@ -176,7 +202,11 @@ impl Sql {
             Dialect::MySql => 1,
             Dialect::Sqlite => 2,
         };
-        self.rendered[slot].get_or_init(|| render(self.portable, dialect))
+        let source = match (dialect, self.mysql) {
+            (Dialect::MySql, Some(mysql)) => mysql,
+            _ => self.portable,
+        };
+        self.rendered[slot].get_or_init(|| render(source, dialect))
     }
 }
 

@@ -21,7 +21,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use dialect::{classify, Dialect, Fault};
 pub use queries::Queries;
 pub use rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
@@ -35,6 +36,9 @@ pub struct PoolSettings {
     pub max_connections: u32,
     /// How long a request waits for a free connection before UNAVAILABLE.
     pub acquire_timeout: Duration,
+    /// How long a statement waits for a row lock (or SQLite's write lock) before the call
+    /// fails with ABORTED.
+    pub lock_timeout: Duration,
 }
 
 /// A connection pool to one database, and the rules of its dialect.
@@ -46,6 +50,7 @@ pub struct Store {
     /// FIFO order, instead of polling SQLite's busy handler; the busy timeout still covers
     /// writers in other processes.
     write_gate: Option<Arc<Semaphore>>,
+    lock_timeout: Duration,
 }
 
 /// Errors of [`Store::connect`].
@@ -68,13 +73,15 @@ impl Store {
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, ConnectError> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
+        let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout));
         let pool = AnyPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
             .after_connect(move |connection, _| {
+                let session_setup = session_setup.clone();
                 Box::pin(async move {
-                    for statement in dialect.session_setup() {
-                        connection.execute(*statement).await?;
+                    for statement in session_setup.iter() {
+                        connection.execute(statement.as_str()).await?;
                     }
                     Ok(())
                 })
@@ -87,6 +94,7 @@ impl Store {
             pool,
             dialect,
             write_gate,
+            lock_timeout: settings.lock_timeout,
         })
     }
 
@@ -114,13 +122,16 @@ impl Store {
     /// Begins a write transaction.
     ///
     /// # Errors
-    /// The driver error when no connection is free in time or BEGIN fails.
+    /// The driver error when no connection is free in time or BEGIN fails; on SQLite,
+    /// [`sqlx::Error::PoolTimedOut`] when this process's write lock was not had within the
+    /// lock timeout.
     pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
         let write_permit = match &self.write_gate {
+            // Waiting for the write lock is bounded like any lock wait.
             Some(gate) => Some(
-                gate.clone()
-                    .acquire_owned()
+                tokio::time::timeout(self.lock_timeout, gate.clone().acquire_owned())
                     .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)?
                     .map_err(|_| sqlx::Error::PoolClosed)?,
             ),
             None => None,

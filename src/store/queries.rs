@@ -7,7 +7,8 @@ use sqlx::{Any, Row};
 
 use super::dialect::{Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 static FIND_ACCOUNT: Sql = Sql::new(
@@ -86,6 +87,49 @@ static FIND_DEPOSIT: Sql = Sql::new(
 static INSERT_DEPOSIT: Sql = Sql::new(
     "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at) \
      VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+
+static FIND_RECORD: Sql = Sql::new(
+    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at \
+     FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
+);
+static INSERT_RECORD: Sql = Sql::new(
+    "INSERT INTO idempotency_record \
+     (scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at) \
+     VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+static DELETE_EXPIRED_RECORD: Sql = Sql::new(
+    "DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?",
+);
+static COMPLETE_RECORD: Sql = Sql::new(
+    "UPDATE idempotency_record SET response = ?, status = 'COMPLETED' \
+     WHERE scope = ? AND idempotency_key = ? AND status = 'IN_PROGRESS'",
+);
+static REAP_RECORDS: Sql = Sql::with_mysql(
+    "DELETE FROM idempotency_record WHERE record_id IN \
+     (SELECT record_id FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
+    // MySQL refuses LIMIT inside an IN subquery, and allows it on DELETE itself.
+    "DELETE FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+);
+
+static INSERT_TOKEN: Sql = Sql::new(
+    "INSERT INTO idempotency_token (token, merchant_id, purpose, created_at, expires_at, consumed_at) VALUES (?, ?, ?, ?, ?, NULL)",
+);
+static FIND_TOKEN: Sql = Sql::new(
+    "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at FROM idempotency_token WHERE token = ?",
+);
+static CONSUME_TOKEN: Sql = Sql::new(
+    "UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?",
+);
+static REAP_TOKENS: Sql = Sql::with_mysql(
+    "DELETE FROM idempotency_token WHERE token IN \
+     (SELECT token FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
+    "DELETE FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+);
+
+static INSERT_TRANSFER: Sql = Sql::new(
+    "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?)",
 );
 
 /// Each audit query returns (subject, detail) rows, one per violation.
@@ -167,7 +211,9 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
              UNION ALL SELECT r.refund_no, 'refund without entries' FROM refunds r \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = r.refund_no AND e.amount = r.amount) \
              UNION ALL SELECT d.deposit_id, 'deposit without entries' FROM deposits d \
-             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = d.deposit_id AND e.amount = d.amount)",
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = d.deposit_id AND e.amount = d.amount) \
+             UNION ALL SELECT t.transfer_id, 'transfer without entries' FROM transfers t \
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = t.transfer_id AND e.amount = t.amount)",
         ),
     ),
 ];
@@ -497,6 +543,131 @@ impl<'c> Queries<'c> {
             .bind(row.currency.clone())
             .bind(row.created_at);
         self.insert_if_absent(query).await
+    }
+
+    pub async fn find_record(
+        &mut self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<IdempotencyRecordRow>, sqlx::Error> {
+        sqlx::query_as(FIND_RECORD.text(self.dialect))
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Claims (scope, key) with an IN_PROGRESS record: false when it is taken. A concurrent
+    /// claim of the same key waits here, bounded by the lock timeout, for the first
+    /// transaction's outcome.
+    pub async fn insert_record(&mut self, row: &IdempotencyRecordRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_RECORD)
+            .bind(row.scope.clone())
+            .bind(row.idempotency_key.clone())
+            .bind(row.method.clone())
+            .bind(row.request_fingerprint.clone())
+            .bind(row.request_fields.clone())
+            .bind(row.status.clone())
+            .bind(row.created_at)
+            .bind(row.expires_at);
+        self.insert_if_absent(query).await
+    }
+
+    /// Deletes the record of (scope, key) if it expired by `now`: true when it did.
+    pub async fn delete_expired_record(
+        &mut self,
+        scope: &str,
+        key: &str,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&DELETE_EXPIRED_RECORD)
+            .bind(scope.to_owned())
+            .bind(key.to_owned())
+            .bind(now);
+        self.update_one(query).await
+    }
+
+    /// Stores the response in a record claimed by this transaction.
+    pub async fn complete_record(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&COMPLETE_RECORD)
+            .bind(response.to_owned())
+            .bind(scope.to_owned())
+            .bind(key.to_owned());
+        self.update_one(query).await
+    }
+
+    /// Deletes at most `limit` records that expired by `now`; returns how many.
+    pub async fn reap_records(&mut self, now: i64, limit: i64) -> Result<u64, sqlx::Error> {
+        Ok(self
+            .query(&REAP_RECORDS)
+            .bind(now)
+            .bind(limit)
+            .execute(&mut *self.connection)
+            .await?
+            .rows_affected())
+    }
+
+    pub async fn insert_token(&mut self, row: &TokenRow) -> Result<(), sqlx::Error> {
+        let query = self
+            .query(&INSERT_TOKEN)
+            .bind(row.token.clone())
+            .bind(row.merchant_id.clone())
+            .bind(row.purpose.clone())
+            .bind(row.created_at)
+            .bind(row.expires_at);
+        query.execute(&mut *self.connection).await?;
+        Ok(())
+    }
+
+    pub async fn find_token(&mut self, token: &str) -> Result<Option<TokenRow>, sqlx::Error> {
+        sqlx::query_as(FIND_TOKEN.text(self.dialect))
+            .bind(token)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Consumes an unexpired, unconsumed token: true when this transaction consumed it. A
+    /// concurrent consumer waits on the row lock for this one's outcome.
+    pub async fn consume_token(&mut self, token: &str, now: i64) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&CONSUME_TOKEN)
+            .bind(now)
+            .bind(token.to_owned())
+            .bind(now);
+        self.update_one(query).await
+    }
+
+    /// Deletes at most `limit` tokens that expired by `now`; returns how many.
+    pub async fn reap_tokens(&mut self, now: i64, limit: i64) -> Result<u64, sqlx::Error> {
+        Ok(self
+            .query(&REAP_TOKENS)
+            .bind(now)
+            .bind(limit)
+            .execute(&mut *self.connection)
+            .await?
+            .rows_affected())
+    }
+
+    pub async fn insert_transfer(&mut self, row: &TransferRow) -> Result<(), sqlx::Error> {
+        let query = self
+            .query(&INSERT_TRANSFER)
+            .bind(row.transfer_id.clone())
+            .bind(row.from_account_id.clone())
+            .bind(row.to_account_id.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.memo.clone())
+            .bind(row.created_at);
+        query.execute(&mut *self.connection).await?;
+        Ok(())
     }
 
     /// Runs every ledger invariant check and returns what breaks them (empty when sound).

@@ -2,7 +2,7 @@
 
 /// `accounts`: one per account; `kind` is `CUSTOMER` or `EXTERNAL` (the per-currency funding
 /// account, the only one allowed below zero).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
 pub struct AccountRow {
     pub account_id: String,
     pub currency: String,
@@ -14,7 +14,7 @@ pub struct AccountRow {
 }
 
 /// `orders`, keyed by (merchant_id, order_no).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
 pub struct OrderRow {
     pub merchant_id: String,
     pub order_no: String,
@@ -31,7 +31,7 @@ pub struct OrderRow {
 
 /// `payment_flow`: one row per successful payment, unique on (merchant_id, out_trade_no)
 /// and on (merchant_id, order_no).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
 pub struct PaymentRow {
     pub trade_no: String,
     pub merchant_id: String,
@@ -46,7 +46,7 @@ pub struct PaymentRow {
 }
 
 /// `refunds`: one row per successful refund, unique on (merchant_id, out_refund_no).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
 pub struct RefundRow {
     pub refund_no: String,
     pub merchant_id: String,
@@ -71,7 +71,7 @@ pub struct DepositRow {
 }
 
 /// `journal_entries`: one leg of a double-entry posting.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
 pub struct EntryRow {
     pub entry_id: i64,
     pub account_id: String,
@@ -107,4 +107,45 @@ pub struct AuditViolation {
     pub check: &'static str,
     pub subject: String,
     pub detail: String,
+}
+
+/// `idempotency_record`: a client's idempotency key (or a consumed one-time token) and the
+/// response of the call that used it, unique on (scope, idempotency_key).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct IdempotencyRecordRow {
+    pub scope: String,
+    pub idempotency_key: String,
+    pub method: String,
+    /// Hex SHA-256 of `request_fields`.
+    pub request_fingerprint: String,
+    /// The request's business fields, one `name=value` per line, for naming differences.
+    pub request_fields: String,
+    /// The serialized response; set in the same transaction as the business change.
+    pub response: Option<String>,
+    pub status: String,
+    pub created_at: i64,
+    pub expires_at: i64,
+}
+
+/// `idempotency_token`: a one-time token of the database token store.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct TokenRow {
+    pub token: String,
+    pub merchant_id: String,
+    pub purpose: String,
+    pub created_at: i64,
+    pub expires_at: i64,
+    pub consumed_at: Option<i64>,
+}
+
+/// `transfers`: one row per transfer between two accounts.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
+pub struct TransferRow {
+    pub transfer_id: String,
+    pub from_account_id: String,
+    pub to_account_id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub memo: String,
+    pub created_at: i64,
 }

@@ -1,0 +1,443 @@
+//! Generic idempotency keys and one-time tokens: records in a dedup table
+//! (`idempotency_record`, unique on (scope, key)) written in the same transaction as the
+//! business change.
+//!
+//! For one call, in order:
+//! 1. [`Ledger::open_guards`] (no transaction): a committed, unexpired record of the call's
+//!    key or token answers it at once (same method and fingerprint: the stored response,
+//!    replayed; otherwise ALREADY_EXISTS).
+//! 2. [`GuardSession::reserve_token`] (Redis store only) consumes the token in Redis, one
+//!    Lua script, right before the transaction; [`GuardSession::claim`], first thing in the transaction: inserts an IN_PROGRESS record
+//!    per guard (a duplicate in flight makes the insert wait for its outcome), and with the
+//!    database token store consumes the token by conditional UPDATE.
+//! 3. [`GuardSession::complete`], last thing in the transaction: stores the response.
+//! 4. [`GuardSession::settle`], after it: a claim that found the key taken is answered from the
+//!    committed record; with Redis, a token whose business change failed is restored.
+//!
+//! A business change that fails rolls the claim back with it: nothing is recorded and a retry
+//! runs afresh.
+
+use std::sync::atomic::Ordering;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::domain::{AccountId, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
+use crate::error::Error;
+use crate::store::{IdempotencyRecordRow, Queries};
+
+use super::tokens::{RedisConsumption, TokenStore};
+use super::{now_micros, Inserted, Ledger, Replayable};
+
+/// The request metadata header of a client-supplied idempotency key.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// The request metadata header of a one-time token.
+pub const IDEMPOTENCY_TOKEN_HEADER: &str = "idempotency-token";
+
+const RECORD_IN_PROGRESS: &str = "IN_PROGRESS";
+/// The scope of records that hold the response of a consumed one-time token (tokens are
+/// random and global, so they need no caller scope).
+const TOKEN_SCOPE: &str = "token";
+
+/// What a caller sent beside the request, in metadata headers, parsed.
+#[derive(Debug, Clone, Default)]
+pub struct Guards {
+    /// `idempotency-key`.
+    pub idempotency_key: Option<IdempotencyKey>,
+    /// `idempotency-token`.
+    pub token: Option<OneTimeToken>,
+}
+
+/// Whose keys a call's idempotency key lives among, so two callers' keys never collide.
+pub(super) enum Scope<'a> {
+    Merchant(&'a MerchantId),
+    Account(&'a AccountId),
+}
+
+/// One call as idempotency sees it: method, caller scope and business fields.
+pub(super) struct Call {
+    method: &'static str,
+    scope: String,
+    /// Merchant-scoped calls accept only tokens issued to their merchant.
+    merchant_id: Option<String>,
+    /// `name=value` lines of the business fields, normalized (amounts in minor units).
+    fields: String,
+    /// Hex SHA-256 of method and fields.
+    fingerprint: String,
+}
+
+impl Call {
+    pub(super) fn new(
+        method: &'static str,
+        scope: Scope<'_>,
+        fields: &[(&'static str, String)],
+    ) -> Self {
+        let (scope, merchant_id) = match scope {
+            Scope::Merchant(merchant_id) => (
+                format!("merchant:{merchant_id}"),
+                Some(merchant_id.as_str().to_owned()),
+            ),
+            Scope::Account(account_id) => (format!("account:{account_id}"), None),
+        };
+        let fields: String = fields
+            .iter()
+            .map(|(name, value)| format!("{name}={value}\n"))
+            .collect();
+        let fingerprint = Sha256::digest(format!("{method}\n{fields}").as_bytes())
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        Self {
+            method,
+            scope,
+            merchant_id,
+            fields,
+            fingerprint,
+        }
+    }
+
+    /// The names of what differs from a stored record: `method` and/or field names.
+    fn differences(&self, record: &IdempotencyRecordRow) -> Vec<String> {
+        if record.method != self.method {
+            return vec!["method".to_owned()];
+        }
+        if record.request_fingerprint == self.fingerprint {
+            return Vec::new();
+        }
+        let stored: Vec<(&str, &str)> = record
+            .request_fields
+            .lines()
+            .filter_map(|line| line.split_once('='))
+            .collect();
+        let mut fields: Vec<String> = self
+            .fields
+            .lines()
+            .filter_map(|line| line.split_once('='))
+            .filter(|(name, value)| !stored.contains(&(name, value)))
+            .map(|(name, _)| name.to_owned())
+            .collect();
+        if fields.is_empty() {
+            fields.push("request".to_owned());
+        }
+        fields
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GuardKind {
+    Key,
+    Token,
+}
+
+/// The guards of one call in progress.
+pub(super) struct GuardSession<'a> {
+    ledger: &'a Ledger,
+    call: &'a Call,
+    claims: Vec<(GuardKind, String, String)>,
+    token: Option<&'a OneTimeToken>,
+    redis: Option<RedisConsumption>,
+    /// Whether step 1 saw no record: a claim that then finds the key taken waited for (or
+    /// just missed) a duplicate in flight.
+    seen_absent: bool,
+}
+
+/// The outcome of step 1.
+pub(super) enum Opened<'a, T> {
+    Replayed(Replayable<T>),
+    Run(GuardSession<'a>),
+}
+
+impl Ledger {
+    /// Step 1 (see the module docs).
+    pub(super) async fn open_guards<'a, T: DeserializeOwned>(
+        &'a self,
+        guards: &'a Guards,
+        call: &'a Call,
+    ) -> Result<Opened<'a, T>, Error> {
+        let mut claims = Vec::new();
+        if let Some(key) = &guards.idempotency_key {
+            claims.push((GuardKind::Key, call.scope.clone(), key.as_str().to_owned()));
+        }
+        if let Some(token) = &guards.token {
+            claims.push((
+                GuardKind::Token,
+                TOKEN_SCOPE.to_owned(),
+                token.as_str().to_owned(),
+            ));
+        }
+        let mut session = GuardSession {
+            ledger: self,
+            call,
+            claims,
+            token: guards.token.as_ref(),
+            redis: None,
+            seen_absent: true,
+        };
+        if session.claims.is_empty() {
+            return Ok(Opened::Run(session));
+        }
+        if let Some(replayed) = session.committed_replay().await? {
+            return Ok(Opened::Replayed(replayed));
+        }
+        Ok(Opened::Run(session))
+    }
+}
+
+impl GuardSession<'_> {
+    /// The first committed, unexpired record of this call's guards, as a replay.
+    async fn committed_replay<T: DeserializeOwned>(
+        &mut self,
+    ) -> Result<Option<Replayable<T>>, Error> {
+        let now = now_micros();
+        let mut reader = self.ledger.store.reader().await?;
+        let mut queries = reader.queries();
+        for (kind, scope, key) in &self.claims {
+            let Some(record) = queries.find_record(scope, key).await? else {
+                continue;
+            };
+            if record.expires_at <= now || record.response.is_none() {
+                continue;
+            }
+            self.seen_absent = false;
+            return self.replay(*kind, record).map(Some);
+        }
+        Ok(None)
+    }
+
+    fn replay<T: DeserializeOwned>(
+        &self,
+        kind: GuardKind,
+        record: IdempotencyRecordRow,
+    ) -> Result<Replayable<T>, Error> {
+        let counters = &self.ledger.counters;
+        let fields = self.call.differences(&record);
+        if !fields.is_empty() {
+            counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
+            return Err(match kind {
+                GuardKind::Key => Error::IdempotencyKeyReused { fields },
+                GuardKind::Token => Error::TokenReused { fields },
+            });
+        }
+        let response = record
+            .response
+            .ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
+        let value = serde_json::from_str(&response)
+            .map_err(|error| Error::Internal(format!("stored response: {error}")))?;
+        counters.replays.fetch_add(1, Ordering::Relaxed);
+        Ok(Replayable {
+            value,
+            replayed: true,
+            key_expires_at: self.key_expires_at(kind, record.expires_at),
+        })
+    }
+
+    fn key_expires_at(&self, kind: GuardKind, expires_at: i64) -> Option<i64> {
+        (kind == GuardKind::Key).then_some(expires_at)
+    }
+
+    /// When the call's idempotency key will be forgotten, if it has one and it is claimed now.
+    fn fresh_key_expires_at(&self, now: i64) -> Option<i64> {
+        self.claims
+            .iter()
+            .any(|(kind, _, _)| *kind == GuardKind::Key)
+            .then(|| now.saturating_add(self.ledger.settings.key_ttl_micros()))
+    }
+
+    /// With the Redis token store, consumes the token (atomically, in Redis) right before the
+    /// transaction; a no-op otherwise.
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`], [`Error::TokenStore`].
+    pub(super) async fn reserve_token(&mut self) -> Result<(), Error> {
+        if let (Some(token), TokenStore::Redis(redis)) = (self.token, &self.ledger.tokens) {
+            self.redis = redis
+                .consume(token, self.call.merchant_id.as_deref())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Step 2, inside the transaction: false when a guard is taken (the caller then returns
+    /// `Inserted::KeyTaken`, rolls back, and [`GuardSession::settle`] replays the original).
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`] for an unknown, expired or foreign token (database store).
+    pub(super) async fn claim(&self, queries: &mut Queries<'_>, now: i64) -> Result<bool, Error> {
+        if let (Some(token), TokenStore::Database) = (self.token, &self.ledger.tokens) {
+            if !queries.consume_token(token.as_str(), now).await? {
+                return match queries.find_token(token.as_str()).await? {
+                    Some(row) if row.consumed_at.is_some() => Ok(false),
+                    _ => Err(Rejection::TokenInvalid.into()),
+                };
+            }
+            let row = queries
+                .find_token(token.as_str())
+                .await?
+                .ok_or(Rejection::TokenInvalid)?;
+            if self
+                .call
+                .merchant_id
+                .as_ref()
+                .is_some_and(|merchant_id| *merchant_id != row.merchant_id)
+            {
+                return Err(Rejection::TokenInvalid.into());
+            }
+        }
+        let expires_at = now.saturating_add(self.ledger.settings.key_ttl_micros());
+        for (_, scope, key) in &self.claims {
+            let record = IdempotencyRecordRow {
+                scope: scope.clone(),
+                idempotency_key: key.clone(),
+                method: self.call.method.to_owned(),
+                request_fingerprint: self.call.fingerprint.clone(),
+                request_fields: self.call.fields.clone(),
+                response: None,
+                status: RECORD_IN_PROGRESS.to_owned(),
+                created_at: now,
+                expires_at,
+            };
+            if queries.insert_record(&record).await? {
+                continue;
+            }
+            // An expired record the reaper has not deleted yet no longer holds the key.
+            if !(queries.delete_expired_record(scope, key, now).await?
+                && queries.insert_record(&record).await?)
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Step 3, inside the transaction: the response of the business change.
+    pub(super) async fn complete<T: Serialize>(
+        &self,
+        queries: &mut Queries<'_>,
+        response: &T,
+    ) -> Result<(), Error> {
+        if self.claims.is_empty() {
+            return Ok(());
+        }
+        let response = serde_json::to_string(response)
+            .map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
+        for (_, scope, key) in &self.claims {
+            if !queries.complete_record(scope, key, &response).await? {
+                return Err(Error::Internal(
+                    "a claimed idempotency record vanished".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 4, after the transaction (`now` as given to [`GuardSession::claim`]).
+    ///
+    /// `Some(answer)`: the fresh answer of a committed change, or the replay of a guard that
+    /// was taken. `None`: a natural key (out_trade_no...) was taken and none of this call's
+    /// guards; the use case replays by its natural key.
+    ///
+    /// # Errors
+    /// The business error, after restoring a token consumed in Redis; or the replay's error.
+    pub(super) async fn settle<T: DeserializeOwned>(
+        &mut self,
+        outcome: Result<Inserted<T>, Error>,
+        now: i64,
+    ) -> Result<Option<Replayable<T>>, Error> {
+        let counters = &self.ledger.counters;
+        match outcome {
+            Ok(Inserted::Done(value)) => {
+                if self.token.is_some() {
+                    counters.token_consumptions.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Some(Replayable {
+                    value,
+                    replayed: false,
+                    key_expires_at: self.fresh_key_expires_at(now),
+                }))
+            }
+            Ok(Inserted::KeyTaken) => {
+                // The original committed: a token consumed in Redis stays consumed.
+                self.redis = None;
+                if self.seen_absent && !self.claims.is_empty() {
+                    counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
+                }
+                self.committed_replay().await
+            }
+            Err(error) => {
+                if let (Some(consumption), TokenStore::Redis(redis)) =
+                    (self.redis.take(), &self.ledger.tokens)
+                {
+                    redis.restore(consumption).await;
+                }
+                Err(error)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(amount: &str, order_no: &str) -> Call {
+        let merchant = MerchantId::parse("merchant_id", "m1").unwrap();
+        Call::new(
+            "Pay",
+            Scope::Merchant(&merchant),
+            &[
+                ("amount", amount.to_owned()),
+                ("order_no", order_no.to_owned()),
+            ],
+        )
+    }
+
+    fn record_of(call: &Call) -> IdempotencyRecordRow {
+        IdempotencyRecordRow {
+            scope: call.scope.clone(),
+            idempotency_key: "k".into(),
+            method: call.method.into(),
+            request_fingerprint: call.fingerprint.clone(),
+            request_fields: call.fields.clone(),
+            response: Some("{}".into()),
+            status: "COMPLETED".into(),
+            created_at: 0,
+            expires_at: 1,
+        }
+    }
+
+    #[test]
+    fn same_fields_give_the_same_fingerprint_and_no_differences() {
+        let first = call("100", "o-1");
+        assert_eq!(first.fingerprint, call("100", "o-1").fingerprint);
+        assert!(call("100", "o-1")
+            .differences(&record_of(&first))
+            .is_empty());
+    }
+
+    #[test]
+    fn differences_name_exactly_the_fields_that_changed() {
+        let stored = record_of(&call("100", "o-1"));
+        assert_eq!(call("200", "o-1").differences(&stored), ["amount"]);
+        assert_eq!(
+            call("200", "o-2").differences(&stored),
+            ["amount", "order_no"]
+        );
+    }
+
+    #[test]
+    fn the_same_key_on_another_method_differs_in_method() {
+        let mut stored = record_of(&call("100", "o-1"));
+        stored.method = "Refund".into();
+        assert_eq!(call("100", "o-1").differences(&stored), ["method"]);
+    }
+
+    #[test]
+    fn scopes_keep_merchants_and_accounts_apart() {
+        let merchant = MerchantId::parse("merchant_id", "x").unwrap();
+        let account = AccountId::parse("account_id", "x").unwrap();
+        let by_merchant = Call::new("Pay", Scope::Merchant(&merchant), &[]);
+        let by_account = Call::new("Pay", Scope::Account(&account), &[]);
+        assert_ne!(by_merchant.scope, by_account.scope);
+    }
+}

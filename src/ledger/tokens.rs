@@ -1,0 +1,212 @@
+//! One-time tokens (`IssueToken`, then the `idempotency-token` header), in one of two stores.
+//!
+//! - **Database** (default): the token is a row of `idempotency_token`, consumed by a
+//!   conditional UPDATE in the same transaction as the business change, so consumption and
+//!   business change commit together or not at all: strongly consistent.
+//! - **Redis** (`--token-store redis://...`): issued with `SET NX EX`, consumed by one Lua
+//!   script (check and mark in one atomic step, never GET then DEL). Redis cannot join the
+//!   database transaction, so when the business change then fails, the token is restored (a
+//!   second script puts it back only if this consumer's mark is still on it) and the caller
+//!   may present it again; if Redis cannot be reached for the restore, the token stays
+//!   consumed and the caller must ask for a new one. Whatever Redis says, the database's
+//!   unique key on the token's idempotency record stays the backstop: a Redis failover that
+//!   forgets a consumed token can never run the business change a second time.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::Script;
+
+use crate::domain::{MerchantId, OneTimeToken, Rejection};
+use crate::error::Error;
+use crate::store::{Store, TokenRow};
+
+/// Random bytes in a token: 192 bits, written as 48 hex characters.
+const TOKEN_RANDOM_BYTES: usize = 24;
+/// Prefix of token keys in Redis.
+const REDIS_KEY_PREFIX: &str = "payledger:token:";
+
+/// Consumes an issued token: 1 consumed now, 2 consumed before, 0 unknown or expired,
+/// -1 issued to another merchant. KEYS[1] token key; ARGV[1] merchant ('' for none);
+/// ARGV[2] this consumer's mark.
+const CONSUME_SCRIPT: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then return 0 end
+if string.sub(value, 1, 2) ~= 'i:' then return 2 end
+if ARGV[1] ~= '' and string.sub(value, 3) ~= ARGV[1] then return -1 end
+redis.call('SET', KEYS[1], 'c:' .. ARGV[2] .. ':' .. value, 'KEEPTTL')
+return 1
+";
+
+/// Puts a token back to issued if it still carries this consumer's mark: 1 restored, 0 not.
+const RESTORE_SCRIPT: &str = r"
+local value = redis.call('GET', KEYS[1])
+local mark = 'c:' .. ARGV[1] .. ':'
+if value and string.sub(value, 1, #mark) == mark then
+  redis.call('SET', KEYS[1], string.sub(value, #mark + 1), 'KEEPTTL')
+  return 1
+end
+return 0
+";
+
+/// Where one-time tokens live.
+#[derive(Clone)]
+pub enum TokenStore {
+    Database,
+    Redis(RedisTokens),
+}
+
+/// A freshly issued token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedToken {
+    pub token: String,
+    /// Microseconds since the Unix epoch.
+    pub expires_at: i64,
+}
+
+fn new_token() -> String {
+    rand::random::<[u8; TOKEN_RANDOM_BYTES]>()
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+impl TokenStore {
+    /// Connects to Redis for `redis://...`; anything else is the database store.
+    ///
+    /// # Errors
+    /// [`Error::TokenStore`] when Redis cannot be reached.
+    pub async fn connect(setting: &str) -> Result<Self, Error> {
+        if setting.is_empty() || setting == "database" {
+            return Ok(TokenStore::Database);
+        }
+        let client = redis::Client::open(setting)?;
+        Ok(TokenStore::Redis(RedisTokens {
+            connection: ConnectionManager::new(client).await?,
+        }))
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            TokenStore::Database => "database",
+            TokenStore::Redis(_) => "redis",
+        }
+    }
+
+    /// Issues a token to `merchant_id`, valid for `ttl`.
+    ///
+    /// # Errors
+    /// [`Error::Database`] or [`Error::TokenStore`].
+    pub(super) async fn issue(
+        &self,
+        store: &Store,
+        merchant_id: &MerchantId,
+        purpose: &str,
+        now: i64,
+        ttl: Duration,
+    ) -> Result<IssuedToken, Error> {
+        let token = new_token();
+        let ttl_micros = i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX);
+        let expires_at = now.saturating_add(ttl_micros);
+        match self {
+            TokenStore::Database => {
+                let row = TokenRow {
+                    token: token.clone(),
+                    merchant_id: merchant_id.as_str().to_owned(),
+                    purpose: purpose.to_owned(),
+                    created_at: now,
+                    expires_at,
+                    consumed_at: None,
+                };
+                let mut reader = store.reader().await?;
+                reader.queries().insert_token(&row).await?;
+            }
+            TokenStore::Redis(redis) => {
+                let mut connection = redis.connection.clone();
+                let created: Option<String> = redis::cmd("SET")
+                    .arg(format!("{REDIS_KEY_PREFIX}{token}"))
+                    .arg(format!("i:{merchant_id}"))
+                    .arg("NX")
+                    .arg("EX")
+                    .arg(ttl.as_secs().max(1))
+                    .query_async(&mut connection)
+                    .await?;
+                if created.is_none() {
+                    return Err(Error::Internal(
+                        "a fresh random token already existed".into(),
+                    ));
+                }
+            }
+        }
+        Ok(IssuedToken { token, expires_at })
+    }
+}
+
+/// The Redis token store.
+#[derive(Clone)]
+pub struct RedisTokens {
+    connection: ConnectionManager,
+}
+
+/// A token this call consumed in Redis, to restore if its business change fails.
+pub(super) struct RedisConsumption {
+    key: String,
+    mark: String,
+}
+
+impl RedisTokens {
+    /// Consumes `token` atomically. `Ok(Some)`: consumed now by this call. `Ok(None)`:
+    /// consumed before by another call, which either committed (this call's claim then finds
+    /// its record and replays it) or is still in flight (the claim waits for it).
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`] for an unknown, expired or foreign token;
+    /// [`Error::TokenStore`] when Redis fails.
+    pub(super) async fn consume(
+        &self,
+        token: &OneTimeToken,
+        merchant_id: Option<&str>,
+    ) -> Result<Option<RedisConsumption>, Error> {
+        let key = format!("{REDIS_KEY_PREFIX}{}", token.as_str());
+        let mark = uuid::Uuid::new_v4().simple().to_string();
+        let mut connection = self.connection.clone();
+        let outcome: i64 = Script::new(CONSUME_SCRIPT)
+            .key(&key)
+            .arg(merchant_id.unwrap_or(""))
+            .arg(&mark)
+            .invoke_async(&mut connection)
+            .await?;
+        match outcome {
+            1 => Ok(Some(RedisConsumption { key, mark })),
+            2 => Ok(None),
+            _ => Err(Rejection::TokenInvalid.into()),
+        }
+    }
+
+    /// Puts a token back after its business change failed. Best effort: when Redis fails,
+    /// the token stays consumed and the caller asks for a new one.
+    pub(super) async fn restore(&self, consumption: RedisConsumption) {
+        let mut connection = self.connection.clone();
+        let restored: Result<i64, _> = Script::new(RESTORE_SCRIPT)
+            .key(&consumption.key)
+            .arg(&consumption.mark)
+            .invoke_async(&mut connection)
+            .await;
+        if let Err(error) = restored {
+            tracing::warn!(%error, "could not restore a one-time token; the caller needs a new one");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_long_random_and_parse_as_tokens() {
+        let (first, second) = (new_token(), new_token());
+        assert_eq!(first.len(), TOKEN_RANDOM_BYTES * 2);
+        assert_ne!(first, second);
+        assert!(OneTimeToken::parse("idempotency-token", &first).is_ok());
+    }
+}
