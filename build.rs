@@ -11,13 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let descriptors = protox::compile([PROTO_FILE], ["proto"])?;
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     // Server reflection serves this encoded set, so grpcurl, buf curl and ghz need no .proto.
-    fs::write(
-        out_dir.join("payledger_descriptor.bin"),
-        descriptors.encode_to_vec(),
-    )?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(true)
-        .compile_fds(descriptors)?;
+    fs::write(out_dir.join("payledger_descriptor.bin"), descriptors.encode_to_vec())?;
+    tonic_prost_build::configure().build_server(true).build_client(true).compile_fds(descriptors)?;
     Ok(())
 }

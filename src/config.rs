@@ -18,11 +18,7 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_POOL_SIZE", default_value_t = 16)]
     pub pool_size: u32,
     /// Milliseconds a call waits for a free connection before it fails with UNAVAILABLE.
-    #[arg(
-        long,
-        env = "PAYLEDGER_POOL_ACQUIRE_TIMEOUT_MS",
-        default_value_t = 5_000
-    )]
+    #[arg(long, env = "PAYLEDGER_POOL_ACQUIRE_TIMEOUT_MS", default_value_t = 5_000)]
     pub pool_acquire_timeout_ms: u64,
     /// Milliseconds a call waits for a row lock, or for a concurrent request with the same
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
@@ -48,11 +44,7 @@ pub struct IdempotencySettings {
     #[arg(long, env = "PAYLEDGER_TOKEN_STORE", default_value = "database")]
     pub token_store: String,
     /// Seconds an `idempotency-key` is kept (default 24 hours).
-    #[arg(
-        long,
-        env = "PAYLEDGER_IDEMPOTENCY_KEY_TTL_SECONDS",
-        default_value_t = 86_400
-    )]
+    #[arg(long, env = "PAYLEDGER_IDEMPOTENCY_KEY_TTL_SECONDS", default_value_t = 86_400)]
     pub idempotency_key_ttl_seconds: u64,
     /// Seconds an issued one-time token stays valid.
     #[arg(long, env = "PAYLEDGER_TOKEN_TTL_SECONDS", default_value_t = 300)]
@@ -126,20 +118,9 @@ pub enum LogFormat {
 #[derive(Debug, Clone, clap::Args)]
 pub struct LogSettings {
     /// Log format.
-    #[arg(
-        long,
-        env = "PAYLEDGER_LOG_FORMAT",
-        value_enum,
-        default_value = "text",
-        global = true
-    )]
+    #[arg(long, env = "PAYLEDGER_LOG_FORMAT", value_enum, default_value = "text", global = true)]
     pub log_format: LogFormat,
     /// Log filter in `tracing` EnvFilter syntax, e.g. `info` or `payledger=debug,sqlx=warn`.
-    #[arg(
-        long,
-        env = "PAYLEDGER_LOG",
-        default_value = "info,sqlx=warn",
-        global = true
-    )]
+    #[arg(long, env = "PAYLEDGER_LOG", default_value = "info,sqlx=warn", global = true)]
     pub log_filter: String,
 }

@@ -44,24 +44,17 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
             let directory = tempfile::tempdir()?;
             let database_url = format!("sqlite:{}", directory.path().join("demo.db").display());
             println!("payledger demo on a temporary SQLite database ({database_url})\n");
-            let database = DatabaseSettings {
-                database_url,
-                pool_size: 4,
-                pool_acquire_timeout_ms: 5_000,
-                lock_timeout_ms: 5_000,
-            };
+            let database =
+                DatabaseSettings { database_url, pool_size: 4, pool_acquire_timeout_ms: 5_000, lock_timeout_ms: 5_000 };
             let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;
-            let application =
-                Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+            let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
             let address = application.local_addr();
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let server = tokio::spawn(application.run_until(async {
                 let _ = stopped.await;
             }));
-            let channel = Channel::from_shared(format!("http://{address}"))?
-                .connect()
-                .await?;
+            let channel = Channel::from_shared(format!("http://{address}"))?.connect().await?;
             let mut passed = Story::new(channel).play().await?;
             let violations = ledger.audit().await?;
             passed &= check(
@@ -69,10 +62,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 "payledger audit: every balance equals the sum of its entries, all balances sum to zero",
             );
             for violation in violations {
-                println!(
-                    "    VIOLATION {}: {} ({})",
-                    violation.check, violation.subject, violation.detail
-                );
+                println!("    VIOLATION {}: {} ({})", violation.check, violation.subject, violation.detail);
             }
             let _ = stop.send(());
             server.await??;
@@ -93,27 +83,16 @@ fn verdict(passed: bool) -> ExitCode {
 
 /// Prints one expectation and whether it held.
 fn check(held: bool, expectation: &str) -> bool {
-    println!(
-        "    [{}] {expectation}",
-        if held { " ok " } else { "FAILED" }
-    );
+    println!("    [{}] {expectation}", if held { " ok " } else { "FAILED" });
     held
 }
 
 fn was_replayed<T>(response: &Response<T>) -> bool {
-    response
-        .metadata()
-        .get(REPLAYED_HEADER)
-        .and_then(|value| value.to_str().ok())
-        == Some("true")
+    response.metadata().get(REPLAYED_HEADER).and_then(|value| value.to_str().ok()) == Some("true")
 }
 
 fn reason(status: &Status) -> String {
-    status
-        .get_error_details()
-        .error_info()
-        .map(|info| info.reason.clone())
-        .unwrap_or_default()
+    status.get_error_details().error_info().map(|info| info.reason.clone()).unwrap_or_default()
 }
 
 struct Story {
@@ -144,18 +123,8 @@ impl Story {
     }
 
     async fn balance(&self, account_id: &str) -> Result<String, Status> {
-        let request = proto::GetAccountRequest {
-            account_id: account_id.to_owned(),
-        };
-        Ok(self
-            .accounts
-            .clone()
-            .get_account(request)
-            .await?
-            .into_inner()
-            .account
-            .unwrap_or_default()
-            .balance)
+        let request = proto::GetAccountRequest { account_id: account_id.to_owned() };
+        Ok(self.accounts.clone().get_account(request).await?.into_inner().account.unwrap_or_default().balance)
     }
 
     fn pay_request(&self, out_trade_no: &str, payer: &str) -> proto::PayRequest {
@@ -185,10 +154,7 @@ impl Story {
 
         println!("1. Open a payer account ({alice}) and a merchant account ({shop}), both in USD.");
         for account_id in [&alice, &shop] {
-            let request = proto::OpenAccountRequest {
-                account_id: account_id.clone(),
-                currency: "USD".into(),
-            };
+            let request = proto::OpenAccountRequest { account_id: account_id.clone(), currency: "USD".into() };
             self.accounts.open_account(request).await?;
         }
         let balance = self.balance(&alice).await?;
@@ -214,17 +180,8 @@ impl Story {
             currency: "USD".into(),
             subject: "a pot of tea".into(),
         };
-        let order = self
-            .payments
-            .create_order(order)
-            .await?
-            .into_inner()
-            .order
-            .unwrap_or_default();
-        self.expect(
-            order.status() == proto::OrderStatus::Pending,
-            "the order is PENDING",
-        );
+        let order = self.payments.create_order(order).await?.into_inner().order.unwrap_or_default();
+        self.expect(order.status() == proto::OrderStatus::Pending, "the order is PENDING");
 
         println!("4. Pay order-1 with out_trade_no pay-1.");
         let first = self.payments.pay(self.pay_request("pay-1", &alice)).await?;
@@ -233,30 +190,19 @@ impl Story {
         let trade_no = first.payment.clone().unwrap_or_default().trade_no;
         println!("    trade_no = {trade_no}");
         self.expect(!first_replayed, "the payment runs");
-        self.expect(
-            first.order.unwrap_or_default().status() == proto::OrderStatus::Paid,
-            "the order is PAID",
-        );
+        self.expect(first.order.unwrap_or_default().status() == proto::OrderStatus::Paid, "the order is PAID");
         let balance = self.balance(&alice).await?;
         self.expect(balance == "70.00", "the payer holds 70.00");
 
-        println!(
-            "5. The caller's client times out and retries: Pay again with the same out_trade_no."
-        );
+        println!("5. The caller's client times out and retries: Pay again with the same out_trade_no.");
         let retry = self.payments.pay(self.pay_request("pay-1", &alice)).await?;
-        self.expect(
-            was_replayed(&retry),
-            "the answer is marked idempotent-replayed: true",
-        );
+        self.expect(was_replayed(&retry), "the answer is marked idempotent-replayed: true");
         self.expect(
             retry.into_inner().payment.unwrap_or_default().trade_no == trade_no,
             "the retry gets the original trade_no",
         );
         let balance = self.balance(&alice).await?;
-        self.expect(
-            balance == "70.00",
-            "the payer still holds 70.00: debited once",
-        );
+        self.expect(balance == "70.00", "the payer still holds 70.00: debited once");
 
         println!("6. Someone pays order-1 again under a new out_trade_no pay-2.");
         let second = self.payments.pay(self.pay_request("pay-2", &alice)).await;
@@ -268,55 +214,33 @@ impl Story {
         self.expect(balance == "70.00", "no money moved");
 
         println!("7. Two partial refunds: refund-1 of 10.00, then refund-2 of 15.00.");
-        let refund_one = self
-            .payments
-            .refund(self.refund_request("refund-1", "10.00"))
-            .await?
-            .into_inner();
+        let refund_one = self.payments.refund(self.refund_request("refund-1", "10.00")).await?.into_inner();
         self.expect(
             refund_one.order.unwrap_or_default().status() == proto::OrderStatus::PartiallyRefunded,
             "the order is PARTIALLY_REFUNDED",
         );
-        let refund_two = self
-            .payments
-            .refund(self.refund_request("refund-2", "15.00"))
-            .await?
-            .into_inner();
+        let refund_two = self.payments.refund(self.refund_request("refund-2", "15.00")).await?.into_inner();
         let refund_no = refund_two.refund.unwrap_or_default().refund_no;
-        self.expect(
-            refund_two.order.unwrap_or_default().refunded_amount == "25.00",
-            "25.00 of 30.00 is refunded",
-        );
+        self.expect(refund_two.order.unwrap_or_default().refunded_amount == "25.00", "25.00 of 30.00 is refunded");
 
         println!("8. A refund refund-3 of 10.00 would exceed the 5.00 left.");
-        let too_much = self
-            .payments
-            .refund(self.refund_request("refund-3", "10.00"))
-            .await;
+        let too_much = self.payments.refund(self.refund_request("refund-3", "10.00")).await;
         self.expect(
             matches!(&too_much, Err(status) if status.code() == Code::FailedPrecondition && reason(status) == "REFUND_EXCEEDS_PAID"),
             "refused with FAILED_PRECONDITION REFUND_EXCEEDS_PAID",
         );
 
         println!("9. The refund-2 call is retried.");
-        let retried = self
-            .payments
-            .refund(self.refund_request("refund-2", "15.00"))
-            .await?;
-        self.expect(
-            was_replayed(&retried),
-            "the answer is marked idempotent-replayed: true",
-        );
+        let retried = self.payments.refund(self.refund_request("refund-2", "15.00")).await?;
+        self.expect(was_replayed(&retried), "the answer is marked idempotent-replayed: true");
         self.expect(
             retried.into_inner().refund.unwrap_or_default().refund_no == refund_no,
             "the retry gets the original refund_no",
         );
 
         println!("10. Query order-1 by its out_trade_no.");
-        let query = proto::QueryRequest {
-            merchant_id: self.id("merchant"),
-            key: Some(Key::OutTradeNo(self.id("pay-1"))),
-        };
+        let query =
+            proto::QueryRequest { merchant_id: self.id("merchant"), key: Some(Key::OutTradeNo(self.id("pay-1"))) };
         let details = self.payments.query(query).await?.into_inner();
         self.expect(
             details.payment.map(|payment| payment.trade_no) == Some(trade_no.clone()),
@@ -325,25 +249,13 @@ impl Story {
         self.expect(details.refunds.len() == 2, "two refunds, none doubled");
 
         println!("11. Final balances and the payer's journal.");
-        let (alice_balance, shop_balance) =
-            (self.balance(&alice).await?, self.balance(&shop).await?);
+        let (alice_balance, shop_balance) = (self.balance(&alice).await?, self.balance(&shop).await?);
         println!("    {alice}: {alice_balance}    {shop}: {shop_balance}");
-        self.expect(
-            alice_balance == "95.00" && shop_balance == "5.00",
-            "payer 95.00, merchant 5.00",
-        );
+        self.expect(alice_balance == "95.00" && shop_balance == "5.00", "payer 95.00, merchant 5.00");
         for account_id in [&alice, &shop] {
-            let request = proto::ListEntriesRequest {
-                account_id: account_id.clone(),
-                page_size: 50,
-                page_token: String::new(),
-            };
-            let entries = self
-                .accounts
-                .list_entries(request)
-                .await?
-                .into_inner()
-                .entries;
+            let request =
+                proto::ListEntriesRequest { account_id: account_id.clone(), page_size: 50, page_token: String::new() };
+            let entries = self.accounts.list_entries(request).await?.into_inner().entries;
             if account_id == &alice {
                 for entry in entries.iter().rev() {
                     println!(
@@ -355,16 +267,10 @@ impl Story {
                     );
                 }
             }
-            let total: rust_decimal::Decimal = entries
-                .iter()
-                .filter_map(|entry| entry.amount.parse::<rust_decimal::Decimal>().ok())
-                .sum();
-            let balance: rust_decimal::Decimal =
-                self.balance(account_id).await?.parse().unwrap_or_default();
-            self.expect(
-                total == balance,
-                &format!("{account_id}: balance equals the sum of its journal entries"),
-            );
+            let total: rust_decimal::Decimal =
+                entries.iter().filter_map(|entry| entry.amount.parse::<rust_decimal::Decimal>().ok()).sum();
+            let balance: rust_decimal::Decimal = self.balance(account_id).await?.parse().unwrap_or_default();
+            self.expect(total == balance, &format!("{account_id}: balance equals the sum of its journal entries"));
         }
         Ok(self.passed)
     }

@@ -89,10 +89,7 @@ pub enum Error {
     /// The key was used before with other parameters (`fields` lists the ones that differ).
     /// ALREADY_EXISTS.
     #[error("{} was already used with a different {}", .key.field(), .fields.join(", "))]
-    KeyReused {
-        key: ReusedKey,
-        fields: Vec<&'static str>,
-    },
+    KeyReused { key: ReusedKey, fields: Vec<&'static str> },
     /// The `idempotency-key` was used before for another request (`fields` lists what
     /// differs, or `method`). ALREADY_EXISTS.
     #[error("idempotency-key was already used with a different {}", .fields.join(", "))]
@@ -132,8 +129,7 @@ impl From<Error> for Status {
         let (code, reason, message) = match &error {
             Error::InvalidArgument(violations) => {
                 for violation in violations {
-                    details
-                        .add_bad_request_violation(violation.field, violation.description.clone());
+                    details.add_bad_request_violation(violation.field, violation.description.clone());
                 }
                 (Code::InvalidArgument, "INVALID_ARGUMENT", error.to_string())
             }
@@ -147,11 +143,8 @@ impl From<Error> for Status {
                 (Code::AlreadyExists, key.reason(), error.to_string())
             }
             Error::IdempotencyKeyReused { fields } | Error::TokenReused { fields } => {
-                let reason = if matches!(error, Error::TokenReused { .. }) {
-                    "TOKEN_REUSED"
-                } else {
-                    "IDEMPOTENCY_KEY_REUSED"
-                };
+                let reason =
+                    if matches!(error, Error::TokenReused { .. }) { "TOKEN_REUSED" } else { "IDEMPOTENCY_KEY_REUSED" };
                 let metadata = HashMap::from([("fields".to_owned(), fields.join(","))]);
                 details.set_error_info(reason, ERROR_DOMAIN, metadata);
                 (Code::AlreadyExists, reason, error.to_string())
@@ -159,17 +152,9 @@ impl From<Error> for Status {
             Error::TokenStore(redis_error) => {
                 tracing::warn!(error = %redis_error, "token store unavailable");
                 details.set_retry_info(Some(RETRY_DELAY));
-                (
-                    Code::Unavailable,
-                    "TOKEN_STORE_UNAVAILABLE",
-                    "token store unavailable; retry".to_owned(),
-                )
+                (Code::Unavailable, "TOKEN_STORE_UNAVAILABLE", "token store unavailable; retry".to_owned())
             }
-            Error::Rejected(rejection) => (
-                Code::FailedPrecondition,
-                rejection.reason(),
-                error.to_string(),
-            ),
+            Error::Rejected(rejection) => (Code::FailedPrecondition, rejection.reason(), error.to_string()),
             Error::Contention => {
                 details.set_retry_info(Some(RETRY_DELAY));
                 (Code::Aborted, "CONTENTION", error.to_string())
@@ -196,11 +181,7 @@ impl From<Error> for Status {
                 Fault::Transient => {
                     tracing::info!(error = %db_error, "transient database conflict after retries");
                     details.set_retry_info(Some(RETRY_DELAY));
-                    (
-                        Code::Aborted,
-                        "CONTENTION",
-                        "transaction conflict; retry with the same key".to_owned(),
-                    )
+                    (Code::Aborted, "CONTENTION", "transaction conflict; retry with the same key".to_owned())
                 }
                 Fault::Other => {
                     tracing::error!(error = ?db_error, "database error");

@@ -20,6 +20,5 @@ pub mod proto {
     tonic::include_proto!("payledger.v1");
 
     /// The encoded descriptor set of the payledger API, served by reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/payledger_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/payledger_descriptor.bin"));
 }

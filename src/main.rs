@@ -9,11 +9,7 @@ use payledger::startup::{open_ledger, shutdown_signal, Application};
 use payledger::{demo, telemetry};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "payledger",
-    version,
-    about = "A gRPC payment ledger that moves money exactly once under retries"
-)]
+#[command(name = "payledger", version, about = "A gRPC payment ledger that moves money exactly once under retries")]
 struct Cli {
     #[command(flatten)]
     log: LogSettings,
@@ -70,10 +66,7 @@ async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
     let ledger = open_ledger(&settings, &IdempotencySettings::default()).await?;
     let violations = ledger.audit().await?;
     for violation in &violations {
-        println!(
-            "VIOLATION {}: {} ({})",
-            violation.check, violation.subject, violation.detail
-        );
+        println!("VIOLATION {}: {} ({})", violation.check, violation.subject, violation.detail);
     }
     if violations.is_empty() {
         println!("audit: ledger is consistent");

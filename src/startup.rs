@@ -63,25 +63,15 @@ impl Application {
     /// [`StartupError`] when the database or the port cannot be had.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
         let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
-        let listener = TcpListener::bind(settings.listen)
-            .await
-            .map_err(|error| StartupError::Bind(settings.listen, error))?;
-        let application = Self::with_listener(
-            listener,
-            ledger,
-            Duration::from_secs(settings.shutdown_grace_seconds),
-        );
+        let listener =
+            TcpListener::bind(settings.listen).await.map_err(|error| StartupError::Bind(settings.listen, error))?;
+        let application = Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds));
         Ok(application.with_reaper(settings.idempotency.reaper()))
     }
 
     /// A server on an already bound listener (tests bind port 0).
     pub fn with_listener(listener: TcpListener, ledger: Ledger, shutdown_grace: Duration) -> Self {
-        Self {
-            listener,
-            ledger,
-            shutdown_grace,
-            reaper: ReaperSettings::default(),
-        }
+        Self { listener, ledger, shutdown_grace, reaper: ReaperSettings::default() }
     }
 
     /// Replaces the reaper's schedule (the default sweeps every minute).
@@ -95,9 +85,7 @@ impl Application {
     /// # Panics
     /// When the socket has no local address, which a bound listener always has.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .expect("a bound listener has an address")
+        self.listener.local_addr().expect("a bound listener has an address")
     }
 
     pub fn ledger(&self) -> &Ledger {
@@ -109,24 +97,12 @@ impl Application {
     ///
     /// # Errors
     /// [`StartupError`] when the server cannot start or fails.
-    pub async fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<(), StartupError> {
-        let Self {
-            listener,
-            ledger,
-            shutdown_grace,
-            reaper,
-        } = self;
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartupError> {
+        let Self { listener, ledger, shutdown_grace, reaper } = self;
         let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
-        health
-            .set_serving::<AccountServiceServer<AccountApi>>()
-            .await;
-        health
-            .set_serving::<PaymentServiceServer<PaymentApi>>()
-            .await;
+        health.set_serving::<AccountServiceServer<AccountApi>>().await;
+        health.set_serving::<PaymentServiceServer<PaymentApi>>().await;
         let reflection_v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -142,12 +118,10 @@ impl Application {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(
-                AccountServiceServer::new(AccountApi::new(ledger.clone()))
-                    .max_decoding_message_size(REQUEST_BYTES_MAX),
+                AccountServiceServer::new(AccountApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
             )
             .add_service(
-                PaymentServiceServer::new(PaymentApi::new(ledger.clone()))
-                    .max_decoding_message_size(REQUEST_BYTES_MAX),
+                PaymentServiceServer::new(PaymentApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
             )
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = stopped.await;
@@ -160,31 +134,17 @@ impl Application {
             }
             () = shutdown => {}
         }
-        tracing::info!(
-            grace_seconds = shutdown_grace.as_secs(),
-            "shutting down: health NOT_SERVING, draining calls"
-        );
-        for service in [
-            "",
-            "payledger.v1.AccountService",
-            "payledger.v1.PaymentService",
-        ] {
-            health
-                .set_service_status(service, ServingStatus::NotServing)
-                .await;
+        tracing::info!(grace_seconds = shutdown_grace.as_secs(), "shutting down: health NOT_SERVING, draining calls");
+        for service in ["", "payledger.v1.AccountService", "payledger.v1.PaymentService"] {
+            health.set_service_status(service, ServingStatus::NotServing).await;
         }
         let _ = stop_accepting.send(());
         reaper.abort();
         match tokio::time::timeout(shutdown_grace, server).await {
             Ok(result) => result?,
-            Err(_) => tracing::warn!(
-                "grace period over with calls in flight; their transactions roll back"
-            ),
+            Err(_) => tracing::warn!("grace period over with calls in flight; their transactions roll back"),
         }
-        if tokio::time::timeout(shutdown_grace, ledger.store().close())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(shutdown_grace, ledger.store().close()).await.is_err() {
             tracing::warn!("database connections still busy at exit");
         }
         Ok(())

@@ -1,5 +1,7 @@
 -- Generic idempotency keys, one-time tokens and transfers.
 -- The column for the client's key is `idempotency_key` (`key` is reserved in MySQL).
+-- request_fields and response are UTF-8 bytes (BLOB-like on every backend, so the MySQL
+-- driver hands them over as bytes, which is how it hands over any TEXT column too).
 
 CREATE TABLE idempotency_record (
     record_id           BIGINT AUTO_INCREMENT PRIMARY KEY,
@@ -7,8 +9,8 @@ CREATE TABLE idempotency_record (
     idempotency_key     VARCHAR(128) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     method              VARCHAR(32)  CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     request_fingerprint VARCHAR(64)  CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
-    request_fields      TEXT         CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
-    response            MEDIUMTEXT   CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+    request_fields      BLOB        NOT NULL,
+    response            MEDIUMBLOB NULL,
     status              VARCHAR(16)  CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     created_at          BIGINT       NOT NULL,
     expires_at          BIGINT       NOT NULL,

@@ -1,5 +1,7 @@
 -- Generic idempotency keys, one-time tokens and transfers.
 -- The column for the client's key is `idempotency_key` (`key` is reserved in MySQL).
+-- request_fields and response are UTF-8 bytes (BLOB-like on every backend, so the MySQL
+-- driver hands them over as bytes, which is how it hands over any TEXT column too).
 
 CREATE TABLE idempotency_record (
     record_id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -7,8 +9,8 @@ CREATE TABLE idempotency_record (
     idempotency_key     VARCHAR(128) NOT NULL,
     method              VARCHAR(32)  NOT NULL,
     request_fingerprint VARCHAR(64)  NOT NULL,
-    request_fields      TEXT         NOT NULL,
-    response            TEXT,
+    request_fields      BYTEA       NOT NULL,
+    response            BYTEA,
     status              VARCHAR(16)  NOT NULL,
     created_at          BIGINT       NOT NULL,
     expires_at          BIGINT       NOT NULL,

@@ -1,5 +1,7 @@
 -- Generic idempotency keys, one-time tokens and transfers.
 -- The column for the client's key is `idempotency_key` (`key` is reserved in MySQL).
+-- request_fields and response are UTF-8 bytes (BLOB-like on every backend, so the MySQL
+-- driver hands them over as bytes, which is how it hands over any TEXT column too).
 
 CREATE TABLE idempotency_record (
     record_id           INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -7,8 +9,8 @@ CREATE TABLE idempotency_record (
     idempotency_key     TEXT    NOT NULL,
     method              TEXT    NOT NULL,
     request_fingerprint TEXT    NOT NULL,
-    request_fields      TEXT    NOT NULL,
-    response            TEXT,
+    request_fields      BLOB        NOT NULL,
+    response            BLOB,
     status              TEXT    NOT NULL,
     created_at          INTEGER NOT NULL,
     expires_at          INTEGER NOT NULL,

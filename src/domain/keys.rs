@@ -11,17 +11,11 @@ fn check_business_no(field: &'static str, raw: &str) -> Result<(), FieldViolatio
         return Err(FieldViolation::new(field, "is required"));
     }
     if raw.len() > BUSINESS_NO_LEN_MAX {
-        return Err(FieldViolation::new(
-            field,
-            format!("must be at most {BUSINESS_NO_LEN_MAX} characters"),
-        ));
+        return Err(FieldViolation::new(field, format!("must be at most {BUSINESS_NO_LEN_MAX} characters")));
     }
     let allowed = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b':' | b'-');
     if !raw.bytes().all(allowed) {
-        return Err(FieldViolation::new(
-            field,
-            "may contain only A-Z a-z 0-9 . _ : -",
-        ));
+        return Err(FieldViolation::new(field, "may contain only A-Z a-z 0-9 . _ : -"));
     }
     Ok(())
 }
@@ -94,10 +88,7 @@ impl IdempotencyKey {
     /// A [`FieldViolation`] on `field` when the key is empty, too long or not printable ASCII.
     pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
         if raw.is_empty() || raw.len() > Self::LEN_MAX {
-            return Err(FieldViolation::new(
-                field,
-                format!("must be 1-{} characters", Self::LEN_MAX),
-            ));
+            return Err(FieldViolation::new(field, format!("must be 1-{} characters", Self::LEN_MAX)));
         }
         if !raw.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
             return Err(FieldViolation::new(field, "must be printable ASCII"));
@@ -121,10 +112,7 @@ impl OneTimeToken {
     pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
         let allowed = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
         if !(16..=64).contains(&raw.len()) || !raw.bytes().all(allowed) {
-            return Err(FieldViolation::new(
-                field,
-                "is not a token issued by IssueToken",
-            ));
+            return Err(FieldViolation::new(field, "is not a token issued by IssueToken"));
         }
         Ok(Self(raw.to_owned()))
     }
@@ -149,16 +137,10 @@ impl FreeText {
     pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
         // Bytes bound the work before characters are counted.
         if raw.len() > Self::LEN_MAX * 4 || raw.chars().count() > Self::LEN_MAX {
-            return Err(FieldViolation::new(
-                field,
-                format!("must be at most {} characters", Self::LEN_MAX),
-            ));
+            return Err(FieldViolation::new(field, format!("must be at most {} characters", Self::LEN_MAX)));
         }
         if raw.chars().any(char::is_control) {
-            return Err(FieldViolation::new(
-                field,
-                "must not contain control characters",
-            ));
+            return Err(FieldViolation::new(field, "must not contain control characters"));
         }
         Ok(Self(raw.to_owned()))
     }
@@ -196,10 +178,7 @@ mod tests {
         assert!(IdempotencyKey::parse("idempotency-key", "a b~!").is_ok());
         assert!(IdempotencyKey::parse("idempotency-key", &"k".repeat(128)).is_ok());
         for raw in ["", "tab\there", "caf\u{e9}", &"k".repeat(129)] {
-            assert!(
-                IdempotencyKey::parse("idempotency-key", raw).is_err(),
-                "{raw:?}"
-            );
+            assert!(IdempotencyKey::parse("idempotency-key", raw).is_err(), "{raw:?}");
         }
     }
 

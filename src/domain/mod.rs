@@ -8,8 +8,8 @@ mod money;
 mod order;
 
 pub use keys::{
-    AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
-    OutTradeNo, RequestId, BUSINESS_NO_LEN_MAX,
+    AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
+    BUSINESS_NO_LEN_MAX,
 };
 pub use money::{format_minor, Amount, Currency, AMOUNT_MINOR_UNITS_MAX, BALANCE_MINOR_UNITS_MAX};
 pub use order::{OrderEvent, OrderState, OrderStatus, Transition};
@@ -25,10 +25,7 @@ pub struct FieldViolation {
 
 impl FieldViolation {
     pub fn new(field: &'static str, description: impl Into<String>) -> Self {
-        Self {
-            field,
-            description: description.into(),
-        }
+        Self { field, description: description.into() }
     }
 }
 

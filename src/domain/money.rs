@@ -36,20 +36,14 @@ impl Currency {
             return Err(FieldViolation::new(field, "is required"));
         }
         if raw.len() != 3 || !raw.bytes().all(|b| b.is_ascii_uppercase()) {
-            return Err(FieldViolation::new(
-                field,
-                "must be an ISO 4217 code such as USD",
-            ));
+            return Err(FieldViolation::new(field, "must be an ISO 4217 code such as USD"));
         }
         let iso = iso_currency::Currency::from_code(raw)
             .ok_or_else(|| FieldViolation::new(field, "is not an ISO 4217 currency"))?;
-        let minor_unit_digits = iso.exponent().ok_or_else(|| {
-            FieldViolation::new(field, "has no minor unit and cannot be held by the ledger")
-        })?;
-        Ok(Self {
-            iso,
-            minor_unit_digits: u32::from(minor_unit_digits),
-        })
+        let minor_unit_digits = iso
+            .exponent()
+            .ok_or_else(|| FieldViolation::new(field, "has no minor unit and cannot be held by the ledger"))?;
+        Ok(Self { iso, minor_unit_digits: u32::from(minor_unit_digits) })
     }
 
     /// The three-letter code, e.g. `"USD"`.
@@ -86,19 +80,12 @@ impl Amount {
     ///
     /// # Errors
     /// A [`FieldViolation`] naming `field` with the rule that failed.
-    pub fn parse(
-        field: &'static str,
-        raw: &str,
-        currency: Currency,
-    ) -> Result<Self, FieldViolation> {
+    pub fn parse(field: &'static str, raw: &str, currency: Currency) -> Result<Self, FieldViolation> {
         if raw.is_empty() {
             return Err(FieldViolation::new(field, "is required"));
         }
         if raw.len() > AMOUNT_TEXT_LEN_MAX {
-            return Err(FieldViolation::new(
-                field,
-                format!("must be at most {AMOUNT_TEXT_LEN_MAX} characters"),
-            ));
+            return Err(FieldViolation::new(field, format!("must be at most {AMOUNT_TEXT_LEN_MAX} characters")));
         }
         let (whole, fraction) = match raw.split_once('.') {
             Some((whole, fraction)) => (whole, Some(fraction)),
@@ -113,19 +100,10 @@ impl Amount {
         }
         let digits = currency.minor_unit_digits();
         if fraction.map_or(0, str::len) > digits as usize {
-            return Err(FieldViolation::new(
-                field,
-                format!("{currency} allows at most {digits} fraction digits"),
-            ));
+            return Err(FieldViolation::new(field, format!("{currency} allows at most {digits} fraction digits")));
         }
         let too_large = || {
-            FieldViolation::new(
-                field,
-                format!(
-                    "must be at most {}",
-                    format_minor(AMOUNT_MINOR_UNITS_MAX, currency)
-                ),
-            )
+            FieldViolation::new(field, format!("must be at most {}", format_minor(AMOUNT_MINOR_UNITS_MAX, currency)))
         };
         let decimal = Decimal::from_str_exact(raw).map_err(|_| too_large())?;
         let minor_units = decimal
@@ -138,10 +116,7 @@ impl Amount {
         if minor_units > AMOUNT_MINOR_UNITS_MAX {
             return Err(too_large());
         }
-        Ok(Self {
-            minor_units,
-            currency,
-        })
+        Ok(Self { minor_units, currency })
     }
 
     /// Builds an amount from stored minor units (trusted: written by this service).
@@ -150,10 +125,7 @@ impl Amount {
     /// When `minor_units` is not positive, which would mean corrupted storage.
     pub fn from_minor_units(minor_units: i64, currency: Currency) -> Self {
         assert!(minor_units > 0, "a stored amount is always positive");
-        Self {
-            minor_units,
-            currency,
-        }
+        Self { minor_units, currency }
     }
 
     pub fn minor_units(&self) -> i64 {
@@ -193,44 +165,16 @@ mod tests {
 
     #[test]
     fn amount_in_major_units_becomes_minor_units() {
-        assert_eq!(
-            Amount::parse("amount", "100.00", usd())
-                .unwrap()
-                .minor_units(),
-            10_000
-        );
-        assert_eq!(
-            Amount::parse("amount", "100.5", usd())
-                .unwrap()
-                .minor_units(),
-            10_050
-        );
-        assert_eq!(
-            Amount::parse("amount", "7", usd()).unwrap().minor_units(),
-            700
-        );
-        assert_eq!(
-            Amount::parse("amount", "0.01", usd())
-                .unwrap()
-                .minor_units(),
-            1
-        );
+        assert_eq!(Amount::parse("amount", "100.00", usd()).unwrap().minor_units(), 10_000);
+        assert_eq!(Amount::parse("amount", "100.5", usd()).unwrap().minor_units(), 10_050);
+        assert_eq!(Amount::parse("amount", "7", usd()).unwrap().minor_units(), 700);
+        assert_eq!(Amount::parse("amount", "0.01", usd()).unwrap().minor_units(), 1);
     }
 
     #[test]
     fn currencies_follow_their_iso_4217_minor_unit() {
-        assert_eq!(
-            Amount::parse("amount", "500", currency("JPY"))
-                .unwrap()
-                .minor_units(),
-            500
-        );
-        assert_eq!(
-            Amount::parse("amount", "1.234", currency("KWD"))
-                .unwrap()
-                .minor_units(),
-            1234
-        );
+        assert_eq!(Amount::parse("amount", "500", currency("JPY")).unwrap().minor_units(), 500);
+        assert_eq!(Amount::parse("amount", "1.234", currency("KWD")).unwrap().minor_units(), 1234);
         assert!(Amount::parse("amount", "1.5", currency("JPY")).is_err());
     }
 
@@ -242,14 +186,10 @@ mod tests {
 
     #[test]
     fn zero_signed_exponent_and_spaced_amounts_are_rejected() {
-        for raw in [
-            "", "0", "0.00", "-1.00", "+1.00", "1e2", " 1.00", "1.00 ", "1,000.00", "1.", ".5",
-            "1..0", "NaN", "١",
-        ] {
-            assert!(
-                Amount::parse("amount", raw, usd()).is_err(),
-                "{raw:?} was accepted"
-            );
+        for raw in
+            ["", "0", "0.00", "-1.00", "+1.00", "1e2", " 1.00", "1.00 ", "1,000.00", "1.", ".5", "1..0", "NaN", "١"]
+        {
+            assert!(Amount::parse("amount", raw, usd()).is_err(), "{raw:?} was accepted");
         }
     }
 
@@ -264,10 +204,7 @@ mod tests {
     #[test]
     fn lower_case_unknown_and_unit_less_currencies_are_rejected() {
         for raw in ["usd", "US", "USDD", "ABC", "XAU", ""] {
-            assert!(
-                Currency::parse("currency", raw).is_err(),
-                "{raw:?} was accepted"
-            );
+            assert!(Currency::parse("currency", raw).is_err(), "{raw:?} was accepted");
         }
     }
 

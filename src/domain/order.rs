@@ -44,17 +44,12 @@ impl OrderStatus {
 
     /// Reads the stored form; `None` for anything this version does not know.
     pub fn from_stored(stored: &str) -> Option<Self> {
-        OrderStatus::ALL
-            .into_iter()
-            .find(|status| status.as_str() == stored)
+        OrderStatus::ALL.into_iter().find(|status| status.as_str() == stored)
     }
 
     /// True once money has moved for the order (it was paid, whatever refunds followed).
     pub fn is_paid(self) -> bool {
-        matches!(
-            self,
-            OrderStatus::Paid | OrderStatus::PartiallyRefunded | OrderStatus::Refunded
-        )
+        matches!(self, OrderStatus::Paid | OrderStatus::PartiallyRefunded | OrderStatus::Refunded)
     }
 }
 
@@ -109,22 +104,14 @@ impl OrderState {
                     .checked_add(amount_minor_units)
                     .filter(|refunded| *refunded <= self.amount_minor_units)
                     .ok_or(Rejection::RefundExceedsPaid)?;
-                let status = if refunded == self.amount_minor_units {
-                    Refunded
-                } else {
-                    PartiallyRefunded
-                };
+                let status = if refunded == self.amount_minor_units { Refunded } else { PartiallyRefunded };
                 Ok(self.moved_to(status, refunded))
             }
         }
     }
 
     fn moved_to(self, status: OrderStatus, refunded_minor_units: i64) -> Transition {
-        Transition::To(OrderState {
-            status,
-            refunded_minor_units,
-            ..self
-        })
+        Transition::To(OrderState { status, refunded_minor_units, ..self })
     }
 }
 
@@ -136,17 +123,11 @@ mod tests {
     use OrderStatus::*;
 
     fn state(status: OrderStatus, refunded: i64) -> OrderState {
-        OrderState {
-            status,
-            amount_minor_units: 1_000,
-            refunded_minor_units: refunded,
-        }
+        OrderState { status, amount_minor_units: 1_000, refunded_minor_units: refunded }
     }
 
     fn refund(amount: i64) -> OrderEvent {
-        OrderEvent::Refund {
-            amount_minor_units: amount,
-        }
+        OrderEvent::Refund { amount_minor_units: amount }
     }
 
     fn to(status: OrderStatus, refunded: i64) -> Result<Transition, Rejection> {
@@ -165,66 +146,27 @@ mod tests {
             (Paid, 0, refund(400), to(PartiallyRefunded, 400)),
             (Paid, 0, refund(1_000), to(Refunded, 1_000)),
             (Paid, 0, refund(1_001), Err(Rejection::RefundExceedsPaid)),
-            (
-                PartiallyRefunded,
-                400,
-                OrderEvent::Pay,
-                Err(Rejection::OrderAlreadyPaid),
-            ),
-            (
-                PartiallyRefunded,
-                400,
-                OrderEvent::Close,
-                Err(Rejection::OrderAlreadyPaid),
-            ),
-            (
-                PartiallyRefunded,
-                400,
-                refund(100),
-                to(PartiallyRefunded, 500),
-            ),
+            (PartiallyRefunded, 400, OrderEvent::Pay, Err(Rejection::OrderAlreadyPaid)),
+            (PartiallyRefunded, 400, OrderEvent::Close, Err(Rejection::OrderAlreadyPaid)),
+            (PartiallyRefunded, 400, refund(100), to(PartiallyRefunded, 500)),
             (PartiallyRefunded, 400, refund(600), to(Refunded, 1_000)),
-            (
-                PartiallyRefunded,
-                400,
-                refund(601),
-                Err(Rejection::RefundExceedsPaid),
-            ),
-            (
-                Refunded,
-                1_000,
-                OrderEvent::Pay,
-                Err(Rejection::OrderAlreadyPaid),
-            ),
-            (
-                Refunded,
-                1_000,
-                OrderEvent::Close,
-                Err(Rejection::OrderAlreadyPaid),
-            ),
-            (
-                Refunded,
-                1_000,
-                refund(1),
-                Err(Rejection::RefundExceedsPaid),
-            ),
+            (PartiallyRefunded, 400, refund(601), Err(Rejection::RefundExceedsPaid)),
+            (Refunded, 1_000, OrderEvent::Pay, Err(Rejection::OrderAlreadyPaid)),
+            (Refunded, 1_000, OrderEvent::Close, Err(Rejection::OrderAlreadyPaid)),
+            (Refunded, 1_000, refund(1), Err(Rejection::RefundExceedsPaid)),
             (Closed, 0, OrderEvent::Pay, Err(Rejection::OrderClosed)),
             (Closed, 0, OrderEvent::Close, Ok(Transition::AlreadyApplied)),
             (Closed, 0, refund(1), Err(Rejection::OrderNotPaid)),
         ];
         for (status, refunded, event, expected) in table {
-            assert_eq!(
-                state(status, refunded).apply(event),
-                expected,
-                "{status:?} + {event:?}"
-            );
+            assert_eq!(state(status, refunded).apply(event), expected, "{status:?} + {event:?}");
         }
         // Every (state, event kind) pair appears in the table above.
         for status in OrderStatus::ALL {
             for event in [OrderEvent::Pay, OrderEvent::Close, refund(1)] {
-                let covered = table.iter().any(|(s, _, e, _)| {
-                    *s == status && std::mem::discriminant(e) == std::mem::discriminant(&event)
-                });
+                let covered = table
+                    .iter()
+                    .any(|(s, _, e, _)| *s == status && std::mem::discriminant(e) == std::mem::discriminant(&event));
                 assert!(covered, "{status:?} + {event:?} is missing from the table");
             }
         }
@@ -239,11 +181,7 @@ mod tests {
     }
 
     fn any_event() -> impl Strategy<Value = OrderEvent> {
-        prop_oneof![
-            Just(OrderEvent::Pay),
-            Just(OrderEvent::Close),
-            (1i64..=1_200).prop_map(refund),
-        ]
+        prop_oneof![Just(OrderEvent::Pay), Just(OrderEvent::Close), (1i64..=1_200).prop_map(refund),]
     }
 
     proptest! {

@@ -31,16 +31,8 @@ impl AccountService for AccountApi {
         let command = decode::open_account(request.into_inner())?;
         let span = info_span!("OpenAccount", account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(
-            span,
-            async move { ledger.open_account(command, &guards).await },
-        )
-        .await?;
-        reply_replayable(answer, |account| {
-            Ok(proto::OpenAccountResponse {
-                account: Some(encode::account(account)?),
-            })
-        })
+        let answer = run_detached(span, async move { ledger.open_account(command, &guards).await }).await?;
+        reply_replayable(answer, |account| Ok(proto::OpenAccountResponse { account: Some(encode::account(account)?) }))
     }
 
     async fn deposit(
@@ -51,8 +43,7 @@ impl AccountService for AccountApi {
         let command = decode::deposit(request.into_inner())?;
         let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer =
-            run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
+        let answer = run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::DepositResponse {
                 account: Some(encode::account(receipt.account)?),
@@ -68,14 +59,8 @@ impl AccountService for AccountApi {
         let account_id = decode::account_id(request.into_inner())?;
         let span = info_span!("GetAccount", account_id = %account_id);
         let ledger = self.ledger.clone();
-        let account =
-            run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
-        Ok(reply(
-            proto::GetAccountResponse {
-                account: Some(encode::account(account)?),
-            },
-            false,
-        ))
+        let account = run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
+        Ok(reply(proto::GetAccountResponse { account: Some(encode::account(account)?) }, false))
     }
 
     async fn list_entries(
@@ -86,22 +71,9 @@ impl AccountService for AccountApi {
         let span = info_span!("ListEntries", account_id = %query.account_id);
         let ledger = self.ledger.clone();
         let page = run_detached(span, async move { ledger.list_entries(query).await }).await?;
-        let entries = page
-            .entries
-            .into_iter()
-            .map(encode::entry)
-            .collect::<Result<Vec<_>, _>>()?;
-        let next_page_token = page
-            .next_before_entry_id
-            .map(|id| id.to_string())
-            .unwrap_or_default();
-        Ok(reply(
-            proto::ListEntriesResponse {
-                entries,
-                next_page_token,
-            },
-            false,
-        ))
+        let entries = page.entries.into_iter().map(encode::entry).collect::<Result<Vec<_>, _>>()?;
+        let next_page_token = page.next_before_entry_id.map(|id| id.to_string()).unwrap_or_default();
+        Ok(reply(proto::ListEntriesResponse { entries, next_page_token }, false))
     }
 
     async fn transfer(
@@ -110,10 +82,10 @@ impl AccountService for AccountApi {
     ) -> Result<Response<proto::TransferResponse>, Status> {
         let guards = decode::guards(request.metadata())?;
         let command = decode::transfer(request.into_inner())?;
-        let span = info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
+        let span =
+            info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
         let ledger = self.ledger.clone();
-        let answer =
-            run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
+        let answer = run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::TransferResponse {
                 transfer: Some(encode::transfer(receipt.transfer)?),

@@ -3,13 +3,13 @@
 //! request are reported together.
 
 use crate::domain::{
-    AccountId, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId,
-    OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
+    AccountId, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo,
+    OutRefundNo, OutTradeNo, RequestId,
 };
 use crate::error::Error;
 use crate::ledger::{
-    CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
-    IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
+    CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, IDEMPOTENCY_KEY_HEADER,
+    IDEMPOTENCY_TOKEN_HEADER,
 };
 use crate::proto;
 
@@ -32,49 +32,31 @@ impl Violations {
     }
 
     fn into_error(self) -> Error {
-        debug_assert!(
-            !self.0.is_empty(),
-            "a request failed to parse with no violation"
-        );
+        debug_assert!(!self.0.is_empty(), "a request failed to parse with no violation");
         Error::InvalidArgument(self.0)
     }
 }
 
 pub(super) fn open_account(request: proto::OpenAccountRequest) -> Result<OpenAccount, Error> {
-    let proto::OpenAccountRequest {
-        account_id,
-        currency,
-    } = request;
+    let proto::OpenAccountRequest { account_id, currency } = request;
     let mut v = Violations::default();
     let account_id = v.check(AccountId::parse("account_id", &account_id));
     let currency = v.check(Currency::parse("currency", &currency));
     match (account_id, currency) {
-        (Some(account_id), Some(currency)) => Ok(OpenAccount {
-            account_id,
-            currency,
-        }),
+        (Some(account_id), Some(currency)) => Ok(OpenAccount { account_id, currency }),
         _ => Err(v.into_error()),
     }
 }
 
 pub(super) fn deposit(request: proto::DepositRequest) -> Result<Deposit, Error> {
-    let proto::DepositRequest {
-        request_id,
-        account_id,
-        amount,
-        currency,
-    } = request;
+    let proto::DepositRequest { request_id, account_id, amount, currency } = request;
     let mut v = Violations::default();
     let request_id = v.check(RequestId::parse("request_id", &request_id));
     let account_id = v.check(AccountId::parse("account_id", &account_id));
     let currency = v.check(Currency::parse("currency", &currency));
     let amount = v.amount(&amount, currency);
     match (request_id, account_id, amount) {
-        (Some(request_id), Some(account_id), Some(amount)) => Ok(Deposit {
-            request_id,
-            account_id,
-            amount,
-        }),
+        (Some(request_id), Some(account_id), Some(amount)) => Ok(Deposit { request_id, account_id, amount }),
         _ => Err(v.into_error()),
     }
 }
@@ -85,57 +67,31 @@ pub(super) fn account_id(request: proto::GetAccountRequest) -> Result<AccountId,
 }
 
 pub(super) fn list_entries(request: proto::ListEntriesRequest) -> Result<ListEntries, Error> {
-    let proto::ListEntriesRequest {
-        account_id,
-        page_size,
-        page_token,
-    } = request;
+    let proto::ListEntriesRequest { account_id, page_size, page_token } = request;
     let mut v = Violations::default();
     let account_id = v.check(AccountId::parse("account_id", &account_id));
     // AIP-158: zero means the default, a size above the maximum is clamped to it.
     let page_size = match page_size {
         0 => Some(ListEntries::PAGE_SIZE_DEFAULT),
-        size if size < 0 => v.check(Err(FieldViolation::new(
-            "page_size",
-            "must not be negative",
-        ))),
-        size => Some(
-            u32::try_from(size)
-                .unwrap_or(u32::MAX)
-                .min(ListEntries::PAGE_SIZE_MAX),
-        ),
+        size if size < 0 => v.check(Err(FieldViolation::new("page_size", "must not be negative"))),
+        size => Some(u32::try_from(size).unwrap_or(u32::MAX).min(ListEntries::PAGE_SIZE_MAX)),
     };
     let before_entry_id = if page_token.is_empty() {
         Some(None)
     } else {
-        let token = page_token
-            .parse::<i64>()
-            .ok()
-            .filter(|id| *id > 0 && page_token.len() <= 20)
-            .map(Some);
-        v.check(token.ok_or_else(|| {
-            FieldViolation::new("page_token", "is not a next_page_token of this API")
-        }))
+        let token = page_token.parse::<i64>().ok().filter(|id| *id > 0 && page_token.len() <= 20).map(Some);
+        v.check(token.ok_or_else(|| FieldViolation::new("page_token", "is not a next_page_token of this API")))
     };
     match (account_id, page_size, before_entry_id) {
-        (Some(account_id), Some(page_size), Some(before_entry_id)) => Ok(ListEntries {
-            account_id,
-            page_size,
-            before_entry_id,
-        }),
+        (Some(account_id), Some(page_size), Some(before_entry_id)) => {
+            Ok(ListEntries { account_id, page_size, before_entry_id })
+        }
         _ => Err(v.into_error()),
     }
 }
 
 pub(super) fn create_order(request: proto::CreateOrderRequest) -> Result<CreateOrder, Error> {
-    let proto::CreateOrderRequest {
-        merchant_id,
-        order_no,
-        payee_account_id,
-        amount,
-        currency,
-        subject,
-    } = request;
+    let proto::CreateOrderRequest { merchant_id, order_no, payee_account_id, amount, currency, subject } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let order_no = v.check(OrderNo::parse("order_no", &order_no));
@@ -144,30 +100,15 @@ pub(super) fn create_order(request: proto::CreateOrderRequest) -> Result<CreateO
     let amount = v.amount(&amount, currency);
     let subject = v.check(FreeText::parse("subject", &subject));
     match (merchant_id, order_no, payee_account_id, amount, subject) {
-        (
-            Some(merchant_id),
-            Some(order_no),
-            Some(payee_account_id),
-            Some(amount),
-            Some(subject),
-        ) => Ok(CreateOrder {
-            merchant_id,
-            order_no,
-            payee_account_id,
-            amount,
-            subject,
-        }),
+        (Some(merchant_id), Some(order_no), Some(payee_account_id), Some(amount), Some(subject)) => {
+            Ok(CreateOrder { merchant_id, order_no, payee_account_id, amount, subject })
+        }
         _ => Err(v.into_error()),
     }
 }
 
-pub(super) fn close_order(
-    request: proto::CloseOrderRequest,
-) -> Result<(MerchantId, OrderNo), Error> {
-    let proto::CloseOrderRequest {
-        merchant_id,
-        order_no,
-    } = request;
+pub(super) fn close_order(request: proto::CloseOrderRequest) -> Result<(MerchantId, OrderNo), Error> {
+    let proto::CloseOrderRequest { merchant_id, order_no } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let order_no = v.check(OrderNo::parse("order_no", &order_no));
@@ -178,14 +119,7 @@ pub(super) fn close_order(
 }
 
 pub(super) fn pay(request: proto::PayRequest) -> Result<Pay, Error> {
-    let proto::PayRequest {
-        merchant_id,
-        out_trade_no,
-        order_no,
-        payer_account_id,
-        amount,
-        currency,
-    } = request;
+    let proto::PayRequest { merchant_id, out_trade_no, order_no, payer_account_id, amount, currency } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let out_trade_no = v.check(OutTradeNo::parse("out_trade_no", &out_trade_no));
@@ -193,39 +127,16 @@ pub(super) fn pay(request: proto::PayRequest) -> Result<Pay, Error> {
     let payer_account_id = v.check(AccountId::parse("payer_account_id", &payer_account_id));
     let currency = v.check(Currency::parse("currency", &currency));
     let amount = v.amount(&amount, currency);
-    match (
-        merchant_id,
-        out_trade_no,
-        order_no,
-        payer_account_id,
-        amount,
-    ) {
-        (
-            Some(merchant_id),
-            Some(out_trade_no),
-            Some(order_no),
-            Some(payer_account_id),
-            Some(amount),
-        ) => Ok(Pay {
-            merchant_id,
-            out_trade_no,
-            order_no,
-            payer_account_id,
-            amount,
-        }),
+    match (merchant_id, out_trade_no, order_no, payer_account_id, amount) {
+        (Some(merchant_id), Some(out_trade_no), Some(order_no), Some(payer_account_id), Some(amount)) => {
+            Ok(Pay { merchant_id, out_trade_no, order_no, payer_account_id, amount })
+        }
         _ => Err(v.into_error()),
     }
 }
 
 pub(super) fn refund(request: proto::RefundRequest) -> Result<Refund, Error> {
-    let proto::RefundRequest {
-        merchant_id,
-        out_trade_no,
-        out_refund_no,
-        amount,
-        currency,
-        reason,
-    } = request;
+    let proto::RefundRequest { merchant_id, out_trade_no, out_refund_no, amount, currency, reason } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let out_trade_no = v.check(OutTradeNo::parse("out_trade_no", &out_trade_no));
@@ -234,19 +145,9 @@ pub(super) fn refund(request: proto::RefundRequest) -> Result<Refund, Error> {
     let amount = v.amount(&amount, currency);
     let reason = v.check(FreeText::parse("reason", &reason));
     match (merchant_id, out_trade_no, out_refund_no, amount, reason) {
-        (
-            Some(merchant_id),
-            Some(out_trade_no),
-            Some(out_refund_no),
-            Some(amount),
-            Some(reason),
-        ) => Ok(Refund {
-            merchant_id,
-            out_trade_no,
-            out_refund_no,
-            amount,
-            reason,
-        }),
+        (Some(merchant_id), Some(out_trade_no), Some(out_refund_no), Some(amount), Some(reason)) => {
+            Ok(Refund { merchant_id, out_trade_no, out_refund_no, amount, reason })
+        }
         _ => Err(v.into_error()),
     }
 }
@@ -257,19 +158,10 @@ pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKe
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let key = match key {
-        Some(Key::OutTradeNo(raw)) => v
-            .check(OutTradeNo::parse("out_trade_no", &raw))
-            .map(QueryKey::OutTradeNo),
-        Some(Key::OrderNo(raw)) => v
-            .check(OrderNo::parse("order_no", &raw))
-            .map(QueryKey::OrderNo),
-        Some(Key::OutRefundNo(raw)) => v
-            .check(OutRefundNo::parse("out_refund_no", &raw))
-            .map(QueryKey::OutRefundNo),
-        None => v.check(Err(FieldViolation::new(
-            "key",
-            "one of out_trade_no, order_no or out_refund_no is required",
-        ))),
+        Some(Key::OutTradeNo(raw)) => v.check(OutTradeNo::parse("out_trade_no", &raw)).map(QueryKey::OutTradeNo),
+        Some(Key::OrderNo(raw)) => v.check(OrderNo::parse("order_no", &raw)).map(QueryKey::OrderNo),
+        Some(Key::OutRefundNo(raw)) => v.check(OutRefundNo::parse("out_refund_no", &raw)).map(QueryKey::OutRefundNo),
+        None => v.check(Err(FieldViolation::new("key", "one of out_trade_no, order_no or out_refund_no is required"))),
     };
     match (merchant_id, key) {
         (Some(merchant_id), Some(key)) => Ok((merchant_id, key)),
@@ -282,35 +174,21 @@ pub(super) fn guards(metadata: &tonic::metadata::MetadataMap) -> Result<Guards, 
     let mut v = Violations::default();
     let header = |name: &'static str, v: &mut Violations| -> Option<String> {
         let value = metadata.get(name)?;
-        v.check(
-            value
-                .to_str()
-                .map(str::to_owned)
-                .map_err(|_| FieldViolation::new(name, "must be printable ASCII")),
-        )
+        v.check(value.to_str().map(str::to_owned).map_err(|_| FieldViolation::new(name, "must be printable ASCII")))
     };
     let idempotency_key = header(IDEMPOTENCY_KEY_HEADER, &mut v)
         .and_then(|raw| v.check(IdempotencyKey::parse(IDEMPOTENCY_KEY_HEADER, &raw)));
     let token = header(IDEMPOTENCY_TOKEN_HEADER, &mut v)
         .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, &raw)));
     if v.0.is_empty() {
-        Ok(Guards {
-            idempotency_key,
-            token,
-        })
+        Ok(Guards { idempotency_key, token })
     } else {
         Err(v.into_error())
     }
 }
 
 pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Error> {
-    let proto::TransferRequest {
-        from_account_id,
-        to_account_id,
-        amount,
-        currency,
-        memo,
-    } = request;
+    let proto::TransferRequest { from_account_id, to_account_id, amount, currency, memo } = request;
     let mut v = Violations::default();
     let from_account_id = v.check(AccountId::parse("from_account_id", &from_account_id));
     let to_account_id = v.check(AccountId::parse("to_account_id", &to_account_id));
@@ -319,34 +197,19 @@ pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Erro
     let memo = v.check(FreeText::parse("memo", &memo));
     if let (Some(from), Some(to)) = (&from_account_id, &to_account_id) {
         if from == to {
-            v.check::<()>(Err(FieldViolation::new(
-                "to_account_id",
-                "must differ from from_account_id",
-            )));
+            v.check::<()>(Err(FieldViolation::new("to_account_id", "must differ from from_account_id")));
         }
     }
     match (from_account_id, to_account_id, amount, memo) {
-        (Some(from_account_id), Some(to_account_id), Some(amount), Some(memo))
-            if v.0.is_empty() =>
-        {
-            Ok(Transfer {
-                from_account_id,
-                to_account_id,
-                amount,
-                memo,
-            })
+        (Some(from_account_id), Some(to_account_id), Some(amount), Some(memo)) if v.0.is_empty() => {
+            Ok(Transfer { from_account_id, to_account_id, amount, memo })
         }
         _ => Err(v.into_error()),
     }
 }
 
-pub(super) fn issue_token(
-    request: proto::IssueTokenRequest,
-) -> Result<(MerchantId, FreeText), Error> {
-    let proto::IssueTokenRequest {
-        merchant_id,
-        purpose,
-    } = request;
+pub(super) fn issue_token(request: proto::IssueTokenRequest) -> Result<(MerchantId, FreeText), Error> {
+    let proto::IssueTokenRequest { merchant_id, purpose } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let purpose = v.check(FreeText::parse("purpose", &purpose));

@@ -9,19 +9,15 @@ use crate::proto;
 
 /// Minor units of a stored currency code as a decimal string.
 fn money(minor_units: i64, currency_code: &str) -> Result<String, Error> {
-    let currency = Currency::parse("currency", currency_code).map_err(|_| {
-        Error::Internal(format!("stored currency {currency_code:?} is not ISO 4217"))
-    })?;
+    let currency = Currency::parse("currency", currency_code)
+        .map_err(|_| Error::Internal(format!("stored currency {currency_code:?} is not ISO 4217")))?;
     Ok(format_minor(minor_units, currency))
 }
 
 /// Microseconds since the Unix epoch as a protobuf Timestamp.
 pub(super) fn timestamp(micros: i64) -> Option<Timestamp> {
     let nanos = i32::try_from(micros.rem_euclid(1_000_000) * 1_000).unwrap_or(0);
-    Some(Timestamp {
-        seconds: micros.div_euclid(1_000_000),
-        nanos,
-    })
+    Some(Timestamp { seconds: micros.div_euclid(1_000_000), nanos })
 }
 
 pub(super) fn account(row: AccountRow) -> Result<proto::Account, Error> {

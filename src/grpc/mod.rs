@@ -43,9 +43,7 @@ where
     );
     match task.await {
         Ok(outcome) => outcome.map_err(Status::from),
-        Err(join_error) => {
-            Err(Error::Internal(format!("use case task failed: {join_error}")).into())
-        }
+        Err(join_error) => Err(Error::Internal(format!("use case task failed: {join_error}")).into()),
     }
 }
 
@@ -53,9 +51,7 @@ where
 fn reply<T>(message: T, replayed: bool) -> Response<T> {
     let mut response = Response::new(message);
     if replayed {
-        response
-            .metadata_mut()
-            .insert(REPLAYED_HEADER, MetadataValue::from_static("true"));
+        response.metadata_mut().insert(REPLAYED_HEADER, MetadataValue::from_static("true"));
     }
     response
 }
@@ -67,9 +63,7 @@ fn reply_replayable<T, M>(
 ) -> Result<Response<M>, Status> {
     let mut response = reply(encode(answer.value)?, answer.replayed);
     if let Some(expires_at) = answer.key_expires_at {
-        let text = encode::timestamp(expires_at)
-            .map(|timestamp| timestamp.to_string())
-            .unwrap_or_default();
+        let text = encode::timestamp(expires_at).map(|timestamp| timestamp.to_string()).unwrap_or_default();
         if let Ok(value) = MetadataValue::try_from(text) {
             response.metadata_mut().insert(KEY_EXPIRES_HEADER, value);
         }

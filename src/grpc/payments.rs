@@ -31,16 +31,8 @@ impl PaymentService for PaymentApi {
         let command = decode::create_order(request.into_inner())?;
         let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(
-            span,
-            async move { ledger.create_order(command, &guards).await },
-        )
-        .await?;
-        reply_replayable(answer, |order| {
-            Ok(proto::CreateOrderResponse {
-                order: Some(encode::order(order)?),
-            })
-        })
+        let answer = run_detached(span, async move { ledger.create_order(command, &guards).await }).await?;
+        reply_replayable(answer, |order| Ok(proto::CreateOrderResponse { order: Some(encode::order(order)?) }))
     }
 
     async fn close_order(
@@ -51,21 +43,12 @@ impl PaymentService for PaymentApi {
         let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
         let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move {
-            ledger.close_order(&merchant_id, &order_no, &guards).await
-        })
-        .await?;
-        reply_replayable(answer, |order| {
-            Ok(proto::CloseOrderResponse {
-                order: Some(encode::order(order)?),
-            })
-        })
+        let answer =
+            run_detached(span, async move { ledger.close_order(&merchant_id, &order_no, &guards).await }).await?;
+        reply_replayable(answer, |order| Ok(proto::CloseOrderResponse { order: Some(encode::order(order)?) }))
     }
 
-    async fn pay(
-        &self,
-        request: Request<proto::PayRequest>,
-    ) -> Result<Response<proto::PayResponse>, Status> {
+    async fn pay(&self, request: Request<proto::PayRequest>) -> Result<Response<proto::PayResponse>, Status> {
         let guards = decode::guards(request.metadata())?;
         let command = decode::pay(request.into_inner())?;
         let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
@@ -79,16 +62,12 @@ impl PaymentService for PaymentApi {
         })
     }
 
-    async fn refund(
-        &self,
-        request: Request<proto::RefundRequest>,
-    ) -> Result<Response<proto::RefundResponse>, Status> {
+    async fn refund(&self, request: Request<proto::RefundRequest>) -> Result<Response<proto::RefundResponse>, Status> {
         let guards = decode::guards(request.metadata())?;
         let command = decode::refund(request.into_inner())?;
         let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
-        let answer =
-            run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
+        let answer = run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
         reply_replayable(answer, |receipt| {
             Ok(proto::RefundResponse {
                 refund: Some(encode::refund(receipt.refund)?),
@@ -97,10 +76,7 @@ impl PaymentService for PaymentApi {
         })
     }
 
-    async fn query(
-        &self,
-        request: Request<proto::QueryRequest>,
-    ) -> Result<Response<proto::QueryResponse>, Status> {
+    async fn query(&self, request: Request<proto::QueryRequest>) -> Result<Response<proto::QueryResponse>, Status> {
         let (merchant_id, key) = decode::query(request.into_inner())?;
         let span = match &key {
             QueryKey::OutTradeNo(no) => {
@@ -114,16 +90,11 @@ impl PaymentService for PaymentApi {
             }
         };
         let ledger = self.ledger.clone();
-        let details =
-            run_detached(span, async move { ledger.query(&merchant_id, &key).await }).await?;
+        let details = run_detached(span, async move { ledger.query(&merchant_id, &key).await }).await?;
         let response = proto::QueryResponse {
             order: Some(encode::order(details.order)?),
             payment: details.payment.map(encode::payment).transpose()?,
-            refunds: details
-                .refunds
-                .into_iter()
-                .map(encode::refund)
-                .collect::<Result<_, _>>()?,
+            refunds: details.refunds.into_iter().map(encode::refund).collect::<Result<_, _>>()?,
         };
         Ok(reply(response, false))
     }
@@ -135,15 +106,9 @@ impl PaymentService for PaymentApi {
         let (merchant_id, purpose) = decode::issue_token(request.into_inner())?;
         let span = info_span!("IssueToken", merchant_id = %merchant_id);
         let ledger = self.ledger.clone();
-        let issued = run_detached(span, async move {
-            ledger.issue_token(&merchant_id, &purpose).await
-        })
-        .await?;
+        let issued = run_detached(span, async move { ledger.issue_token(&merchant_id, &purpose).await }).await?;
         Ok(reply(
-            proto::IssueTokenResponse {
-                token: issued.token,
-                expires_at: encode::timestamp(issued.expires_at),
-            },
+            proto::IssueTokenResponse { token: issued.token, expires_at: encode::timestamp(issued.expires_at) },
             false,
         ))
     }

@@ -41,18 +41,11 @@ impl Ledger {
     ///
     /// # Errors
     /// [`Error::KeyReused`] (ACCOUNT_ALREADY_EXISTS) when the id exists with another currency.
-    pub async fn open_account(
-        &self,
-        command: OpenAccount,
-        guards: &Guards,
-    ) -> Result<Replayable<AccountRow>, Error> {
+    pub async fn open_account(&self, command: OpenAccount, guards: &Guards) -> Result<Replayable<AccountRow>, Error> {
         let call = Call::new(
             "OpenAccount",
             Scope::Account(&command.account_id),
-            &[
-                ("account_id", command.account_id.to_string()),
-                ("currency", command.currency.to_string()),
-            ],
+            &[("account_id", command.account_id.to_string()), ("currency", command.currency.to_string())],
         );
         let mut session = match self.open_guards(guards, &call).await? {
             Opened::Replayed(answer) => return Ok(answer),
@@ -99,24 +92,14 @@ impl Ledger {
         }
     }
 
-    async fn open_account_replay(
-        &self,
-        command: &OpenAccount,
-    ) -> Result<Option<AccountRow>, Error> {
+    async fn open_account_replay(&self, command: &OpenAccount) -> Result<Option<AccountRow>, Error> {
         let mut reader = self.store.reader().await?;
-        let Some(account) = reader
-            .queries()
-            .find_account(command.account_id.as_str())
-            .await?
-        else {
+        let Some(account) = reader.queries().find_account(command.account_id.as_str()).await? else {
             return Ok(None);
         };
         let fields = differing_fields(&[("currency", account.currency == command.currency.code())]);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused {
-                key: ReusedKey::AccountId,
-                fields,
-            }));
+            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::AccountId, fields }));
         }
         Ok(Some(account))
     }
@@ -126,11 +109,7 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
     /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
-    pub async fn deposit(
-        &self,
-        command: Deposit,
-        guards: &Guards,
-    ) -> Result<Replayable<DepositReceipt>, Error> {
+    pub async fn deposit(&self, command: Deposit, guards: &Guards) -> Result<Replayable<DepositReceipt>, Error> {
         let call = Call::new(
             "Deposit",
             Scope::Account(&command.account_id),
@@ -204,29 +183,18 @@ impl Ledger {
             return Ok(None);
         };
         let fields = differing_fields(&[
-            (
-                "account_id",
-                deposit.account_id == command.account_id.as_str(),
-            ),
+            ("account_id", deposit.account_id == command.account_id.as_str()),
             ("amount", deposit.amount == command.amount.minor_units()),
-            (
-                "currency",
-                deposit.currency == command.amount.currency().code(),
-            ),
+            ("currency", deposit.currency == command.amount.currency().code()),
         ]);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused {
-                key: ReusedKey::RequestId,
-                fields,
-            }));
+            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::RequestId, fields }));
         }
         let account = queries
             .find_account(&deposit.account_id)
             .await?
             .ok_or_else(|| Error::Internal("a deposit's account is missing".into()))?;
-        Ok(Some(
-            deposit_receipt(&mut queries, account, &deposit.deposit_id).await?,
-        ))
+        Ok(Some(deposit_receipt(&mut queries, account, &deposit.deposit_id).await?))
     }
 
     /// Moves money between two accounts of one currency. Transfers have no natural key, so
@@ -236,11 +204,7 @@ impl Ledger {
     /// [`Error::InvalidArgument`] without an idempotency key; [`Error::NotFound`] (account);
     /// [`crate::domain::Rejection`]s INSUFFICIENT_FUNDS, CURRENCY_MISMATCH;
     /// [`Error::IdempotencyKeyReused`].
-    pub async fn transfer(
-        &self,
-        command: Transfer,
-        guards: &Guards,
-    ) -> Result<Replayable<TransferReceipt>, Error> {
+    pub async fn transfer(&self, command: Transfer, guards: &Guards) -> Result<Replayable<TransferReceipt>, Error> {
         if guards.idempotency_key.is_none() {
             return Err(FieldViolation::new(
                 IDEMPOTENCY_KEY_HEADER,
@@ -305,31 +269,15 @@ impl Ledger {
     ///
     /// # Errors
     /// [`Error::Database`] or [`Error::TokenStore`].
-    pub async fn issue_token(
-        &self,
-        merchant_id: &MerchantId,
-        purpose: &FreeText,
-    ) -> Result<IssuedToken, Error> {
-        self.tokens
-            .issue(
-                &self.store,
-                merchant_id,
-                purpose.as_str(),
-                now_micros(),
-                self.settings.token_ttl,
-            )
-            .await
+    pub async fn issue_token(&self, merchant_id: &MerchantId, purpose: &FreeText) -> Result<IssuedToken, Error> {
+        self.tokens.issue(&self.store, merchant_id, purpose.as_str(), now_micros(), self.settings.token_ttl).await
     }
 
     /// # Errors
     /// [`Error::NotFound`] (ACCOUNT_NOT_FOUND).
     pub async fn get_account(&self, account_id: &AccountId) -> Result<AccountRow, Error> {
         let mut reader = self.store.reader().await?;
-        reader
-            .queries()
-            .find_account(account_id.as_str())
-            .await?
-            .ok_or(Error::NotFound(Resource::Account))
+        reader.queries().find_account(account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))
     }
 
     /// # Errors
@@ -344,11 +292,7 @@ impl Ledger {
         let page_size = usize::try_from(request.page_size).unwrap_or(usize::MAX);
         // One more than the page tells whether another page follows.
         let mut entries = queries
-            .list_entries(
-                account_id,
-                request.before_entry_id.unwrap_or(i64::MAX),
-                i64::from(request.page_size) + 1,
-            )
+            .list_entries(account_id, request.before_entry_id.unwrap_or(i64::MAX), i64::from(request.page_size) + 1)
             .await?;
         let next_before_entry_id = if entries.len() > page_size {
             entries.truncate(page_size);
@@ -356,10 +300,7 @@ impl Ledger {
         } else {
             None
         };
-        Ok(EntryPage {
-            entries,
-            next_before_entry_id,
-        })
+        Ok(EntryPage { entries, next_before_entry_id })
     }
 }
 

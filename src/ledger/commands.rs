@@ -1,8 +1,6 @@
 //! Inputs of the use cases, built from domain types only (parsed at the edge).
 
-use crate::domain::{
-    AccountId, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId,
-};
+use crate::domain::{AccountId, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId};
 
 #[derive(Debug, Clone)]
 pub struct OpenAccount {

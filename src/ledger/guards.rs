@@ -68,33 +68,15 @@ pub(super) struct Call {
 }
 
 impl Call {
-    pub(super) fn new(
-        method: &'static str,
-        scope: Scope<'_>,
-        fields: &[(&'static str, String)],
-    ) -> Self {
+    pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: &[(&'static str, String)]) -> Self {
         let (scope, merchant_id) = match scope {
-            Scope::Merchant(merchant_id) => (
-                format!("merchant:{merchant_id}"),
-                Some(merchant_id.as_str().to_owned()),
-            ),
+            Scope::Merchant(merchant_id) => (format!("merchant:{merchant_id}"), Some(merchant_id.as_str().to_owned())),
             Scope::Account(account_id) => (format!("account:{account_id}"), None),
         };
-        let fields: String = fields
-            .iter()
-            .map(|(name, value)| format!("{name}={value}\n"))
-            .collect();
-        let fingerprint = Sha256::digest(format!("{method}\n{fields}").as_bytes())
-            .iter()
-            .map(|byte| format!("{byte:02x}"))
-            .collect();
-        Self {
-            method,
-            scope,
-            merchant_id,
-            fields,
-            fingerprint,
-        }
+        let fields: String = fields.iter().map(|(name, value)| format!("{name}={value}\n")).collect();
+        let fingerprint =
+            Sha256::digest(format!("{method}\n{fields}").as_bytes()).iter().map(|byte| format!("{byte:02x}")).collect();
+        Self { method, scope, merchant_id, fields, fingerprint }
     }
 
     /// The names of what differs from a stored record: `method` and/or field names.
@@ -105,11 +87,8 @@ impl Call {
         if record.request_fingerprint == self.fingerprint {
             return Vec::new();
         }
-        let stored: Vec<(&str, &str)> = record
-            .request_fields
-            .lines()
-            .filter_map(|line| line.split_once('='))
-            .collect();
+        let stored_fields = String::from_utf8_lossy(&record.request_fields);
+        let stored: Vec<(&str, &str)> = stored_fields.lines().filter_map(|line| line.split_once('=')).collect();
         let mut fields: Vec<String> = self
             .fields
             .lines()
@@ -160,20 +139,10 @@ impl Ledger {
             claims.push((GuardKind::Key, call.scope.clone(), key.as_str().to_owned()));
         }
         if let Some(token) = &guards.token {
-            claims.push((
-                GuardKind::Token,
-                TOKEN_SCOPE.to_owned(),
-                token.as_str().to_owned(),
-            ));
+            claims.push((GuardKind::Token, TOKEN_SCOPE.to_owned(), token.as_str().to_owned()));
         }
-        let mut session = GuardSession {
-            ledger: self,
-            call,
-            claims,
-            token: guards.token.as_ref(),
-            redis: None,
-            seen_absent: true,
-        };
+        let mut session =
+            GuardSession { ledger: self, call, claims, token: guards.token.as_ref(), redis: None, seen_absent: true };
         if session.claims.is_empty() {
             return Ok(Opened::Run(session));
         }
@@ -186,9 +155,7 @@ impl Ledger {
 
 impl GuardSession<'_> {
     /// The first committed, unexpired record of this call's guards, as a replay.
-    async fn committed_replay<T: DeserializeOwned>(
-        &mut self,
-    ) -> Result<Option<Replayable<T>>, Error> {
+    async fn committed_replay<T: DeserializeOwned>(&mut self) -> Result<Option<Replayable<T>>, Error> {
         let now = now_micros();
         let mut reader = self.ledger.store.reader().await?;
         let mut queries = reader.queries();
@@ -219,17 +186,11 @@ impl GuardSession<'_> {
                 GuardKind::Token => Error::TokenReused { fields },
             });
         }
-        let response = record
-            .response
-            .ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
-        let value = serde_json::from_str(&response)
-            .map_err(|error| Error::Internal(format!("stored response: {error}")))?;
+        let response = record.response.ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
+        let value =
+            serde_json::from_slice(&response).map_err(|error| Error::Internal(format!("stored response: {error}")))?;
         counters.replays.fetch_add(1, Ordering::Relaxed);
-        Ok(Replayable {
-            value,
-            replayed: true,
-            key_expires_at: self.key_expires_at(kind, record.expires_at),
-        })
+        Ok(Replayable { value, replayed: true, key_expires_at: self.key_expires_at(kind, record.expires_at) })
     }
 
     fn key_expires_at(&self, kind: GuardKind, expires_at: i64) -> Option<i64> {
@@ -251,9 +212,7 @@ impl GuardSession<'_> {
     /// [`Rejection::TokenInvalid`], [`Error::TokenStore`].
     pub(super) async fn reserve_token(&mut self) -> Result<(), Error> {
         if let (Some(token), TokenStore::Redis(redis)) = (self.token, &self.ledger.tokens) {
-            self.redis = redis
-                .consume(token, self.call.merchant_id.as_deref())
-                .await?;
+            self.redis = redis.consume(token, self.call.merchant_id.as_deref()).await?;
         }
         Ok(())
     }
@@ -271,16 +230,8 @@ impl GuardSession<'_> {
                     _ => Err(Rejection::TokenInvalid.into()),
                 };
             }
-            let row = queries
-                .find_token(token.as_str())
-                .await?
-                .ok_or(Rejection::TokenInvalid)?;
-            if self
-                .call
-                .merchant_id
-                .as_ref()
-                .is_some_and(|merchant_id| *merchant_id != row.merchant_id)
-            {
+            let row = queries.find_token(token.as_str()).await?.ok_or(Rejection::TokenInvalid)?;
+            if self.call.merchant_id.as_ref().is_some_and(|merchant_id| *merchant_id != row.merchant_id) {
                 return Err(Rejection::TokenInvalid.into());
             }
         }
@@ -291,7 +242,7 @@ impl GuardSession<'_> {
                 idempotency_key: key.clone(),
                 method: self.call.method.to_owned(),
                 request_fingerprint: self.call.fingerprint.clone(),
-                request_fields: self.call.fields.clone(),
+                request_fields: self.call.fields.clone().into_bytes(),
                 response: None,
                 status: RECORD_IN_PROGRESS.to_owned(),
                 created_at: now,
@@ -301,9 +252,7 @@ impl GuardSession<'_> {
                 continue;
             }
             // An expired record the reaper has not deleted yet no longer holds the key.
-            if !(queries.delete_expired_record(scope, key, now).await?
-                && queries.insert_record(&record).await?)
-            {
+            if !(queries.delete_expired_record(scope, key, now).await? && queries.insert_record(&record).await?) {
                 return Ok(false);
             }
         }
@@ -311,21 +260,15 @@ impl GuardSession<'_> {
     }
 
     /// Step 3, inside the transaction: the response of the business change.
-    pub(super) async fn complete<T: Serialize>(
-        &self,
-        queries: &mut Queries<'_>,
-        response: &T,
-    ) -> Result<(), Error> {
+    pub(super) async fn complete<T: Serialize>(&self, queries: &mut Queries<'_>, response: &T) -> Result<(), Error> {
         if self.claims.is_empty() {
             return Ok(());
         }
-        let response = serde_json::to_string(response)
-            .map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
+        let response =
+            serde_json::to_vec(response).map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
         for (_, scope, key) in &self.claims {
             if !queries.complete_record(scope, key, &response).await? {
-                return Err(Error::Internal(
-                    "a claimed idempotency record vanished".into(),
-                ));
+                return Err(Error::Internal("a claimed idempotency record vanished".into()));
             }
         }
         Ok(())
@@ -350,11 +293,7 @@ impl GuardSession<'_> {
                 if self.token.is_some() {
                     counters.token_consumptions.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(Some(Replayable {
-                    value,
-                    replayed: false,
-                    key_expires_at: self.fresh_key_expires_at(now),
-                }))
+                Ok(Some(Replayable { value, replayed: false, key_expires_at: self.fresh_key_expires_at(now) }))
             }
             Ok(Inserted::KeyTaken) => {
                 // The original committed: a token consumed in Redis stays consumed.
@@ -365,9 +304,7 @@ impl GuardSession<'_> {
                 self.committed_replay().await
             }
             Err(error) => {
-                if let (Some(consumption), TokenStore::Redis(redis)) =
-                    (self.redis.take(), &self.ledger.tokens)
-                {
+                if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
                     redis.restore(consumption).await;
                 }
                 Err(error)
@@ -385,10 +322,7 @@ mod tests {
         Call::new(
             "Pay",
             Scope::Merchant(&merchant),
-            &[
-                ("amount", amount.to_owned()),
-                ("order_no", order_no.to_owned()),
-            ],
+            &[("amount", amount.to_owned()), ("order_no", order_no.to_owned())],
         )
     }
 
@@ -398,8 +332,8 @@ mod tests {
             idempotency_key: "k".into(),
             method: call.method.into(),
             request_fingerprint: call.fingerprint.clone(),
-            request_fields: call.fields.clone(),
-            response: Some("{}".into()),
+            request_fields: call.fields.clone().into_bytes(),
+            response: Some(b"{}".to_vec()),
             status: "COMPLETED".into(),
             created_at: 0,
             expires_at: 1,
@@ -410,19 +344,14 @@ mod tests {
     fn same_fields_give_the_same_fingerprint_and_no_differences() {
         let first = call("100", "o-1");
         assert_eq!(first.fingerprint, call("100", "o-1").fingerprint);
-        assert!(call("100", "o-1")
-            .differences(&record_of(&first))
-            .is_empty());
+        assert!(call("100", "o-1").differences(&record_of(&first)).is_empty());
     }
 
     #[test]
     fn differences_name_exactly_the_fields_that_changed() {
         let stored = record_of(&call("100", "o-1"));
         assert_eq!(call("200", "o-1").differences(&stored), ["amount"]);
-        assert_eq!(
-            call("200", "o-2").differences(&stored),
-            ["amount", "order_no"]
-        );
+        assert_eq!(call("200", "o-2").differences(&stored), ["amount", "order_no"]);
     }
 
     #[test]

@@ -31,9 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use accounts::{DepositReceipt, EntryPage, TransferReceipt};
-pub use commands::{
-    CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
-};
+pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
 pub use reaper::{spawn_reaper, ReapReport, ReaperSettings};
@@ -69,10 +67,7 @@ pub struct LedgerSettings {
 
 impl Default for LedgerSettings {
     fn default() -> Self {
-        Self {
-            key_ttl: Duration::from_secs(24 * 60 * 60),
-            token_ttl: Duration::from_secs(5 * 60),
-        }
+        Self { key_ttl: Duration::from_secs(24 * 60 * 60), token_ttl: Duration::from_secs(5 * 60) }
     }
 }
 
@@ -124,12 +119,7 @@ impl Ledger {
     }
 
     pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
-        Self {
-            store,
-            tokens,
-            settings,
-            counters: Arc::default(),
-        }
+        Self { store, tokens, settings, counters: Arc::default() }
     }
 
     /// The idempotency counters now.
@@ -152,11 +142,7 @@ impl Ledger {
     /// Counts and marks a replay answered by a natural key (out_trade_no, request_id...).
     fn natural_replay<T>(&self, value: T) -> Replayable<T> {
         self.counters.replays.fetch_add(1, Ordering::Relaxed);
-        Replayable {
-            value,
-            replayed: true,
-            key_expires_at: None,
-        }
+        Replayable { value, replayed: true, key_expires_at: None }
     }
 
     /// Counts a natural key reused with other parameters.
@@ -191,9 +177,7 @@ impl Ledger {
 
 /// Now, in microseconds since the Unix epoch.
 fn now_micros() -> i64 {
-    let since_epoch = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
+    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX)
 }
 
@@ -204,11 +188,7 @@ fn new_id(prefix: char) -> String {
 
 /// The names of the fields whose stored and requested values differ.
 fn differing_fields(comparisons: &[(&'static str, bool)]) -> Vec<&'static str> {
-    comparisons
-        .iter()
-        .filter(|(_, same)| !same)
-        .map(|(field, _)| *field)
-        .collect()
+    comparisons.iter().filter(|(_, same)| !same).map(|(field, _)| *field).collect()
 }
 
 /// What a transaction that inserts a key row first found.

@@ -1,8 +1,6 @@
 //! Orders, payments and refunds.
 
-use crate::domain::{
-    MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition,
-};
+use crate::domain::{MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
 use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
 
@@ -40,14 +38,9 @@ pub struct OrderDetails {
 
 /// The state-machine view of a stored order.
 fn order_state(order: &OrderRow) -> Result<OrderState, Error> {
-    let status = OrderStatus::from_stored(&order.status).ok_or_else(|| {
-        Error::Internal(format!("unknown stored order status {:?}", order.status))
-    })?;
-    Ok(OrderState {
-        status,
-        amount_minor_units: order.amount,
-        refunded_minor_units: order.refunded_amount,
-    })
+    let status = OrderStatus::from_stored(&order.status)
+        .ok_or_else(|| Error::Internal(format!("unknown stored order status {:?}", order.status)))?;
+    Ok(OrderState { status, amount_minor_units: order.amount, refunded_minor_units: order.refunded_amount })
 }
 
 impl Ledger {
@@ -56,11 +49,7 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
     /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
-    pub async fn create_order(
-        &self,
-        command: CreateOrder,
-        guards: &Guards,
-    ) -> Result<Replayable<OrderRow>, Error> {
+    pub async fn create_order(&self, command: CreateOrder, guards: &Guards) -> Result<Replayable<OrderRow>, Error> {
         let call = Call::new(
             "CreateOrder",
             Scope::Merchant(&command.merchant_id),
@@ -121,30 +110,18 @@ impl Ledger {
 
     async fn create_order_replay(&self, command: &CreateOrder) -> Result<Option<OrderRow>, Error> {
         let mut reader = self.store.reader().await?;
-        let Some(order) = reader
-            .queries()
-            .find_order(command.merchant_id.as_str(), command.order_no.as_str())
-            .await?
+        let Some(order) = reader.queries().find_order(command.merchant_id.as_str(), command.order_no.as_str()).await?
         else {
             return Ok(None);
         };
         let fields = differing_fields(&[
-            (
-                "payee_account_id",
-                order.payee_account_id == command.payee_account_id.as_str(),
-            ),
+            ("payee_account_id", order.payee_account_id == command.payee_account_id.as_str()),
             ("amount", order.amount == command.amount.minor_units()),
-            (
-                "currency",
-                order.currency == command.amount.currency().code(),
-            ),
+            ("currency", order.currency == command.amount.currency().code()),
             ("subject", order.subject == command.subject.as_str()),
         ]);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused {
-                key: ReusedKey::OrderNo,
-                fields,
-            }));
+            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OrderNo, fields }));
         }
         Ok(Some(order))
     }
@@ -159,11 +136,7 @@ impl Ledger {
         order_no: &OrderNo,
         guards: &Guards,
     ) -> Result<Replayable<OrderRow>, Error> {
-        let call = Call::new(
-            "CloseOrder",
-            Scope::Merchant(merchant_id),
-            &[("order_no", order_no.to_string())],
-        );
+        let call = Call::new("CloseOrder", Scope::Merchant(merchant_id), &[("order_no", order_no.to_string())]);
         let mut session = match self.open_guards(guards, &call).await? {
             Opened::Replayed(answer) => return Ok(answer),
             Opened::Run(session) => session,
@@ -212,11 +185,7 @@ impl Ledger {
     /// [`Error::NotFound`] (order or payer), [`Rejection`]s AMOUNT_MISMATCH,
     /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
     /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
-    pub async fn pay(
-        &self,
-        command: Pay,
-        guards: &Guards,
-    ) -> Result<Replayable<PayReceipt>, Error> {
+    pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<PayReceipt>, Error> {
         let call = Call::new(
             "Pay",
             Scope::Merchant(&command.merchant_id),
@@ -263,29 +232,17 @@ impl Ledger {
         let mut reader = self.store.reader().await?;
         let mut queries = reader.queries();
         let merchant_id = command.merchant_id.as_str();
-        let Some(payment) = queries
-            .find_payment(merchant_id, command.out_trade_no.as_str())
-            .await?
-        else {
+        let Some(payment) = queries.find_payment(merchant_id, command.out_trade_no.as_str()).await? else {
             return Ok(None);
         };
         let fields = differing_fields(&[
             ("order_no", payment.order_no == command.order_no.as_str()),
-            (
-                "payer_account_id",
-                payment.payer_account_id == command.payer_account_id.as_str(),
-            ),
+            ("payer_account_id", payment.payer_account_id == command.payer_account_id.as_str()),
             ("amount", payment.amount == command.amount.minor_units()),
-            (
-                "currency",
-                payment.currency == command.amount.currency().code(),
-            ),
+            ("currency", payment.currency == command.amount.currency().code()),
         ]);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused {
-                key: ReusedKey::OutTradeNo,
-                fields,
-            }));
+            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
         }
         let order = queries
             .find_order(merchant_id, &payment.order_no)
@@ -300,11 +257,7 @@ impl Ledger {
     /// [`Error::NotFound`] (PAYMENT_NOT_FOUND), [`Rejection`]s REFUND_EXCEEDS_PAID,
     /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
-    pub async fn refund(
-        &self,
-        command: Refund,
-        guards: &Guards,
-    ) -> Result<Replayable<RefundReceipt>, Error> {
+    pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<RefundReceipt>, Error> {
         let call = Call::new(
             "Refund",
             Scope::Merchant(&command.merchant_id),
@@ -339,11 +292,9 @@ impl Ledger {
         });
         match session.settle(outcome, now).await? {
             Some(answer) => Ok(answer),
-            None => self
-                .refund_replay(&command)
-                .await?
-                .map(|receipt| self.natural_replay(receipt))
-                .ok_or_else(key_vanished),
+            None => {
+                self.refund_replay(&command).await?.map(|receipt| self.natural_replay(receipt)).ok_or_else(key_vanished)
+            }
         }
     }
 
@@ -351,29 +302,17 @@ impl Ledger {
         let mut reader = self.store.reader().await?;
         let mut queries = reader.queries();
         let merchant_id = command.merchant_id.as_str();
-        let Some(refund) = queries
-            .find_refund(merchant_id, command.out_refund_no.as_str())
-            .await?
-        else {
+        let Some(refund) = queries.find_refund(merchant_id, command.out_refund_no.as_str()).await? else {
             return Ok(None);
         };
         let fields = differing_fields(&[
-            (
-                "out_trade_no",
-                refund.out_trade_no == command.out_trade_no.as_str(),
-            ),
+            ("out_trade_no", refund.out_trade_no == command.out_trade_no.as_str()),
             ("amount", refund.amount == command.amount.minor_units()),
-            (
-                "currency",
-                refund.currency == command.amount.currency().code(),
-            ),
+            ("currency", refund.currency == command.amount.currency().code()),
             ("reason", refund.reason == command.reason.as_str()),
         ]);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused {
-                key: ReusedKey::OutRefundNo,
-                fields,
-            }));
+            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutRefundNo, fields }));
         }
         let order = queries
             .find_order(merchant_id, &refund.order_no)
@@ -386,11 +325,7 @@ impl Ledger {
     ///
     /// # Errors
     /// [`Error::NotFound`] for the number asked by.
-    pub async fn query(
-        &self,
-        merchant_id: &MerchantId,
-        key: &QueryKey,
-    ) -> Result<OrderDetails, Error> {
+    pub async fn query(&self, merchant_id: &MerchantId, key: &QueryKey) -> Result<OrderDetails, Error> {
         let mut reader = self.store.reader().await?;
         let mut queries = reader.queries();
         let merchant_id = merchant_id.as_str();
@@ -411,20 +346,13 @@ impl Ledger {
                     .order_no
             }
         };
-        let order = queries
-            .find_order(merchant_id, &order_no)
-            .await?
-            .ok_or(Error::NotFound(Resource::Order))?;
+        let order = queries.find_order(merchant_id, &order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
         let payment = match &order.out_trade_no {
             Some(out_trade_no) => queries.find_payment(merchant_id, out_trade_no).await?,
             None => None,
         };
         let refunds = queries.list_refunds(merchant_id, &order_no).await?;
-        Ok(OrderDetails {
-            order,
-            payment,
-            refunds,
-        })
+        Ok(OrderDetails { order, payment, refunds })
     }
 }
 
@@ -439,10 +367,7 @@ async fn pay_in_transaction(
     now: i64,
 ) -> Result<Inserted<PayReceipt>, Error> {
     let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
-    let order = queries
-        .find_order(merchant_id, order_no)
-        .await?
-        .ok_or(Error::NotFound(Resource::Order))?;
+    let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
     if order.currency != command.amount.currency().code() {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -452,10 +377,8 @@ async fn pay_in_transaction(
     if order.payee_account_id == command.payer_account_id.as_str() {
         return Err(Rejection::PayerIsPayee.into());
     }
-    let payer = queries
-        .find_account(command.payer_account_id.as_str())
-        .await?
-        .ok_or(Error::NotFound(Resource::Account))?;
+    let payer =
+        queries.find_account(command.payer_account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))?;
     if payer.currency != order.currency {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -474,15 +397,9 @@ async fn pay_in_transaction(
     if !queries.insert_payment(&payment).await? {
         return Ok(Inserted::KeyTaken);
     }
-    if !queries
-        .mark_order_paid(merchant_id, order_no, &payment.out_trade_no, now)
-        .await?
-    {
+    if !queries.mark_order_paid(merchant_id, order_no, &payment.out_trade_no, now).await? {
         // The state moved on; the state machine says why, and nothing is written.
-        let current = queries
-            .find_order(merchant_id, order_no)
-            .await?
-            .ok_or(Error::NotFound(Resource::Order))?;
+        let current = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
         order_state(&current)?.apply(OrderEvent::Pay)?;
         return Err(Error::Contention);
     }
@@ -568,10 +485,7 @@ async fn refund_order(
         };
         let order = order.ok_or(Error::NotFound(Resource::Order))?;
         let from = order_state(&order)?;
-        let Transition::To(to) = from.apply(OrderEvent::Refund {
-            amount_minor_units: amount,
-        })?
-        else {
+        let Transition::To(to) = from.apply(OrderEvent::Refund { amount_minor_units: amount })? else {
             return Err(Error::Internal("a refund is never already applied".into()));
         };
         let moved = queries
@@ -593,12 +507,7 @@ async fn refund_order(
                 ..order
             });
         }
-        tracing::debug!(
-            merchant_id,
-            order_no,
-            attempt,
-            "order CAS lost; re-reading the order under a row lock"
-        );
+        tracing::debug!(merchant_id, order_no, attempt, "order CAS lost; re-reading the order under a row lock");
     }
     Err(Error::Contention)
 }

@@ -60,60 +60,34 @@ pub(super) struct Posting<'a> {
 /// [`Rejection::CurrencyMismatch`] when an account holds another currency,
 /// [`Error::NotFound`] for a missing account, [`Error::Contention`] when the CAS kept losing.
 pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>) -> Result<(), Error> {
-    assert_ne!(
-        posting.from_account_id, posting.to_account_id,
-        "a posting moves money between two accounts"
-    );
+    assert_ne!(posting.from_account_id, posting.to_account_id, "a posting moves money between two accounts");
     let minor_units = posting.amount.minor_units();
     let currency = posting.amount.currency().code();
     let (from, to) = (posting.from_account_id, posting.to_account_id);
     let ((from_balance, from_version), (to_balance, to_version)) = if from < to {
         let from_after = change_balance(queries, from, currency, -minor_units, posting.now).await?;
-        (
-            from_after,
-            change_balance(queries, to, currency, minor_units, posting.now).await?,
-        )
+        (from_after, change_balance(queries, to, currency, minor_units, posting.now).await?)
     } else {
         let to_after = change_balance(queries, to, currency, minor_units, posting.now).await?;
-        (
-            change_balance(queries, from, currency, -minor_units, posting.now).await?,
-            to_after,
-        )
+        (change_balance(queries, from, currency, -minor_units, posting.now).await?, to_after)
     };
-    let leg =
-        |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
-            account_id,
-            currency,
-            amount,
-            balance_after,
-            version_after,
-            kind: posting.kind.as_str(),
-            reference: posting.reference,
-            posting_id: posting.posting_id,
-            counterparty_account_id,
-            created_at: posting.now,
-        };
+    let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
+        account_id,
+        currency,
+        amount,
+        balance_after,
+        version_after,
+        kind: posting.kind.as_str(),
+        reference: posting.reference,
+        posting_id: posting.posting_id,
+        counterparty_account_id,
+        created_at: posting.now,
+    };
     let entries = [
-        leg(
-            posting.from_account_id,
-            posting.to_account_id,
-            -minor_units,
-            from_balance,
-            from_version,
-        ),
-        leg(
-            posting.to_account_id,
-            posting.from_account_id,
-            minor_units,
-            to_balance,
-            to_version,
-        ),
+        leg(posting.from_account_id, posting.to_account_id, -minor_units, from_balance, from_version),
+        leg(posting.to_account_id, posting.from_account_id, minor_units, to_balance, to_version),
     ];
-    debug_assert_eq!(
-        entries[0].amount + entries[1].amount,
-        0,
-        "debits equal credits"
-    );
+    debug_assert_eq!(entries[0].amount + entries[1].amount, 0, "debits equal credits");
     queries.insert_entry_pair(&entries).await?;
     Ok(())
 }
@@ -151,17 +125,10 @@ async fn change_balance(
         if balance < 0 && account.kind != KIND_EXTERNAL {
             return Err(Rejection::InsufficientFunds.into());
         }
-        if queries
-            .cas_balance(account_id, balance, account.version, now)
-            .await?
-        {
+        if queries.cas_balance(account_id, balance, account.version, now).await? {
             return Ok((balance, account.version + 1));
         }
-        tracing::debug!(
-            account_id,
-            attempt,
-            "version CAS lost; re-reading the balance under a row lock"
-        );
+        tracing::debug!(account_id, attempt, "version CAS lost; re-reading the balance under a row lock");
     }
     Err(Error::Contention)
 }

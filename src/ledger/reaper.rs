@@ -23,11 +23,7 @@ pub struct ReaperSettings {
 
 impl Default for ReaperSettings {
     fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(60),
-            batch_size: 500,
-            pause: Duration::from_millis(50),
-        }
+        Self { interval: Duration::from_secs(60), batch_size: 500, pause: Duration::from_millis(50) }
     }
 }
 
@@ -66,9 +62,7 @@ impl Ledger {
                     Table::Records => report.records_deleted += deleted,
                     Table::Tokens => report.tokens_deleted += deleted,
                 }
-                self.counters
-                    .reaper_deletions
-                    .fetch_add(deleted, Ordering::Relaxed);
+                self.counters.reaper_deletions.fetch_add(deleted, Ordering::Relaxed);
                 if deleted < limit.unsigned_abs() {
                     break;
                 }

@@ -65,10 +65,7 @@ pub struct IssuedToken {
 }
 
 fn new_token() -> String {
-    rand::random::<[u8; TOKEN_RANDOM_BYTES]>()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    rand::random::<[u8; TOKEN_RANDOM_BYTES]>().iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 impl TokenStore {
@@ -81,9 +78,7 @@ impl TokenStore {
             return Ok(TokenStore::Database);
         }
         let client = redis::Client::open(setting)?;
-        Ok(TokenStore::Redis(RedisTokens {
-            connection: ConnectionManager::new(client).await?,
-        }))
+        Ok(TokenStore::Redis(RedisTokens { connection: ConnectionManager::new(client).await? }))
     }
 
     pub fn name(&self) -> &'static str {
@@ -132,9 +127,7 @@ impl TokenStore {
                     .query_async(&mut connection)
                     .await?;
                 if created.is_none() {
-                    return Err(Error::Internal(
-                        "a fresh random token already existed".into(),
-                    ));
+                    return Err(Error::Internal("a fresh random token already existed".into()));
                 }
             }
         }

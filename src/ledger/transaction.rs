@@ -54,9 +54,7 @@ pub(crate) async fn finish<T>(tx: Tx, result: Result<T, Error>) -> Result<T, Err
 /// True (after a backoff) when the attempt failed transiently and attempts remain.
 pub(crate) async fn should_retry<T>(outcome: &Result<T, Error>, attempt: &mut u32) -> bool {
     match outcome {
-        Err(Error::Database(error))
-            if classify(error) == Fault::Transient && *attempt < TRANSACTION_ATTEMPTS_MAX =>
-        {
+        Err(Error::Database(error)) if classify(error) == Fault::Transient && *attempt < TRANSACTION_ATTEMPTS_MAX => {
             tracing::debug!(%error, attempt = *attempt, "transient conflict; running the transaction again");
             backoff(*attempt).await;
             *attempt += 1;

@@ -75,10 +75,7 @@ impl Dialect {
             ],
             Dialect::MySql => vec![
                 "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
-                format!(
-                    "SET SESSION innodb_lock_wait_timeout = {}",
-                    millis.div_ceil(1000)
-                ),
+                format!("SET SESSION innodb_lock_wait_timeout = {}", millis.div_ceil(1000)),
                 "SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')".to_owned(),
             ],
             Dialect::Sqlite => vec![
@@ -146,10 +143,7 @@ fn classify_database_error(error: &dyn DatabaseError) -> Fault {
         };
     }
     let code = error.code().unwrap_or_default();
-    if error
-        .try_downcast_ref::<sqlx::sqlite::SqliteError>()
-        .is_some()
-    {
+    if error.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
         return match code.as_ref() {
             "5" => Fault::LockTimeout,
             "6" | "261" | "517" => Fault::Transient,
@@ -180,20 +174,12 @@ pub struct Sql {
 
 impl Sql {
     pub const fn new(portable: &'static str) -> Self {
-        Self {
-            portable,
-            mysql: None,
-            rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
-        }
+        Self { portable, mysql: None, rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()] }
     }
 
     /// A statement whose MySQL form is written out separately.
     pub const fn with_mysql(portable: &'static str, mysql: &'static str) -> Self {
-        Self {
-            portable,
-            mysql: Some(mysql),
-            rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
-        }
+        Self { portable, mysql: Some(mysql), rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()] }
     }
 
     pub fn text(&self, dialect: Dialect) -> &str {
@@ -213,11 +199,7 @@ impl Sql {
 fn render(portable: &str, dialect: Dialect) -> String {
     match dialect {
         // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
-        Dialect::Sqlite => portable
-            .trim_end()
-            .trim_end_matches("FOR UPDATE")
-            .trim_end()
-            .to_owned(),
+        Dialect::Sqlite => portable.trim_end().trim_end_matches("FOR UPDATE").trim_end().to_owned(),
         Dialect::MySql => portable
             .trim_end()
             .trim_end_matches("ON CONFLICT DO NOTHING")
@@ -249,84 +231,42 @@ mod tests {
 
     #[test]
     fn url_scheme_picks_the_backend() {
-        assert_eq!(
-            Dialect::from_url("postgres://u@h/db"),
-            Some(Dialect::Postgres)
-        );
-        assert_eq!(
-            Dialect::from_url("postgresql://u@h/db"),
-            Some(Dialect::Postgres)
-        );
-        assert_eq!(
-            Dialect::from_url("mysql://root@h/test"),
-            Some(Dialect::MySql)
-        );
-        assert_eq!(
-            Dialect::from_url("mariadb://root@h/test"),
-            Some(Dialect::MySql)
-        );
-        assert_eq!(
-            Dialect::from_url("sqlite:payledger.db"),
-            Some(Dialect::Sqlite)
-        );
+        assert_eq!(Dialect::from_url("postgres://u@h/db"), Some(Dialect::Postgres));
+        assert_eq!(Dialect::from_url("postgresql://u@h/db"), Some(Dialect::Postgres));
+        assert_eq!(Dialect::from_url("mysql://root@h/test"), Some(Dialect::MySql));
+        assert_eq!(Dialect::from_url("mariadb://root@h/test"), Some(Dialect::MySql));
+        assert_eq!(Dialect::from_url("sqlite:payledger.db"), Some(Dialect::Sqlite));
         assert_eq!(Dialect::from_url("redis://h"), None);
     }
 
     #[test]
     fn postgres_gets_numbered_placeholders() {
         let sql = Sql::new("UPDATE t SET a = ? WHERE b = ? AND c = ?");
-        assert_eq!(
-            sql.text(Dialect::Postgres),
-            "UPDATE t SET a = $1 WHERE b = $2 AND c = $3"
-        );
-        assert_eq!(
-            sql.text(Dialect::Sqlite),
-            "UPDATE t SET a = ? WHERE b = ? AND c = ?"
-        );
+        assert_eq!(sql.text(Dialect::Postgres), "UPDATE t SET a = $1 WHERE b = $2 AND c = $3");
+        assert_eq!(sql.text(Dialect::Sqlite), "UPDATE t SET a = ? WHERE b = ? AND c = ?");
     }
 
     #[test]
     fn mysql_drops_on_conflict_and_casts_to_signed() {
         let insert = Sql::new("INSERT INTO t (a) VALUES (?) ON CONFLICT DO NOTHING");
         assert_eq!(insert.text(Dialect::MySql), "INSERT INTO t (a) VALUES (?)");
-        assert_eq!(
-            insert.text(Dialect::Postgres),
-            "INSERT INTO t (a) VALUES ($1) ON CONFLICT DO NOTHING"
-        );
+        assert_eq!(insert.text(Dialect::Postgres), "INSERT INTO t (a) VALUES ($1) ON CONFLICT DO NOTHING");
         let sum = Sql::new("SELECT CAST(SUM(a) AS BIGINT) FROM t");
-        assert_eq!(
-            sum.text(Dialect::MySql),
-            "SELECT CAST(SUM(a) AS SIGNED) FROM t"
-        );
+        assert_eq!(sum.text(Dialect::MySql), "SELECT CAST(SUM(a) AS SIGNED) FROM t");
     }
 
     #[test]
     fn row_locks_are_dropped_on_sqlite_and_weakened_on_postgres() {
         let sql = Sql::new("SELECT a FROM t WHERE b = ? FOR UPDATE");
         assert_eq!(sql.text(Dialect::Sqlite), "SELECT a FROM t WHERE b = ?");
-        assert_eq!(
-            sql.text(Dialect::MySql),
-            "SELECT a FROM t WHERE b = ? FOR UPDATE"
-        );
-        assert_eq!(
-            sql.text(Dialect::Postgres),
-            "SELECT a FROM t WHERE b = $1 FOR NO KEY UPDATE"
-        );
+        assert_eq!(sql.text(Dialect::MySql), "SELECT a FROM t WHERE b = ? FOR UPDATE");
+        assert_eq!(sql.text(Dialect::Postgres), "SELECT a FROM t WHERE b = $1 FOR NO KEY UPDATE");
     }
 
     #[test]
     fn sqlite_file_is_created_unless_a_mode_is_given() {
-        assert_eq!(
-            Dialect::Sqlite.driver_url("sqlite:payledger.db"),
-            "sqlite:payledger.db?mode=rwc"
-        );
-        assert_eq!(
-            Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro"),
-            "sqlite:x.db?mode=ro"
-        );
-        assert_eq!(
-            Dialect::MySql.driver_url("mariadb://root@h/test"),
-            "mysql://root@h/test"
-        );
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db"), "sqlite:payledger.db?mode=rwc");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro"), "sqlite:x.db?mode=ro");
+        assert_eq!(Dialect::MySql.driver_url("mariadb://root@h/test"), "mysql://root@h/test");
     }
 }

@@ -21,8 +21,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use dialect::{classify, Dialect, Fault};
 pub use queries::Queries;
 pub use rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
-    PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+    TokenRow, TransferRow,
 };
 
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
@@ -90,12 +90,7 @@ impl Store {
             .await
             .map_err(|error| ConnectError::Connect(dialect.name(), error))?;
         let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
-        Ok(Self {
-            pool,
-            dialect,
-            write_gate,
-            lock_timeout: settings.lock_timeout,
-        })
+        Ok(Self { pool, dialect, write_gate, lock_timeout: settings.lock_timeout })
     }
 
     /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
@@ -109,10 +104,7 @@ impl Store {
             Dialect::MySql => &MYSQL_MIGRATIONS,
             Dialect::Sqlite => &SQLITE_MIGRATIONS,
         };
-        migrator
-            .run(&self.pool)
-            .await
-            .map_err(|error| ConnectError::Migrate(self.dialect.name(), error))
+        migrator.run(&self.pool).await.map_err(|error| ConnectError::Migrate(self.dialect.name(), error))
     }
 
     pub fn dialect(&self) -> Dialect {
@@ -137,11 +129,7 @@ impl Store {
             None => None,
         };
         let transaction = self.pool.begin_with(self.dialect.begin_statement()).await?;
-        Ok(Tx {
-            transaction,
-            dialect: self.dialect,
-            _write_permit: write_permit,
-        })
+        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit })
     }
 
     /// Takes a pooled connection for reads outside a write transaction (each statement sees
@@ -150,10 +138,7 @@ impl Store {
     /// # Errors
     /// The driver error when no connection is free in time.
     pub async fn reader(&self) -> Result<Reader, sqlx::Error> {
-        Ok(Reader {
-            connection: self.pool.acquire().await?,
-            dialect: self.dialect,
-        })
+        Ok(Reader { connection: self.pool.acquire().await?, dialect: self.dialect })
     }
 
     /// Closes the pool, waiting for connections in use to come back.

@@ -7,8 +7,8 @@ use sqlx::{Any, Row};
 
 use super::dialect::{Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
-    PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow, PaymentRow, RefundRow,
+    TokenRow, TransferRow,
 };
 
 static FIND_ACCOUNT: Sql = Sql::new(
@@ -98,9 +98,8 @@ static INSERT_RECORD: Sql = Sql::new(
      (scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at) \
      VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
-static DELETE_EXPIRED_RECORD: Sql = Sql::new(
-    "DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?",
-);
+static DELETE_EXPIRED_RECORD: Sql =
+    Sql::new("DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?");
 static COMPLETE_RECORD: Sql = Sql::new(
     "UPDATE idempotency_record SET response = ?, status = 'COMPLETED' \
      WHERE scope = ? AND idempotency_key = ? AND status = 'IN_PROGRESS'",
@@ -118,9 +117,8 @@ static INSERT_TOKEN: Sql = Sql::new(
 static FIND_TOKEN: Sql = Sql::new(
     "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at FROM idempotency_token WHERE token = ?",
 );
-static CONSUME_TOKEN: Sql = Sql::new(
-    "UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?",
-);
+static CONSUME_TOKEN: Sql =
+    Sql::new("UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?");
 static REAP_TOKENS: Sql = Sql::with_mysql(
     "DELETE FROM idempotency_token WHERE token IN \
      (SELECT token FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
@@ -228,10 +226,7 @@ type AnyQuery<'q> = Query<'q, Any, AnyArguments<'q>>;
 
 impl<'c> Queries<'c> {
     pub(super) fn new(connection: &'c mut AnyConnection, dialect: Dialect) -> Self {
-        Self {
-            connection,
-            dialect,
-        }
+        Self { connection, dialect }
     }
 
     fn query(&self, sql: &'static Sql) -> AnyQuery<'static> {
@@ -249,9 +244,7 @@ impl<'c> Queries<'c> {
     async fn insert_if_absent(&mut self, query: AnyQuery<'_>) -> Result<bool, sqlx::Error> {
         match query.execute(&mut *self.connection).await {
             Ok(result) => Ok(result.rows_affected() == 1),
-            Err(sqlx::Error::Database(error))
-                if self.dialect == Dialect::MySql && error.is_unique_violation() =>
-            {
+            Err(sqlx::Error::Database(error)) if self.dialect == Dialect::MySql && error.is_unique_violation() => {
                 Ok(false)
             }
             Err(error) => Err(error),
@@ -263,29 +256,17 @@ impl<'c> Queries<'c> {
     /// rows, so the predicate itself, never "nothing changed", carries the meaning.)
     async fn update_one(&mut self, query: AnyQuery<'_>) -> Result<bool, sqlx::Error> {
         let rows = query.execute(&mut *self.connection).await?.rows_affected();
-        assert!(
-            rows <= 1,
-            "a conditional update by primary key changed {rows} rows"
-        );
+        assert!(rows <= 1, "a conditional update by primary key changed {rows} rows");
         Ok(rows == 1)
     }
 
-    pub async fn find_account(
-        &mut self,
-        account_id: &str,
-    ) -> Result<Option<AccountRow>, sqlx::Error> {
-        sqlx::query_as(FIND_ACCOUNT.text(self.dialect))
-            .bind(account_id)
-            .fetch_optional(&mut *self.connection)
-            .await
+    pub async fn find_account(&mut self, account_id: &str) -> Result<Option<AccountRow>, sqlx::Error> {
+        sqlx::query_as(FIND_ACCOUNT.text(self.dialect)).bind(account_id).fetch_optional(&mut *self.connection).await
     }
 
     /// Reads an account and locks its row until the transaction ends (`FOR UPDATE`), so the
     /// version read cannot change before this transaction's CAS.
-    pub async fn find_account_for_update(
-        &mut self,
-        account_id: &str,
-    ) -> Result<Option<AccountRow>, sqlx::Error> {
+    pub async fn find_account_for_update(&mut self, account_id: &str) -> Result<Option<AccountRow>, sqlx::Error> {
         sqlx::query_as(FIND_ACCOUNT_FOR_UPDATE.text(self.dialect))
             .bind(account_id)
             .fetch_optional(&mut *self.connection)
@@ -314,12 +295,8 @@ impl<'c> Queries<'c> {
         expected_version: i64,
         now: i64,
     ) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&CAS_BALANCE)
-            .bind(new_balance)
-            .bind(now)
-            .bind(account_id.to_owned())
-            .bind(expected_version);
+        let query =
+            self.query(&CAS_BALANCE).bind(new_balance).bind(now).bind(account_id.to_owned()).bind(expected_version);
         self.update_one(query).await
     }
 
@@ -344,11 +321,7 @@ impl<'c> Queries<'c> {
         Ok(())
     }
 
-    pub async fn find_entry(
-        &mut self,
-        posting_id: &str,
-        account_id: &str,
-    ) -> Result<Option<EntryRow>, sqlx::Error> {
+    pub async fn find_entry(&mut self, posting_id: &str, account_id: &str) -> Result<Option<EntryRow>, sqlx::Error> {
         sqlx::query_as(FIND_ENTRY.text(self.dialect))
             .bind(posting_id)
             .bind(account_id)
@@ -371,11 +344,7 @@ impl<'c> Queries<'c> {
             .await
     }
 
-    pub async fn find_order(
-        &mut self,
-        merchant_id: &str,
-        order_no: &str,
-    ) -> Result<Option<OrderRow>, sqlx::Error> {
+    pub async fn find_order(&mut self, merchant_id: &str, order_no: &str) -> Result<Option<OrderRow>, sqlx::Error> {
         sqlx::query_as(FIND_ORDER.text(self.dialect))
             .bind(merchant_id)
             .bind(order_no)
@@ -496,11 +465,7 @@ impl<'c> Queries<'c> {
     }
 
     /// Refunds of one order, oldest first.
-    pub async fn list_refunds(
-        &mut self,
-        merchant_id: &str,
-        order_no: &str,
-    ) -> Result<Vec<RefundRow>, sqlx::Error> {
+    pub async fn list_refunds(&mut self, merchant_id: &str, order_no: &str) -> Result<Vec<RefundRow>, sqlx::Error> {
         sqlx::query_as(LIST_REFUNDS.text(self.dialect))
             .bind(merchant_id)
             .bind(order_no)
@@ -523,14 +488,8 @@ impl<'c> Queries<'c> {
         self.insert_if_absent(query).await
     }
 
-    pub async fn find_deposit(
-        &mut self,
-        request_id: &str,
-    ) -> Result<Option<DepositRow>, sqlx::Error> {
-        sqlx::query_as(FIND_DEPOSIT.text(self.dialect))
-            .bind(request_id)
-            .fetch_optional(&mut *self.connection)
-            .await
+    pub async fn find_deposit(&mut self, request_id: &str) -> Result<Option<DepositRow>, sqlx::Error> {
+        sqlx::query_as(FIND_DEPOSIT.text(self.dialect)).bind(request_id).fetch_optional(&mut *self.connection).await
     }
 
     pub async fn insert_deposit(&mut self, row: &DepositRow) -> Result<bool, sqlx::Error> {
@@ -545,16 +504,8 @@ impl<'c> Queries<'c> {
         self.insert_if_absent(query).await
     }
 
-    pub async fn find_record(
-        &mut self,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<IdempotencyRecordRow>, sqlx::Error> {
-        sqlx::query_as(FIND_RECORD.text(self.dialect))
-            .bind(scope)
-            .bind(key)
-            .fetch_optional(&mut *self.connection)
-            .await
+    pub async fn find_record(&mut self, scope: &str, key: &str) -> Result<Option<IdempotencyRecordRow>, sqlx::Error> {
+        sqlx::query_as(FIND_RECORD.text(self.dialect)).bind(scope).bind(key).fetch_optional(&mut *self.connection).await
     }
 
     /// Claims (scope, key) with an IN_PROGRESS record: false when it is taken. A concurrent
@@ -575,44 +526,20 @@ impl<'c> Queries<'c> {
     }
 
     /// Deletes the record of (scope, key) if it expired by `now`: true when it did.
-    pub async fn delete_expired_record(
-        &mut self,
-        scope: &str,
-        key: &str,
-        now: i64,
-    ) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&DELETE_EXPIRED_RECORD)
-            .bind(scope.to_owned())
-            .bind(key.to_owned())
-            .bind(now);
+    pub async fn delete_expired_record(&mut self, scope: &str, key: &str, now: i64) -> Result<bool, sqlx::Error> {
+        let query = self.query(&DELETE_EXPIRED_RECORD).bind(scope.to_owned()).bind(key.to_owned()).bind(now);
         self.update_one(query).await
     }
 
     /// Stores the response in a record claimed by this transaction.
-    pub async fn complete_record(
-        &mut self,
-        scope: &str,
-        key: &str,
-        response: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&COMPLETE_RECORD)
-            .bind(response.to_owned())
-            .bind(scope.to_owned())
-            .bind(key.to_owned());
+    pub async fn complete_record(&mut self, scope: &str, key: &str, response: &[u8]) -> Result<bool, sqlx::Error> {
+        let query = self.query(&COMPLETE_RECORD).bind(response.to_vec()).bind(scope.to_owned()).bind(key.to_owned());
         self.update_one(query).await
     }
 
     /// Deletes at most `limit` records that expired by `now`; returns how many.
     pub async fn reap_records(&mut self, now: i64, limit: i64) -> Result<u64, sqlx::Error> {
-        Ok(self
-            .query(&REAP_RECORDS)
-            .bind(now)
-            .bind(limit)
-            .execute(&mut *self.connection)
-            .await?
-            .rows_affected())
+        Ok(self.query(&REAP_RECORDS).bind(now).bind(limit).execute(&mut *self.connection).await?.rows_affected())
     }
 
     pub async fn insert_token(&mut self, row: &TokenRow) -> Result<(), sqlx::Error> {
@@ -628,32 +555,19 @@ impl<'c> Queries<'c> {
     }
 
     pub async fn find_token(&mut self, token: &str) -> Result<Option<TokenRow>, sqlx::Error> {
-        sqlx::query_as(FIND_TOKEN.text(self.dialect))
-            .bind(token)
-            .fetch_optional(&mut *self.connection)
-            .await
+        sqlx::query_as(FIND_TOKEN.text(self.dialect)).bind(token).fetch_optional(&mut *self.connection).await
     }
 
     /// Consumes an unexpired, unconsumed token: true when this transaction consumed it. A
     /// concurrent consumer waits on the row lock for this one's outcome.
     pub async fn consume_token(&mut self, token: &str, now: i64) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&CONSUME_TOKEN)
-            .bind(now)
-            .bind(token.to_owned())
-            .bind(now);
+        let query = self.query(&CONSUME_TOKEN).bind(now).bind(token.to_owned()).bind(now);
         self.update_one(query).await
     }
 
     /// Deletes at most `limit` tokens that expired by `now`; returns how many.
     pub async fn reap_tokens(&mut self, now: i64, limit: i64) -> Result<u64, sqlx::Error> {
-        Ok(self
-            .query(&REAP_TOKENS)
-            .bind(now)
-            .bind(limit)
-            .execute(&mut *self.connection)
-            .await?
-            .rows_affected())
+        Ok(self.query(&REAP_TOKENS).bind(now).bind(limit).execute(&mut *self.connection).await?.rows_affected())
     }
 
     pub async fn insert_transfer(&mut self, row: &TransferRow) -> Result<(), sqlx::Error> {
@@ -676,11 +590,7 @@ impl<'c> Queries<'c> {
         for (check, sql) in &AUDIT_CHECKS {
             let rows: Vec<AnyRow> = self.query(sql).fetch_all(&mut *self.connection).await?;
             for row in rows {
-                violations.push(AuditViolation {
-                    check,
-                    subject: row.try_get(0)?,
-                    detail: row.try_get(1)?,
-                });
+                violations.push(AuditViolation { check, subject: row.try_get(0)?, detail: row.try_get(1)? });
             }
         }
         Ok(violations)

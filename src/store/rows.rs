@@ -118,10 +118,12 @@ pub struct IdempotencyRecordRow {
     pub method: String,
     /// Hex SHA-256 of `request_fields`.
     pub request_fingerprint: String,
-    /// The request's business fields, one `name=value` per line, for naming differences.
-    pub request_fields: String,
-    /// The serialized response; set in the same transaction as the business change.
-    pub response: Option<String>,
+    /// The request's business fields, one `name=value` per line (UTF-8), for naming
+    /// differences.
+    pub request_fields: Vec<u8>,
+    /// The serialized response (UTF-8 JSON); set in the same transaction as the business
+    /// change.
+    pub response: Option<Vec<u8>>,
     pub status: String,
     pub created_at: i64,
     pub expires_at: i64,

@@ -9,73 +9,36 @@ use crate::helpers::{assert_status, replayed, violated_fields, TestApp};
 
 pub async fn open_account_is_replayed_and_a_different_currency_is_already_exists(app: &TestApp) {
     let mut accounts = app.accounts.clone();
-    let request = proto::OpenAccountRequest {
-        account_id: "alice".into(),
-        currency: "USD".into(),
-    };
+    let request = proto::OpenAccountRequest { account_id: "alice".into(), currency: "USD".into() };
 
     let first = accounts.open_account(request.clone()).await.unwrap();
     let again = accounts.open_account(request).await.unwrap();
     let other_currency = accounts
-        .open_account(proto::OpenAccountRequest {
-            account_id: "alice".into(),
-            currency: "EUR".into(),
-        })
+        .open_account(proto::OpenAccountRequest { account_id: "alice".into(), currency: "EUR".into() })
         .await
         .unwrap_err();
 
     assert!(!replayed(&first));
     assert!(replayed(&again));
     let account = first.into_inner().account.unwrap();
-    assert_eq!(
-        (
-            account.balance.as_str(),
-            account.version,
-            account.currency.as_str()
-        ),
-        ("0.00", 0, "USD")
-    );
+    assert_eq!((account.balance.as_str(), account.version, account.currency.as_str()), ("0.00", 0, "USD"));
     assert_eq!(again.into_inner().account.unwrap(), account);
-    assert_status(
-        &other_currency,
-        Code::AlreadyExists,
-        "ACCOUNT_ALREADY_EXISTS",
-    );
-    assert_eq!(
-        app.rows("accounts").await,
-        2,
-        "alice and the USD funding account"
-    );
+    assert_status(&other_currency, Code::AlreadyExists, "ACCOUNT_ALREADY_EXISTS");
+    assert_eq!(app.rows("accounts").await, 2, "alice and the USD funding account");
 }
 
 pub async fn deposit_credits_the_account_and_a_repeated_request_id_is_a_replay(app: &TestApp) {
     app.open("alice", "USD").await;
 
-    let first = app
-        .deposit("dep-1", "alice", "100.50", "USD")
-        .await
-        .unwrap();
-    let again = app
-        .deposit("dep-1", "alice", "100.50", "USD")
-        .await
-        .unwrap();
-    let changed = app
-        .deposit("dep-1", "alice", "7.00", "USD")
-        .await
-        .unwrap_err();
+    let first = app.deposit("dep-1", "alice", "100.50", "USD").await.unwrap();
+    let again = app.deposit("dep-1", "alice", "100.50", "USD").await.unwrap();
+    let changed = app.deposit("dep-1", "alice", "7.00", "USD").await.unwrap_err();
 
     assert!(!replayed(&first) && replayed(&again));
     let (first, again) = (first.into_inner(), again.into_inner());
     assert_eq!(first, again, "a replay answers with the original result");
     let entry = first.entry.unwrap();
-    assert_eq!(
-        (
-            entry.amount.as_str(),
-            entry.balance_after.as_str(),
-            entry.version_after
-        ),
-        ("100.50", "100.50", 1)
-    );
+    assert_eq!((entry.amount.as_str(), entry.balance_after.as_str(), entry.version_after), ("100.50", "100.50", 1));
     assert_eq!(entry.kind(), EntryKind::Deposit);
     assert_eq!(entry.reference, "dep-1");
     assert_eq!(entry.counterparty_account_id, "@external:USD");
@@ -83,56 +46,32 @@ pub async fn deposit_credits_the_account_and_a_repeated_request_id_is_a_replay(a
     assert_status(&changed, Code::AlreadyExists, "REQUEST_ID_REUSED");
     assert!(changed.message().contains("amount"), "{changed:?}");
     assert_eq!(app.balance("alice").await, "100.50");
-    assert_eq!(
-        app.rows("journal_entries").await,
-        2,
-        "one posting, two legs"
-    );
+    assert_eq!(app.rows("journal_entries").await, 2, "one posting, two legs");
 }
 
 pub async fn deposit_into_a_missing_account_or_in_another_currency_is_refused(app: &TestApp) {
     app.open("alice", "USD").await;
     let before = app.all_rows().await;
 
-    let missing = app
-        .deposit("dep-1", "nobody", "1.00", "USD")
-        .await
-        .unwrap_err();
-    let wrong_currency = app
-        .deposit("dep-2", "alice", "1.00", "EUR")
-        .await
-        .unwrap_err();
+    let missing = app.deposit("dep-1", "nobody", "1.00", "USD").await.unwrap_err();
+    let wrong_currency = app.deposit("dep-2", "alice", "1.00", "EUR").await.unwrap_err();
 
     assert_status(&missing, Code::NotFound, "ACCOUNT_NOT_FOUND");
-    assert_status(
-        &wrong_currency,
-        Code::FailedPrecondition,
-        "CURRENCY_MISMATCH",
-    );
-    assert_eq!(
-        app.all_rows().await,
-        before,
-        "refused requests leave nothing behind"
-    );
+    assert_status(&wrong_currency, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    assert_eq!(app.all_rows().await, before, "refused requests leave nothing behind");
 }
 
 pub async fn list_entries_pages_newest_first(app: &TestApp) {
     app.open("alice", "USD").await;
     for n in 1..=5 {
-        app.deposit(&format!("dep-{n}"), "alice", &format!("{n}.00"), "USD")
-            .await
-            .unwrap();
+        app.deposit(&format!("dep-{n}"), "alice", &format!("{n}.00"), "USD").await.unwrap();
     }
     let mut accounts = app.accounts.clone();
     let mut amounts = Vec::new();
     let mut token = String::new();
     let mut pages = 0;
     loop {
-        let request = proto::ListEntriesRequest {
-            account_id: "alice".into(),
-            page_size: 2,
-            page_token: token.clone(),
-        };
+        let request = proto::ListEntriesRequest { account_id: "alice".into(), page_size: 2, page_token: token.clone() };
         let page = accounts.list_entries(request).await.unwrap().into_inner();
         pages += 1;
         assert!(page.entries.len() <= 2);
@@ -145,11 +84,8 @@ pub async fn list_entries_pages_newest_first(app: &TestApp) {
     assert_eq!(pages, 3);
     assert_eq!(amounts, ["5.00", "4.00", "3.00", "2.00", "1.00"]);
 
-    let bad_token = proto::ListEntriesRequest {
-        account_id: "alice".into(),
-        page_size: 2,
-        page_token: "garbage".into(),
-    };
+    let bad_token =
+        proto::ListEntriesRequest { account_id: "alice".into(), page_size: 2, page_token: "garbage".into() };
     let error = accounts.list_entries(bad_token).await.unwrap_err();
     assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
     assert_eq!(violated_fields(&error), ["page_token"]);
@@ -158,44 +94,23 @@ pub async fn list_entries_pages_newest_first(app: &TestApp) {
 pub async fn create_order_is_replayed_and_other_fields_are_already_exists(app: &TestApp) {
     app.open("shop", "USD").await;
 
-    let first = app
-        .create_order("m1", "order-1", "shop", "25.00")
-        .await
-        .unwrap();
-    let again = app
-        .create_order("m1", "order-1", "shop", "25.00")
-        .await
-        .unwrap();
-    let changed = app
-        .create_order("m1", "order-1", "shop", "26.00")
-        .await
-        .unwrap_err();
-    let same_number_other_merchant = app
-        .create_order("m2", "order-1", "shop", "26.00")
-        .await
-        .unwrap();
+    let first = app.create_order("m1", "order-1", "shop", "25.00").await.unwrap();
+    let again = app.create_order("m1", "order-1", "shop", "25.00").await.unwrap();
+    let changed = app.create_order("m1", "order-1", "shop", "26.00").await.unwrap_err();
+    let same_number_other_merchant = app.create_order("m2", "order-1", "shop", "26.00").await.unwrap();
 
     assert!(!replayed(&first) && replayed(&again));
     let order = first.into_inner().order.unwrap();
     assert_eq!(order.status(), OrderStatus::Pending);
-    assert_eq!(
-        (order.amount.as_str(), order.refunded_amount.as_str()),
-        ("25.00", "0.00")
-    );
+    assert_eq!((order.amount.as_str(), order.refunded_amount.as_str()), ("25.00", "0.00"));
     assert_eq!(again.into_inner().order.unwrap(), order);
     assert_status(&changed, Code::AlreadyExists, "ORDER_NO_REUSED");
-    assert!(
-        !replayed(&same_number_other_merchant),
-        "order numbers are scoped by merchant"
-    );
+    assert!(!replayed(&same_number_other_merchant), "order numbers are scoped by merchant");
     assert_eq!(app.rows("orders").await, 2);
 }
 
 pub async fn create_order_for_a_missing_payee_is_not_found(app: &TestApp) {
-    let error = app
-        .create_order("m1", "order-1", "nobody", "1.00")
-        .await
-        .unwrap_err();
+    let error = app.create_order("m1", "order-1", "nobody", "1.00").await.unwrap_err();
     assert_status(&error, Code::NotFound, "ACCOUNT_NOT_FOUND");
     assert_eq!(app.rows("orders").await, 0);
 }
@@ -203,57 +118,30 @@ pub async fn create_order_for_a_missing_payee_is_not_found(app: &TestApp) {
 pub async fn pay_moves_the_order_amount_from_payer_to_payee_once(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
 
-    let response = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    let response = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
 
     assert!(!replayed(&response));
     let response = response.into_inner();
     let payment = response.payment.unwrap();
     assert!(payment.trade_no.starts_with('T'));
     assert_eq!(
-        (
-            payment.merchant_id.as_str(),
-            payment.out_trade_no.as_str(),
-            payment.order_no.as_str()
-        ),
+        (payment.merchant_id.as_str(), payment.out_trade_no.as_str(), payment.order_no.as_str()),
         ("m1", "pay-1", "order-1")
     );
-    assert_eq!(
-        (
-            payment.payer_account_id.as_str(),
-            payment.payee_account_id.as_str()
-        ),
-        ("alice", "shop")
-    );
-    assert_eq!(
-        (payment.amount.as_str(), payment.currency.as_str()),
-        ("30.00", "USD")
-    );
+    assert_eq!((payment.payer_account_id.as_str(), payment.payee_account_id.as_str()), ("alice", "shop"));
+    assert_eq!((payment.amount.as_str(), payment.currency.as_str()), ("30.00", "USD"));
     assert_eq!(payment.status(), proto::PaymentStatus::Succeeded);
     let order = response.order.unwrap();
-    assert_eq!(
-        (order.status(), order.out_trade_no.as_str()),
-        (OrderStatus::Paid, "pay-1")
-    );
+    assert_eq!((order.status(), order.out_trade_no.as_str()), (OrderStatus::Paid, "pay-1"));
     assert_eq!(app.balance("alice").await, "70.00");
     assert_eq!(app.balance("shop").await, "30.00");
 }
 
-pub async fn pay_retried_with_the_same_out_trade_no_is_replayed_with_the_original_trade_no(
-    app: &TestApp,
-) {
+pub async fn pay_retried_with_the_same_out_trade_no_is_replayed_with_the_original_trade_no(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
 
-    let first = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
-    let again = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    let first = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
+    let again = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
 
     assert!(replayed(&again));
     assert_eq!(first.into_inner().payment, again.into_inner().payment);
@@ -261,79 +149,43 @@ pub async fn pay_retried_with_the_same_out_trade_no_is_replayed_with_the_origina
     assert_eq!(app.rows("payment_flow").await, 1);
 }
 
-pub async fn pay_with_a_used_out_trade_no_and_other_fields_names_the_differing_fields(
-    app: &TestApp,
-) {
+pub async fn pay_with_a_used_out_trade_no_and_other_fields_names_the_differing_fields(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "30.00")
-        .await
-        .unwrap();
-    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
 
-    let error = app
-        .pay("m1", "pay-1", "order-2", "alice", "30.00")
-        .await
-        .unwrap_err();
+    let error = app.pay("m1", "pay-1", "order-2", "alice", "30.00").await.unwrap_err();
 
     assert_status(&error, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
     let details = tonic_types::StatusExt::get_error_details(&error);
-    assert_eq!(
-        details
-            .error_info()
-            .unwrap()
-            .metadata
-            .get("fields")
-            .map(String::as_str),
-        Some("order_no")
-    );
+    assert_eq!(details.error_info().unwrap().metadata.get("fields").map(String::as_str), Some("order_no"));
     assert_eq!(app.balance("alice").await, "70.00");
 }
 
 pub async fn a_second_out_trade_no_for_a_paid_order_moves_no_money(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
     let before = app.all_rows().await;
 
-    let error = app
-        .pay("m1", "pay-2", "order-1", "alice", "30.00")
-        .await
-        .unwrap_err();
+    let error = app.pay("m1", "pay-2", "order-1", "alice", "30.00").await.unwrap_err();
 
     assert_status(&error, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
     assert_eq!(app.balance("alice").await, "70.00");
     assert_eq!(app.all_rows().await, before);
 }
 
-pub async fn pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing(
-    app: &TestApp,
-) {
+pub async fn pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
     app.open("bob-eur", "EUR").await;
     let before = app.all_rows().await;
 
-    let amount = app
-        .pay("m1", "pay-1", "order-1", "alice", "29.99")
-        .await
-        .unwrap_err();
+    let amount = app.pay("m1", "pay-1", "order-1", "alice", "29.99").await.unwrap_err();
     let mut eur = app.pay_request("m1", "pay-2", "order-1", "alice", "30.00");
     eur.currency = "EUR".into();
     let currency = app.payments.clone().pay(eur).await.unwrap_err();
-    let self_payment = app
-        .pay("m1", "pay-3", "order-1", "shop", "30.00")
-        .await
-        .unwrap_err();
-    let missing_order = app
-        .pay("m1", "pay-4", "order-404", "alice", "30.00")
-        .await
-        .unwrap_err();
-    let missing_payer = app
-        .pay("m1", "pay-5", "order-1", "nobody", "30.00")
-        .await
-        .unwrap_err();
+    let self_payment = app.pay("m1", "pay-3", "order-1", "shop", "30.00").await.unwrap_err();
+    let missing_order = app.pay("m1", "pay-4", "order-404", "alice", "30.00").await.unwrap_err();
+    let missing_payer = app.pay("m1", "pay-5", "order-1", "nobody", "30.00").await.unwrap_err();
 
     assert_status(&amount, Code::FailedPrecondition, "AMOUNT_MISMATCH");
     assert_status(&currency, Code::FailedPrecondition, "CURRENCY_MISMATCH");
@@ -341,10 +193,7 @@ pub async fn pay_refuses_mismatched_amount_currency_and_self_payment_leaving_not
     assert_status(&missing_order, Code::NotFound, "ORDER_NOT_FOUND");
     assert_status(&missing_payer, Code::NotFound, "ACCOUNT_NOT_FOUND");
     assert_eq!(app.all_rows().await, before);
-    let retry = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    let retry = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
     assert!(!replayed(&retry), "a refused key is evaluated afresh");
 }
 
@@ -352,18 +201,10 @@ pub async fn pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit(app: 
     app.order_ready_to_pay("order-1", "10.00", "30.00").await;
     let before = app.all_rows().await;
 
-    let error = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap_err();
+    let error = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap_err();
     let after_refusal = app.all_rows().await;
-    app.deposit("top-up", "alice", "20.00", "USD")
-        .await
-        .unwrap();
-    let retry = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.deposit("top-up", "alice", "20.00", "USD").await.unwrap();
+    let retry = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
 
     assert_status(&error, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
     assert_eq!(after_refusal, before);
@@ -373,36 +214,20 @@ pub async fn pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit(app: 
 
 pub async fn close_order_closes_once_and_refuses_paid_orders(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "30.00")
-        .await
-        .unwrap();
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
     let mut payments = app.payments.clone();
-    let close = |order_no: &str| proto::CloseOrderRequest {
-        merchant_id: "m1".into(),
-        order_no: order_no.into(),
-    };
+    let close = |order_no: &str| proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: order_no.into() };
 
     let first = payments.close_order(close("order-1")).await.unwrap();
     let again = payments.close_order(close("order-1")).await.unwrap();
-    let pay_closed = app
-        .pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap_err();
-    app.pay("m1", "pay-2", "order-2", "alice", "30.00")
-        .await
-        .unwrap();
+    let pay_closed = app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap_err();
+    app.pay("m1", "pay-2", "order-2", "alice", "30.00").await.unwrap();
     let close_paid = payments.close_order(close("order-2")).await.unwrap_err();
     let close_missing = payments.close_order(close("order-404")).await.unwrap_err();
 
     assert!(!replayed(&first) && replayed(&again));
-    assert_eq!(
-        first.into_inner().order.unwrap().status(),
-        OrderStatus::Closed
-    );
-    assert_eq!(
-        again.into_inner().order.unwrap().status(),
-        OrderStatus::Closed
-    );
+    assert_eq!(first.into_inner().order.unwrap().status(), OrderStatus::Closed);
+    assert_eq!(again.into_inner().order.unwrap().status(), OrderStatus::Closed);
     assert_status(&pay_closed, Code::FailedPrecondition, "ORDER_CLOSED");
     assert_status(&close_paid, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
     assert_status(&close_missing, Code::NotFound, "ORDER_NOT_FOUND");
@@ -412,34 +237,14 @@ pub async fn close_order_closes_once_and_refuses_paid_orders(app: &TestApp) {
 
 pub async fn partial_then_full_refunds_move_money_back_and_replays_do_not(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
 
-    let part = app
-        .refund("m1", "pay-1", "refund-1", "10.00")
-        .await
-        .unwrap();
-    let part_again = app
-        .refund("m1", "pay-1", "refund-1", "10.00")
-        .await
-        .unwrap();
-    let too_much = app
-        .refund("m1", "pay-1", "refund-2", "20.01")
-        .await
-        .unwrap_err();
-    let rest = app
-        .refund("m1", "pay-1", "refund-3", "20.00")
-        .await
-        .unwrap();
-    let beyond = app
-        .refund("m1", "pay-1", "refund-4", "0.01")
-        .await
-        .unwrap_err();
-    let key_reused = app
-        .refund("m1", "pay-1", "refund-1", "11.00")
-        .await
-        .unwrap_err();
+    let part = app.refund("m1", "pay-1", "refund-1", "10.00").await.unwrap();
+    let part_again = app.refund("m1", "pay-1", "refund-1", "10.00").await.unwrap();
+    let too_much = app.refund("m1", "pay-1", "refund-2", "20.01").await.unwrap_err();
+    let rest = app.refund("m1", "pay-1", "refund-3", "20.00").await.unwrap();
+    let beyond = app.refund("m1", "pay-1", "refund-4", "0.01").await.unwrap_err();
+    let key_reused = app.refund("m1", "pay-1", "refund-1", "11.00").await.unwrap_err();
 
     assert!(!replayed(&part) && replayed(&part_again));
     let (part, part_again) = (part.into_inner(), part_again.into_inner());
@@ -447,24 +252,14 @@ pub async fn partial_then_full_refunds_move_money_back_and_replays_do_not(app: &
     let refund = part.refund.unwrap();
     assert!(refund.refund_no.starts_with('R'));
     assert_eq!(
-        (
-            refund.amount.as_str(),
-            refund.out_trade_no.as_str(),
-            refund.reason.as_str()
-        ),
+        (refund.amount.as_str(), refund.out_trade_no.as_str(), refund.reason.as_str()),
         ("10.00", "pay-1", "customer asked")
     );
     let order = part.order.unwrap();
-    assert_eq!(
-        (order.status(), order.refunded_amount.as_str()),
-        (OrderStatus::PartiallyRefunded, "10.00")
-    );
+    assert_eq!((order.status(), order.refunded_amount.as_str()), (OrderStatus::PartiallyRefunded, "10.00"));
     assert_status(&too_much, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
     let order = rest.into_inner().order.unwrap();
-    assert_eq!(
-        (order.status(), order.refunded_amount.as_str()),
-        (OrderStatus::Refunded, "30.00")
-    );
+    assert_eq!((order.status(), order.refunded_amount.as_str()), (OrderStatus::Refunded, "30.00"));
     assert_status(&beyond, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
     assert_status(&key_reused, Code::AlreadyExists, "OUT_REFUND_NO_REUSED");
     assert_eq!(app.balance("alice").await, "100.00");
@@ -474,94 +269,47 @@ pub async fn partial_then_full_refunds_move_money_back_and_replays_do_not(app: &
 
 pub async fn refund_of_an_unknown_payment_or_without_an_amount_is_refused(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
     let before = app.all_rows().await;
 
-    let unknown = app
-        .refund("m1", "pay-404", "refund-1", "1.00")
-        .await
-        .unwrap_err();
+    let unknown = app.refund("m1", "pay-404", "refund-1", "1.00").await.unwrap_err();
     let no_amount = app.refund("m1", "pay-1", "refund-2", "").await.unwrap_err();
-    let other_merchant = app
-        .refund("m2", "pay-1", "refund-3", "1.00")
-        .await
-        .unwrap_err();
+    let other_merchant = app.refund("m2", "pay-1", "refund-3", "1.00").await.unwrap_err();
 
     assert_status(&unknown, Code::NotFound, "PAYMENT_NOT_FOUND");
     assert_status(&no_amount, Code::InvalidArgument, "INVALID_ARGUMENT");
-    assert_eq!(
-        violated_fields(&no_amount),
-        ["amount"],
-        "a missing amount never means refund everything"
-    );
+    assert_eq!(violated_fields(&no_amount), ["amount"], "a missing amount never means refund everything");
     assert_status(&other_merchant, Code::NotFound, "PAYMENT_NOT_FOUND");
     assert_eq!(app.all_rows().await, before);
 }
 
 pub async fn query_finds_the_order_by_each_business_number(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "5.00")
-        .await
-        .unwrap();
-    app.pay("m1", "pay-1", "order-1", "alice", "30.00")
-        .await
-        .unwrap();
+    app.create_order("m1", "order-2", "shop", "5.00").await.unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
     app.refund("m1", "pay-1", "refund-1", "1.00").await.unwrap();
     app.refund("m1", "pay-1", "refund-2", "2.00").await.unwrap();
 
-    let by_order = app
-        .query("m1", Key::OrderNo("order-1".into()))
-        .await
-        .unwrap();
-    let by_trade = app
-        .query("m1", Key::OutTradeNo("pay-1".into()))
-        .await
-        .unwrap();
-    let by_refund = app
-        .query("m1", Key::OutRefundNo("refund-2".into()))
-        .await
-        .unwrap();
-    let unpaid = app
-        .query("m1", Key::OrderNo("order-2".into()))
-        .await
-        .unwrap();
-    let missing = app
-        .query("m1", Key::OutRefundNo("refund-404".into()))
-        .await
-        .unwrap_err();
-    let no_key = app
-        .payments
-        .clone()
-        .query(proto::QueryRequest {
-            merchant_id: "m1".into(),
-            key: None,
-        })
-        .await
-        .unwrap_err();
+    let by_order = app.query("m1", Key::OrderNo("order-1".into())).await.unwrap();
+    let by_trade = app.query("m1", Key::OutTradeNo("pay-1".into())).await.unwrap();
+    let by_refund = app.query("m1", Key::OutRefundNo("refund-2".into())).await.unwrap();
+    let unpaid = app.query("m1", Key::OrderNo("order-2".into())).await.unwrap();
+    let missing = app.query("m1", Key::OutRefundNo("refund-404".into())).await.unwrap_err();
+    let no_key =
+        app.payments.clone().query(proto::QueryRequest { merchant_id: "m1".into(), key: None }).await.unwrap_err();
 
     assert_eq!(by_order, by_trade);
     assert_eq!(by_order, by_refund);
-    assert_eq!(
-        by_order.order.as_ref().unwrap().status(),
-        OrderStatus::PartiallyRefunded
-    );
+    assert_eq!(by_order.order.as_ref().unwrap().status(), OrderStatus::PartiallyRefunded);
     assert_eq!(by_order.payment.as_ref().unwrap().out_trade_no, "pay-1");
-    let refunds: Vec<_> = by_order
-        .refunds
-        .iter()
-        .map(|r| (r.out_refund_no.as_str(), r.amount.as_str()))
-        .collect();
+    let refunds: Vec<_> = by_order.refunds.iter().map(|r| (r.out_refund_no.as_str(), r.amount.as_str())).collect();
     assert_eq!(refunds, [("refund-1", "1.00"), ("refund-2", "2.00")]);
     assert!(unpaid.payment.is_none() && unpaid.refunds.is_empty());
     assert_status(&missing, Code::NotFound, "REFUND_NOT_FOUND");
     assert_status(&no_key, Code::InvalidArgument, "INVALID_ARGUMENT");
 }
 
-pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_nothing(
-    app: &TestApp,
-) {
+pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_nothing(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
     let before = app.all_rows().await;
     let mut payments = app.payments.clone();
@@ -570,29 +318,11 @@ pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_not
     request.currency = "usd".into();
     let error = payments.pay(request).await.unwrap_err();
     assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
-    assert_eq!(
-        violated_fields(&error),
-        ["merchant_id", "out_trade_no", "order_no", "currency"]
-    );
-    assert!(
-        error.message().len() < 512,
-        "messages never echo large input"
-    );
+    assert_eq!(violated_fields(&error), ["merchant_id", "out_trade_no", "order_no", "currency"]);
+    assert!(error.message().len() < 512, "messages never echo large input");
 
-    for amount in [
-        "30.001",
-        "0",
-        "0.00",
-        "1e3",
-        " 30.00",
-        "30,00",
-        "99999999999999999999",
-        "NaN",
-    ] {
-        let error = app
-            .pay("m1", "pay-1", "order-1", "alice", amount)
-            .await
-            .unwrap_err();
+    for amount in ["30.001", "0", "0.00", "1e3", " 30.00", "30,00", "99999999999999999999", "NaN"] {
+        let error = app.pay("m1", "pay-1", "order-1", "alice", amount).await.unwrap_err();
         assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
         assert_eq!(violated_fields(&error), ["amount"], "amount {amount:?}");
     }
@@ -606,30 +336,13 @@ pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_not
     };
     let error = payments.create_order(huge_subject).await.unwrap_err();
     assert_eq!(violated_fields(&error), ["subject"]);
-    let huge_message = proto::OpenAccountRequest {
-        account_id: "a".repeat(100_000),
-        currency: "USD".into(),
-    };
-    let error = app
-        .accounts
-        .clone()
-        .open_account(huge_message)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            error.code(),
-            Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted
-        ),
-        "{error:?}"
-    );
+    let huge_message = proto::OpenAccountRequest { account_id: "a".repeat(100_000), currency: "USD".into() };
+    let error = app.accounts.clone().open_account(huge_message).await.unwrap_err();
+    assert!(matches!(error.code(), Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted), "{error:?}");
     let xau = app
         .accounts
         .clone()
-        .open_account(proto::OpenAccountRequest {
-            account_id: "gold".into(),
-            currency: "XAU".into(),
-        })
+        .open_account(proto::OpenAccountRequest { account_id: "gold".into(), currency: "XAU".into() })
         .await;
     assert_status(&xau.unwrap_err(), Code::InvalidArgument, "INVALID_ARGUMENT");
 
@@ -640,20 +353,9 @@ pub async fn yen_and_dinar_amounts_follow_their_minor_units(app: &TestApp) {
     app.open("yen", "JPY").await;
     app.open("dinar", "KWD").await;
 
-    let yen = app
-        .deposit("dep-jpy", "yen", "500", "JPY")
-        .await
-        .unwrap()
-        .into_inner();
-    let dinar = app
-        .deposit("dep-kwd", "dinar", "1.005", "KWD")
-        .await
-        .unwrap()
-        .into_inner();
-    let yen_fraction = app
-        .deposit("dep-jpy-2", "yen", "1.5", "JPY")
-        .await
-        .unwrap_err();
+    let yen = app.deposit("dep-jpy", "yen", "500", "JPY").await.unwrap().into_inner();
+    let dinar = app.deposit("dep-kwd", "dinar", "1.005", "KWD").await.unwrap().into_inner();
+    let yen_fraction = app.deposit("dep-jpy-2", "yen", "1.5", "JPY").await.unwrap_err();
 
     assert_eq!(yen.account.unwrap().balance, "500");
     assert_eq!(dinar.account.unwrap().balance, "1.005");
@@ -668,20 +370,12 @@ pub async fn twenty_concurrent_identical_pays_execute_once_with_one_trade_no(app
         let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
         tokio::spawn(async move { payments.pay(request).await })
     });
-    let responses: Vec<_> = futures::future::join_all(calls)
-        .await
-        .into_iter()
-        .map(|joined| joined.unwrap().unwrap())
-        .collect();
+    let responses: Vec<_> =
+        futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap().unwrap()).collect();
 
-    let fresh = responses
-        .iter()
-        .filter(|response| !replayed(response))
-        .count();
-    let trade_nos: std::collections::HashSet<_> = responses
-        .into_iter()
-        .map(|response| response.into_inner().payment.unwrap().trade_no)
-        .collect();
+    let fresh = responses.iter().filter(|response| !replayed(response)).count();
+    let trade_nos: std::collections::HashSet<_> =
+        responses.into_iter().map(|response| response.into_inner().payment.unwrap().trade_no).collect();
     assert_eq!(fresh, 1, "exactly one call ran, the others were replays");
     assert_eq!(trade_nos.len(), 1, "every caller got the same trade_no");
     assert_eq!(app.balance("alice").await, "70.00");
@@ -692,27 +386,15 @@ pub async fn concurrent_pays_against_one_balance_never_overdraw_it(app: &TestApp
     app.funded("alice", "100.00").await;
     app.open("shop", "USD").await;
     for n in 0..110 {
-        app.create_order("m1", &format!("order-{n}"), "shop", "1.00")
-            .await
-            .unwrap();
+        app.create_order("m1", &format!("order-{n}"), "shop", "1.00").await.unwrap();
     }
 
     let calls = (0..110).map(|n| {
         let mut payments = app.payments.clone();
-        let request = app.pay_request(
-            "m1",
-            &format!("pay-{n}"),
-            &format!("order-{n}"),
-            "alice",
-            "1.00",
-        );
+        let request = app.pay_request("m1", &format!("pay-{n}"), &format!("order-{n}"), "alice", "1.00");
         tokio::spawn(async move { payments.pay(request).await })
     });
-    let outcomes: Vec<_> = futures::future::join_all(calls)
-        .await
-        .into_iter()
-        .map(|joined| joined.unwrap())
-        .collect();
+    let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
 
     let paid = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
     for error in outcomes.iter().filter_map(|outcome| outcome.as_ref().err()) {
@@ -722,47 +404,30 @@ pub async fn concurrent_pays_against_one_balance_never_overdraw_it(app: &TestApp
     assert_eq!(app.balance("alice").await, "0.00");
     assert_eq!(app.balance("shop").await, "100.00");
     assert_eq!(app.rows("payment_flow").await, 100);
-    app.create_order("m1", "order-last", "shop", "1.00")
-        .await
-        .unwrap();
-    let next = app
-        .pay("m1", "pay-last", "order-last", "alice", "1.00")
-        .await
-        .unwrap_err();
+    app.create_order("m1", "order-last", "shop", "1.00").await.unwrap();
+    let next = app.pay("m1", "pay-last", "order-last", "alice", "1.00").await.unwrap_err();
     assert_status(&next, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
 }
 
 pub async fn concurrent_partial_refunds_never_exceed_the_paid_amount(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "10.00").await;
-    app.pay("m1", "pay-1", "order-1", "alice", "10.00")
-        .await
-        .unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "10.00").await.unwrap();
 
     let calls = (0..25).map(|n| {
         let mut payments = app.payments.clone();
         let request = app.refund_request("m1", "pay-1", &format!("refund-{n}"), "1.00");
         tokio::spawn(async move { payments.refund(request).await })
     });
-    let outcomes: Vec<_> = futures::future::join_all(calls)
-        .await
-        .into_iter()
-        .map(|joined| joined.unwrap())
-        .collect();
+    let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
 
     let refunded = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
     for error in outcomes.iter().filter_map(|outcome| outcome.as_ref().err()) {
         assert_status(error, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
     }
     assert_eq!(refunded, 10);
-    let details = app
-        .query("m1", Key::OrderNo("order-1".into()))
-        .await
-        .unwrap();
+    let details = app.query("m1", Key::OrderNo("order-1".into())).await.unwrap();
     let order = details.order.unwrap();
-    assert_eq!(
-        (order.status(), order.refunded_amount.as_str()),
-        (OrderStatus::Refunded, "10.00")
-    );
+    assert_eq!((order.status(), order.refunded_amount.as_str()), (OrderStatus::Refunded, "10.00"));
     assert_eq!(details.refunds.len(), 10);
     assert_eq!(app.balance("alice").await, "100.00");
     assert_eq!(app.balance("shop").await, "0.00");
@@ -772,29 +437,13 @@ pub async fn opposite_payments_between_two_accounts_finish_without_deadlock(app:
     app.funded("alpha", "100.00").await;
     app.funded("beta", "100.00").await;
     for n in 0..30 {
-        app.create_order("m1", &format!("to-beta-{n}"), "beta", "1.00")
-            .await
-            .unwrap();
-        app.create_order("m1", &format!("to-alpha-{n}"), "alpha", "2.00")
-            .await
-            .unwrap();
+        app.create_order("m1", &format!("to-beta-{n}"), "beta", "1.00").await.unwrap();
+        app.create_order("m1", &format!("to-alpha-{n}"), "alpha", "2.00").await.unwrap();
     }
 
     let calls = (0..30).flat_map(|n| {
-        let to_beta = app.pay_request(
-            "m1",
-            &format!("pay-b-{n}"),
-            &format!("to-beta-{n}"),
-            "alpha",
-            "1.00",
-        );
-        let to_alpha = app.pay_request(
-            "m1",
-            &format!("pay-a-{n}"),
-            &format!("to-alpha-{n}"),
-            "beta",
-            "2.00",
-        );
+        let to_beta = app.pay_request("m1", &format!("pay-b-{n}"), &format!("to-beta-{n}"), "alpha", "1.00");
+        let to_alpha = app.pay_request("m1", &format!("pay-a-{n}"), &format!("to-alpha-{n}"), "beta", "2.00");
         [to_beta, to_alpha].map(|request| {
             let mut payments = app.payments.clone();
             tokio::spawn(async move { payments.pay(request).await })
@@ -803,9 +452,7 @@ pub async fn opposite_payments_between_two_accounts_finish_without_deadlock(app:
     let outcomes = futures::future::join_all(calls).await;
 
     for outcome in outcomes {
-        outcome
-            .unwrap()
-            .expect("no client-visible deadlock or abort");
+        outcome.unwrap().expect("no client-visible deadlock or abort");
     }
     assert_eq!(app.balance("alpha").await, "130.00");
     assert_eq!(app.balance("beta").await, "70.00");
@@ -823,15 +470,8 @@ pub async fn a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact(a
     tokio::time::sleep(Duration::from_millis(300)).await;
     let paid_rows = app.rows("payment_flow").await;
     assert!(paid_rows <= 1);
-    assert_eq!(
-        app.balance("alice").await,
-        if paid_rows == 1 { "70.00" } else { "100.00" }
-    );
-    assert_eq!(
-        app.sessions_idle_in_transaction().await,
-        0,
-        "no session left idle in a transaction"
-    );
+    assert_eq!(app.balance("alice").await, if paid_rows == 1 { "70.00" } else { "100.00" });
+    assert_eq!(app.sessions_idle_in_transaction().await, 0, "no session left idle in a transaction");
 
     impatient.currency = "USD".into();
     let retry = app.payments.clone().pay(impatient).await.unwrap();
@@ -852,25 +492,11 @@ pub async fn health_is_serving_and_reflection_lists_both_services(app: &TestApp)
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
     use tonic_reflection::pb::v1::ServerReflectionRequest;
 
-    let channel = tonic::transport::Channel::from_shared(format!("http://{}", app.address))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{}", app.address)).unwrap().connect().await.unwrap();
     let mut health = HealthClient::new(channel.clone());
-    for service in [
-        "",
-        "payledger.v1.PaymentService",
-        "payledger.v1.AccountService",
-    ] {
-        let status = health
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status;
+    for service in ["", "payledger.v1.PaymentService", "payledger.v1.AccountService"] {
+        let status = health.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner().status;
         assert_eq!(status, 1, "{service:?} is SERVING");
     }
 
@@ -879,29 +505,14 @@ pub async fn health_is_serving_and_reflection_lists_both_services(app: &TestApp)
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut stream = reflection
-        .server_reflection_info(futures::stream::iter([request]))
-        .await
-        .unwrap()
-        .into_inner();
-    let Some(MessageResponse::ListServicesResponse(list)) =
-        stream.message().await.unwrap().unwrap().message_response
+    let mut stream = reflection.server_reflection_info(futures::stream::iter([request])).await.unwrap().into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) = stream.message().await.unwrap().unwrap().message_response
     else {
         panic!("expected a service list");
     };
-    let names: Vec<_> = list
-        .service
-        .into_iter()
-        .map(|service| service.name)
-        .collect();
-    assert!(
-        names.contains(&"payledger.v1.PaymentService".to_owned()),
-        "{names:?}"
-    );
-    assert!(
-        names.contains(&"payledger.v1.AccountService".to_owned()),
-        "{names:?}"
-    );
+    let names: Vec<_> = list.service.into_iter().map(|service| service.name).collect();
+    assert!(names.contains(&"payledger.v1.PaymentService".to_owned()), "{names:?}");
+    assert!(names.contains(&"payledger.v1.AccountService".to_owned()), "{names:?}");
 }
 
 pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestApp) {
@@ -918,13 +529,332 @@ pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestA
         .await
         .unwrap();
 
-    let subjects: Vec<_> = violations
-        .iter()
-        .map(|violation| violation.subject.as_str())
-        .collect();
+    let subjects: Vec<_> = violations.iter().map(|violation| violation.subject.as_str()).collect();
     assert!(subjects.contains(&"alice"), "{violations:#?}");
-    assert!(
-        subjects.contains(&"USD"),
-        "the balances no longer sum to zero: {violations:#?}"
+    assert!(subjects.contains(&"USD"), "the balances no longer sum to zero: {violations:#?}");
+}
+
+// ---- Idempotency keys, one-time tokens and their lifecycle -------------------------------
+
+use crate::helpers::{transfer_request, with_key, with_token};
+
+fn header(metadata: &tonic::metadata::MetadataMap, name: &str) -> Option<String> {
+    metadata.get(name).and_then(|value| value.to_str().ok()).map(str::to_owned)
+}
+
+pub async fn fifty_concurrent_transfers_with_one_idempotency_key_move_money_once(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+
+    let calls = (0..50).map(|_| {
+        let mut accounts = app.accounts.clone();
+        tokio::spawn(async move {
+            accounts.transfer(with_key(transfer_request("alice", "bob", "10.00"), "rent-2026-11")).await
+        })
+    });
+    let responses: Vec<_> =
+        futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap().unwrap()).collect();
+
+    let fresh = responses.iter().filter(|response| !replayed(response)).count();
+    assert!(responses.iter().all(|response| header(response.metadata(), "idempotency-expires-at").is_some()));
+    let ids: std::collections::HashSet<_> =
+        responses.into_iter().map(|response| response.into_inner().transfer.unwrap().transfer_id).collect();
+    assert_eq!(fresh, 1);
+    assert_eq!(ids.len(), 1, "all 50 callers got the same transfer id");
+    assert_eq!(app.balance("alice").await, "90.00");
+    assert_eq!(app.balance("bob").await, "10.00");
+    assert_eq!(app.rows("transfers").await, 1);
+    assert_eq!(app.rows("idempotency_record").await, 1);
+    let counters = app.ledger.counters();
+    assert_eq!(counters.replays, 49);
+    assert_eq!(counters.key_conflicts, 0);
+}
+
+pub async fn an_idempotency_key_reused_for_another_request_is_already_exists(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    let mut accounts = app.accounts.clone();
+    accounts.transfer(with_key(transfer_request("alice", "bob", "10.00"), "k-1")).await.unwrap();
+
+    let other_amount = accounts.transfer(with_key(transfer_request("alice", "bob", "11.00"), "k-1")).await.unwrap_err();
+    let deposit = proto::DepositRequest {
+        request_id: "d-9".into(),
+        account_id: "alice".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+    };
+    let other_method = accounts.deposit(with_key(deposit, "k-1")).await.unwrap_err();
+    app.funded("carol", "5.00").await;
+    let other_scope = accounts.transfer(with_key(transfer_request("carol", "bob", "1.00"), "k-1")).await.unwrap();
+
+    assert_status(&other_amount, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    let details = tonic_types::StatusExt::get_error_details(&other_amount);
+    assert_eq!(details.error_info().unwrap().metadata.get("fields").map(String::as_str), Some("amount"));
+    assert_status(&other_method, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    assert!(other_method.message().contains("method"), "{other_method:?}");
+    assert!(!replayed(&other_scope), "keys are scoped by caller: carol's k-1 is not alice's");
+    assert_eq!(app.balance("alice").await, "90.00");
+    assert_eq!(app.ledger.counters().key_conflicts, 2);
+}
+
+pub async fn transfer_requires_an_idempotency_key(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    let mut accounts = app.accounts.clone();
+
+    let without = accounts.transfer(transfer_request("alice", "bob", "1.00")).await.unwrap_err();
+    let to_self = accounts.transfer(with_key(transfer_request("alice", "alice", "1.00"), "k")).await.unwrap_err();
+    let mut bad_key = tonic::Request::new(transfer_request("alice", "bob", "1.00"));
+    bad_key.metadata_mut().insert("idempotency-key", "x".repeat(129).parse().unwrap());
+    let too_long = accounts.transfer(bad_key).await.unwrap_err();
+
+    assert_status(&without, Code::InvalidArgument, "INVALID_ARGUMENT");
+    assert_eq!(violated_fields(&without), ["idempotency-key"]);
+    assert_eq!(violated_fields(&to_self), ["to_account_id"]);
+    assert_eq!(violated_fields(&too_long), ["idempotency-key"]);
+    assert_eq!(app.rows("transfers").await, 0);
+    assert_eq!(app.balance("alice").await, "100.00");
+}
+
+pub async fn a_failed_transfer_leaves_no_record_and_its_retry_runs_afresh(app: &TestApp) {
+    app.funded("alice", "5.00").await;
+    app.open("bob", "USD").await;
+    let mut accounts = app.accounts.clone();
+
+    let refused = accounts.transfer(with_key(transfer_request("alice", "bob", "10.00"), "k-1")).await.unwrap_err();
+    let records_after_refusal = app.rows("idempotency_record").await;
+    app.deposit("top-up", "alice", "5.00", "USD").await.unwrap();
+    let retry = accounts.transfer(with_key(transfer_request("alice", "bob", "10.00"), "k-1")).await.unwrap();
+
+    assert_status(&refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(records_after_refusal, 0, "a failed business change records nothing");
+    assert!(!replayed(&retry));
+    assert_eq!(app.balance("alice").await, "0.00");
+    assert_eq!(app.balance("bob").await, "10.00");
+}
+
+pub async fn a_pay_with_an_idempotency_key_replays_the_stored_response_and_says_until_when(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let mut payments = app.payments.clone();
+    let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+
+    let first = payments.pay(with_key(request.clone(), "checkout-1")).await.unwrap();
+    let again = payments.pay(with_key(request, "checkout-1")).await.unwrap();
+
+    let expires_at = header(first.metadata(), "idempotency-expires-at").expect("the key's expiry is sent");
+    assert!(expires_at.ends_with('Z') && expires_at.contains('T'), "RFC 3339: {expires_at}");
+    assert_eq!(header(again.metadata(), "idempotency-expires-at"), Some(expires_at));
+    assert!(!replayed(&first) && replayed(&again));
+    assert_eq!(first.into_inner(), again.into_inner(), "the stored response comes back unchanged");
+    assert_eq!(app.balance("alice").await, "70.00");
+}
+
+pub async fn a_duplicate_in_flight_past_the_lock_timeout_is_aborted_then_runs(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    // Another request holds the key "k-1" in an open transaction.
+    let mut holder = app.raw.begin().await.unwrap();
+    let sql = format!(
+        "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at) \
+         VALUES ('account:alice', 'k-1', 'Transfer', 'f', {}, NULL, 'IN_PROGRESS', 0, 9000000000000000)",
+        app.bytes_literal("")
     );
+    sqlx::query(&sql).execute(&mut *holder).await.unwrap();
+
+    let waited =
+        app.accounts.clone().transfer(with_key(transfer_request("alice", "bob", "1.00"), "k-1")).await.unwrap_err();
+    holder.rollback().await.unwrap();
+    let after = app.accounts.clone().transfer(with_key(transfer_request("alice", "bob", "1.00"), "k-1")).await.unwrap();
+
+    assert_eq!(waited.code(), Code::Aborted, "a timed-out wait is ABORTED, never INTERNAL: {waited:?}");
+    assert!(!replayed(&after), "the holder rolled back, so the retry runs");
+    assert_eq!(app.balance("alice").await, "99.00");
+}
+
+/// 50 different CreateOrder calls present one token: one runs, the others are refused.
+async fn one_token_runs_exactly_once(app: &TestApp) {
+    app.open("shop", "USD").await;
+    let token = app.issue_token("m1").await;
+
+    let calls = (0..50).map(|n| {
+        let mut payments = app.payments.clone();
+        let token = token.clone();
+        let request = proto::CreateOrderRequest {
+            merchant_id: "m1".into(),
+            order_no: format!("order-{n}"),
+            payee_account_id: "shop".into(),
+            amount: "1.00".into(),
+            currency: "USD".into(),
+            subject: String::new(),
+        };
+        tokio::spawn(async move { (request.clone(), payments.create_order(with_token(request, &token, None)).await) })
+    });
+    let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
+
+    let winners: Vec<_> = outcomes.iter().filter(|(_, outcome)| outcome.is_ok()).collect();
+    assert_eq!(winners.len(), 1, "exactly one request ran");
+    for (_, outcome) in &outcomes {
+        if let Err(status) = outcome {
+            assert_status(status, Code::AlreadyExists, "TOKEN_REUSED");
+        }
+    }
+    assert_eq!(app.rows("orders").await, 1);
+    let winning_request = winners[0].0.clone();
+    let later = app.payments.clone().create_order(with_token(winning_request, &token, None)).await.unwrap();
+    assert!(replayed(&later), "a later presentation replays the result");
+    assert_eq!(app.ledger.counters().token_consumptions, 1);
+}
+
+pub async fn fifty_concurrent_requests_presenting_one_token_run_exactly_once(app: &TestApp) {
+    one_token_runs_exactly_once(app).await;
+}
+
+pub async fn fifty_concurrent_requests_presenting_one_redis_token_run_exactly_once(app: &TestApp) {
+    assert_eq!(app.ledger.token_store().name(), "redis");
+    one_token_runs_exactly_once(app).await;
+}
+
+pub async fn an_expired_unknown_or_foreign_token_is_token_invalid(app: &TestApp) {
+    app.open("shop", "USD").await;
+    let order = |order_no: &str| proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: order_no.into(),
+        payee_account_id: "shop".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+        subject: String::new(),
+    };
+    let mut payments = app.payments.clone();
+    let foreign = app.issue_token("m2").await;
+    let expiring = app.issue_token("m1").await;
+
+    let unknown =
+        payments.create_order(with_token(order("o-1"), "0123456789abcdef0123456789abcdef", None)).await.unwrap_err();
+    let of_another_merchant = payments.create_order(with_token(order("o-2"), &foreign, None)).await.unwrap_err();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let expired = payments.create_order(with_token(order("o-3"), &expiring, None)).await.unwrap_err();
+
+    for status in [&unknown, &of_another_merchant, &expired] {
+        assert_status(status, Code::FailedPrecondition, "TOKEN_INVALID");
+    }
+    assert_eq!(app.rows("orders").await, 0);
+}
+
+/// Pay without funds presenting a token, then again after a deposit with the same token.
+async fn token_survives_a_failed_business_change(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "10.00", "30.00").await;
+    let token = app.issue_token("m1").await;
+    let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+
+    let refused = app.payments.clone().pay(with_token(request.clone(), &token, None)).await.unwrap_err();
+    app.deposit("top-up", "alice", "20.00", "USD").await.unwrap();
+    let paid = app.payments.clone().pay(with_token(request, &token, None)).await.unwrap();
+
+    assert_status(&refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert!(!replayed(&paid));
+    assert_eq!(app.balance("alice").await, "0.00");
+}
+
+pub async fn a_token_whose_business_change_failed_can_be_presented_again(app: &TestApp) {
+    token_survives_a_failed_business_change(app).await;
+}
+
+pub async fn a_redis_token_whose_business_change_failed_is_restored(app: &TestApp) {
+    assert_eq!(app.ledger.token_store().name(), "redis");
+    token_survives_a_failed_business_change(app).await;
+}
+
+pub async fn a_redis_token_forgotten_by_a_failover_never_charges_twice(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    let token = app.issue_token("m1").await;
+    let first = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+    app.payments.clone().pay(with_token(first.clone(), &token, None)).await.unwrap();
+
+    // A failover promotes a replica that never saw the consumption: the token looks issued.
+    let redis_url = std::env::var("PAYLEDGER_TEST_REDIS_URL").unwrap();
+    let mut redis = redis::Client::open(redis_url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("payledger:token:{token}"))
+        .arg("i:m1")
+        .arg("EX")
+        .arg(300)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let other = app.pay_request("m1", "pay-2", "order-2", "alice", "30.00");
+    let second = app.payments.clone().pay(with_token(other, &token, None)).await.unwrap_err();
+    // Or it forgot the token altogether: the identical request is still a replay.
+    let _: () = redis::cmd("DEL").arg(format!("payledger:token:{token}")).query_async(&mut redis).await.unwrap();
+    let again = app.payments.clone().pay(with_token(first, &token, None)).await.unwrap();
+
+    assert_status(&second, Code::AlreadyExists, "TOKEN_REUSED");
+    assert!(replayed(&again));
+    assert_eq!(app.balance("alice").await, "70.00", "charged once");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn the_reaper_deletes_expired_keys_in_batches_while_pays_run(app: &TestApp) {
+    app.funded("alice", "1000.00").await;
+    app.open("shop", "USD").await;
+    for n in 0..40 {
+        app.create_order("m1", &format!("order-{n}"), "shop", "1.00").await.unwrap();
+    }
+    // 1,000 expired keys, written straight into the table in chunks.
+    let (no_fields, empty_response) = (app.bytes_literal(""), app.bytes_literal("{}"));
+    for chunk in 0..10 {
+        let values: Vec<String> = (0..100)
+            .map(|n| {
+                format!(
+                    "('merchant:old', 'k-{chunk}-{n}', 'Pay', 'f', {no_fields}, {empty_response}, 'COMPLETED', 1, 2)"
+                )
+            })
+            .collect();
+        let sql = format!(
+            "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at) VALUES {}",
+            values.join(", ")
+        );
+        sqlx::query(&sql).execute(&app.raw).await.unwrap();
+    }
+
+    let settings = payledger::ledger::ReaperSettings {
+        interval: Duration::from_secs(1),
+        batch_size: 100,
+        pause: Duration::from_millis(5),
+    };
+    let reaper = {
+        let ledger = app.ledger.clone();
+        tokio::spawn(async move { ledger.reap_expired(&settings).await })
+    };
+    let pays = (0..40).map(|n| {
+        let mut payments = app.payments.clone();
+        let request = app.pay_request("m1", &format!("pay-{n}"), &format!("order-{n}"), "alice", "1.00");
+        tokio::spawn(async move { payments.pay(with_key(request, &format!("key-{n}"))).await })
+    });
+    let pays = futures::future::join_all(pays).await;
+    let report = reaper.await.unwrap().expect("the sweep succeeds");
+
+    for pay in pays {
+        pay.unwrap().expect("no Pay fails while the reaper runs");
+    }
+    assert_eq!(report.records_deleted, 1_000);
+    assert!(report.batches >= 10, "deleted in batches of at most 100: {report:?}");
+    assert_eq!(app.rows("idempotency_record").await, 40, "only the live keys of the Pays remain");
+    assert_eq!(app.ledger.counters().reaper_deletions, 1_000);
+    assert_eq!(app.balance("alice").await, "960.00");
+}
+
+pub async fn a_pay_retried_after_its_key_expired_is_still_a_replay(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+    let first = app.payments.clone().pay(with_key(request.clone(), "checkout-1")).await.unwrap().into_inner();
+
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let report = app.ledger.reap_expired(&payledger::ledger::ReaperSettings::default()).await.unwrap();
+    let retry = app.payments.clone().pay(with_key(request, "checkout-1")).await.unwrap();
+
+    assert_eq!(report.records_deleted, 1, "the key expired and was reaped");
+    assert!(replayed(&retry), "out_trade_no still stops the second charge");
+    assert_eq!(retry.into_inner().payment, first.payment);
+    assert_eq!(app.balance("alice").await, "70.00");
 }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use payledger::ledger::Ledger;
+use payledger::ledger::{Ledger, LedgerSettings, TokenStore};
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use payledger::proto::{self, query_request::Key};
@@ -13,7 +13,7 @@ use sqlx::{AnyPool, Row};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
-use tonic::{Code, Response, Status};
+use tonic::{Code, Request, Response, Status};
 use tonic_types::StatusExt;
 
 /// The backends the one suite runs against.
@@ -36,13 +36,63 @@ impl Backend {
     }
 }
 
+/// How a case wants its server set up.
+#[derive(Debug, Clone)]
+pub struct TestOptions {
+    /// Use the Redis token store (`PAYLEDGER_TEST_REDIS_URL`) instead of the database's.
+    pub redis_tokens: bool,
+    pub key_ttl: Duration,
+    pub token_ttl: Duration,
+    pub lock_timeout: Duration,
+}
+
+impl Default for TestOptions {
+    fn default() -> Self {
+        let defaults = LedgerSettings::default();
+        Self {
+            redis_tokens: false,
+            key_ttl: defaults.key_ttl,
+            token_ttl: defaults.token_ttl,
+            lock_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl TestOptions {
+    pub fn redis() -> Self {
+        Self { redis_tokens: true, ..Self::default() }
+    }
+
+    pub fn short_lived() -> Self {
+        Self { key_ttl: Duration::from_secs(1), token_ttl: Duration::from_secs(1), ..Self::default() }
+    }
+
+    pub fn short_lock_timeout() -> Self {
+        Self { lock_timeout: Duration::from_millis(1_000), ..Self::default() }
+    }
+}
+
+/// A variable's value, or `None` when unset outside CI (the caller skips). Under `CI=true`
+/// a missing variable fails the test: no backend may be skipped silently.
+fn required_variable(variable: &str, what: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(value) => Some(value),
+        Err(_) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{variable} is required in CI: {what} must not be skipped"
+            );
+            eprintln!("{what}: not configured (set {variable}); skipped");
+            None
+        }
+    }
+}
+
 /// Runs one case on a fresh server and database, then checks the ledger invariants and
 /// drops the database. A server backend without its URL variable is skipped, except in CI
 /// (`CI=true`), where it fails.
-pub async fn run(backend: Backend, case: impl AsyncFnOnce(&TestApp)) {
-    let Some(app) = TestApp::spawn(backend).await else {
-        return;
-    };
+pub async fn run(backend: Backend, options: TestOptions, case: impl AsyncFnOnce(&TestApp)) {
+    let Some(app) = TestApp::spawn(backend, options).await else { return };
     case(&app).await;
     app.finish().await;
 }
@@ -77,9 +127,7 @@ fn with_database(url: &str, name: &str) -> String {
         None => (url, None),
     };
     let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let path_start = base[scheme_end..]
-        .find('/')
-        .map_or(base.len(), |i| scheme_end + i);
+    let path_start = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
     let mut out = format!("{}/{name}", &base[..path_start]);
     if let Some(query) = query {
         out.push('?');
@@ -89,7 +137,13 @@ fn with_database(url: &str, name: &str) -> String {
 }
 
 impl TestApp {
-    pub async fn spawn(backend: Backend) -> Option<Self> {
+    pub async fn spawn(backend: Backend, options: TestOptions) -> Option<Self> {
+        let token_store = if options.redis_tokens {
+            let url = required_variable("PAYLEDGER_TEST_REDIS_URL", "the Redis token store")?;
+            TokenStore::connect(&url).await.expect("Redis connects")
+        } else {
+            TokenStore::Database
+        };
         sqlx::any::install_default_drivers();
         let (database, database_url) = match backend.admin_url_variable() {
             None => {
@@ -98,22 +152,10 @@ impl TestApp {
                 (TestDatabase::Sqlite { _directory: dir }, url)
             }
             Some(variable) => {
-                let Ok(admin_url) = std::env::var(variable) else {
-                    assert!(
-                        std::env::var("CI").as_deref() != Ok("true"),
-                        "{variable} is required in CI: the {backend:?} suite must not be skipped"
-                    );
-                    eprintln!("{backend:?}: not configured (set {variable}); skipped");
-                    return None;
-                };
+                let admin_url = required_variable(variable, &format!("the {backend:?} suite"))?;
                 let name = format!("payledger_test_{}", uuid::Uuid::new_v4().simple());
-                let admin = AnyPool::connect(&admin_url)
-                    .await
-                    .expect("the admin URL connects");
-                sqlx::query(&format!("CREATE DATABASE {name}"))
-                    .execute(&admin)
-                    .await
-                    .expect("CREATE DATABASE");
+                let admin = AnyPool::connect(&admin_url).await.expect("the admin URL connects");
+                sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.expect("CREATE DATABASE");
                 admin.close().await;
                 let url = with_database(&admin_url, &name);
                 (TestDatabase::Server { admin_url, name }, url)
@@ -122,17 +164,17 @@ impl TestApp {
         let settings = PoolSettings {
             max_connections: 8,
             acquire_timeout: Duration::from_secs(30),
+            lock_timeout: options.lock_timeout,
         };
-        let store = Store::connect(&database_url, &settings)
-            .await
-            .expect("the test database connects");
+        let store = Store::connect(&database_url, &settings).await.expect("the test database connects");
         store.migrate().await.expect("migrations apply");
-        let ledger = Ledger::new(store);
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("port 0 binds");
-        let application =
-            Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+        let ledger = Ledger::with_settings(
+            store,
+            token_store,
+            LedgerSettings { key_ttl: options.key_ttl, token_ttl: options.token_ttl },
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
+        let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
         let address = application.local_addr();
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {
@@ -143,11 +185,8 @@ impl TestApp {
                 .await
                 .expect("the server runs");
         });
-        let channel = Channel::from_shared(format!("http://{address}"))
-            .unwrap()
-            .connect()
-            .await
-            .expect("the server accepts");
+        let channel =
+            Channel::from_shared(format!("http://{address}")).unwrap().connect().await.expect("the server accepts");
         let raw = AnyPool::connect(&database_url).await.expect("a raw pool");
         Some(Self {
             backend,
@@ -165,10 +204,7 @@ impl TestApp {
     /// Asserts the audit invariants, stops the server and drops the database.
     pub async fn finish(mut self) {
         let violations = self.ledger.audit().await.expect("the audit runs");
-        assert!(
-            violations.is_empty(),
-            "ledger invariants broken: {violations:#?}"
-        );
+        assert!(violations.is_empty(), "ledger invariants broken: {violations:#?}");
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -178,22 +214,15 @@ impl TestApp {
         self.raw.close().await;
         self.ledger.store().close().await;
         if let TestDatabase::Server { admin_url, name } = &self.database {
-            let admin = AnyPool::connect(admin_url)
-                .await
-                .expect("the admin URL connects");
-            let _ = sqlx::query(&format!("DROP DATABASE {name}"))
-                .execute(&admin)
-                .await;
+            let admin = AnyPool::connect(admin_url).await.expect("the admin URL connects");
+            let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
             admin.close().await;
         }
     }
 
     /// Rows in a table, read directly.
     pub async fn rows(&self, table: &str) -> i64 {
-        let row = sqlx::query(&format!("SELECT COUNT(*) FROM {table}"))
-            .fetch_one(&self.raw)
-            .await
-            .expect("COUNT(*)");
+        let row = sqlx::query(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&self.raw).await.expect("COUNT(*)");
         row.try_get::<i64, _>(0).expect("a count")
     }
 
@@ -210,18 +239,8 @@ impl TestApp {
     }
 
     pub async fn open(&self, account_id: &str, currency: &str) -> proto::Account {
-        let request = proto::OpenAccountRequest {
-            account_id: account_id.into(),
-            currency: currency.into(),
-        };
-        self.accounts
-            .clone()
-            .open_account(request)
-            .await
-            .expect("OpenAccount")
-            .into_inner()
-            .account
-            .unwrap()
+        let request = proto::OpenAccountRequest { account_id: account_id.into(), currency: currency.into() };
+        self.accounts.clone().open_account(request).await.expect("OpenAccount").into_inner().account.unwrap()
     }
 
     pub async fn deposit(
@@ -243,24 +262,12 @@ impl TestApp {
     /// Opens an account and deposits `amount` into it.
     pub async fn funded(&self, account_id: &str, amount: &str) {
         self.open(account_id, "USD").await;
-        self.deposit(&format!("fund-{account_id}"), account_id, amount, "USD")
-            .await
-            .expect("Deposit");
+        self.deposit(&format!("fund-{account_id}"), account_id, amount, "USD").await.expect("Deposit");
     }
 
     pub async fn balance(&self, account_id: &str) -> String {
-        let request = proto::GetAccountRequest {
-            account_id: account_id.into(),
-        };
-        self.accounts
-            .clone()
-            .get_account(request)
-            .await
-            .expect("GetAccount")
-            .into_inner()
-            .account
-            .unwrap()
-            .balance
+        let request = proto::GetAccountRequest { account_id: account_id.into() };
+        self.accounts.clone().get_account(request).await.expect("GetAccount").into_inner().account.unwrap().balance
     }
 
     pub async fn create_order(
@@ -307,10 +314,7 @@ impl TestApp {
         payer: &str,
         amount: &str,
     ) -> Result<Response<proto::PayResponse>, Status> {
-        self.payments
-            .clone()
-            .pay(self.pay_request(merchant_id, out_trade_no, order_no, payer, amount))
-            .await
+        self.payments.clone().pay(self.pay_request(merchant_id, out_trade_no, order_no, payer, amount)).await
     }
 
     pub fn refund_request(
@@ -337,31 +341,19 @@ impl TestApp {
         out_refund_no: &str,
         amount: &str,
     ) -> Result<Response<proto::RefundResponse>, Status> {
-        self.payments
-            .clone()
-            .refund(self.refund_request(merchant_id, out_trade_no, out_refund_no, amount))
-            .await
+        self.payments.clone().refund(self.refund_request(merchant_id, out_trade_no, out_refund_no, amount)).await
     }
 
     pub async fn query(&self, merchant_id: &str, key: Key) -> Result<proto::QueryResponse, Status> {
-        let request = proto::QueryRequest {
-            merchant_id: merchant_id.into(),
-            key: Some(key),
-        };
-        self.payments
-            .clone()
-            .query(request)
-            .await
-            .map(Response::into_inner)
+        let request = proto::QueryRequest { merchant_id: merchant_id.into(), key: Some(key) };
+        self.payments.clone().query(request).await.map(Response::into_inner)
     }
 
     /// A payer with `funds`, a merchant account, and a PENDING order of `amount`.
     pub async fn order_ready_to_pay(&self, order_no: &str, funds: &str, amount: &str) {
         self.funded("alice", funds).await;
         self.open("shop", "USD").await;
-        self.create_order("m1", order_no, "shop", amount)
-            .await
-            .expect("CreateOrder");
+        self.create_order("m1", order_no, "shop", amount).await.expect("CreateOrder");
     }
 
     /// Sessions of this test's database left idle inside a transaction (PostgreSQL and
@@ -378,21 +370,14 @@ impl TestApp {
             ),
             Backend::Sqlite => return 0,
         };
-        let row = sqlx::query(&sql)
-            .fetch_one(&self.raw)
-            .await
-            .expect("session count");
+        let row = sqlx::query(&sql).fetch_one(&self.raw).await.expect("session count");
         row.try_get::<i64, _>(0).expect("a count")
     }
 }
 
 /// True when the response carries `idempotent-replayed: true`.
 pub fn replayed<T>(response: &Response<T>) -> bool {
-    response
-        .metadata()
-        .get("idempotent-replayed")
-        .and_then(|v| v.to_str().ok())
-        == Some("true")
+    response.metadata().get("idempotent-replayed").and_then(|v| v.to_str().ok()) == Some("true")
 }
 
 /// Asserts a status code and ErrorInfo reason (domain `payledger`).
@@ -400,9 +385,7 @@ pub fn replayed<T>(response: &Response<T>) -> bool {
 pub fn assert_status(status: &Status, code: Code, reason: &str) {
     assert_eq!(status.code(), code, "unexpected status: {status:?}");
     let details = status.get_error_details();
-    let info = details
-        .error_info()
-        .unwrap_or_else(|| panic!("no ErrorInfo in {status:?}"));
+    let info = details.error_info().unwrap_or_else(|| panic!("no ErrorInfo in {status:?}"));
     assert_eq!(info.domain, "payledger");
     assert_eq!(info.reason, reason, "unexpected reason in {status:?}");
 }
@@ -410,13 +393,48 @@ pub fn assert_status(status: &Status, code: Code, reason: &str) {
 /// The fields named by a status's BadRequest field violations.
 pub fn violated_fields(status: &Status) -> Vec<String> {
     let details = status.get_error_details();
-    details
-        .bad_request()
-        .map(|bad| {
-            bad.field_violations
-                .iter()
-                .map(|v| v.field.clone())
-                .collect()
-        })
-        .unwrap_or_default()
+    details.bad_request().map(|bad| bad.field_violations.iter().map(|v| v.field.clone()).collect()).unwrap_or_default()
+}
+
+/// A request carrying an `idempotency-key` header.
+pub fn with_key<T>(message: T, key: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert("idempotency-key", key.parse().expect("an ASCII key"));
+    request
+}
+
+/// A request carrying an `idempotency-token` header (and an `idempotency-key` if given).
+pub fn with_token<T>(message: T, token: &str, key: Option<&str>) -> Request<T> {
+    let mut request = match key {
+        Some(key) => with_key(message, key),
+        None => Request::new(message),
+    };
+    request.metadata_mut().insert("idempotency-token", token.parse().expect("an ASCII token"));
+    request
+}
+
+pub fn transfer_request(from: &str, to: &str, amount: &str) -> proto::TransferRequest {
+    proto::TransferRequest {
+        from_account_id: from.into(),
+        to_account_id: to.into(),
+        amount: amount.into(),
+        currency: "USD".into(),
+        memo: "rent".into(),
+    }
+}
+
+impl TestApp {
+    /// A SQL literal of the bytes of `text`, for this backend's BYTEA/BLOB columns.
+    pub fn bytes_literal(&self, text: &str) -> String {
+        let hex: String = text.bytes().map(|byte| format!("{byte:02x}")).collect();
+        match self.backend {
+            Backend::Postgres => format!("decode('{hex}', 'hex')"),
+            Backend::MySql | Backend::Sqlite => format!("X'{hex}'"),
+        }
+    }
+
+    pub async fn issue_token(&self, merchant_id: &str) -> String {
+        let request = proto::IssueTokenRequest { merchant_id: merchant_id.into(), purpose: "checkout".into() };
+        self.payments.clone().issue_token(request).await.expect("IssueToken").into_inner().token
+    }
 }

@@ -4,29 +4,42 @@
 //!
 //! SQLite always runs. PostgreSQL and MySQL/MariaDB run when `PAYLEDGER_TEST_POSTGRES_URL`
 //! and `PAYLEDGER_TEST_MYSQL_URL` hold admin URLs; without them they are reported as not
-//! configured, except under `CI=true`, where a missing backend fails the run.
+//! configured, except under `CI=true`, where a missing backend fails the run. The cases of the
+//! Redis token store need `PAYLEDGER_TEST_REDIS_URL` in the same way.
 
 mod cases;
 mod helpers;
 
+/// The options of a case: the default server, or the one named after `=>`.
+macro_rules! options {
+    () => {
+        crate::helpers::TestOptions::default()
+    };
+    ($options:ident) => {
+        crate::helpers::TestOptions::$options()
+    };
+}
+
 macro_rules! suite_for_backend {
-    ($module:ident, $backend:expr, [$($case:ident),* $(,)?]) => {
+    ($module:ident, $backend:expr, [$($case:ident $(=> $options:ident)?),* $(,)?]) => {
         mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
-                    crate::helpers::run($backend, crate::cases::$case).await;
+                    crate::helpers::run($backend, options!($($options)?), crate::cases::$case).await;
                 }
             )*
         }
     };
 }
 
+/// Instantiates every case for every backend. `case => options` runs the case on a server
+/// built with `TestOptions::options()`.
 macro_rules! backend_suite {
-    ($($case:ident),* $(,)?) => {
-        suite_for_backend!(sqlite, crate::helpers::Backend::Sqlite, [$($case),*]);
-        suite_for_backend!(postgres, crate::helpers::Backend::Postgres, [$($case),*]);
-        suite_for_backend!(mysql, crate::helpers::Backend::MySql, [$($case),*]);
+    ($($case:ident $(=> $options:ident)?),* $(,)?) => {
+        suite_for_backend!(sqlite, crate::helpers::Backend::Sqlite, [$($case $(=> $options)?),*]);
+        suite_for_backend!(postgres, crate::helpers::Backend::Postgres, [$($case $(=> $options)?),*]);
+        suite_for_backend!(mysql, crate::helpers::Backend::MySql, [$($case $(=> $options)?),*]);
     };
 }
 
@@ -56,4 +69,18 @@ backend_suite!(
     a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact,
     health_is_serving_and_reflection_lists_both_services,
     audit_reports_a_balance_that_disagrees_with_its_entries,
+    fifty_concurrent_transfers_with_one_idempotency_key_move_money_once,
+    an_idempotency_key_reused_for_another_request_is_already_exists,
+    transfer_requires_an_idempotency_key,
+    a_failed_transfer_leaves_no_record_and_its_retry_runs_afresh,
+    a_pay_with_an_idempotency_key_replays_the_stored_response_and_says_until_when,
+    a_duplicate_in_flight_past_the_lock_timeout_is_aborted_then_runs => short_lock_timeout,
+    fifty_concurrent_requests_presenting_one_token_run_exactly_once,
+    fifty_concurrent_requests_presenting_one_redis_token_run_exactly_once => redis,
+    an_expired_unknown_or_foreign_token_is_token_invalid => short_lived,
+    a_token_whose_business_change_failed_can_be_presented_again,
+    a_redis_token_whose_business_change_failed_is_restored => redis,
+    a_redis_token_forgotten_by_a_failover_never_charges_twice => redis,
+    the_reaper_deletes_expired_keys_in_batches_while_pays_run,
+    a_pay_retried_after_its_key_expired_is_still_a_replay => short_lived,
 );
