@@ -123,6 +123,21 @@ impl From<FieldViolation> for Error {
 /// How long a caller should wait before retrying a contended or unavailable call.
 const RETRY_DELAY: Duration = Duration::from_millis(50);
 
+/// Response header of gRFC A6 retry pushback.
+const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+
+/// The wait the server asks of a retry, where it knows better than the client's backoff:
+/// a lost optimistic lock clears fast; a lock held past the timeout (a duplicate in flight)
+/// and an unreachable database need longer.
+fn retry_pushback(reason: &str) -> Option<Duration> {
+    match reason {
+        "CONTENTION" => Some(Duration::from_millis(20)),
+        "LOCK_TIMEOUT" => Some(Duration::from_millis(200)),
+        "DATABASE_UNAVAILABLE" | "TOKEN_STORE_UNAVAILABLE" => Some(Duration::from_millis(250)),
+        _ => None,
+    }
+}
+
 impl From<Error> for Status {
     fn from(error: Error) -> Self {
         let mut details = ErrorDetails::new();
@@ -196,6 +211,13 @@ impl From<Error> for Status {
         if details.error_info().is_none() {
             details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
         }
-        Status::with_error_details(code, message, details)
+        let mut status = Status::with_error_details(code, message, details);
+        if let Some(wait) = retry_pushback(reason) {
+            // gRFC A6: the server knows better than the client's backoff here.
+            if let Ok(value) = wait.as_millis().to_string().parse() {
+                status.metadata_mut().insert(RETRY_PUSHBACK_HEADER, value);
+            }
+        }
+        status
     }
 }

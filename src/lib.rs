@@ -4,6 +4,7 @@
 //! `grpc` (transport) -> `ledger` (use cases, transactions, idempotency) -> `store` (SQL)
 //! and `domain` (pure types and rules).
 
+pub mod client;
 pub mod config;
 pub mod demo;
 pub mod domain;
@@ -11,6 +12,7 @@ pub mod error;
 pub mod grpc;
 pub mod ledger;
 pub mod startup;
+pub mod storm;
 pub mod store;
 pub mod telemetry;
 

@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 use payledger::config::{DatabaseSettings, IdempotencySettings, LogSettings, ServeSettings};
 use payledger::startup::{open_ledger, shutdown_signal, Application};
-use payledger::{demo, telemetry};
+use payledger::{demo, storm, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(name = "payledger", version, about = "A gRPC payment ledger that moves money exactly once under retries")]
@@ -25,12 +25,15 @@ enum Command {
     Audit(DatabaseSettings),
     /// Play a short story that shows exactly-once money movement; exits 1 if a step misbehaves.
     Demo(demo::DemoSettings),
+    /// Run a duplicate storm under faults against several instances and check that money
+    /// moved exactly once; exits 1 on any violation.
+    Storm(storm::StormSettings),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    if matches!(cli.command, Command::Demo(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
+    if matches!(cli.command, Command::Demo(_) | Command::Storm(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
         // The story is the demo's output; the in-process server only speaks up on problems.
         cli.log.log_filter = "warn".into();
     }
@@ -39,6 +42,7 @@ async fn main() -> ExitCode {
         Command::Serve(settings) => serve(settings).await,
         Command::Audit(settings) => audit(settings).await,
         Command::Demo(settings) => demo::run(settings).await,
+        Command::Storm(settings) => storm::run(settings).await,
     };
     match result {
         Ok(code) => code,

@@ -83,4 +83,5 @@ backend_suite!(
     a_redis_token_forgotten_by_a_failover_never_charges_twice => redis,
     the_reaper_deletes_expired_keys_in_batches_while_pays_run,
     a_pay_retried_after_its_key_expired_is_still_a_replay => short_lived,
+    a_pay_whose_response_is_lost_is_retried_and_answered_with_the_original_trade_no,
 );

@@ -1,0 +1,443 @@
+//! A client for Rust services that call payledger: the generated clients behind a tower
+//! retry layer that retries the way payledger's guarantees allow.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use payledger::client::{PayledgerClient, RetrySettings};
+//! use payledger::proto::PayRequest;
+//!
+//! let client = PayledgerClient::connect_lazy("http://127.0.0.1:50051", RetrySettings::default())?;
+//! let request = PayRequest {
+//!     merchant_id: "m1".into(),
+//!     out_trade_no: "pay-1".into(), // the business key: the same on every attempt
+//!     order_no: "order-1".into(),
+//!     payer_account_id: "alice".into(),
+//!     amount: "30.00".into(),
+//!     currency: "USD".into(),
+//! };
+//! let response = client.pay(request).await?;
+//! println!("trade_no {}", response.get_ref().payment.as_ref().map_or("", |p| p.trade_no.as_str()));
+//! # Ok(()) }
+//! ```
+//!
+//! What is retried (gRPC status codes, see gRFC A6 "gRPC Retry Design"):
+//! - UNAVAILABLE (connection refused or reset, database down), ABORTED (optimistic-lock
+//!   contention, a duplicate in flight past the lock timeout), RESOURCE_EXHAUSTED, and
+//!   DEADLINE_EXCEEDED of one attempt (the per-attempt timeout; the overall deadline is never
+//!   extended). Every payledger mutation is idempotent, so a retry of a call that did commit is
+//!   answered as a replay with the original result.
+//! - Never INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION (a retry would get
+//!   the same answer), nor anything else.
+//!
+//! How: exponential backoff with full jitter (the `retry-policies` crate), at most
+//! `max_attempts` attempts within `overall_deadline`; a server's `grpc-retry-pushback-ms`
+//! replaces the backoff (a negative or malformed value stops retrying, as A6 says); every retry
+//! carries `grpc-previous-rpc-attempts`. Every attempt re-sends the identical request bytes and
+//! headers, so the business keys and the `idempotency-key` are the same on every attempt.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use http_body_util::{BodyExt, Full};
+use retry_policies::policies::ExponentialBackoffTimed;
+use retry_policies::{Jitter, RetryDecision, RetryPolicy};
+use tonic::body::Body;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Response, Status};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::proto;
+use crate::proto::account_service_client::AccountServiceClient;
+use crate::proto::payment_service_client::PaymentServiceClient;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Request header: how many attempts of this call came before (gRFC A6).
+pub const PREVIOUS_ATTEMPTS_HEADER: &str = "grpc-previous-rpc-attempts";
+/// Response header: the server asks to wait this many ms before retrying (gRFC A6).
+pub const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+
+/// The codes the client retries.
+pub const RETRYABLE_CODES: [Code; 4] = [Code::Unavailable, Code::Aborted, Code::ResourceExhausted, Code::DeadlineExceeded];
+
+/// How the client retries.
+#[derive(Debug, Clone)]
+pub struct RetrySettings {
+    /// Attempts of one call, the first included.
+    pub max_attempts: u32,
+    /// Ceiling of the first backoff; each retry doubles it, up to `max_backoff` (full jitter:
+    /// the wait is uniform between zero and the ceiling).
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    /// Deadline of one attempt; when it passes, the attempt counts as DEADLINE_EXCEEDED.
+    pub per_attempt_timeout: Duration,
+    /// Deadline of the whole call, across attempts and backoffs.
+    pub overall_deadline: Duration,
+}
+
+impl Default for RetrySettings {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+            per_attempt_timeout: Duration::from_secs(3),
+            overall_deadline: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Attempts and retries made by one client, for callers' metrics.
+#[derive(Debug, Default)]
+pub struct ClientStats {
+    pub attempts: AtomicU64,
+    pub retries: AtomicU64,
+}
+
+/// The tower layer that retries calls per [`RetrySettings`].
+#[derive(Debug, Clone)]
+pub struct RetryLayer {
+    settings: Arc<RetrySettings>,
+    stats: Arc<ClientStats>,
+}
+
+impl RetryLayer {
+    pub fn new(settings: RetrySettings) -> Self {
+        Self { settings: Arc::new(settings), stats: Arc::default() }
+    }
+
+    pub fn stats(&self) -> Arc<ClientStats> {
+        self.stats.clone()
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = RetryService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RetryService { inner, settings: self.settings.clone(), stats: self.stats.clone() }
+    }
+}
+
+/// The service made by [`RetryLayer`].
+#[derive(Debug, Clone)]
+pub struct RetryService<S> {
+    inner: S,
+    settings: Arc<RetrySettings>,
+    stats: Arc<ClientStats>,
+}
+
+/// What the server (or the transport) said about one attempt.
+enum AttemptOutcome {
+    /// Done: success, or a status that is not retried.
+    Final(http::Response<Body>),
+    Retryable { result: Result<http::Response<Body>, BoxError>, pushback: Pushback },
+}
+
+/// The server's `grpc-retry-pushback-ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pushback {
+    None,
+    Wait(Duration),
+    Stop,
+}
+
+fn pushback(headers: &HeaderMap) -> Pushback {
+    match headers.get(RETRY_PUSHBACK_HEADER).map(|value| value.to_str().ok().and_then(|text| text.parse::<i64>().ok())) {
+        None => Pushback::None,
+        Some(Some(ms)) if ms >= 0 => Pushback::Wait(Duration::from_millis(ms.unsigned_abs())),
+        Some(_) => Pushback::Stop,
+    }
+}
+
+fn grpc_code(headers: &HeaderMap) -> Option<Code> {
+    let value = headers.get("grpc-status")?.to_str().ok()?.parse::<i32>().ok()?;
+    Some(Code::from_i32(value))
+}
+
+/// Full-jitter exponential backoff between `initial` and `max`, bounded by attempts and time.
+fn backoff_policy(settings: &RetrySettings) -> ExponentialBackoffTimed {
+    retry_policies::policies::ExponentialBackoff::builder()
+        .retry_bounds(settings.initial_backoff, settings.max_backoff.max(settings.initial_backoff))
+        .jitter(Jitter::Full)
+        .base(2)
+        .build_with_total_retry_duration_and_max_retries(settings.overall_deadline, settings.max_attempts.saturating_sub(1))
+}
+
+impl<S> Service<http::Request<Body>> for RetryService<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(context).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        // The ready service goes with this call; a clone stays for the next (tower's pattern).
+        let ready = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, ready);
+        let (settings, stats) = (self.settings.clone(), self.stats.clone());
+        Box::pin(retry_call(inner, settings, stats, request))
+    }
+}
+
+async fn retry_call<S>(
+    mut inner: S,
+    settings: Arc<RetrySettings>,
+    stats: Arc<ClientStats>,
+    request: http::Request<Body>,
+) -> Result<http::Response<Body>, BoxError>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>> + Send,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    let started_at = SystemTime::now();
+    let deadline = Instant::now() + settings.overall_deadline;
+    let policy = backoff_policy(&settings);
+    let (parts, body) = request.into_parts();
+    // Buffered once, so every attempt sends the identical bytes.
+    let payload: Bytes = body.collect().await.map_err(|status| Box::new(status) as BoxError)?.to_bytes();
+    let mut previous_attempts: u32 = 0;
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let attempt_timeout = settings.per_attempt_timeout.min(remaining);
+        let mut attempt = http::Request::new(Body::new(Full::new(payload.clone())));
+        *attempt.method_mut() = parts.method.clone();
+        *attempt.uri_mut() = parts.uri.clone();
+        *attempt.version_mut() = parts.version;
+        *attempt.headers_mut() = parts.headers.clone();
+        if let Ok(timeout) = HeaderValue::try_from(format!("{}m", attempt_timeout.as_millis().max(1))) {
+            attempt.headers_mut().insert("grpc-timeout", timeout);
+        }
+        if previous_attempts > 0 {
+            attempt.headers_mut().insert(PREVIOUS_ATTEMPTS_HEADER, HeaderValue::from(previous_attempts));
+        }
+        stats.attempts.fetch_add(1, Ordering::Relaxed);
+        let outcome = match tokio::time::timeout(attempt_timeout, async {
+            inner.ready().await.map_err(Into::into)?;
+            inner.call(attempt).await.map_err(Into::into)
+        })
+        .await
+        {
+            Ok(Ok(response)) => match grpc_code(response.headers()) {
+                Some(code) if RETRYABLE_CODES.contains(&code) => {
+                    let pushback = pushback(response.headers());
+                    AttemptOutcome::Retryable { result: Ok(response), pushback }
+                }
+                _ => AttemptOutcome::Final(response),
+            },
+            Ok(Err(error)) => AttemptOutcome::Retryable {
+                result: Err(Box::new(Status::unavailable(format!("transport: {error}"))) as BoxError),
+                pushback: Pushback::None,
+            },
+            Err(_) => AttemptOutcome::Retryable {
+                result: Err(Box::new(Status::deadline_exceeded("the attempt's deadline passed")) as BoxError),
+                pushback: Pushback::None,
+            },
+        };
+        let (result, pushback) = match outcome {
+            AttemptOutcome::Final(response) => return Ok(response),
+            AttemptOutcome::Retryable { result, pushback } => (result, pushback),
+        };
+        let delay = match pushback {
+            Pushback::Stop => return result,
+            Pushback::Wait(delay) if previous_attempts + 1 < settings.max_attempts => delay,
+            _ => match policy.should_retry(started_at, previous_attempts) {
+                RetryDecision::Retry { execute_after } => execute_after.duration_since(SystemTime::now()).unwrap_or_default(),
+                RetryDecision::DoNotRetry => return result,
+            },
+        };
+        if previous_attempts + 1 >= settings.max_attempts || Instant::now() + delay >= deadline {
+            return result;
+        }
+        stats.retries.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(delay).await;
+        previous_attempts += 1;
+    }
+}
+
+/// Both payledger services over one channel, with retries.
+#[derive(Debug, Clone)]
+pub struct PayledgerClient {
+    accounts: AccountServiceClient<RetryService<Channel>>,
+    payments: PaymentServiceClient<RetryService<Channel>>,
+    stats: Arc<ClientStats>,
+}
+
+/// How long a connection attempt may take before the attempt fails (and is retried).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// HTTP/2 PING interval, and how long a PING may go unanswered.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+
+impl PayledgerClient {
+    /// A client for `endpoint` (e.g. `http://127.0.0.1:50051`) that connects on first use,
+    /// so a server that is not up yet is simply retried.
+    ///
+    /// # Errors
+    /// When `endpoint` is not a valid URI.
+    pub fn connect_lazy(endpoint: &str, settings: RetrySettings) -> Result<Self, tonic::transport::Error> {
+        let channel = Endpoint::from_shared(endpoint.to_owned())?
+            .connect_timeout(CONNECT_TIMEOUT)
+            // A peer that stops answering (a black hole, a dead NAT entry) is noticed within
+            // seconds, and the next attempt gets a new connection.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_INTERVAL)
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        Ok(Self::with_channel(channel, settings))
+    }
+
+    /// A client over an existing channel.
+    pub fn with_channel(channel: Channel, settings: RetrySettings) -> Self {
+        let layer = RetryLayer::new(settings);
+        let stats = layer.stats();
+        let service = layer.layer(channel);
+        Self {
+            accounts: AccountServiceClient::new(service.clone()),
+            payments: PaymentServiceClient::new(service),
+            stats,
+        }
+    }
+
+    /// Attempts and retries so far.
+    pub fn stats(&self) -> &ClientStats {
+        &self.stats
+    }
+
+    pub async fn open_account(&self, request: proto::OpenAccountRequest) -> Result<Response<proto::OpenAccountResponse>, Status> {
+        self.accounts.clone().open_account(request).await
+    }
+
+    /// `request_id` is the key: keep it the same when you call again.
+    pub async fn deposit(&self, request: proto::DepositRequest) -> Result<Response<proto::DepositResponse>, Status> {
+        self.accounts.clone().deposit(request).await
+    }
+
+    pub async fn get_account(&self, request: proto::GetAccountRequest) -> Result<Response<proto::GetAccountResponse>, Status> {
+        self.accounts.clone().get_account(request).await
+    }
+
+    pub async fn list_entries(&self, request: proto::ListEntriesRequest) -> Result<Response<proto::ListEntriesResponse>, Status> {
+        self.accounts.clone().list_entries(request).await
+    }
+
+    /// A transfer has no natural key: a fresh `idempotency-key` is generated for this logical
+    /// call and sent, unchanged, on every attempt. Use [`PayledgerClient::transfer_with_key`]
+    /// to choose it (and to retry the same logical transfer later).
+    pub async fn transfer(&self, request: proto::TransferRequest) -> Result<Response<proto::TransferResponse>, Status> {
+        self.transfer_with_key(request, &uuid::Uuid::new_v4().to_string()).await
+    }
+
+    pub async fn transfer_with_key(
+        &self,
+        request: proto::TransferRequest,
+        idempotency_key: &str,
+    ) -> Result<Response<proto::TransferResponse>, Status> {
+        self.accounts.clone().transfer(with_idempotency_key(request, idempotency_key)?).await
+    }
+
+    pub async fn create_order(&self, request: proto::CreateOrderRequest) -> Result<Response<proto::CreateOrderResponse>, Status> {
+        self.payments.clone().create_order(request).await
+    }
+
+    pub async fn close_order(&self, request: proto::CloseOrderRequest) -> Result<Response<proto::CloseOrderResponse>, Status> {
+        self.payments.clone().close_order(request).await
+    }
+
+    /// `(merchant_id, out_trade_no)` is the key: keep it the same when you call again.
+    pub async fn pay(&self, request: proto::PayRequest) -> Result<Response<proto::PayResponse>, Status> {
+        self.payments.clone().pay(request).await
+    }
+
+    /// `(merchant_id, out_refund_no)` is the key: keep it the same when you call again.
+    pub async fn refund(&self, request: proto::RefundRequest) -> Result<Response<proto::RefundResponse>, Status> {
+        self.payments.clone().refund(request).await
+    }
+
+    pub async fn query(&self, request: proto::QueryRequest) -> Result<Response<proto::QueryResponse>, Status> {
+        self.payments.clone().query(request).await
+    }
+
+    pub async fn issue_token(&self, request: proto::IssueTokenRequest) -> Result<Response<proto::IssueTokenResponse>, Status> {
+        self.payments.clone().issue_token(request).await
+    }
+
+    /// Any call with your own metadata (e.g. `idempotency-key` or `idempotency-token`).
+    pub fn payments(&self) -> PaymentServiceClient<RetryService<Channel>> {
+        self.payments.clone()
+    }
+
+    pub fn accounts(&self) -> AccountServiceClient<RetryService<Channel>> {
+        self.accounts.clone()
+    }
+}
+
+/// A request carrying an `idempotency-key` header.
+///
+/// # Errors
+/// INVALID_ARGUMENT when the key is not printable ASCII.
+pub fn with_idempotency_key<T>(message: T, idempotency_key: &str) -> Result<Request<T>, Status> {
+    let mut request = Request::new(message);
+    let value = idempotency_key.parse().map_err(|_| Status::invalid_argument("idempotency-key must be printable ASCII"))?;
+    request.metadata_mut().insert(crate::ledger::IDEMPOTENCY_KEY_HEADER, value);
+    Ok(request)
+}
+
+/// The answer was replayed from an earlier call (`idempotent-replayed: true`).
+pub fn was_replayed<T>(response: &Response<T>) -> bool {
+    response.metadata().get(crate::grpc::REPLAYED_HEADER).and_then(|value| value.to_str().ok()) == Some("true")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pushback_reads_a_wait_a_stop_or_nothing() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(pushback(&headers), Pushback::None);
+        headers.insert(RETRY_PUSHBACK_HEADER, HeaderValue::from_static("250"));
+        assert_eq!(pushback(&headers), Pushback::Wait(Duration::from_millis(250)));
+        headers.insert(RETRY_PUSHBACK_HEADER, HeaderValue::from_static("-1"));
+        assert_eq!(pushback(&headers), Pushback::Stop);
+        headers.insert(RETRY_PUSHBACK_HEADER, HeaderValue::from_static("soon"));
+        assert_eq!(pushback(&headers), Pushback::Stop);
+    }
+
+    #[test]
+    fn only_transient_codes_are_retried() {
+        for code in [Code::InvalidArgument, Code::NotFound, Code::AlreadyExists, Code::FailedPrecondition, Code::Internal] {
+            assert!(!RETRYABLE_CODES.contains(&code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_stays_within_its_ceiling_and_stops_after_the_attempts() {
+        let settings = RetrySettings { max_attempts: 3, ..RetrySettings::default() };
+        let policy = backoff_policy(&settings);
+        let started_at = SystemTime::now();
+        for previous in 0..2 {
+            match policy.should_retry(started_at, previous) {
+                RetryDecision::Retry { execute_after } => {
+                    let wait = execute_after.duration_since(SystemTime::now()).unwrap_or_default();
+                    assert!(wait <= settings.initial_backoff * 2u32.pow(previous) + Duration::from_millis(5), "{wait:?}");
+                }
+                RetryDecision::DoNotRetry => panic!("retry {previous} was refused"),
+            }
+        }
+        assert!(matches!(policy.should_retry(started_at, 2), RetryDecision::DoNotRetry));
+    }
+}

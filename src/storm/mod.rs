@@ -1,0 +1,679 @@
+//! `payledger storm`: a duplicate storm under faults that proves money moves exactly once.
+//!
+//! It starts several `payledger serve` processes on loopback ports over one database, puts a
+//! [`FaultProxy`] in front of each, and lets N virtual callers run a random mix of Deposit,
+//! CreateOrder + Pay, Refund, Transfer and Query through the retrying client
+//! ([`crate::client`]), re-sending a share of the mutating calls as duplicates through another
+//! instance. Meanwhile it injects faults: proxy delays, resets before the request, responses
+//! dropped after the server answered, black holes, SIGKILL and restart of an instance, and cut
+//! database connections. At the end it checks, from the database and from its own log of
+//! acknowledged calls, that every acknowledged payment, refund, deposit and transfer is
+//! present exactly once with the acknowledged id, that nothing refused moved money, and the
+//! ledger audit (balances equal the sum of their entries, all balances sum to zero, refunds
+//! never exceed payments).
+
+pub mod proxy;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::seq::IndexedRandom;
+use rand::Rng;
+use sqlx::{AnyPool, Row};
+use tokio::process::{Child, Command};
+use tonic::{Code, Response, Status};
+
+use crate::client::{was_replayed, PayledgerClient, RetrySettings};
+use crate::ledger::Ledger;
+use crate::proto::{self, query_request::Key};
+use crate::store::{Dialect, PoolSettings, Store};
+
+pub use proxy::{FaultCount, FaultProxy, FaultSettings};
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `payledger storm` settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StormSettings {
+    /// Database the instances share (PostgreSQL or MySQL/MariaDB; SQLite runs without the
+    /// connection-cut fault). It must exist; migrations are applied.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// payledger processes to start, each on its own loopback port.
+    #[arg(long, default_value_t = 2)]
+    pub instances: usize,
+    /// Concurrent virtual callers.
+    #[arg(long, default_value_t = 16)]
+    pub callers: usize,
+    /// Seconds of load (CI runs a short storm; run 600 or more by hand).
+    #[arg(long, default_value_t = 20)]
+    pub duration_seconds: u64,
+    /// Share of mutating calls also sent a second time, concurrently, through another instance.
+    #[arg(long, default_value_t = 0.15)]
+    pub duplicate_ratio: f64,
+    /// Run without any fault (proxies pass through, nothing is killed or cut).
+    #[arg(long)]
+    pub no_faults: bool,
+    /// Seconds between two SIGKILLs of a random instance (each restarted at once).
+    #[arg(long, default_value_t = 6)]
+    pub kill_interval_seconds: u64,
+    /// Seconds between two cuts of every database connection of the instances.
+    #[arg(long, default_value_t = 5)]
+    pub cut_interval_seconds: u64,
+    /// Also print the summary as one JSON line (prefixed `storm-summary: `).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What the storm did and found.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StormSummary {
+    pub calls: u64,
+    pub acknowledged: u64,
+    pub refused: u64,
+    pub unknown_outcome: u64,
+    pub attempts: u64,
+    pub retries: u64,
+    pub duplicates_sent: u64,
+    pub replays_served: u64,
+    pub queries: u64,
+    pub faults: FaultCount,
+    pub instance_kills: u64,
+    pub database_cuts: u64,
+    pub violations: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum OperationKind {
+    Deposit,
+    Pay,
+    Refund,
+    Transfer,
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    /// Acknowledged with this id (deposit id, trade_no, refund_no or transfer_id).
+    Acknowledged { id: String, replayed: bool },
+    /// A definitive refusal (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
+    /// FAILED_PRECONDITION): the call did not happen.
+    Refused,
+    /// Transient to the end (retries ran out): it may or may not have happened.
+    Unknown,
+}
+
+#[derive(Debug, Clone)]
+struct Operation {
+    kind: OperationKind,
+    merchant_id: String,
+    /// request_id, out_trade_no, out_refund_no, or the transfer's memo.
+    key: String,
+    amount: String,
+    outcomes: Vec<Outcome>,
+}
+
+fn classify<T>(result: &Result<Response<T>, Status>, id: impl FnOnce(&T) -> String) -> Outcome {
+    match result {
+        Ok(response) => Outcome::Acknowledged { id: id(response.get_ref()), replayed: was_replayed(response) },
+        Err(status)
+            if matches!(
+                status.code(),
+                Code::InvalidArgument | Code::NotFound | Code::AlreadyExists | Code::FailedPrecondition
+            ) =>
+        {
+            Outcome::Refused
+        }
+        Err(_) => Outcome::Unknown,
+    }
+}
+
+struct Instance {
+    port: u16,
+    child: Child,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn spawn_instance(database_url: &str, port: u16) -> Result<Instance, AnyError> {
+    let child = Command::new(std::env::current_exe()?)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--database-url", database_url])
+        .args(["--pool-size", "8", "--shutdown-grace-seconds", "1", "--log-filter", "error"])
+        .kill_on_drop(true)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        if Instant::now() > deadline {
+            return Err(format!("instance on port {port} did not start").into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Instance { port, child })
+}
+
+/// Cuts every database connection of the instances: PostgreSQL `pg_terminate_backend`,
+/// MySQL `KILL`. Returns how many were cut.
+async fn cut_database_connections(admin: &AnyPool, dialect: Dialect) -> Result<u64, sqlx::Error> {
+    match dialect {
+        Dialect::Postgres => {
+            let rows = sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_all(admin)
+            .await?;
+            Ok(rows.len() as u64)
+        }
+        Dialect::MySql => {
+            let ids: Vec<i64> = sqlx::query(
+                "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND ID <> CONNECTION_ID()",
+            )
+            .fetch_all(admin)
+            .await?
+            .iter()
+            .filter_map(|row| row.try_get::<i64, _>(0).ok())
+            .collect();
+            let mut cut = 0;
+            for id in ids {
+                if sqlx::query(&format!("KILL {id}")).execute(admin).await.is_ok() {
+                    cut += 1;
+                }
+            }
+            Ok(cut)
+        }
+        Dialect::Sqlite => Ok(0),
+    }
+}
+
+fn storm_faults() -> FaultSettings {
+    // Per request. Every fault but the delay breaks the whole HTTP/2 connection, and with it
+    // every call in flight on it, so the probabilities stay small.
+    FaultSettings {
+        delay_probability: 0.05,
+        delay: Duration::from_millis(20),
+        reset_before_probability: 0.01,
+        drop_response_probability: 0.015,
+        blackhole_probability: 0.002,
+    }
+}
+
+struct World {
+    clients: Vec<PayledgerClient>,
+    payers: Vec<String>,
+    merchants: Vec<(String, String)>,
+    operations: Mutex<Vec<Operation>>,
+    /// Acknowledged payments: (merchant_id, out_trade_no, amount, trade_no).
+    payments: Mutex<Vec<(String, String, String, String)>>,
+    duplicates_sent: AtomicU64,
+    queries: AtomicU64,
+    query_mismatches: Mutex<Vec<String>>,
+    run: String,
+}
+
+impl World {
+    fn client(&self) -> &PayledgerClient {
+        self.clients.choose(&mut rand::rng()).expect("at least one instance")
+    }
+
+    /// Another instance's client than `first`, where there is one.
+    fn other_client(&self, first: usize) -> (usize, usize) {
+        let count = self.clients.len();
+        let first = first % count;
+        (first, (first + 1) % count)
+    }
+
+    fn new_key(&self, prefix: &str) -> String {
+        format!("{}-{prefix}-{}", self.run, &uuid::Uuid::new_v4().simple().to_string()[..20])
+    }
+
+    fn record(&self, kind: OperationKind, merchant_id: &str, key: String, amount: String, outcomes: Vec<Outcome>) {
+        let operation = Operation { kind, merchant_id: merchant_id.to_owned(), key, amount, outcomes };
+        self.operations.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(operation);
+    }
+}
+
+fn random_amount(rng: &mut impl Rng, max_cents: i64) -> String {
+    let cents = rng.random_range(100..=max_cents.max(101));
+    format!("{}.{:02}", cents / 100, cents % 100)
+}
+
+/// Sends a call once or, for a duplicate, twice at once through two instances.
+async fn send<T, F, Fut>(world: &World, duplicate: bool, call: F, id: impl Fn(&T) -> String + Copy) -> Vec<Outcome>
+where
+    F: Fn(PayledgerClient) -> Fut,
+    Fut: std::future::Future<Output = Result<Response<T>, Status>>,
+{
+    if duplicate {
+        world.duplicates_sent.fetch_add(1, Ordering::Relaxed);
+        let (first, second) = world.other_client(rand::rng().random_range(0..world.clients.len()));
+        let (one, two) = tokio::join!(call(world.clients[first].clone()), call(world.clients[second].clone()));
+        vec![classify(&one, id), classify(&two, id)]
+    } else {
+        vec![classify(&call(world.client().clone()).await, id)]
+    }
+}
+
+async fn caller(world: Arc<World>, until: Instant, duplicate_ratio: f64) {
+    while Instant::now() < until {
+        let (choice, duplicate, payer, other_payer, merchant) = {
+            let mut rng = rand::rng();
+            let payer = world.payers.choose(&mut rng).cloned().unwrap_or_default();
+            let other_payer = world.payers.choose(&mut rng).cloned().unwrap_or_default();
+            let merchant = world.merchants.choose(&mut rng).cloned().unwrap_or_default();
+            (rng.random_range(0..100), rng.random_bool(duplicate_ratio), payer, other_payer, merchant)
+        };
+        match choice {
+            0..10 => deposit(&world, duplicate, &payer).await,
+            10..50 => pay(&world, duplicate, &payer, &merchant).await,
+            50..65 => refund(&world, duplicate).await,
+            65..85 if payer != other_payer => transfer(&world, duplicate, &payer, &other_payer).await,
+            _ => query(&world).await,
+        }
+    }
+}
+
+async fn deposit(world: &World, duplicate: bool, account_id: &str) {
+    let request_id = world.new_key("dep");
+    let amount = random_amount(&mut rand::rng(), 5_000);
+    let request = proto::DepositRequest {
+        request_id: request_id.clone(),
+        account_id: account_id.to_owned(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.deposit(request).await }
+        },
+        |response: &proto::DepositResponse| response.entry.as_ref().map(|entry| entry.posting_id.clone()).unwrap_or_default(),
+    )
+    .await;
+    world.record(OperationKind::Deposit, "", request_id, amount, outcomes);
+}
+
+async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
+    let order_no = world.new_key("order");
+    let amount = random_amount(&mut rand::rng(), 3_000);
+    let order = proto::CreateOrderRequest {
+        merchant_id: merchant_id.clone(),
+        order_no: order_no.clone(),
+        payee_account_id: payee.clone(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+        subject: "storm".into(),
+    };
+    if world.client().create_order(order).await.is_err() {
+        return;
+    }
+    let out_trade_no = world.new_key("pay");
+    let request = proto::PayRequest {
+        merchant_id: merchant_id.clone(),
+        out_trade_no: out_trade_no.clone(),
+        order_no,
+        payer_account_id: payer.to_owned(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.pay(request).await }
+        },
+        |response: &proto::PayResponse| response.payment.as_ref().map(|payment| payment.trade_no.clone()).unwrap_or_default(),
+    )
+    .await;
+    if let Some(Outcome::Acknowledged { id, .. }) = outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. })) {
+        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
+            merchant_id.clone(),
+            out_trade_no.clone(),
+            amount.clone(),
+            id.clone(),
+        ));
+    }
+    world.record(OperationKind::Pay, merchant_id, out_trade_no, amount, outcomes);
+}
+
+async fn refund(world: &World, duplicate: bool) {
+    let Some((merchant_id, out_trade_no, amount, _)) =
+        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).choose(&mut rand::rng()).cloned()
+    else {
+        return;
+    };
+    let paid_cents = amount.replace('.', "").parse::<i64>().unwrap_or(100);
+    let refund_amount = {
+        let cents = rand::rng().random_range(1..=paid_cents.max(2) * 2 / 3);
+        format!("{}.{:02}", cents / 100, cents % 100)
+    };
+    let out_refund_no = world.new_key("refund");
+    let request = proto::RefundRequest {
+        merchant_id: merchant_id.clone(),
+        out_trade_no,
+        out_refund_no: out_refund_no.clone(),
+        amount: refund_amount.clone(),
+        currency: "USD".into(),
+        reason: "storm".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.refund(request).await }
+        },
+        |response: &proto::RefundResponse| response.refund.as_ref().map(|refund| refund.refund_no.clone()).unwrap_or_default(),
+    )
+    .await;
+    world.record(OperationKind::Refund, &merchant_id, out_refund_no, refund_amount, outcomes);
+}
+
+async fn transfer(world: &World, duplicate: bool, from: &str, to: &str) {
+    let memo = world.new_key("transfer");
+    let idempotency_key = uuid::Uuid::new_v4().to_string();
+    let amount = random_amount(&mut rand::rng(), 2_000);
+    let request = proto::TransferRequest {
+        from_account_id: from.to_owned(),
+        to_account_id: to.to_owned(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+        memo: memo.clone(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let (request, key) = (request.clone(), idempotency_key.clone());
+            async move { client.transfer_with_key(request, &key).await }
+        },
+        |response: &proto::TransferResponse| response.transfer.as_ref().map(|transfer| transfer.transfer_id.clone()).unwrap_or_default(),
+    )
+    .await;
+    world.record(OperationKind::Transfer, "", memo, amount, outcomes);
+}
+
+async fn query(world: &World) {
+    let Some((merchant_id, out_trade_no, _, trade_no)) =
+        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).choose(&mut rand::rng()).cloned()
+    else {
+        return;
+    };
+    world.queries.fetch_add(1, Ordering::Relaxed);
+    let request = proto::QueryRequest { merchant_id, key: Some(Key::OutTradeNo(out_trade_no.clone())) };
+    if let Ok(response) = world.client().query(request).await {
+        let found = response.into_inner().payment.map(|payment| payment.trade_no).unwrap_or_default();
+        if found != trade_no {
+            world
+                .query_mismatches
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(format!("Query {out_trade_no}: trade_no {found:?}, acknowledged {trade_no}"));
+        }
+    }
+}
+
+/// Runs the storm and prints its summary; exit status 1 on any violation.
+///
+/// # Errors
+/// When instances cannot start or the database cannot be reached for the checks.
+pub async fn run(settings: StormSettings) -> Result<ExitCode, AnyError> {
+    let summary = storm(&settings).await?;
+    print_summary(&summary);
+    if settings.json {
+        println!("storm-summary: {}", serde_json::to_string(&summary)?);
+    }
+    Ok(if summary.violations.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn print_summary(summary: &StormSummary) {
+    println!("storm summary");
+    println!(
+        "  calls {}  acknowledged {}  refused {}  unknown {}  queries {}",
+        summary.calls, summary.acknowledged, summary.refused, summary.unknown_outcome, summary.queries
+    );
+    println!(
+        "  attempts {}  retries {}  duplicates sent {}  replays served {}",
+        summary.attempts, summary.retries, summary.duplicates_sent, summary.replays_served
+    );
+    let faults = &summary.faults;
+    println!(
+        "  faults: delays {}  resets before request {}  dropped responses {}  black holes {}  instance kills {}  database cuts {}",
+        faults.delays,
+        faults.resets_before_request,
+        faults.dropped_responses,
+        faults.blackholes,
+        summary.instance_kills,
+        summary.database_cuts
+    );
+    println!("  violations {}", summary.violations.len());
+    for violation in &summary.violations {
+        println!("    VIOLATION {violation}");
+    }
+}
+
+/// Runs the storm and checks its outcome.
+///
+/// # Errors
+/// When instances cannot start or the database cannot be reached for the checks.
+pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
+    sqlx::any::install_default_drivers();
+    let dialect = Dialect::from_url(&settings.database_url).ok_or("unknown DATABASE_URL scheme")?;
+    let instance_count = settings.instances.max(1);
+    let mut instances = Vec::new();
+    for _ in 0..instance_count {
+        instances.push(spawn_instance(&settings.database_url, free_port()?).await?);
+    }
+    let mut proxies = Vec::new();
+    for instance in &instances {
+        proxies.push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], instance.port)), FaultSettings::none()).await?);
+    }
+    let retry = RetrySettings {
+        max_attempts: 10,
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_secs(1),
+        per_attempt_timeout: Duration::from_secs(2),
+        overall_deadline: Duration::from_secs(30),
+    };
+    let clients = proxies
+        .iter()
+        .map(|proxy| PayledgerClient::connect_lazy(&format!("http://{}", proxy.address()), retry.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let run = uuid::Uuid::now_v7().simple().to_string()[20..].to_owned();
+    let payers: Vec<String> = (0..20).map(|n| format!("storm-{run}-payer-{n}")).collect();
+    let merchants: Vec<(String, String)> = (0..3).map(|n| (format!("storm-{run}-m{n}"), format!("storm-{run}-shop-{n}"))).collect();
+    let setup = &clients[0];
+    for account_id in payers.iter().chain(merchants.iter().map(|(_, shop)| shop)) {
+        setup.open_account(proto::OpenAccountRequest { account_id: account_id.clone(), currency: "USD".into() }).await?;
+    }
+    for payer in &payers {
+        let request = proto::DepositRequest {
+            request_id: format!("{payer}-initial"),
+            account_id: payer.clone(),
+            amount: "300.00".into(),
+            currency: "USD".into(),
+        };
+        setup.deposit(request).await?;
+    }
+
+    let world = Arc::new(World {
+        clients,
+        payers,
+        merchants,
+        operations: Mutex::new(Vec::new()),
+        payments: Mutex::new(Vec::new()),
+        duplicates_sent: AtomicU64::new(0),
+        queries: AtomicU64::new(0),
+        query_mismatches: Mutex::new(Vec::new()),
+        run,
+    });
+
+    let faults = !settings.no_faults;
+    if faults {
+        for proxy in &proxies {
+            proxy.set_settings(storm_faults());
+        }
+    }
+    let until = Instant::now() + Duration::from_secs(settings.duration_seconds);
+    let callers: Vec<_> =
+        (0..settings.callers.max(1)).map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio))).collect();
+
+    // Chaos: kill and restart instances, cut database connections, until the load ends.
+    let admin = AnyPool::connect(&settings.database_url).await?;
+    let (mut kills, mut cuts) = (0u64, 0u64);
+    let kill_every = Duration::from_secs(settings.kill_interval_seconds.max(1));
+    let cut_every = Duration::from_secs(settings.cut_interval_seconds.max(1));
+    let (mut next_kill, mut next_cut) = (Instant::now() + kill_every / 2, Instant::now() + cut_every / 3);
+    while faults && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if Instant::now() >= next_kill {
+            next_kill += kill_every;
+            let victim = rand::rng().random_range(0..instances.len());
+            let port = instances[victim].port;
+            instances[victim].child.start_kill()?;
+            let _ = instances[victim].child.wait().await;
+            kills += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            instances[victim] = spawn_instance(&settings.database_url, port).await?;
+        }
+        if Instant::now() >= next_cut && dialect != Dialect::Sqlite {
+            next_cut += cut_every;
+            if cut_database_connections(&admin, dialect).await.unwrap_or(0) > 0 {
+                cuts += 1;
+            }
+        }
+    }
+    for proxy in &proxies {
+        proxy.set_settings(FaultSettings::none());
+    }
+    for caller in callers {
+        caller.await?;
+    }
+    admin.close().await;
+
+    let mut summary = StormSummary { instance_kills: kills, database_cuts: cuts, ..StormSummary::default() };
+    for proxy in &proxies {
+        let count = proxy.counters();
+        summary.faults.connections += count.connections;
+        summary.faults.delays += count.delays;
+        summary.faults.resets_before_request += count.resets_before_request;
+        summary.faults.dropped_responses += count.dropped_responses;
+        summary.faults.blackholes += count.blackholes;
+    }
+    for client in &world.clients {
+        summary.attempts += client.stats().attempts.load(Ordering::Relaxed);
+        summary.retries += client.stats().retries.load(Ordering::Relaxed);
+    }
+    summary.duplicates_sent = world.duplicates_sent.load(Ordering::Relaxed);
+    summary.queries = world.queries.load(Ordering::Relaxed);
+    summary.violations.extend(world.query_mismatches.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
+    let operations = world.operations.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    check(&settings.database_url, &operations, &mut summary).await?;
+    for mut instance in instances {
+        let _ = instance.child.start_kill();
+        let _ = instance.child.wait().await;
+    }
+    Ok(summary)
+}
+
+/// The final checks, from the database and the log of acknowledged calls.
+async fn check(database_url: &str, operations: &[Operation], summary: &mut StormSummary) -> Result<(), AnyError> {
+    let settings = PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) };
+    let store = Store::connect(database_url, &settings).await?;
+    let dialect = store.dialect();
+    let raw = AnyPool::connect(database_url).await?;
+    let placeholder = |n: usize| if dialect == Dialect::Postgres { format!("${n}") } else { "?".to_owned() };
+    for operation in operations {
+        summary.calls += operation.outcomes.len() as u64;
+        let mut acknowledged_ids: Vec<&str> = Vec::new();
+        let (mut refused, mut unknown) = (0, 0);
+        for outcome in &operation.outcomes {
+            match outcome {
+                Outcome::Acknowledged { id, replayed } => {
+                    summary.acknowledged += 1;
+                    summary.replays_served += u64::from(*replayed);
+                    acknowledged_ids.push(id);
+                }
+                Outcome::Refused => refused += 1,
+                Outcome::Unknown => unknown += 1,
+            }
+        }
+        summary.refused += refused;
+        summary.unknown_outcome += unknown;
+        acknowledged_ids.dedup();
+        if acknowledged_ids.len() > 1 {
+            summary.violations.push(format!("{:?} {}: different ids acknowledged: {acknowledged_ids:?}", operation.kind, operation.key));
+        }
+        let (sql, binds): (String, Vec<&str>) = match operation.kind {
+            OperationKind::Deposit => (
+                format!("SELECT deposit_id, amount FROM deposits WHERE request_id = {}", placeholder(1)),
+                vec![operation.key.as_str()],
+            ),
+            OperationKind::Pay => (
+                format!(
+                    "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = {} AND out_trade_no = {}",
+                    placeholder(1),
+                    placeholder(2)
+                ),
+                vec![operation.merchant_id.as_str(), operation.key.as_str()],
+            ),
+            OperationKind::Refund => (
+                format!(
+                    "SELECT refund_no, amount FROM refunds WHERE merchant_id = {} AND out_refund_no = {}",
+                    placeholder(1),
+                    placeholder(2)
+                ),
+                vec![operation.merchant_id.as_str(), operation.key.as_str()],
+            ),
+            OperationKind::Transfer => {
+                (format!("SELECT transfer_id, amount FROM transfers WHERE memo = {}", placeholder(1)), vec![operation.key.as_str()])
+            }
+        };
+        let mut query = sqlx::query(&sql);
+        for bind in binds {
+            query = query.bind(bind);
+        }
+        let rows = query.fetch_all(&raw).await?;
+        let stored: Vec<(String, i64)> =
+            rows.iter().filter_map(|row| Some((row.try_get::<String, _>(0).ok()?, row.try_get::<i64, _>(1).ok()?))).collect();
+        let expected_cents = operation.amount.replace('.', "").parse::<i64>().unwrap_or(-1);
+        let label = format!("{:?} {}", operation.kind, operation.key);
+        match (acknowledged_ids.first(), stored.as_slice()) {
+            (Some(id), [(stored_id, amount)]) => {
+                if stored_id != id || *amount != expected_cents {
+                    summary.violations.push(format!("{label}: acknowledged {id}, stored {stored_id} of {amount}"));
+                }
+            }
+            (Some(id), rows) => summary.violations.push(format!("{label}: acknowledged {id}, stored {} times", rows.len())),
+            (None, rows) if rows.len() > 1 => summary.violations.push(format!("{label}: stored {} times", rows.len())),
+            (None, [_]) if unknown == 0 => summary.violations.push(format!("{label}: refused, yet it moved money")),
+            (None, _) => {}
+        }
+    }
+    let ledger = Ledger::new(store);
+    for violation in ledger.audit().await? {
+        summary.violations.push(format!("audit: {}: {} ({})", violation.check, violation.subject, violation.detail));
+    }
+    let duplicated: Vec<(String, i64)> = sqlx::query(
+        "SELECT memo, COUNT(*) FROM transfers GROUP BY memo HAVING COUNT(*) > 1",
+    )
+    .fetch_all(&raw)
+    .await?
+    .iter()
+    .filter_map(|row| Some((row.try_get(0).ok()?, row.try_get(1).ok()?)))
+    .collect();
+    for (memo, count) in duplicated {
+        summary.violations.push(format!("transfer {memo} executed {count} times"));
+    }
+    raw.close().await;
+    ledger.store().close().await;
+    Ok(())
+}
