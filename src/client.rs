@@ -64,7 +64,8 @@ pub const PREVIOUS_ATTEMPTS_HEADER: &str = "grpc-previous-rpc-attempts";
 pub const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 
 /// The codes the client retries.
-pub const RETRYABLE_CODES: [Code; 4] = [Code::Unavailable, Code::Aborted, Code::ResourceExhausted, Code::DeadlineExceeded];
+pub const RETRYABLE_CODES: [Code; 4] =
+    [Code::Unavailable, Code::Aborted, Code::ResourceExhausted, Code::DeadlineExceeded];
 
 /// How the client retries.
 #[derive(Debug, Clone)]
@@ -137,7 +138,10 @@ pub struct RetryService<S> {
 enum AttemptOutcome {
     /// Done: success, or a status that is not retried.
     Final(http::Response<Body>),
-    Retryable { result: Result<http::Response<Body>, BoxError>, pushback: Pushback },
+    Retryable {
+        result: Result<http::Response<Body>, BoxError>,
+        pushback: Pushback,
+    },
 }
 
 /// The server's `grpc-retry-pushback-ms`.
@@ -149,7 +153,8 @@ enum Pushback {
 }
 
 fn pushback(headers: &HeaderMap) -> Pushback {
-    match headers.get(RETRY_PUSHBACK_HEADER).map(|value| value.to_str().ok().and_then(|text| text.parse::<i64>().ok())) {
+    match headers.get(RETRY_PUSHBACK_HEADER).map(|value| value.to_str().ok().and_then(|text| text.parse::<i64>().ok()))
+    {
         None => Pushback::None,
         Some(Some(ms)) if ms >= 0 => Pushback::Wait(Duration::from_millis(ms.unsigned_abs())),
         Some(_) => Pushback::Stop,
@@ -167,7 +172,10 @@ fn backoff_policy(settings: &RetrySettings) -> ExponentialBackoffTimed {
         .retry_bounds(settings.initial_backoff, settings.max_backoff.max(settings.initial_backoff))
         .jitter(Jitter::Full)
         .base(2)
-        .build_with_total_retry_duration_and_max_retries(settings.overall_deadline, settings.max_attempts.saturating_sub(1))
+        .build_with_total_retry_duration_and_max_retries(
+            settings.overall_deadline,
+            settings.max_attempts.saturating_sub(1),
+        )
 }
 
 impl<S> Service<http::Request<Body>> for RetryService<S>
@@ -256,7 +264,9 @@ where
             Pushback::Stop => return result,
             Pushback::Wait(delay) if previous_attempts + 1 < settings.max_attempts => delay,
             _ => match policy.should_retry(started_at, previous_attempts) {
-                RetryDecision::Retry { execute_after } => execute_after.duration_since(SystemTime::now()).unwrap_or_default(),
+                RetryDecision::Retry { execute_after } => {
+                    execute_after.duration_since(SystemTime::now()).unwrap_or_default()
+                }
                 RetryDecision::DoNotRetry => return result,
             },
         };
@@ -317,7 +327,10 @@ impl PayledgerClient {
         &self.stats
     }
 
-    pub async fn open_account(&self, request: proto::OpenAccountRequest) -> Result<Response<proto::OpenAccountResponse>, Status> {
+    pub async fn open_account(
+        &self,
+        request: proto::OpenAccountRequest,
+    ) -> Result<Response<proto::OpenAccountResponse>, Status> {
         self.accounts.clone().open_account(request).await
     }
 
@@ -326,11 +339,17 @@ impl PayledgerClient {
         self.accounts.clone().deposit(request).await
     }
 
-    pub async fn get_account(&self, request: proto::GetAccountRequest) -> Result<Response<proto::GetAccountResponse>, Status> {
+    pub async fn get_account(
+        &self,
+        request: proto::GetAccountRequest,
+    ) -> Result<Response<proto::GetAccountResponse>, Status> {
         self.accounts.clone().get_account(request).await
     }
 
-    pub async fn list_entries(&self, request: proto::ListEntriesRequest) -> Result<Response<proto::ListEntriesResponse>, Status> {
+    pub async fn list_entries(
+        &self,
+        request: proto::ListEntriesRequest,
+    ) -> Result<Response<proto::ListEntriesResponse>, Status> {
         self.accounts.clone().list_entries(request).await
     }
 
@@ -349,11 +368,17 @@ impl PayledgerClient {
         self.accounts.clone().transfer(with_idempotency_key(request, idempotency_key)?).await
     }
 
-    pub async fn create_order(&self, request: proto::CreateOrderRequest) -> Result<Response<proto::CreateOrderResponse>, Status> {
+    pub async fn create_order(
+        &self,
+        request: proto::CreateOrderRequest,
+    ) -> Result<Response<proto::CreateOrderResponse>, Status> {
         self.payments.clone().create_order(request).await
     }
 
-    pub async fn close_order(&self, request: proto::CloseOrderRequest) -> Result<Response<proto::CloseOrderResponse>, Status> {
+    pub async fn close_order(
+        &self,
+        request: proto::CloseOrderRequest,
+    ) -> Result<Response<proto::CloseOrderResponse>, Status> {
         self.payments.clone().close_order(request).await
     }
 
@@ -371,7 +396,10 @@ impl PayledgerClient {
         self.payments.clone().query(request).await
     }
 
-    pub async fn issue_token(&self, request: proto::IssueTokenRequest) -> Result<Response<proto::IssueTokenResponse>, Status> {
+    pub async fn issue_token(
+        &self,
+        request: proto::IssueTokenRequest,
+    ) -> Result<Response<proto::IssueTokenResponse>, Status> {
         self.payments.clone().issue_token(request).await
     }
 
@@ -391,7 +419,8 @@ impl PayledgerClient {
 /// INVALID_ARGUMENT when the key is not printable ASCII.
 pub fn with_idempotency_key<T>(message: T, idempotency_key: &str) -> Result<Request<T>, Status> {
     let mut request = Request::new(message);
-    let value = idempotency_key.parse().map_err(|_| Status::invalid_argument("idempotency-key must be printable ASCII"))?;
+    let value =
+        idempotency_key.parse().map_err(|_| Status::invalid_argument("idempotency-key must be printable ASCII"))?;
     request.metadata_mut().insert(crate::ledger::IDEMPOTENCY_KEY_HEADER, value);
     Ok(request)
 }
@@ -419,7 +448,9 @@ mod tests {
 
     #[test]
     fn only_transient_codes_are_retried() {
-        for code in [Code::InvalidArgument, Code::NotFound, Code::AlreadyExists, Code::FailedPrecondition, Code::Internal] {
+        for code in
+            [Code::InvalidArgument, Code::NotFound, Code::AlreadyExists, Code::FailedPrecondition, Code::Internal]
+        {
             assert!(!RETRYABLE_CODES.contains(&code), "{code:?}");
         }
     }
@@ -433,7 +464,10 @@ mod tests {
             match policy.should_retry(started_at, previous) {
                 RetryDecision::Retry { execute_after } => {
                     let wait = execute_after.duration_since(SystemTime::now()).unwrap_or_default();
-                    assert!(wait <= settings.initial_backoff * 2u32.pow(previous) + Duration::from_millis(5), "{wait:?}");
+                    assert!(
+                        wait <= settings.initial_backoff * 2u32.pow(previous) + Duration::from_millis(5),
+                        "{wait:?}"
+                    );
                 }
                 RetryDecision::DoNotRetry => panic!("retry {previous} was refused"),
             }

@@ -12,8 +12,8 @@ pub mod error;
 pub mod grpc;
 pub mod ledger;
 pub mod startup;
-pub mod storm;
 pub mod store;
+pub mod storm;
 pub mod telemetry;
 
 /// Messages and service stubs generated from `proto/payledger/v1/payledger.proto`.

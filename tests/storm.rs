@@ -31,7 +31,15 @@ async fn storm_on(admin_url: &str) {
 
     let output = Command::new(env!("CARGO_BIN_EXE_payledger"))
         .args(["storm", "--database-url", &database_url, "--instances", "2", "--callers", "12"])
-        .args(["--duration-seconds", STORM_SECONDS, "--kill-interval-seconds", "4", "--cut-interval-seconds", "3", "--json"])
+        .args([
+            "--duration-seconds",
+            STORM_SECONDS,
+            "--kill-interval-seconds",
+            "4",
+            "--cut-interval-seconds",
+            "3",
+            "--json",
+        ])
         .output()
         .expect("payledger storm runs");
     let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;

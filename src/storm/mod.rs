@@ -31,7 +31,7 @@ use crate::ledger::Ledger;
 use crate::proto::{self, query_request::Key};
 use crate::store::{Dialect, PoolSettings, Store};
 
-pub use proxy::{FaultCount, FaultProxy, FaultSettings};
+pub use proxy::{Fault, FaultCount, FaultProxy, FaultSettings};
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -293,7 +293,9 @@ async fn deposit(world: &World, duplicate: bool, account_id: &str) {
             let request = request.clone();
             async move { client.deposit(request).await }
         },
-        |response: &proto::DepositResponse| response.entry.as_ref().map(|entry| entry.posting_id.clone()).unwrap_or_default(),
+        |response: &proto::DepositResponse| {
+            response.entry.as_ref().map(|entry| entry.posting_id.clone()).unwrap_or_default()
+        },
     )
     .await;
     world.record(OperationKind::Deposit, "", request_id, amount, outcomes);
@@ -329,10 +331,14 @@ async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): 
             let request = request.clone();
             async move { client.pay(request).await }
         },
-        |response: &proto::PayResponse| response.payment.as_ref().map(|payment| payment.trade_no.clone()).unwrap_or_default(),
+        |response: &proto::PayResponse| {
+            response.payment.as_ref().map(|payment| payment.trade_no.clone()).unwrap_or_default()
+        },
     )
     .await;
-    if let Some(Outcome::Acknowledged { id, .. }) = outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. })) {
+    if let Some(Outcome::Acknowledged { id, .. }) =
+        outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. }))
+    {
         world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
             merchant_id.clone(),
             out_trade_no.clone(),
@@ -370,7 +376,9 @@ async fn refund(world: &World, duplicate: bool) {
             let request = request.clone();
             async move { client.refund(request).await }
         },
-        |response: &proto::RefundResponse| response.refund.as_ref().map(|refund| refund.refund_no.clone()).unwrap_or_default(),
+        |response: &proto::RefundResponse| {
+            response.refund.as_ref().map(|refund| refund.refund_no.clone()).unwrap_or_default()
+        },
     )
     .await;
     world.record(OperationKind::Refund, &merchant_id, out_refund_no, refund_amount, outcomes);
@@ -394,7 +402,9 @@ async fn transfer(world: &World, duplicate: bool, from: &str, to: &str) {
             let (request, key) = (request.clone(), idempotency_key.clone());
             async move { client.transfer_with_key(request, &key).await }
         },
-        |response: &proto::TransferResponse| response.transfer.as_ref().map(|transfer| transfer.transfer_id.clone()).unwrap_or_default(),
+        |response: &proto::TransferResponse| {
+            response.transfer.as_ref().map(|transfer| transfer.transfer_id.clone()).unwrap_or_default()
+        },
     )
     .await;
     world.record(OperationKind::Transfer, "", memo, amount, outcomes);
@@ -473,7 +483,8 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     }
     let mut proxies = Vec::new();
     for instance in &instances {
-        proxies.push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], instance.port)), FaultSettings::none()).await?);
+        proxies
+            .push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], instance.port)), FaultSettings::none()).await?);
     }
     let retry = RetrySettings {
         max_attempts: 10,
@@ -489,10 +500,13 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
 
     let run = uuid::Uuid::now_v7().simple().to_string()[20..].to_owned();
     let payers: Vec<String> = (0..20).map(|n| format!("storm-{run}-payer-{n}")).collect();
-    let merchants: Vec<(String, String)> = (0..3).map(|n| (format!("storm-{run}-m{n}"), format!("storm-{run}-shop-{n}"))).collect();
+    let merchants: Vec<(String, String)> =
+        (0..3).map(|n| (format!("storm-{run}-m{n}"), format!("storm-{run}-shop-{n}"))).collect();
     let setup = &clients[0];
     for account_id in payers.iter().chain(merchants.iter().map(|(_, shop)| shop)) {
-        setup.open_account(proto::OpenAccountRequest { account_id: account_id.clone(), currency: "USD".into() }).await?;
+        setup
+            .open_account(proto::OpenAccountRequest { account_id: account_id.clone(), currency: "USD".into() })
+            .await?;
     }
     for payer in &payers {
         let request = proto::DepositRequest {
@@ -523,8 +537,9 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
         }
     }
     let until = Instant::now() + Duration::from_secs(settings.duration_seconds);
-    let callers: Vec<_> =
-        (0..settings.callers.max(1)).map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio))).collect();
+    let callers: Vec<_> = (0..settings.callers.max(1))
+        .map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio)))
+        .collect();
 
     // Chaos: kill and restart instances, cut database connections, until the load ends.
     let admin = AnyPool::connect(&settings.database_url).await?;
@@ -532,8 +547,17 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     let kill_every = Duration::from_secs(settings.kill_interval_seconds.max(1));
     let cut_every = Duration::from_secs(settings.cut_interval_seconds.max(1));
     let (mut next_kill, mut next_cut) = (Instant::now() + kill_every / 2, Instant::now() + cut_every / 3);
+    // Besides the random draws, every fault kind is forced a few times, so that a short storm
+    // still exercises each of them.
+    let load = Duration::from_secs(settings.duration_seconds);
+    let mut forced_at: Vec<Instant> = (1..=3).map(|quarter| Instant::now() + load * quarter / 4).collect();
     while faults && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        if forced_at.first().is_some_and(|at| Instant::now() >= *at) {
+            forced_at.remove(0);
+            let proxy = &proxies[rand::rng().random_range(0..proxies.len())];
+            proxy.force_next([Fault::Delay, Fault::ResetBefore, Fault::DropResponse, Fault::Blackhole]);
+        }
         if Instant::now() >= next_kill {
             next_kill += kill_every;
             let victim = rand::rng().random_range(0..instances.len());
@@ -574,7 +598,9 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     }
     summary.duplicates_sent = world.duplicates_sent.load(Ordering::Relaxed);
     summary.queries = world.queries.load(Ordering::Relaxed);
-    summary.violations.extend(world.query_mismatches.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
+    summary
+        .violations
+        .extend(world.query_mismatches.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
     let operations = world.operations.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     check(&settings.database_url, &operations, &mut summary).await?;
     for mut instance in instances {
@@ -586,7 +612,11 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
 
 /// The final checks, from the database and the log of acknowledged calls.
 async fn check(database_url: &str, operations: &[Operation], summary: &mut StormSummary) -> Result<(), AnyError> {
-    let settings = PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) };
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(10),
+        lock_timeout: Duration::from_secs(10),
+    };
     let store = Store::connect(database_url, &settings).await?;
     let dialect = store.dialect();
     let raw = AnyPool::connect(database_url).await?;
@@ -610,7 +640,10 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
         summary.unknown_outcome += unknown;
         acknowledged_ids.dedup();
         if acknowledged_ids.len() > 1 {
-            summary.violations.push(format!("{:?} {}: different ids acknowledged: {acknowledged_ids:?}", operation.kind, operation.key));
+            summary.violations.push(format!(
+                "{:?} {}: different ids acknowledged: {acknowledged_ids:?}",
+                operation.kind, operation.key
+            ));
         }
         let (sql, binds): (String, Vec<&str>) = match operation.kind {
             OperationKind::Deposit => (
@@ -633,17 +666,20 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
                 ),
                 vec![operation.merchant_id.as_str(), operation.key.as_str()],
             ),
-            OperationKind::Transfer => {
-                (format!("SELECT transfer_id, amount FROM transfers WHERE memo = {}", placeholder(1)), vec![operation.key.as_str()])
-            }
+            OperationKind::Transfer => (
+                format!("SELECT transfer_id, amount FROM transfers WHERE memo = {}", placeholder(1)),
+                vec![operation.key.as_str()],
+            ),
         };
         let mut query = sqlx::query(&sql);
         for bind in binds {
             query = query.bind(bind);
         }
         let rows = query.fetch_all(&raw).await?;
-        let stored: Vec<(String, i64)> =
-            rows.iter().filter_map(|row| Some((row.try_get::<String, _>(0).ok()?, row.try_get::<i64, _>(1).ok()?))).collect();
+        let stored: Vec<(String, i64)> = rows
+            .iter()
+            .filter_map(|row| Some((row.try_get::<String, _>(0).ok()?, row.try_get::<i64, _>(1).ok()?)))
+            .collect();
         let expected_cents = operation.amount.replace('.', "").parse::<i64>().unwrap_or(-1);
         let label = format!("{:?} {}", operation.kind, operation.key);
         match (acknowledged_ids.first(), stored.as_slice()) {
@@ -652,7 +688,9 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
                     summary.violations.push(format!("{label}: acknowledged {id}, stored {stored_id} of {amount}"));
                 }
             }
-            (Some(id), rows) => summary.violations.push(format!("{label}: acknowledged {id}, stored {} times", rows.len())),
+            (Some(id), rows) => {
+                summary.violations.push(format!("{label}: acknowledged {id}, stored {} times", rows.len()))
+            }
             (None, rows) if rows.len() > 1 => summary.violations.push(format!("{label}: stored {} times", rows.len())),
             (None, [_]) if unknown == 0 => summary.violations.push(format!("{label}: refused, yet it moved money")),
             (None, _) => {}
@@ -662,18 +700,51 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
     for violation in ledger.audit().await? {
         summary.violations.push(format!("audit: {}: {} ({})", violation.check, violation.subject, violation.detail));
     }
-    let duplicated: Vec<(String, i64)> = sqlx::query(
-        "SELECT memo, COUNT(*) FROM transfers GROUP BY memo HAVING COUNT(*) > 1",
-    )
-    .fetch_all(&raw)
-    .await?
-    .iter()
-    .filter_map(|row| Some((row.try_get(0).ok()?, row.try_get(1).ok()?)))
-    .collect();
+    let duplicated: Vec<(String, i64)> =
+        sqlx::query("SELECT memo, COUNT(*) FROM transfers GROUP BY memo HAVING COUNT(*) > 1")
+            .fetch_all(&raw)
+            .await?
+            .iter()
+            .filter_map(|row| Some((row.try_get(0).ok()?, row.try_get(1).ok()?)))
+            .collect();
     for (memo, count) in duplicated {
         summary.violations.push(format!("transfer {memo} executed {count} times"));
     }
     raw.close().await;
     ledger.store().close().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn operation(kind: OperationKind, key: &str, outcomes: Vec<Outcome>) -> Operation {
+        Operation { kind, merchant_id: "m1".into(), key: key.into(), amount: "1.00".into(), outcomes }
+    }
+
+    #[tokio::test]
+    async fn the_checks_report_an_acknowledged_call_that_left_no_trace() {
+        let directory = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", directory.path().join("storm.db").display());
+        let settings = PoolSettings {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+        };
+        let store = Store::connect(&url, &settings).await.unwrap();
+        store.migrate().await.unwrap();
+        store.close().await;
+        let acknowledged = Outcome::Acknowledged { id: "T-lost".into(), replayed: false };
+        let operations = [
+            operation(OperationKind::Pay, "pay-1", vec![acknowledged.clone(), Outcome::Unknown]),
+            operation(OperationKind::Transfer, "memo-1", vec![Outcome::Refused]),
+        ];
+
+        let mut summary = StormSummary::default();
+        check(&url, &operations, &mut summary).await.unwrap();
+
+        assert_eq!(summary.violations, ["Pay pay-1: acknowledged T-lost, stored 0 times"]);
+        assert_eq!((summary.calls, summary.acknowledged, summary.refused, summary.unknown_outcome), (3, 1, 1, 1));
+    }
 }

@@ -63,8 +63,9 @@ pub struct FaultCount {
     pub blackholes: u64,
 }
 
+/// One fault, as applied to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
+pub enum Fault {
     Pass,
     Delay,
     ResetBefore,
@@ -75,8 +76,8 @@ enum Fault {
 struct Shared {
     target: Mutex<SocketAddr>,
     settings: Mutex<FaultSettings>,
-    /// The next requests that drop their response, whatever the probabilities say.
-    forced_drops: AtomicU64,
+    /// Faults the next requests get, in order, whatever the probabilities say.
+    forced: Mutex<std::collections::VecDeque<Fault>>,
     counters: FaultCounters,
 }
 
@@ -104,7 +105,7 @@ impl FaultProxy {
         let shared = Arc::new(Shared {
             target: Mutex::new(target),
             settings: Mutex::new(settings),
-            forced_drops: AtomicU64::new(0),
+            forced: Mutex::new(std::collections::VecDeque::new()),
             counters: FaultCounters::default(),
         });
         let acceptor = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -123,7 +124,12 @@ impl FaultProxy {
 
     /// Makes the next `count` requests go through and lose their response.
     pub fn drop_next_responses(&self, count: u64) {
-        self.shared.forced_drops.store(count, Ordering::SeqCst);
+        self.force_next((0..count).map(|_| Fault::DropResponse));
+    }
+
+    /// Gives the next requests these faults, in order.
+    pub fn force_next(&self, faults: impl IntoIterator<Item = Fault>) {
+        lock(&self.shared.forced).extend(faults);
     }
 
     pub fn counters(&self) -> FaultCount {
@@ -155,8 +161,8 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 fn choose_fault(shared: &Shared) -> Fault {
-    if shared.forced_drops.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok() {
-        return Fault::DropResponse;
+    if let Some(fault) = lock(&shared.forced).pop_front() {
+        return fault;
     }
     let settings = lock(&shared.settings).clone();
     let draw: f64 = rand::random();
@@ -236,7 +242,10 @@ async fn handle(client: TcpStream, shared: &Shared) -> std::io::Result<()> {
                 preface_left -= forwarded;
             }
             while let Some((frame_type, stream_id, total)) = next_frame(&pending) {
-                if frame_type == FRAME_TYPE_HEADERS && stream_id != 0 && drop_stream.load(Ordering::SeqCst) != u64::from(stream_id) {
+                if frame_type == FRAME_TYPE_HEADERS
+                    && stream_id != 0
+                    && drop_stream.load(Ordering::SeqCst) != u64::from(stream_id)
+                {
                     match choose_fault(shared) {
                         Fault::Pass => {}
                         Fault::Delay => {

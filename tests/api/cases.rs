@@ -868,7 +868,8 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
     let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
     proxy.drop_next_responses(1);
-    let client = PayledgerClient::connect_lazy(&format!("http://{}", proxy.address()), RetrySettings::default()).unwrap();
+    let client =
+        PayledgerClient::connect_lazy(&format!("http://{}", proxy.address()), RetrySettings::default()).unwrap();
 
     let response = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
 
@@ -876,7 +877,11 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
     assert!(client.stats().retries.load(std::sync::atomic::Ordering::Relaxed) >= 1, "the client retried");
     assert!(was_replayed(&response), "the retry was answered from the committed original");
     let stored = app.query("m1", Key::OutTradeNo("pay-1".into())).await.unwrap().payment.unwrap();
-    assert_eq!(response.into_inner().payment.unwrap().trade_no, stored.trade_no, "the caller got the original trade_no");
+    assert_eq!(
+        response.into_inner().payment.unwrap().trade_no,
+        stored.trade_no,
+        "the caller got the original trade_no"
+    );
     assert_eq!(app.balance("alice").await, "70.00", "the payer was debited once");
     assert_eq!(app.rows("payment_flow").await, 1);
 }
