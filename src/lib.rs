@@ -4,6 +4,7 @@
 //! `grpc` (transport) -> `ledger` (use cases, transactions, idempotency) -> `store` (SQL)
 //! and `domain` (pure types and rules).
 
+pub mod bench;
 pub mod client;
 pub mod config;
 pub mod demo;

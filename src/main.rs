@@ -4,9 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use payledger::config::{DatabaseSettings, IdempotencySettings, LogSettings, ServeSettings};
-use payledger::startup::{open_ledger, shutdown_signal, Application};
-use payledger::{demo, storm, telemetry};
+use payledger::config::{DatabaseSettings, LogSettings, ServeSettings};
+use payledger::startup::{open_existing_ledger, shutdown_signal, Application};
+use payledger::{bench, demo, storm, telemetry};
 
 #[derive(Debug, Parser)]
 #[command(name = "payledger", version, about = "A gRPC payment ledger that moves money exactly once under retries")]
@@ -28,12 +28,16 @@ enum Command {
     /// Run a duplicate storm under faults against several instances and check that money
     /// moved exactly once; exits 1 on any violation.
     Storm(storm::StormSettings),
+    /// Load a running server with one scenario and print a ghz-like report.
+    Bench(bench::BenchSettings),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    if matches!(cli.command, Command::Demo(_) | Command::Storm(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
+    if matches!(cli.command, Command::Demo(_) | Command::Storm(_) | Command::Bench(_))
+        && std::env::var_os("PAYLEDGER_LOG").is_none()
+    {
         // The story is the demo's output; the in-process server only speaks up on problems.
         cli.log.log_filter = "warn".into();
     }
@@ -43,6 +47,7 @@ async fn main() -> ExitCode {
         Command::Audit(settings) => audit(settings).await,
         Command::Demo(settings) => demo::run(settings).await,
         Command::Storm(settings) => storm::run(settings).await,
+        Command::Bench(settings) => bench::run(settings).await,
     };
     match result {
         Ok(code) => code,
@@ -67,7 +72,7 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
 }
 
 async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
-    let ledger = open_ledger(&settings, &IdempotencySettings::default()).await?;
+    let ledger = open_existing_ledger(&settings).await?;
     let violations = ledger.audit().await?;
     for violation in &violations {
         println!("VIOLATION {}: {} ({})", violation.check, violation.subject, violation.detail);
@@ -81,12 +86,16 @@ async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
     }
 }
 
+/// The error and its causes, each said once (a driver error often repeats its cause).
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
         source = cause.source();
     }
     text

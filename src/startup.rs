@@ -50,6 +50,15 @@ pub async fn open_ledger(
     Ok(Ledger::with_settings(store, tokens, idempotency.ledger()))
 }
 
+/// Opens an existing ledger read as it is, for `payledger audit`: no migrations, nothing
+/// created.
+///
+/// # Errors
+/// [`StartupError::Database`], also when the database holds no ledger.
+pub async fn open_existing_ledger(database: &DatabaseSettings) -> Result<Ledger, StartupError> {
+    Ok(Ledger::new(Store::connect_existing(&database.database_url, &database.pool()).await?))
+}
+
 /// A ready server: database migrated, port bound.
 pub struct Application {
     listener: TcpListener,

@@ -36,9 +36,9 @@ impl Dialect {
         }
     }
 
-    /// The URL handed to sqlx: `mariadb://` becomes `mysql://`, and a SQLite file is
-    /// created on first start unless the URL chooses a `mode` itself.
-    pub(super) fn driver_url(self, url: &str) -> String {
+    /// The URL handed to sqlx: `mariadb://` becomes `mysql://`; a SQLite file is created
+    /// when `create` (on `serve`'s first start) unless the URL chooses a `mode` itself.
+    pub(super) fn driver_url(self, url: &str, create: bool) -> String {
         match self {
             Dialect::MySql => match url.strip_prefix("mariadb:") {
                 Some(rest) => format!("mysql:{rest}"),
@@ -46,7 +46,8 @@ impl Dialect {
             },
             Dialect::Sqlite if !url.contains("mode=") => {
                 let separator = if url.contains('?') { '&' } else { '?' };
-                format!("{url}{separator}mode=rwc")
+                let mode = if create { "rwc" } else { "rw" };
+                format!("{url}{separator}mode={mode}")
             }
             _ => url.to_owned(),
         }
@@ -225,9 +226,26 @@ fn render(portable: &str, dialect: Dialect) -> String {
     }
 }
 
+/// The URL without its password, for messages and logs.
+pub fn redacted(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_owned() };
+    let rest = &url[scheme_end..];
+    match (rest.find('@'), rest.find(':')) {
+        (Some(at), Some(colon)) if colon < at => format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..]),
+        _ => url.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passwords_are_left_out_of_messages() {
+        assert_eq!(redacted("postgres://app:secret@db:5432/ledger"), "postgres://app:***@db:5432/ledger");
+        assert_eq!(redacted("mysql://root@db/test"), "mysql://root@db/test");
+        assert_eq!(redacted("sqlite:payledger.db"), "sqlite:payledger.db");
+    }
 
     #[test]
     fn url_scheme_picks_the_backend() {
@@ -265,8 +283,9 @@ mod tests {
 
     #[test]
     fn sqlite_file_is_created_unless_a_mode_is_given() {
-        assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db"), "sqlite:payledger.db?mode=rwc");
-        assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro"), "sqlite:x.db?mode=ro");
-        assert_eq!(Dialect::MySql.driver_url("mariadb://root@h/test"), "mysql://root@h/test");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db", true), "sqlite:payledger.db?mode=rwc");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db", false), "sqlite:payledger.db?mode=rw");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro", true), "sqlite:x.db?mode=ro");
+        assert_eq!(Dialect::MySql.driver_url("mariadb://root@h/test", true), "mysql://root@h/test");
     }
 }

@@ -18,7 +18,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-pub use dialect::{classify, Dialect, Fault};
+pub use dialect::{classify, redacted, Dialect, Fault};
 pub use queries::Queries;
 pub use rows::{
     AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow, PaymentRow, RefundRow,
@@ -58,8 +58,10 @@ pub struct Store {
 pub enum ConnectError {
     #[error("DATABASE_URL must start with postgres://, mysql://, mariadb:// or sqlite:")]
     UnknownScheme,
-    #[error("cannot connect to the {0} database")]
-    Connect(&'static str, #[source] sqlx::Error),
+    #[error("cannot connect to the database at {0}")]
+    Connect(String, #[source] sqlx::Error),
+    #[error("no payledger ledger at {0} (run `payledger serve` on it first)")]
+    NoLedger(String, #[source] sqlx::Error),
     #[error("cannot apply the {0} migrations")]
     Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
 }
@@ -71,6 +73,27 @@ impl Store {
     /// # Errors
     /// [`ConnectError`] for an unknown scheme or an unreachable database.
     pub async fn connect(url: &str, settings: &PoolSettings) -> Result<Self, ConnectError> {
+        Self::open(url, settings, true).await
+    }
+
+    /// Opens an existing ledger without changing anything: no migrations, and a SQLite file
+    /// must already exist. For `payledger audit`.
+    ///
+    /// # Errors
+    /// [`ConnectError::NoLedger`] when the database has no payledger schema.
+    pub async fn connect_existing(url: &str, settings: &PoolSettings) -> Result<Self, ConnectError> {
+        let store = Self::open(url, settings, false).await?;
+        let mut reader = store.reader().await.map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+        reader
+            .queries()
+            .count_accounts()
+            .await
+            .map_err(|error| ConnectError::NoLedger(dialect::redacted(url), error))?;
+        drop(reader);
+        Ok(store)
+    }
+
+    async fn open(url: &str, settings: &PoolSettings, create: bool) -> Result<Self, ConnectError> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
         let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout));
@@ -86,9 +109,9 @@ impl Store {
                     Ok(())
                 })
             })
-            .connect(&dialect.driver_url(url))
+            .connect(&dialect.driver_url(url, create))
             .await
-            .map_err(|error| ConnectError::Connect(dialect.name(), error))?;
+            .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
         Ok(Self { pool, dialect, write_gate, lock_timeout: settings.lock_timeout })
     }

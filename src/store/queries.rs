@@ -584,6 +584,11 @@ impl<'c> Queries<'c> {
         Ok(())
     }
 
+    /// Accounts in the ledger (also: whether the schema is there at all).
+    pub async fn count_accounts(&mut self) -> Result<i64, sqlx::Error> {
+        sqlx::query("SELECT COUNT(*) FROM accounts").fetch_one(&mut *self.connection).await?.try_get(0)
+    }
+
     /// Runs every ledger invariant check and returns what breaks them (empty when sound).
     pub async fn audit(&mut self) -> Result<Vec<AuditViolation>, sqlx::Error> {
         let mut violations = Vec::new();

@@ -102,6 +102,8 @@ enum TestDatabase {
     Sqlite {
         _directory: tempfile::TempDir,
     },
+    /// Dropped by `finish`.
+    Dropped,
     Server {
         admin_url: String,
         name: String,
@@ -119,6 +121,41 @@ pub struct TestApp {
     database: TestDatabase,
     stop: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A pool on the admin URL that gives up quickly: an unreachable server fails the test in
+/// seconds, not at the pool's default 30 s per test.
+async fn admin_pool(admin_url: &str) -> AnyPool {
+    sqlx::any::AnyPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(admin_url)
+        .await
+        .unwrap_or_else(|error| panic!("the admin URL {admin_url} connects: {error}"))
+}
+
+async fn drop_database(backend: Backend, admin_url: &str, name: &str) {
+    let admin = admin_pool(admin_url).await;
+    let force = if backend == Backend::Postgres { " WITH (FORCE)" } else { "" };
+    let _ = sqlx::query(&format!("DROP DATABASE {name}{force}")).execute(&admin).await;
+    admin.close().await;
+}
+
+impl Drop for TestApp {
+    /// A test that failed before `finish` still drops its database (from a thread of its own:
+    /// the test's runtime is unwinding).
+    fn drop(&mut self) {
+        if let TestDatabase::Server { admin_url, name } = &self.database {
+            let (backend, admin_url, name) = (self.backend, admin_url.clone(), name.clone());
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+                if let Ok(runtime) = runtime {
+                    runtime.block_on(drop_database(backend, &admin_url, &name));
+                }
+            })
+            .join();
+        }
+    }
 }
 
 fn with_database(url: &str, name: &str) -> String {
@@ -154,7 +191,7 @@ impl TestApp {
             Some(variable) => {
                 let admin_url = required_variable(variable, &format!("the {backend:?} suite"))?;
                 let name = format!("payledger_test_{}", uuid::Uuid::new_v4().simple());
-                let admin = AnyPool::connect(&admin_url).await.expect("the admin URL connects");
+                let admin = admin_pool(&admin_url).await;
                 sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.expect("CREATE DATABASE");
                 admin.close().await;
                 let url = with_database(&admin_url, &name);
@@ -214,10 +251,9 @@ impl TestApp {
         self.raw.close().await;
         self.ledger.store().close().await;
         if let TestDatabase::Server { admin_url, name } = &self.database {
-            let admin = AnyPool::connect(admin_url).await.expect("the admin URL connects");
-            let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
-            admin.close().await;
+            drop_database(self.backend, admin_url, name).await;
         }
+        self.database = TestDatabase::Dropped;
     }
 
     /// Rows in a table, read directly.

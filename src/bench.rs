@@ -1,0 +1,458 @@
+//! `payledger bench`: a gRPC load generator for payledger with a ghz-like report.
+//!
+//! It prepares its data untimed through the API (payer accounts with deposits, merchants,
+//! orders), then drives one scenario with `--concurrency` tasks for `--total` calls (or until
+//! `--duration-seconds`), timing every call into an HDR histogram. Calls go through plain
+//! tonic clients without retries, as ghz does, so every status is counted as it came.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{self, StreamExt};
+use hdrhistogram::Histogram;
+use rand::Rng;
+use rand_distr::{Distribution, Zipf};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::proto::account_service_client::AccountServiceClient;
+use crate::proto::payment_service_client::PaymentServiceClient;
+use crate::proto::{self, query_request::Key};
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Concurrent calls while preparing data.
+const PREPARE_CONCURRENCY: usize = 64;
+/// Refunds of 1.00 drawn against each prepared 100.00 payment in the `refund` scenario.
+const REFUNDS_PER_ORDER: u64 = 20;
+
+/// What is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scenario {
+    /// Pay fresh orders; payers and merchants spread over many accounts (no contention).
+    Pay,
+    /// The same Pay re-sent: its out_trade_no is already paid (the read-only replay path).
+    Replay,
+    /// Every Pay credits one merchant account (with `--zipf`, payers are skewed too).
+    Hot,
+    /// Partial refunds of paid orders.
+    Refund,
+    /// 60% Pay, 10% Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
+    Mixed,
+}
+
+/// `payledger bench` settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchSettings {
+    /// The server to load.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub target: String,
+    #[arg(long, value_enum, default_value = "pay")]
+    pub scenario: Scenario,
+    /// Concurrent callers.
+    #[arg(short = 'c', long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Calls to make (timed).
+    #[arg(short = 'n', long, default_value_t = 10_000)]
+    pub total: u64,
+    /// Stop after this many seconds even if `--total` is not reached.
+    #[arg(long)]
+    pub duration_seconds: Option<u64>,
+    /// Payer accounts.
+    #[arg(long, default_value_t = 1_000)]
+    pub payers: usize,
+    /// Merchant accounts.
+    #[arg(long, default_value_t = 100)]
+    pub merchants: usize,
+    /// `hot` only: draw payers with a Zipf distribution of this exponent (e.g. 1.1).
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    /// `mixed` only: share of calls sent twice.
+    #[arg(long, default_value_t = 0.1)]
+    pub duplicate_ratio: f64,
+    /// HTTP/2 connections to spread the calls over.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Also print the report as one JSON line (prefixed `bench-report: `).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one run measured. Latencies are in microseconds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    pub scenario: Scenario,
+    pub concurrency: usize,
+    pub count: u64,
+    pub duration_seconds: f64,
+    pub calls_per_second: f64,
+    pub latency_us: BTreeMap<String, u64>,
+    pub histogram: Vec<(u64, u64)>,
+    pub status_codes: BTreeMap<String, u64>,
+    pub replays: u64,
+}
+
+#[derive(Clone)]
+struct Clients {
+    accounts: Vec<AccountServiceClient<Channel>>,
+    payments: Vec<PaymentServiceClient<Channel>>,
+}
+
+impl Clients {
+    fn account(&self, n: u64) -> AccountServiceClient<Channel> {
+        self.accounts[usize::try_from(n).unwrap_or(0) % self.accounts.len()].clone()
+    }
+
+    fn payment(&self, n: u64) -> PaymentServiceClient<Channel> {
+        self.payments[usize::try_from(n).unwrap_or(0) % self.payments.len()].clone()
+    }
+}
+
+/// The data one scenario calls with, prepared untimed.
+struct Prepared {
+    run: String,
+    payers: Vec<String>,
+    shops: Vec<String>,
+    /// Orders to pay: (merchant, order_no, payer index).
+    orders: Vec<(String, String, usize)>,
+    /// Paid orders: (merchant, out_trade_no).
+    paid: Vec<(String, String)>,
+}
+
+fn payer_draw(settings: &BenchSettings, count: usize) -> Box<dyn Fn(u64) -> usize + Send + Sync> {
+    match (settings.scenario, settings.zipf) {
+        (Scenario::Hot, Some(exponent)) => {
+            let zipf = Zipf::new(count as f64, exponent).expect("a valid Zipf exponent");
+            Box::new(move |_| (zipf.sample(&mut rand::rng()) as usize).saturating_sub(1).min(count - 1))
+        }
+        _ => Box::new(move |n| usize::try_from(n).unwrap_or(0) % count),
+    }
+}
+
+async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared, AnyError> {
+    let run = uuid::Uuid::now_v7().simple().to_string()[18..].to_owned();
+    let payers: Vec<String> = (0..settings.payers.max(1)).map(|n| format!("b{run}-p{n}")).collect();
+    let merchants = if settings.scenario == Scenario::Hot { 1 } else { settings.merchants.max(1) };
+    let shops: Vec<String> = (0..merchants).map(|n| format!("b{run}-s{n}")).collect();
+    let accounts = payers.iter().chain(shops.iter()).cloned().enumerate();
+    stream::iter(accounts)
+        .map(|(n, account_id)| {
+            let mut client = clients.account(n as u64);
+            async move {
+                let open = proto::OpenAccountRequest { account_id: account_id.clone(), currency: "USD".into() };
+                client.open_account(open).await?;
+                let deposit = proto::DepositRequest {
+                    request_id: format!("{account_id}-funds"),
+                    account_id,
+                    amount: "1000000000.00".into(),
+                    currency: "USD".into(),
+                };
+                client.deposit(deposit).await?;
+                Ok::<_, tonic::Status>(())
+            }
+        })
+        .buffer_unordered(PREPARE_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let order_count = match settings.scenario {
+        Scenario::Pay | Scenario::Hot => settings.total,
+        Scenario::Replay => 1,
+        Scenario::Refund => settings.total.div_ceil(REFUNDS_PER_ORDER),
+        Scenario::Mixed => settings.total,
+    };
+    let amount = if settings.scenario == Scenario::Refund { "100.00" } else { "1.00" };
+    let draw = payer_draw(settings, payers.len());
+    let orders: Vec<(String, String, usize)> =
+        (0..order_count).map(|n| (format!("b{run}-m{}", n % merchants as u64), format!("o{n}"), draw(n))).collect();
+    stream::iter(orders.iter().enumerate())
+        .map(|(n, (merchant, order_no, _))| {
+            let mut client = clients.payment(n as u64);
+            let request = proto::CreateOrderRequest {
+                merchant_id: merchant.clone(),
+                order_no: order_no.clone(),
+                payee_account_id: shops[n % shops.len()].clone(),
+                amount: amount.into(),
+                currency: "USD".into(),
+                subject: "bench".into(),
+            };
+            async move { client.create_order(request).await.map(|_| ()) }
+        })
+        .buffer_unordered(PREPARE_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut prepared = Prepared { run, payers, shops, orders, paid: Vec::new() };
+    // Replay, refund and mixed need paid orders to start from.
+    let to_pay = match settings.scenario {
+        Scenario::Replay | Scenario::Refund => prepared.orders.len(),
+        Scenario::Mixed => prepared.orders.len() / 5,
+        Scenario::Pay | Scenario::Hot => 0,
+    };
+    let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
+        .map(|(n, (merchant, order_no, payer))| {
+            let mut client = clients.payment(n as u64);
+            let out_trade_no = format!("{order_no}-pay");
+            let request = pay_request(&merchant, &out_trade_no, &order_no, &prepared.payers[payer], amount);
+            async move { client.pay(request).await.map(|_| (merchant, out_trade_no)) }
+        })
+        .buffer_unordered(PREPARE_CONCURRENCY)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    prepared.paid = paid;
+    Ok(prepared)
+}
+
+fn pay_request(merchant: &str, out_trade_no: &str, order_no: &str, payer: &str, amount: &str) -> proto::PayRequest {
+    proto::PayRequest {
+        merchant_id: merchant.to_owned(),
+        out_trade_no: out_trade_no.to_owned(),
+        order_no: order_no.to_owned(),
+        payer_account_id: payer.to_owned(),
+        amount: amount.to_owned(),
+        currency: "USD".into(),
+    }
+}
+
+/// Makes call number `n` of the scenario: `Ok(replayed)` or the status code.
+async fn call(
+    scenario: Scenario,
+    n: u64,
+    prepared: &Prepared,
+    clients: &Clients,
+    duplicate_ratio: f64,
+) -> Result<bool, tonic::Code> {
+    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(crate::grpc::REPLAYED_HEADER).is_some();
+    let index = usize::try_from(n).unwrap_or(0);
+    match scenario {
+        Scenario::Pay | Scenario::Hot => {
+            let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
+            let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");
+            clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        Scenario::Replay => {
+            let (merchant, out_trade_no) = &prepared.paid[0];
+            let request = pay_request(merchant, out_trade_no, "o0", &prepared.payers[0], "1.00");
+            clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        Scenario::Refund => {
+            let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
+            let request = proto::RefundRequest {
+                merchant_id: merchant.clone(),
+                out_trade_no: out_trade_no.clone(),
+                out_refund_no: format!("r{n}"),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+                reason: String::new(),
+            };
+            clients.payment(n).refund(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        Scenario::Mixed => {
+            let (draw, duplicate) = {
+                let mut rng = rand::rng();
+                (rng.random_range(0..10), rng.random_bool(duplicate_ratio))
+            };
+            let sends = if duplicate { 2 } else { 1 };
+            let mut outcome = Ok(false);
+            for _ in 0..sends {
+                outcome = mixed_call(draw, n, prepared, clients).await;
+            }
+            outcome
+        }
+    }
+}
+
+async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -> Result<bool, tonic::Code> {
+    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(crate::grpc::REPLAYED_HEADER).is_some();
+    let index = usize::try_from(n).unwrap_or(0);
+    let payer = &prepared.payers[index % prepared.payers.len()];
+    match draw {
+        0..6 => {
+            let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
+            let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");
+            clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        6 => {
+            let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
+            let request = proto::RefundRequest {
+                merchant_id: merchant.clone(),
+                out_trade_no: out_trade_no.clone(),
+                out_refund_no: format!("r{n}"),
+                amount: "0.01".into(),
+                currency: "USD".into(),
+                reason: String::new(),
+            };
+            clients.payment(n).refund(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        7 => {
+            let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
+            let request =
+                proto::QueryRequest { merchant_id: merchant.clone(), key: Some(Key::OutTradeNo(out_trade_no.clone())) };
+            clients.payment(n).query(request).await.map(|_| false).map_err(|s| s.code())
+        }
+        8 => {
+            let request = proto::DepositRequest {
+                request_id: format!("b{}-d{n}", prepared.run),
+                account_id: payer.clone(),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+            };
+            clients.account(n).deposit(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        _ => {
+            let to = &prepared.shops[index % prepared.shops.len()];
+            let request = proto::TransferRequest {
+                from_account_id: payer.clone(),
+                to_account_id: to.clone(),
+                amount: "0.01".into(),
+                currency: "USD".into(),
+                memo: String::new(),
+            };
+            let request = crate::client::with_idempotency_key(request, &format!("b{}-t{n}", prepared.run))
+                .map_err(|s| s.code())?;
+            clients.account(n).transfer(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+    }
+}
+
+/// Runs one benchmark and returns its report.
+///
+/// # Errors
+/// When the target cannot be reached or the preparation fails.
+pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
+    let mut accounts = Vec::new();
+    let mut payments = Vec::new();
+    for _ in 0..settings.connections.max(1) {
+        let channel = Endpoint::from_shared(settings.target.clone())?.connect().await?;
+        accounts.push(AccountServiceClient::new(channel.clone()));
+        payments.push(PaymentServiceClient::new(channel));
+    }
+    let clients = Clients { accounts, payments };
+    let prepared = Arc::new(prepare(settings, &clients).await?);
+
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = settings.duration_seconds.map(|seconds| started + Duration::from_secs(seconds));
+    let workers: Vec<_> = (0..settings.concurrency.max(1))
+        .map(|_| {
+            let (next, prepared, clients) = (next.clone(), prepared.clone(), clients.clone());
+            let (scenario, total, duplicate_ratio) = (settings.scenario, settings.total, settings.duplicate_ratio);
+            tokio::spawn(async move {
+                let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+                let mut codes: BTreeMap<String, u64> = BTreeMap::new();
+                let mut replays = 0;
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= total || deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                        break;
+                    }
+                    let call_started = Instant::now();
+                    let outcome = call(scenario, n, &prepared, &clients, duplicate_ratio).await;
+                    let micros = u64::try_from(call_started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    let _ = histogram.record(micros.max(1));
+                    let code = match outcome {
+                        Ok(replayed) => {
+                            replays += u64::from(replayed);
+                            tonic::Code::Ok
+                        }
+                        Err(code) => code,
+                    };
+                    *codes.entry(format!("{code:?}")).or_default() += 1;
+                }
+                (histogram, codes, replays)
+            })
+        })
+        .collect();
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+    let mut status_codes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut replays = 0;
+    for worker in workers {
+        let (worker_histogram, codes, worker_replays) = worker.await?;
+        histogram.add(&worker_histogram)?;
+        for (code, count) in codes {
+            *status_codes.entry(code).or_default() += count;
+        }
+        replays += worker_replays;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let count = histogram.len();
+    let mut latency_us = BTreeMap::new();
+    latency_us.insert("min".to_owned(), histogram.min());
+    for (name, quantile) in [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)] {
+        latency_us.insert(name.to_owned(), histogram.value_at_quantile(quantile));
+    }
+    latency_us.insert("max".to_owned(), histogram.max());
+    latency_us.insert("mean".to_owned(), histogram.mean() as u64);
+    let buckets = 10u64;
+    let width = (histogram.max() - histogram.min()).div_ceil(buckets).max(1);
+    let histogram_rows = (1..=buckets)
+        .map(|bucket| {
+            let upper = histogram.min() + width * bucket;
+            let lower = upper - width;
+            (upper, histogram.count_between(lower + u64::from(bucket > 1), upper))
+        })
+        .collect();
+    Ok(BenchReport {
+        scenario: settings.scenario,
+        concurrency: settings.concurrency,
+        count,
+        duration_seconds: elapsed,
+        calls_per_second: count as f64 / elapsed.max(f64::EPSILON),
+        latency_us,
+        histogram: histogram_rows,
+        status_codes,
+        replays,
+    })
+}
+
+fn millis(micros: u64) -> String {
+    format!("{:.2} ms", micros as f64 / 1000.0)
+}
+
+fn print_report(report: &BenchReport) {
+    println!("Summary ({:?}, concurrency {}):", report.scenario, report.concurrency);
+    println!("  Count:        {}", report.count);
+    println!("  Total:        {:.2} s", report.duration_seconds);
+    for (label, key) in [("Slowest", "max"), ("Fastest", "min"), ("Average", "mean")] {
+        println!("  {label}:      {}", millis(report.latency_us[key]));
+    }
+    println!("  Requests/sec: {:.1}", report.calls_per_second);
+    println!("\nResponse time histogram:");
+    let peak = report.histogram.iter().map(|(_, count)| *count).max().unwrap_or(1).max(1);
+    for (upper, count) in &report.histogram {
+        let bar = "∎".repeat(usize::try_from(count * 40 / peak).unwrap_or(0));
+        println!("  {:>10} [{count:>7}] |{bar}", millis(*upper));
+    }
+    println!("\nLatency distribution:");
+    for key in ["p50", "p90", "p99"] {
+        println!("  {key} in {}", millis(report.latency_us[key]));
+    }
+    println!("\nStatus code distribution:");
+    for (code, count) in &report.status_codes {
+        println!("  [{code}] {count} responses");
+    }
+    println!("  replayed: {}", report.replays);
+}
+
+/// Runs `payledger bench`: exit status 1 when a call failed other than as the scenario expects.
+///
+/// # Errors
+/// When the target cannot be reached or the preparation fails.
+pub async fn run(settings: BenchSettings) -> Result<ExitCode, AnyError> {
+    let report = bench(&settings).await?;
+    print_report(&report);
+    if settings.json {
+        println!("bench-report: {}", serde_json::to_string(&report)?);
+    }
+    let failed: u64 =
+        report.status_codes.iter().filter(|(code, _)| code.as_str() != "Ok").map(|(_, count)| count).sum();
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
