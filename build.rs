@@ -12,6 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     // Server reflection serves this encoded set, so grpcurl, buf curl and ghz need no .proto.
     fs::write(out_dir.join("payledger_descriptor.bin"), descriptors.encode_to_vec())?;
-    tonic_prost_build::configure().build_server(true).build_client(true).compile_fds(descriptors)?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        // Malformed protobuf is INVALID_ARGUMENT, not INTERNAL (see src/grpc/codec.rs).
+        .codec_path("crate::grpc::codec::LedgerCodec")
+        .compile_fds(descriptors)?;
     Ok(())
 }

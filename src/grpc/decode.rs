@@ -79,7 +79,8 @@ pub(super) fn list_entries(request: proto::ListEntriesRequest) -> Result<ListEnt
     let before_entry_id = if page_token.is_empty() {
         Some(None)
     } else {
-        let token = page_token.parse::<i64>().ok().filter(|id| *id > 0 && page_token.len() <= 20).map(Some);
+        let digits = page_token.len() <= 19 && page_token.bytes().all(|b| b.is_ascii_digit());
+        let token = digits.then(|| page_token.parse::<i64>().ok()).flatten().filter(|id| *id > 0).map(Some);
         v.check(token.ok_or_else(|| FieldViolation::new("page_token", "is not a next_page_token of this API")))
     };
     match (account_id, page_size, before_entry_id) {

@@ -1,6 +1,7 @@
 //! The gRPC transport: decode a request into a command, run the use case, encode the answer.
 
 mod accounts;
+pub mod codec;
 mod decode;
 mod encode;
 mod payments;

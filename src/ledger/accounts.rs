@@ -161,7 +161,7 @@ impl Ledger {
                 amount: command.amount,
                 now,
             };
-            post(&mut queries, &posting).await?;
+            post(&mut queries, &posting, &[]).await?;
             let receipt = deposit_receipt(&mut queries, account, &deposit_id).await?;
             session.complete(&mut queries, &receipt).await?;
             Ok(Inserted::Done(receipt))
@@ -253,7 +253,7 @@ impl Ledger {
                 amount: command.amount,
                 now,
             };
-            post(&mut queries, &posting).await?;
+            post(&mut queries, &posting, &[]).await?;
             queries.insert_transfer(&transfer).await?;
             let missing = || Error::Internal("a transfer's entry is missing".into());
             let from_entry = queries.find_entry(&transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;

@@ -367,7 +367,9 @@ async fn pay_in_transaction(
     now: i64,
 ) -> Result<Inserted<PayReceipt>, Error> {
     let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
-    let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+    // The order's row lock orders every Pay of this order: a duplicate waits here for the
+    // first one's outcome (and on MySQL no two inserts of one key race into a deadlock).
+    let order = queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
     if order.currency != command.amount.currency().code() {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -377,8 +379,19 @@ async fn pay_in_transaction(
     if order.payee_account_id == command.payer_account_id.as_str() {
         return Err(Rejection::PayerIsPayee.into());
     }
-    let payer =
-        queries.find_account(command.payer_account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))?;
+    if order.status != OrderStatus::Pending.as_str() {
+        if order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str()) {
+            return Ok(Inserted::KeyTaken);
+        }
+        order_state(&order)?.apply(OrderEvent::Pay)?;
+        return Err(Error::Internal("a paid order's state machine accepted another Pay".into()));
+    }
+    // Both balances in one round trip; the posting's first CAS starts from this read.
+    let accounts = queries.find_two_accounts(command.payer_account_id.as_str(), &order.payee_account_id).await?;
+    let payer = accounts
+        .iter()
+        .find(|account| account.account_id == command.payer_account_id.as_str())
+        .ok_or(Error::NotFound(Resource::Account))?;
     if payer.currency != order.currency {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -412,7 +425,7 @@ async fn pay_in_transaction(
         amount: command.amount,
         now,
     };
-    post(queries, &posting).await?;
+    post(queries, &posting, &accounts).await?;
     let order = OrderRow {
         status: OrderStatus::Paid.as_str().to_owned(),
         out_trade_no: Some(payment.out_trade_no.clone()),
@@ -450,10 +463,13 @@ async fn refund_in_transaction(
         reason: command.reason.as_str().to_owned(),
         created_at: now,
     };
+    // The order's row lock orders every refund of this order (see pay_in_transaction).
+    let order =
+        queries.find_order_for_update(merchant_id, &payment.order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
     if !queries.insert_refund(&refund).await? {
         return Ok(Inserted::KeyTaken);
     }
-    let order = refund_order(queries, merchant_id, &payment.order_no, refund.amount, now).await?;
+    let order = refund_order(queries, order, refund.amount, now).await?;
     let posting = Posting {
         posting_id: refund_no,
         kind: EntryKind::Refund,
@@ -463,27 +479,24 @@ async fn refund_in_transaction(
         amount: command.amount,
         now,
     };
-    post(queries, &posting).await?;
+    post(queries, &posting, &[]).await?;
     Ok(Inserted::Done(RefundReceipt { refund, order }))
 }
 
-/// Applies a refund to the order with a CAS on (status, refunded_amount), re-reading and
-/// retrying when a concurrent refund won (the retry reads under a row lock, as in
-/// `posting::change_balance`). Returns the order after.
-async fn refund_order(
-    queries: &mut Queries<'_>,
-    merchant_id: &str,
-    order_no: &str,
-    amount: i64,
-    now: i64,
-) -> Result<OrderRow, Error> {
+/// Applies a refund to the order with a CAS on (status, refunded_amount), starting from the
+/// row `read` in this transaction, re-reading under a row lock and retrying if another writer
+/// won. Returns the order after.
+async fn refund_order(queries: &mut Queries<'_>, read: OrderRow, amount: i64, now: i64) -> Result<OrderRow, Error> {
+    let (merchant_id, order_no) = (read.merchant_id.clone(), read.order_no.clone());
+    let (merchant_id, order_no) = (merchant_id.as_str(), order_no.as_str());
+    let mut known = Some(read);
     for attempt in 1..=CAS_ATTEMPTS_MAX {
-        let order = if attempt == 1 {
-            queries.find_order(merchant_id, order_no).await?
-        } else {
-            queries.find_order_for_update(merchant_id, order_no).await?
+        let order = match known.take() {
+            Some(order) => order,
+            None => {
+                queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?
+            }
         };
-        let order = order.ok_or(Error::NotFound(Resource::Order))?;
         let from = order_state(&order)?;
         let Transition::To(to) = from.apply(OrderEvent::Refund { amount_minor_units: amount })? else {
             return Err(Error::Internal("a refund is never already applied".into()));

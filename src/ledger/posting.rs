@@ -3,7 +3,7 @@
 
 use crate::domain::{Amount, Rejection, BALANCE_MINOR_UNITS_MAX};
 use crate::error::{Error, Resource};
-use crate::store::{NewEntry, Queries};
+use crate::store::{AccountRow, NewEntry, Queries};
 
 use super::transaction::CAS_ATTEMPTS_MAX;
 
@@ -59,17 +59,21 @@ pub(super) struct Posting<'a> {
 /// [`Rejection::InsufficientFunds`] when `from` would go below zero,
 /// [`Rejection::CurrencyMismatch`] when an account holds another currency,
 /// [`Error::NotFound`] for a missing account, [`Error::Contention`] when the CAS kept losing.
-pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>) -> Result<(), Error> {
+///
+/// `known` may hold rows of the two accounts already read in this transaction: the first CAS
+/// of such an account starts from that read instead of reading again.
+pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known: &[AccountRow]) -> Result<(), Error> {
     assert_ne!(posting.from_account_id, posting.to_account_id, "a posting moves money between two accounts");
     let minor_units = posting.amount.minor_units();
     let currency = posting.amount.currency().code();
     let (from, to) = (posting.from_account_id, posting.to_account_id);
+    let read = |account_id: &str| known.iter().find(|row| row.account_id == account_id).cloned();
     let ((from_balance, from_version), (to_balance, to_version)) = if from < to {
-        let from_after = change_balance(queries, from, currency, -minor_units, posting.now).await?;
-        (from_after, change_balance(queries, to, currency, minor_units, posting.now).await?)
+        let from_after = change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?;
+        (from_after, change_balance(queries, read(to), to, currency, minor_units, posting.now).await?)
     } else {
-        let to_after = change_balance(queries, to, currency, minor_units, posting.now).await?;
-        (change_balance(queries, from, currency, -minor_units, posting.now).await?, to_after)
+        let to_after = change_balance(queries, read(to), to, currency, minor_units, posting.now).await?;
+        (change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?, to_after)
     };
     let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
         account_id,
@@ -102,16 +106,17 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>) -> Re
 /// until its retries run out.
 async fn change_balance(
     queries: &mut Queries<'_>,
+    mut known: Option<AccountRow>,
     account_id: &str,
     currency: &str,
     delta: i64,
     now: i64,
 ) -> Result<(i64, i64), Error> {
     for attempt in 1..=CAS_ATTEMPTS_MAX {
-        let account = if attempt == 1 {
-            queries.find_account(account_id).await?
-        } else {
-            queries.find_account_for_update(account_id).await?
+        let account = match (attempt, known.take()) {
+            (1, Some(row)) => Some(row),
+            (1, None) => queries.find_account(account_id).await?,
+            _ => queries.find_account_for_update(account_id).await?,
         };
         let account = account.ok_or(Error::NotFound(Resource::Account))?;
         if account.currency != currency {

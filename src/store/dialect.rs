@@ -56,8 +56,8 @@ impl Dialect {
     /// Statements run on every new connection; `lock_timeout` bounds every row-lock wait
     /// (including a request waiting for an in-flight duplicate of its key).
     ///
-    /// - PostgreSQL keeps its default READ COMMITTED: each statement sees what committed
-    ///   before it, so a version CAS that lost re-reads the winner's row. A session left idle
+    /// - PostgreSQL: READ COMMITTED, set explicitly: each statement sees what committed before
+    ///   it, so a version CAS that lost re-reads the winner's row. A session left idle
     ///   inside a transaction is ended by the server (`idle_in_transaction_session_timeout`).
     /// - MySQL/MariaDB default to REPEATABLE READ, where a plain re-read inside the
     ///   transaction returns the old snapshot and a CAS retry loop would spin on a stale
@@ -71,6 +71,9 @@ impl Dialect {
         let millis = lock_timeout.as_millis().max(1);
         match self {
             Dialect::Postgres => vec![
+                // Set, not assumed: a database default of SERIALIZABLE would turn lock waits
+                // into serialization failures.
+                "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
                 "SET idle_in_transaction_session_timeout = '60s'".to_owned(),
                 format!("SET lock_timeout = '{millis}ms'"),
             ],
@@ -117,7 +120,8 @@ pub enum Fault {
 /// Classifies a sqlx error by driver error code, never by message text.
 ///
 /// Sources: PostgreSQL Appendix A (40P01 deadlock_detected, 40001 serialization_failure,
-/// 55P03 lock_not_available, class 57 operator intervention, class 08 connection);
+/// 55P03 lock_not_available; classes 08, 28, 3D, 53 and 57 at connection time or by an
+/// operator);
 /// MySQL server error reference (1213 ER_LOCK_DEADLOCK; 1205 ER_LOCK_WAIT_TIMEOUT, which
 /// rolls back only the statement, so the whole transaction is rolled back; 1927
 /// ER_CONNECTION_KILLED, 1053 ER_SERVER_SHUTDOWN); SQLite result codes (5 BUSY once the busy
@@ -137,9 +141,12 @@ pub fn classify(error: &sqlx::Error) -> Fault {
 fn classify_database_error(error: &dyn DatabaseError) -> Fault {
     if let Some(mysql) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
         return match mysql.number() {
-            1213 => Fault::Transient,
+            // Deadlock; a statement interrupted by KILL QUERY.
+            1213 | 1317 => Fault::Transient,
             1205 => Fault::LockTimeout,
-            1927 | 1053 => Fault::Unavailable,
+            // Connection killed, server shutting down, too many connections (server-wide or
+            // for the user), access denied, unknown database: the database cannot serve now.
+            1927 | 1053 | 1040 | 1226 | 1045 | 1049 => Fault::Unavailable,
             _ => Fault::Other,
         };
     }
@@ -154,7 +161,9 @@ fn classify_database_error(error: &dyn DatabaseError) -> Fault {
     match code.as_ref() {
         "40P01" | "40001" => Fault::Transient,
         "55P03" => Fault::LockTimeout,
-        code if code.starts_with("57") || code.starts_with("08") => Fault::Unavailable,
+        // Classes 08 connection exception, 57 operator intervention, 53 insufficient resources
+        // (too many connections), 28 invalid authorization, 3D unknown database.
+        code if ["08", "57", "53", "28", "3D"].iter().any(|class| code.starts_with(class)) => Fault::Unavailable,
         _ => Fault::Other,
     }
 }

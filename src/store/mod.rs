@@ -28,6 +28,8 @@ pub use rows::{
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 static MYSQL_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+/// Waits up to 60 s for the migration lock (1: held, 0: timed out).
+const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK('payledger_migrations', 60) AS SIGNED)";
 
 /// Pool settings.
 #[derive(Debug, Clone)]
@@ -100,6 +102,10 @@ impl Store {
         let pool = AnyPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
+            // No ping on every checkout: it costs a round trip per request. A connection that
+            // died fails its first statement instead, the call is UNAVAILABLE (retried by the
+            // client) and the pool drops the connection.
+            .test_before_acquire(false)
             .after_connect(move |connection, _| {
                 let session_setup = session_setup.clone();
                 Box::pin(async move {
@@ -127,7 +133,27 @@ impl Store {
             Dialect::MySql => &MYSQL_MIGRATIONS,
             Dialect::Sqlite => &SQLITE_MIGRATIONS,
         };
-        migrator.run(&self.pool).await.map_err(|error| ConnectError::Migrate(self.dialect.name(), error))
+        let failed = |error| ConnectError::Migrate(self.dialect.name(), error);
+        if self.dialect != Dialect::MySql {
+            return migrator.run(&self.pool).await.map_err(failed);
+        }
+        // sqlx takes MySQL's lock with GET_LOCK(name, -1); MariaDB answers NULL at once to a
+        // negative timeout instead of waiting, so two instances starting together would both
+        // migrate. Take a named lock with a real timeout first, on the connection that then
+        // migrates (GET_LOCK nests within one session).
+        let mut connection = self.pool.acquire().await.map_err(|error| failed(error.into()))?;
+        let locked: Option<i64> = sqlx::query_scalar(MYSQL_MIGRATION_LOCK)
+            .fetch_one(&mut *connection)
+            .await
+            .map_err(|error| failed(error.into()))?;
+        if locked != Some(1) {
+            return Err(failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
+                "another instance held the migration lock for 60 s".into(),
+            ))));
+        }
+        let outcome = migrator.run_direct(&mut *connection).await;
+        let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
+        outcome.map_err(failed)
     }
 
     pub fn dialect(&self) -> Dialect {

@@ -17,6 +17,9 @@ static FIND_ACCOUNT: Sql = Sql::new(
 static FIND_ACCOUNT_FOR_UPDATE: Sql = Sql::new(
     "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id = ? FOR UPDATE",
 );
+static FIND_TWO_ACCOUNTS: Sql = Sql::new(
+    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id IN (?, ?)",
+);
 static INSERT_ACCOUNT: Sql = Sql::new(
     "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -262,6 +265,15 @@ impl<'c> Queries<'c> {
 
     pub async fn find_account(&mut self, account_id: &str) -> Result<Option<AccountRow>, sqlx::Error> {
         sqlx::query_as(FIND_ACCOUNT.text(self.dialect)).bind(account_id).fetch_optional(&mut *self.connection).await
+    }
+
+    /// Reads two accounts in one round trip (those that exist).
+    pub async fn find_two_accounts(&mut self, first: &str, second: &str) -> Result<Vec<AccountRow>, sqlx::Error> {
+        sqlx::query_as(FIND_TWO_ACCOUNTS.text(self.dialect))
+            .bind(first)
+            .bind(second)
+            .fetch_all(&mut *self.connection)
+            .await
     }
 
     /// Reads an account and locks its row until the transaction ends (`FOR UPDATE`), so the

@@ -885,3 +885,63 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
     assert_eq!(app.balance("alice").await, "70.00", "the payer was debited once");
     assert_eq!(app.rows("payment_flow").await, 1);
 }
+
+// ---- Benchmark smoke: every scenario runs clean (correctness only, never a timing) ----------
+
+pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &TestApp) {
+    use payledger::bench::{bench, BenchSettings, Scenario};
+
+    for (scenario, zipf) in [
+        (Scenario::Pay, None),
+        (Scenario::Replay, None),
+        (Scenario::Hot, None),
+        (Scenario::Hot, Some(1.1)),
+        (Scenario::Refund, None),
+        (Scenario::Mixed, None),
+    ] {
+        let settings = BenchSettings {
+            target: format!("http://{}", app.address),
+            scenario,
+            concurrency: 8,
+            total: 120,
+            duration_seconds: None,
+            payers: 20,
+            merchants: 5,
+            zipf,
+            duplicate_ratio: 0.2,
+            connections: 2,
+            json: false,
+        };
+        let report = bench(&settings).await.unwrap();
+
+        assert_eq!(report.count, 120, "{scenario:?}");
+        assert_eq!(report.status_codes.keys().collect::<Vec<_>>(), ["Ok"], "{scenario:?}: {:?}", report.status_codes);
+        if scenario == Scenario::Replay {
+            assert_eq!(report.replays, 120, "every replay call is answered as a replay");
+        }
+    }
+    let violations = app.ledger.audit().await.unwrap();
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
+/// A message whose field 1 is bytes: sent where field 1 is a string, it can be invalid UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawField {
+    #[prost(bytes = "vec", tag = "1")]
+    value: Vec<u8>,
+}
+
+pub async fn a_malformed_protobuf_message_is_invalid_argument(app: &TestApp) {
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{}", app.address)).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    // Field 1 of GetAccountRequest is a string; these bytes are not UTF-8.
+    let not_utf8 = RawField { value: vec![0xff, 0xfe] };
+    let codec = tonic_prost::ProstCodec::<RawField, proto::GetAccountResponse>::default();
+    let path = http::uri::PathAndQuery::from_static("/payledger.v1.AccountService/GetAccount");
+
+    let status = grpc.unary(tonic::Request::new(not_utf8), path, codec).await.unwrap_err();
+
+    assert_status(&status, Code::InvalidArgument, "MALFORMED_REQUEST");
+}

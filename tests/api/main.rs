@@ -84,4 +84,6 @@ backend_suite!(
     the_reaper_deletes_expired_keys_in_batches_while_pays_run,
     a_pay_retried_after_its_key_expired_is_still_a_replay => short_lived,
     a_pay_whose_response_is_lost_is_retried_and_answered_with_the_original_trade_no,
+    every_bench_scenario_runs_clean_and_keeps_the_ledger_sound,
+    a_malformed_protobuf_message_is_invalid_argument,
 );

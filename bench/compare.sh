@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Compares payledger's Pay with the database's own benchmark for the same transaction shape,
+# in one run, on this machine, at the same concurrency:
+#   PostgreSQL: pgbench tpcb-like (3 UPDATEs, a SELECT, an INSERT), prepared mode;
+#   MariaDB/MySQL: sysbench oltp_write_only;
+#   SQLite: payledger's pay figure alone (there is no server to compare with).
+# Then every payledger scenario, the 128-caller overload, the server's peak resident memory,
+# and `payledger audit` on what the runs wrote. Every database it creates is dropped again.
+#
+# Usage: bench/compare.sh [postgres|mysql|sqlite|all]   (default: all)
+# Environment: CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
+#   COUNT (calls per payledger scenario, 20000), POOL_SIZE (payledger's pool, 16),
+#   PG_ADMIN (postgres://postgres@127.0.0.1:5432/postgres), MYSQL_ADMIN (mysql://root@127.0.0.1:3306/test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TARGETS="${1:-all}"
+CONCURRENCY="${CONCURRENCY:-32}"
+SECONDS_DB="${SECONDS_DB:-20}"
+COUNT="${COUNT:-20000}"
+POOL_SIZE="${POOL_SIZE:-16}"
+PG_HOST=127.0.0.1
+PORT=50999
+BIN=target/release/payledger
+RESULTS="$(mktemp -d)"
+SERVER_PID=""
+
+cleanup() {
+  if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
+  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE IF EXISTS payledger_bench WITH (FORCE)" 2>/dev/null || true
+  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE IF EXISTS pgbench_reference WITH (FORCE)" 2>/dev/null || true
+  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE IF EXISTS payledger_bench; DROP DATABASE IF EXISTS sysbench_reference" 2>/dev/null || true
+  rm -f /tmp/payledger_bench.db /tmp/payledger_bench.db-wal /tmp/payledger_bench.db-shm
+}
+trap cleanup EXIT
+
+need() { # tool, Debian package
+  if ! command -v "$1" >/dev/null 2>&1; then
+    echo "installing $2"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2") >/dev/null
+  fi
+}
+
+cargo build --release --locked --quiet
+
+start_server() { # database url
+  "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$1" --pool-size "$POOL_SIZE" --log-filter warn &
+  SERVER_PID=$!
+  for _ in $(seq 1 100); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  echo "payledger did not start" >&2
+  return 1
+}
+
+stop_server() {
+  grep -E '^VmHWM' "/proc/$SERVER_PID/status" | awk '{print $2}' > "$RESULTS/rss_kb" || echo 0 > "$RESULTS/rss_kb"
+  kill "$SERVER_PID"
+  wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=""
+}
+
+bench() { # label, scenario, concurrency, extra args...
+  local label=$1 scenario=$2 concurrency=$3
+  shift 3
+  "$BIN" bench --target "http://127.0.0.1:$PORT" --scenario "$scenario" -c "$concurrency" -n "$COUNT" --json "$@" \
+    > "$RESULTS/$label.txt"
+  grep '^bench-report: ' "$RESULTS/$label.txt" | sed 's/^bench-report: //' > "$RESULTS/$label.json"
+  python3 - "$RESULTS/$label.json" "$label" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+errors = {code: n for code, n in report["status_codes"].items() if code != "Ok"}
+print(f"  {sys.argv[2]:<16} {report['calls_per_second']:>9.1f} calls/s   p50 {report['latency_us']['p50']/1000:6.2f} ms"
+      f"   p99 {report['latency_us']['p99']/1000:6.2f} ms   errors {errors or 'none'}")
+PY
+}
+
+rate() { python3 -c "import json;print(json.load(open('$RESULTS/$1.json'))['calls_per_second'])"; }
+ratio() { python3 -c "print(f'{$1/$2:.2f}')"; }
+
+payledger_suite() { # database url, reference label, reference tps, target ratio
+  local url=$1 reference=$2 reference_tps=$3 target=$4
+  start_server "$url"
+  bench pay pay "$CONCURRENCY"
+  bench replay replay "$CONCURRENCY"
+  bench hot hot "$CONCURRENCY"
+  bench hot-zipf hot "$CONCURRENCY" --zipf 1.1
+  bench refund refund "$CONCURRENCY"
+  bench mixed mixed "$CONCURRENCY"
+  bench pay-8 pay 8
+  bench pay-128 pay 128
+  stop_server
+  "$BIN" audit --database-url "$url"
+  local pay
+  pay=$(rate pay)
+  echo
+  echo "  $reference: $reference_tps tps   payledger pay: $pay calls/s   ratio $(ratio "$pay" "$reference_tps") (target >= $target)"
+  echo "  replay / pay: $(ratio "$(rate replay)" "$pay") (target >= 4)   hot / pay: $(ratio "$(rate hot)" "$pay") (target >= 0.5)"
+  echo "  pay at 128 callers / pay at $CONCURRENCY: $(ratio "$(rate pay-128)" "$pay") (target >= 0.8)"
+  echo "  server peak resident memory: $(( $(cat "$RESULTS/rss_kb") / 1024 )) MB (target <= 100)"
+}
+
+if [ "$TARGETS" = all ] || [ "$TARGETS" = postgres ]; then
+  need pgbench postgresql-contrib
+  echo "== PostgreSQL: pgbench tpcb-like, prepared, $CONCURRENCY clients, ${SECONDS_DB}s"
+  createdb -h "$PG_HOST" -U postgres pgbench_reference
+  pgbench -h "$PG_HOST" -U postgres -i -q -s "$CONCURRENCY" pgbench_reference >/dev/null 2>&1
+  PG_TPS=$(pgbench -h "$PG_HOST" -U postgres -M prepared -b tpcb-like -c "$CONCURRENCY" -j 2 -T "$SECONDS_DB" pgbench_reference 2>/dev/null \
+    | awk '/^tps = / {print $3; exit}')
+  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE pgbench_reference WITH (FORCE)"
+  echo "  pgbench tpcb-like: $PG_TPS tps"
+  echo "== PostgreSQL: payledger"
+  createdb -h "$PG_HOST" -U postgres payledger_bench
+  payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" "$PG_TPS" 1.0
+  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE payledger_bench WITH (FORCE)"
+fi
+
+if [ "$TARGETS" = all ] || [ "$TARGETS" = mysql ]; then
+  need sysbench sysbench
+  echo "== MariaDB: sysbench oltp_write_only, $CONCURRENCY threads, ${SECONDS_DB}s"
+  mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE sysbench_reference"
+  SB="sysbench oltp_write_only --db-driver=mysql --mysql-host=127.0.0.1 --mysql-user=root --mysql-db=sysbench_reference --tables=8 --table-size=10000"
+  $SB prepare >/dev/null
+  MY_TPS=$($SB --threads="$CONCURRENCY" --time="$SECONDS_DB" run | awk '/transactions:/ {gsub(/\(/, "", $3); print $3; exit}')
+  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE sysbench_reference"
+  echo "  sysbench oltp_write_only: $MY_TPS tps"
+  echo "== MariaDB: payledger"
+  mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE payledger_bench"
+  payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" "$MY_TPS" 0.8
+  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE payledger_bench"
+fi
+
+if [ "$TARGETS" = all ] || [ "$TARGETS" = sqlite ]; then
+  echo "== SQLite (embedded): payledger"
+  start_server "sqlite:/tmp/payledger_bench.db"
+  bench pay pay "$CONCURRENCY"
+  stop_server
+  "$BIN" audit --database-url "sqlite:/tmp/payledger_bench.db"
+  echo "  server peak resident memory: $(( $(cat "$RESULTS/rss_kb") / 1024 )) MB"
+fi
