@@ -81,23 +81,7 @@ impl Amount {
     /// # Errors
     /// A [`FieldViolation`] naming `field` with the rule that failed.
     pub fn parse(field: &'static str, raw: &str, currency: Currency) -> Result<Self, FieldViolation> {
-        if raw.is_empty() {
-            return Err(FieldViolation::new(field, "is required"));
-        }
-        if raw.len() > AMOUNT_TEXT_LEN_MAX {
-            return Err(FieldViolation::new(field, format!("must be at most {AMOUNT_TEXT_LEN_MAX} characters")));
-        }
-        let (whole, fraction) = match raw.split_once('.') {
-            Some((whole, fraction)) => (whole, Some(fraction)),
-            None => (raw, None),
-        };
-        let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if !all_digits(whole) || !fraction.is_none_or(all_digits) {
-            return Err(FieldViolation::new(
-                field,
-                "must be a decimal number such as 100.00 (digits, optional fraction, no sign)",
-            ));
-        }
+        let fraction = Self::check_text(field, raw)?;
         let digits = currency.minor_unit_digits();
         if fraction.map_or(0, str::len) > digits as usize {
             return Err(FieldViolation::new(field, format!("{currency} allows at most {digits} fraction digits")));
@@ -117,6 +101,32 @@ impl Amount {
             return Err(too_large());
         }
         Ok(Self { minor_units, currency })
+    }
+
+    /// Checks the text of an amount whatever its currency: present, short enough, digits with
+    /// an optional fraction. Returns the fraction digits (the part after `.`).
+    ///
+    /// # Errors
+    /// A [`FieldViolation`] naming `field` with the rule that failed.
+    pub fn check_text<'a>(field: &'static str, raw: &'a str) -> Result<Option<&'a str>, FieldViolation> {
+        if raw.is_empty() {
+            return Err(FieldViolation::new(field, "is required"));
+        }
+        if raw.len() > AMOUNT_TEXT_LEN_MAX {
+            return Err(FieldViolation::new(field, format!("must be at most {AMOUNT_TEXT_LEN_MAX} characters")));
+        }
+        let (whole, fraction) = match raw.split_once('.') {
+            Some((whole, fraction)) => (whole, Some(fraction)),
+            None => (raw, None),
+        };
+        let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if !all_digits(whole) || !fraction.is_none_or(all_digits) {
+            return Err(FieldViolation::new(
+                field,
+                "must be a decimal number such as 100.00 (digits, optional fraction, no sign)",
+            ));
+        }
+        Ok(fraction)
     }
 
     /// Builds an amount from stored minor units (trusted: written by this service).

@@ -26,8 +26,11 @@ impl Violations {
     fn amount(&mut self, raw: &str, currency: Option<Currency>) -> Option<Amount> {
         match currency {
             Some(currency) => self.check(Amount::parse("amount", raw, currency)),
-            None if raw.is_empty() => self.check(Err(FieldViolation::new("amount", "is required"))),
-            None => None,
+            // The currency is bad too: still say what is wrong with the amount's text.
+            None => {
+                self.check(Amount::check_text("amount", raw));
+                None
+            }
         }
     }
 

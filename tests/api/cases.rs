@@ -318,7 +318,7 @@ pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_not
     request.currency = "usd".into();
     let error = payments.pay(request).await.unwrap_err();
     assert_status(&error, Code::InvalidArgument, "INVALID_ARGUMENT");
-    assert_eq!(violated_fields(&error), ["merchant_id", "out_trade_no", "order_no", "currency"]);
+    assert_eq!(violated_fields(&error), ["merchant_id", "out_trade_no", "order_no", "currency", "amount"]);
     assert!(error.message().len() < 512, "messages never echo large input");
 
     for amount in ["30.001", "0", "0.00", "1e3", " 30.00", "30,00", "99999999999999999999", "NaN"] {
