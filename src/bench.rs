@@ -336,7 +336,9 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
         payments.push(PaymentServiceClient::new(channel));
     }
     let clients = Clients { accounts, payments };
+    eprintln!("preparing {:?} data (untimed)...", settings.scenario);
     let prepared = Arc::new(prepare(settings, &clients).await?);
+    eprintln!("running {} calls at concurrency {}...", settings.total, settings.concurrency);
 
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();

@@ -6,6 +6,8 @@ use std::time::Duration;
 use crate::error::Error;
 use crate::store::{classify, Fault, Tx};
 
+use super::Inserted;
+
 /// Runs of a whole transaction before a transient failure is returned (as ABORTED).
 const TRANSACTION_ATTEMPTS_MAX: u32 = 5;
 /// Attempts of one version CAS or conditional UPDATE inside a transaction.
@@ -13,7 +15,7 @@ pub(super) const CAS_ATTEMPTS_MAX: u32 = 4;
 /// The first backoff step; each retry doubles the ceiling, with full jitter.
 const BACKOFF_BASE_MS: u64 = 2;
 
-/// Runs a body in a transaction: commit on `Ok`, roll back on `Err`. A deadlock (40P01,
+/// Runs a body in a transaction: commit on `Ok(Inserted::Done)`, roll back otherwise. A deadlock (40P01,
 /// 1213), serialization failure (40001), lock timeout or busy database rolls the whole
 /// transaction back, so the body runs again from BEGIN, never a single statement.
 ///
@@ -38,17 +40,19 @@ macro_rules! in_transaction {
 }
 pub(super) use in_transaction;
 
-/// Commits on `Ok`, rolls back on `Err`.
-pub(crate) async fn finish<T>(tx: Tx, result: Result<T, Error>) -> Result<T, Error> {
-    match result {
-        Ok(value) => tx.commit().await.map(|()| value).map_err(Error::from),
-        Err(error) => {
-            if let Err(rollback_error) = tx.rollback().await {
-                tracing::warn!(error = %rollback_error, "rollback failed; the connection is discarded");
-            }
-            Err(error)
-        }
+/// Commits a `Done`, rolls back a `KeyTaken` or an error.
+///
+/// `KeyTaken` rolls back too: whatever the attempt wrote before it found the key taken (an
+/// idempotency record it claimed, say) must not outlive it; the caller replays the original.
+pub(crate) async fn finish<T>(tx: Tx, result: Result<Inserted<T>, Error>) -> Result<Inserted<T>, Error> {
+    if matches!(result, Ok(Inserted::Done(_))) {
+        tx.commit().await?;
+        return result;
     }
+    if let Err(rollback_error) = tx.rollback().await {
+        tracing::warn!(error = %rollback_error, "rollback failed; the connection is discarded");
+    }
+    result
 }
 
 /// True (after a backoff) when the attempt failed transiently and attempts remain.

@@ -450,7 +450,7 @@ fn print_summary(summary: &StormSummary) {
         summary.calls, summary.acknowledged, summary.refused, summary.unknown_outcome, summary.queries
     );
     println!(
-        "  attempts {}  retries {}  duplicates sent {}  replays served {}",
+        "  client attempts (setup included) {}  retries {}  duplicates sent {}  replays served {}",
         summary.attempts, summary.retries, summary.duplicates_sent, summary.replays_served
     );
     let faults = &summary.faults;
@@ -463,6 +463,8 @@ fn print_summary(summary: &StormSummary) {
         summary.instance_kills,
         summary.database_cuts
     );
+    let audit_broken = summary.violations.iter().any(|violation| violation.starts_with("audit:"));
+    println!("  ledger audit: {}", if audit_broken { "VIOLATED" } else { "passed" });
     println!("  violations {}", summary.violations.len());
     for violation in &summary.violations {
         println!("    VIOLATION {violation}");

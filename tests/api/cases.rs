@@ -945,3 +945,45 @@ pub async fn a_malformed_protobuf_message_is_invalid_argument(app: &TestApp) {
 
     assert_status(&status, Code::InvalidArgument, "MALFORMED_REQUEST");
 }
+
+pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_record(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "1000.00", "30.00").await;
+    let mut payments = app.payments.clone();
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "order-1".into() };
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    payments.close_order(close.clone()).await.unwrap();
+
+    // Closing the closed order again, with a new key: answered from the order itself.
+    let again = payments.close_order(with_key(close, "k-close")).await.unwrap();
+    // Identical Pays, each with its own key: one runs, the rest meet the taken out_trade_no
+    // inside their transaction.
+    let calls = (0..10).map(|n| {
+        let mut payments = app.payments.clone();
+        let request = app.pay_request("m1", "pay-2", "order-2", "alice", "30.00");
+        tokio::spawn(async move { payments.pay(with_key(request, &format!("k-pay-{n}"))).await })
+    });
+    let pays: Vec<_> =
+        futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap().unwrap()).collect();
+    // The key of the replayed close is free for another request: not INTERNAL.
+    let reused = app.create_order("m1", "order-3", "shop", "1.00").await.map(|_| ());
+    let order = proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: "order-4".into(),
+        payee_account_id: "shop".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+        subject: String::new(),
+    };
+    let with_closed_key = payments.create_order(with_key(order, "k-close")).await;
+
+    assert!(replayed(&again));
+    assert_eq!(pays.iter().filter(|response| !replayed(response)).count(), 1);
+    reused.unwrap();
+    assert!(with_closed_key.is_ok(), "{with_closed_key:?}");
+    let in_progress = sqlx::query("SELECT COUNT(*) FROM idempotency_record WHERE status = 'IN_PROGRESS'")
+        .fetch_one(&app.raw)
+        .await
+        .unwrap();
+    assert_eq!(sqlx::Row::try_get::<i64, _>(&in_progress, 0).unwrap(), 0, "no record is left half done");
+    assert_eq!(app.balance("alice").await, "970.00");
+}

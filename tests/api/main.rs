@@ -86,4 +86,5 @@ backend_suite!(
     a_pay_whose_response_is_lost_is_retried_and_answered_with_the_original_trade_no,
     every_bench_scenario_runs_clean_and_keeps_the_ledger_sound,
     a_malformed_protobuf_message_is_invalid_argument,
+    a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_record,
 );
