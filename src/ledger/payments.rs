@@ -232,7 +232,9 @@ impl Ledger {
         let mut reader = self.store.reader().await?;
         let mut queries = reader.queries();
         let merchant_id = command.merchant_id.as_str();
-        let Some(payment) = queries.find_payment(merchant_id, command.out_trade_no.as_str()).await? else {
+        // One round trip: the payment by its key, with its order.
+        let Some((payment, order)) = queries.find_payment_and_order(merchant_id, command.out_trade_no.as_str()).await?
+        else {
             return Ok(None);
         };
         let fields = differing_fields(&[
@@ -244,10 +246,6 @@ impl Ledger {
         if !fields.is_empty() {
             return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
         }
-        let order = queries
-            .find_order(merchant_id, &payment.order_no)
-            .await?
-            .ok_or_else(|| Error::Internal("a payment's order is missing".into()))?;
         Ok(Some(PayReceipt { payment, order }))
     }
 

@@ -66,6 +66,14 @@ static FIND_PAYMENT: Sql = Sql::new(
     "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at \
      FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
 );
+static FIND_PAYMENT_AND_ORDER: Sql = Sql::new(
+    "SELECT p.trade_no, p.merchant_id, p.out_trade_no, p.order_no, p.payer_account_id, p.payee_account_id, p.amount, \
+     p.currency, p.status, p.created_at, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
+     o.currency AS o_currency, o.subject AS o_subject, o.status AS o_status, o.out_trade_no AS o_out_trade_no, \
+     o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at \
+     FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
+     WHERE p.merchant_id = ? AND p.out_trade_no = ?",
+);
 static INSERT_PAYMENT: Sql = Sql::new(
     "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -446,6 +454,35 @@ impl<'c> Queries<'c> {
             .bind(out_trade_no)
             .fetch_optional(&mut *self.connection)
             .await
+    }
+
+    /// A payment and its order, in one round trip (the read-only replay path of Pay).
+    pub async fn find_payment_and_order(
+        &mut self,
+        merchant_id: &str,
+        out_trade_no: &str,
+    ) -> Result<Option<(PaymentRow, OrderRow)>, sqlx::Error> {
+        let row: Option<AnyRow> = sqlx::query(FIND_PAYMENT_AND_ORDER.text(self.dialect))
+            .bind(merchant_id)
+            .bind(out_trade_no)
+            .fetch_optional(&mut *self.connection)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let payment = <PaymentRow as sqlx::FromRow<AnyRow>>::from_row(&row)?;
+        let order = OrderRow {
+            merchant_id: payment.merchant_id.clone(),
+            order_no: payment.order_no.clone(),
+            payee_account_id: row.try_get("o_payee_account_id")?,
+            amount: row.try_get("o_amount")?,
+            currency: row.try_get("o_currency")?,
+            subject: row.try_get("o_subject")?,
+            status: row.try_get("o_status")?,
+            out_trade_no: row.try_get("o_out_trade_no")?,
+            refunded_amount: row.try_get("o_refunded_amount")?,
+            created_at: row.try_get("o_created_at")?,
+            updated_at: row.try_get("o_updated_at")?,
+        };
+        Ok(Some((payment, order)))
     }
 
     pub async fn insert_payment(&mut self, row: &PaymentRow) -> Result<bool, sqlx::Error> {
