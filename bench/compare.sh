@@ -65,7 +65,7 @@ bench() { # label, scenario, concurrency, extra args...
   local label=$1 scenario=$2 concurrency=$3
   shift 3
   "$BIN" bench --target "http://127.0.0.1:$PORT" --scenario "$scenario" -c "$concurrency" -n "$COUNT" --json "$@" \
-    > "$RESULTS/$label.txt"
+    > "$RESULTS/$label.txt" 2>&1
   grep '^bench-report: ' "$RESULTS/$label.txt" | sed 's/^bench-report: //' > "$RESULTS/$label.json"
   python3 - "$RESULTS/$label.json" "$label" <<'PY'
 import json, sys
