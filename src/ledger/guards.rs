@@ -298,10 +298,14 @@ impl GuardSession<'_> {
             Ok(Inserted::KeyTaken) => {
                 // The original committed: a token consumed in Redis stays consumed.
                 self.redis = None;
-                if self.seen_absent && !self.claims.is_empty() {
+                // An in-flight wait: step 1 saw no record of this call's guards, yet one was
+                // committed by the time the claim met it (not: a natural key was taken).
+                let was_absent = self.seen_absent;
+                let replay = self.committed_replay().await?;
+                if was_absent && replay.is_some() {
                     counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
                 }
-                self.committed_replay().await
+                Ok(replay)
             }
             Err(error) => {
                 if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
