@@ -11,15 +11,35 @@ use super::rows::{
     TokenRow, TransferRow,
 };
 
-static FIND_ACCOUNT: Sql = Sql::new(
-    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id = ?",
-);
-static FIND_ACCOUNT_FOR_UPDATE: Sql = Sql::new(
-    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id = ? FOR UPDATE",
-);
-static FIND_TWO_ACCOUNTS: Sql = Sql::new(
-    "SELECT account_id, currency, kind, balance, version, created_at, updated_at FROM accounts WHERE account_id IN (?, ?)",
-);
+/// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
+macro_rules! account_columns {
+    () => {
+        "account_id, currency, kind, balance, version, created_at, updated_at"
+    };
+}
+macro_rules! entry_columns {
+    () => {
+        "entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+         counterparty_account_id, created_at"
+    };
+}
+macro_rules! order_columns {
+    () => {
+        "merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
+         created_at, updated_at"
+    };
+}
+macro_rules! refund_columns {
+    () => {
+        "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at"
+    };
+}
+
+static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
+static FIND_ACCOUNT_FOR_UPDATE: Sql =
+    Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ? FOR UPDATE"));
+static FIND_TWO_ACCOUNTS: Sql =
+    Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN (?, ?)"));
 static INSERT_ACCOUNT: Sql = Sql::new(
     "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -32,23 +52,18 @@ static INSERT_ENTRY_PAIR: Sql = Sql::new(
      (account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
 );
-static FIND_ENTRY: Sql = Sql::new(
-    "SELECT entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at \
-     FROM journal_entries WHERE posting_id = ? AND account_id = ?",
-);
-static LIST_ENTRIES: Sql = Sql::new(
-    "SELECT entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at \
-     FROM journal_entries WHERE account_id = ? AND entry_id < ? ORDER BY entry_id DESC LIMIT ?",
-);
+static FIND_ENTRY: Sql =
+    Sql::new(concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"));
+static LIST_ENTRIES: Sql = Sql::new(concat!(
+    "SELECT ",
+    entry_columns!(),
+    " FROM journal_entries WHERE account_id = ? AND entry_id < ? ORDER BY entry_id DESC LIMIT ?"
+));
 
-static FIND_ORDER: Sql = Sql::new(
-    "SELECT merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at \
-     FROM orders WHERE merchant_id = ? AND order_no = ?",
-);
-static FIND_ORDER_FOR_UPDATE: Sql = Sql::new(
-    "SELECT merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at \
-     FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE",
-);
+static FIND_ORDER: Sql =
+    Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"));
+static FIND_ORDER_FOR_UPDATE: Sql =
+    Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE"));
 static INSERT_ORDER: Sql = Sql::new(
     "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) ON CONFLICT DO NOTHING",
@@ -79,14 +94,13 @@ static INSERT_PAYMENT: Sql = Sql::new(
      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 
-static FIND_REFUND: Sql = Sql::new(
-    "SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at \
-     FROM refunds WHERE merchant_id = ? AND out_refund_no = ?",
-);
-static LIST_REFUNDS: Sql = Sql::new(
-    "SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at \
-     FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no",
-);
+static FIND_REFUND: Sql =
+    Sql::new(concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"));
+static LIST_REFUNDS: Sql = Sql::new(concat!(
+    "SELECT ",
+    refund_columns!(),
+    " FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no"
+));
 static INSERT_REFUND: Sql = Sql::new(
     "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
