@@ -73,6 +73,11 @@ pub struct BenchSettings {
     /// `mixed` only: share of calls sent twice.
     #[arg(long, default_value_t = 0.1)]
     pub duplicate_ratio: f64,
+    /// Open-loop load: start calls at this many per second in all (ghz's `--rps`), with
+    /// `--concurrency` as the most in flight. Latency is then measured from each call's
+    /// scheduled start, so a stalled server shows up in it (no coordinated omission).
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// HTTP/2 connections to spread the calls over.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
@@ -347,6 +352,7 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
         .map(|_| {
             let (next, prepared, clients) = (next.clone(), prepared.clone(), clients.clone());
             let (scenario, total, duplicate_ratio) = (settings.scenario, settings.total, settings.duplicate_ratio);
+            let interval = settings.rate.filter(|rate| *rate > 0.0).map(|rate| Duration::from_secs_f64(1.0 / rate));
             tokio::spawn(async move {
                 let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
                 let mut codes: BTreeMap<String, u64> = BTreeMap::new();
@@ -356,7 +362,14 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
                     if n >= total || deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                         break;
                     }
-                    let call_started = Instant::now();
+                    let call_started = match interval {
+                        Some(interval) => {
+                            let scheduled = started + interval.mul_f64(n as f64);
+                            tokio::time::sleep_until(scheduled.into()).await;
+                            scheduled
+                        }
+                        None => Instant::now(),
+                    };
                     let outcome = call(scenario, n, &prepared, &clients, duplicate_ratio).await;
                     let micros = u64::try_from(call_started.elapsed().as_micros()).unwrap_or(u64::MAX);
                     let _ = histogram.record(micros.max(1));

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::ledger::{LedgerSettings, ReaperSettings};
+use crate::ledger::{GroupCommitSettings, LedgerSettings, ReaperSettings};
 use crate::store::PoolSettings;
 
 /// Where the ledger keeps its data.
@@ -24,6 +24,14 @@ pub struct DatabaseSettings {
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
+    /// Most Pays written together by one transaction (group commit: Pays that arrive while
+    /// the database is busy share one transaction and one commit); 1 turns it off. Pays with
+    /// an idempotency-key or idempotency-token always run alone.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_MAX", default_value_t = 64)]
+    pub pay_batch_max: usize,
+    /// Group-commit transactions in flight at once (each holds one pooled connection).
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1)]
+    pub pay_batch_workers: usize,
 }
 
 impl DatabaseSettings {
@@ -33,6 +41,10 @@ impl DatabaseSettings {
             acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
             lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
         }
+    }
+
+    pub fn group_commit(&self) -> GroupCommitSettings {
+        GroupCommitSettings { max_batch: self.pay_batch_max.max(1), workers: self.pay_batch_workers.max(1) }
     }
 }
 
@@ -78,6 +90,7 @@ impl IdempotencySettings {
         LedgerSettings {
             key_ttl: Duration::from_secs(self.idempotency_key_ttl_seconds),
             token_ttl: Duration::from_secs(self.token_ttl_seconds.max(1)),
+            group_commit: GroupCommitSettings::default(),
         }
     }
 

@@ -44,8 +44,14 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
             let directory = tempfile::tempdir()?;
             let database_url = format!("sqlite:{}", directory.path().join("demo.db").display());
             println!("payledger demo on a temporary SQLite database ({database_url})\n");
-            let database =
-                DatabaseSettings { database_url, pool_size: 4, pool_acquire_timeout_ms: 5_000, lock_timeout_ms: 5_000 };
+            let database = DatabaseSettings {
+                database_url,
+                pool_size: 4,
+                pool_acquire_timeout_ms: 5_000,
+                lock_timeout_ms: 5_000,
+                pay_batch_max: 64,
+                pay_batch_workers: 2,
+            };
             let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));

@@ -11,7 +11,7 @@ use tonic_health::ServingStatus;
 
 use crate::config::{DatabaseSettings, IdempotencySettings, ServeSettings};
 use crate::grpc::{AccountApi, PaymentApi};
-use crate::ledger::{spawn_reaper, Ledger, ReaperSettings, TokenStore};
+use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
 use crate::proto::payment_service_server::PaymentServiceServer;
@@ -47,7 +47,8 @@ pub async fn open_ledger(
     let tokens = TokenStore::connect(&idempotency.token_store)
         .await
         .map_err(|error| StartupError::TokenStore(error.to_string()))?;
-    Ok(Ledger::with_settings(store, tokens, idempotency.ledger()))
+    let settings = LedgerSettings { group_commit: database.group_commit(), ..idempotency.ledger() };
+    Ok(Ledger::with_settings(store, tokens, settings))
 }
 
 /// Opens an existing ledger read as it is, for `payledger audit`: no migrations, nothing
@@ -161,6 +162,17 @@ impl Application {
         if tokio::time::timeout_at(deadline, ledger.store().close()).await.is_err() {
             tracing::warn!("database connections still busy at exit");
         }
+        let counters = ledger.counters();
+        tracing::info!(
+            replays = counters.replays,
+            key_conflicts = counters.key_conflicts,
+            in_flight_waits = counters.in_flight_waits,
+            token_consumptions = counters.token_consumptions,
+            reaper_deletions = counters.reaper_deletions,
+            group_commits = counters.group_commits,
+            group_committed_pays = counters.group_committed_pays,
+            "stopped"
+        );
         Ok(())
     }
 }

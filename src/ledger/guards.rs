@@ -154,6 +154,11 @@ impl Ledger {
 }
 
 impl GuardSession<'_> {
+    /// True when the call carries neither an idempotency key nor a token.
+    pub(super) fn is_unguarded(&self) -> bool {
+        self.claims.is_empty()
+    }
+
     /// The first committed, unexpired record of this call's guards, as a replay.
     async fn committed_replay<T: DeserializeOwned>(&mut self) -> Result<Option<Replayable<T>>, Error> {
         let now = now_micros();

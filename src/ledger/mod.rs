@@ -19,6 +19,7 @@
 
 mod accounts;
 mod commands;
+mod group_commit;
 mod guards;
 mod payments;
 mod posting;
@@ -27,11 +28,12 @@ mod tokens;
 mod transaction;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use accounts::{DepositReceipt, EntryPage, TransferReceipt};
 pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer};
+pub use group_commit::GroupCommitSettings;
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
 pub use reaper::{spawn_reaper, ReapReport, ReaperSettings};
@@ -63,11 +65,17 @@ pub struct LedgerSettings {
     pub key_ttl: Duration,
     /// How long an issued one-time token stays valid (default 5 minutes).
     pub token_ttl: Duration,
+    /// How concurrent Pays are grouped into one transaction (see [`GroupCommitSettings`]).
+    pub group_commit: GroupCommitSettings,
 }
 
 impl Default for LedgerSettings {
     fn default() -> Self {
-        Self { key_ttl: Duration::from_secs(24 * 60 * 60), token_ttl: Duration::from_secs(5 * 60) }
+        Self {
+            key_ttl: Duration::from_secs(24 * 60 * 60),
+            token_ttl: Duration::from_secs(5 * 60),
+            group_commit: GroupCommitSettings::default(),
+        }
     }
 }
 
@@ -91,6 +99,10 @@ pub struct Counters {
     pub token_consumptions: AtomicU64,
     /// Expired idempotency records and tokens deleted by the reaper.
     pub reaper_deletions: AtomicU64,
+    /// Group-commit transactions that committed at least one Pay.
+    pub group_commits: AtomicU64,
+    /// Pays committed by group commits (divided by `group_commits`: the mean batch size).
+    pub group_committed_pays: AtomicU64,
 }
 
 /// A copy of the [`Counters`] at one moment.
@@ -101,6 +113,8 @@ pub struct CountersSnapshot {
     pub in_flight_waits: u64,
     pub token_consumptions: u64,
     pub reaper_deletions: u64,
+    pub group_commits: u64,
+    pub group_committed_pays: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
@@ -110,6 +124,8 @@ pub struct Ledger {
     tokens: TokenStore,
     settings: LedgerSettings,
     counters: Arc<Counters>,
+    /// Started on the first Pay that can be batched.
+    batcher: Arc<OnceLock<group_commit::PayBatcher>>,
 }
 
 impl Ledger {
@@ -119,7 +135,7 @@ impl Ledger {
     }
 
     pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
-        Self { store, tokens, settings, counters: Arc::default() }
+        Self { store, tokens, settings, counters: Arc::default(), batcher: Arc::default() }
     }
 
     /// The idempotency counters now.
@@ -132,6 +148,8 @@ impl Ledger {
             in_flight_waits: read(&counters.in_flight_waits),
             token_consumptions: read(&counters.token_consumptions),
             reaper_deletions: read(&counters.reaper_deletions),
+            group_commits: read(&counters.group_commits),
+            group_committed_pays: read(&counters.group_committed_pays),
         }
     }
 

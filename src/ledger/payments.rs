@@ -5,6 +5,7 @@ use crate::error::{Error, Resource, ReusedKey};
 use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
+use super::group_commit::{pay_together, Decision, PayBatcher};
 use super::guards::{Call, Guards, Opened, Scope};
 use super::posting::{post, EntryKind, Posting};
 use super::transaction::{in_transaction, CAS_ATTEMPTS_MAX};
@@ -201,6 +202,14 @@ impl Ledger {
             Opened::Replayed(answer) => return Ok(answer),
             Opened::Run(session) => session,
         };
+        if session.is_unguarded() {
+            if let Some(batcher) = self.pay_batcher() {
+                let decision = batcher.submit(command.clone()).await;
+                if let Some(answer) = self.answer_decided(&command, decision).await {
+                    return answer;
+                }
+            }
+        }
         if let Some(receipt) = self.pay_replay(&command).await? {
             return Ok(self.natural_replay(receipt));
         }
@@ -220,12 +229,55 @@ impl Ledger {
         });
         match session.settle(outcome, now).await? {
             Some(answer) => Ok(answer),
-            None => match self.pay_replay(&command).await? {
-                Some(receipt) => Ok(self.natural_replay(receipt)),
-                // The taken key was the order's one payment, under another out_trade_no.
-                None => Err(Rejection::OrderAlreadyPaid.into()),
-            },
+            None => self.pay_replay_after_taken(&command).await,
         }
+    }
+
+    /// The answer to a Pay whose transaction found its key taken by a committed payment.
+    async fn pay_replay_after_taken(&self, command: &Pay) -> Result<Replayable<PayReceipt>, Error> {
+        match self.pay_replay(command).await? {
+            Some(receipt) => Ok(self.natural_replay(receipt)),
+            // The taken key was the order's one payment, under another out_trade_no.
+            None => Err(Rejection::OrderAlreadyPaid.into()),
+        }
+    }
+
+    /// The group-commit queue, started on first use; `None` when group commit is off.
+    fn pay_batcher(&self) -> Option<&PayBatcher> {
+        let settings = self.settings.group_commit;
+        (settings.max_batch > 1).then(|| {
+            self.batcher.get_or_init(|| PayBatcher::start(self.store.clone(), settings, self.counters.clone()))
+        })
+    }
+
+    /// The answer a group commit gave a Pay; `None` when the Pay must run alone.
+    async fn answer_decided(&self, command: &Pay, decision: Decision) -> Option<Result<Replayable<PayReceipt>, Error>> {
+        Some(match decision {
+            Decision::Paid(receipt) => Ok(Replayable { value: receipt, replayed: false, key_expires_at: None }),
+            Decision::Found(payment, order) => {
+                self.replay_of(command, payment, order).map(|receipt| self.natural_replay(receipt))
+            }
+            Decision::PaidBefore => self.pay_replay_after_taken(command).await,
+            Decision::Rejected(error) => Err(error),
+            Decision::Alone => return None,
+        })
+    }
+
+    /// Pays several orders as one group commit, the way concurrent Pays without an
+    /// idempotency-key or token are written: one read for the replays, then one transaction
+    /// with one statement per kind of row. Each Pay gets its own outcome, in the order given,
+    /// exactly as [`Ledger::pay`] would answer it alone (a rejection fails only its own Pay).
+    pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
+        let decisions = pay_together(&self.store, &commands, &self.counters).await;
+        let mut answers = Vec::with_capacity(commands.len());
+        for (command, decision) in commands.into_iter().zip(decisions) {
+            let answer = match self.answer_decided(&command, decision).await {
+                Some(answer) => answer,
+                None => self.pay(command, &Guards::default()).await,
+            };
+            answers.push(answer);
+        }
+        answers
     }
 
     async fn pay_replay(&self, command: &Pay) -> Result<Option<PayReceipt>, Error> {
@@ -237,6 +289,12 @@ impl Ledger {
         else {
             return Ok(None);
         };
+        self.replay_of(command, payment, order).map(Some)
+    }
+
+    /// The replay of a Pay whose out_trade_no holds `payment`: the payment as first recorded
+    /// and its order as it stands; OUT_TRADE_NO_REUSED when the key paid something else.
+    fn replay_of(&self, command: &Pay, payment: PaymentRow, order: OrderRow) -> Result<PayReceipt, Error> {
         let fields = differing_fields(&[
             ("order_no", payment.order_no == command.order_no.as_str()),
             ("payer_account_id", payment.payer_account_id == command.payer_account_id.as_str()),
@@ -246,7 +304,7 @@ impl Ledger {
         if !fields.is_empty() {
             return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
         }
-        Ok(Some(PayReceipt { payment, order }))
+        Ok(PayReceipt { payment, order })
     }
 
     /// Refunds part or all of a payment, once per (merchant_id, out_refund_no).
@@ -354,6 +412,41 @@ impl Ledger {
     }
 }
 
+/// What an order read under its row lock says about a Pay of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PayCheck {
+    /// PENDING and the Pay's terms match: go on.
+    Proceed,
+    /// Already paid under this very out_trade_no: a replay.
+    PaidByThisCall,
+}
+
+/// The order's side of a Pay: its currency and amount, payer and payee apart, and the state
+/// machine (PENDING -> PAID).
+///
+/// # Errors
+/// [`Rejection`]s CURRENCY_MISMATCH, AMOUNT_MISMATCH, PAYER_IS_PAYEE, ORDER_ALREADY_PAID,
+/// ORDER_CLOSED.
+pub(super) fn check_pay(order: &OrderRow, command: &Pay) -> Result<PayCheck, Error> {
+    if order.currency != command.amount.currency().code() {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    if order.amount != command.amount.minor_units() {
+        return Err(Rejection::AmountMismatch.into());
+    }
+    if order.payee_account_id == command.payer_account_id.as_str() {
+        return Err(Rejection::PayerIsPayee.into());
+    }
+    if order.status == OrderStatus::Pending.as_str() {
+        return Ok(PayCheck::Proceed);
+    }
+    if order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str()) {
+        return Ok(PayCheck::PaidByThisCall);
+    }
+    order_state(order)?.apply(OrderEvent::Pay)?;
+    Err(Error::Internal("a paid order's state machine accepted another Pay".into()))
+}
+
 /// The writes of one Pay, in order: the payment row first (it claims out_trade_no and, by
 /// the unique (merchant_id, order_no), the order's one payment; a concurrent duplicate waits
 /// here for the first one's outcome), then PENDING -> PAID by conditional UPDATE, then the
@@ -368,21 +461,8 @@ async fn pay_in_transaction(
     // The order's row lock orders every Pay of this order: a duplicate waits here for the
     // first one's outcome (and on MySQL no two inserts of one key race into a deadlock).
     let order = queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-    if order.currency != command.amount.currency().code() {
-        return Err(Rejection::CurrencyMismatch.into());
-    }
-    if order.amount != command.amount.minor_units() {
-        return Err(Rejection::AmountMismatch.into());
-    }
-    if order.payee_account_id == command.payer_account_id.as_str() {
-        return Err(Rejection::PayerIsPayee.into());
-    }
-    if order.status != OrderStatus::Pending.as_str() {
-        if order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str()) {
-            return Ok(Inserted::KeyTaken);
-        }
-        order_state(&order)?.apply(OrderEvent::Pay)?;
-        return Err(Error::Internal("a paid order's state machine accepted another Pay".into()));
+    if check_pay(&order, command)? == PayCheck::PaidByThisCall {
+        return Ok(Inserted::KeyTaken);
     }
     // Both balances in one round trip; the posting's first CAS starts from this read.
     let accounts = queries.find_two_accounts(command.payer_account_id.as_str(), &order.payee_account_id).await?;

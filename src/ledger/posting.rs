@@ -26,7 +26,7 @@ pub(super) enum EntryKind {
 }
 
 impl EntryKind {
-    fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             EntryKind::Deposit => "DEPOSIT",
             EntryKind::Pay => "PAY",
@@ -96,6 +96,28 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known
     Ok(())
 }
 
+/// The rules of one leg: the account holds `currency`, and its balance plus `delta` (minor
+/// units) stays within the balance limit and, unless it is the external funding account, at
+/// or above zero. Returns the balance after.
+///
+/// # Errors
+/// [`Rejection::CurrencyMismatch`], [`Rejection::BalanceLimitExceeded`],
+/// [`Rejection::InsufficientFunds`].
+pub(super) fn balance_after(account: &AccountRow, currency: &str, delta: i64) -> Result<i64, Error> {
+    if account.currency != currency {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    let balance = account
+        .balance
+        .checked_add(delta)
+        .filter(|balance| balance.abs() <= BALANCE_MINOR_UNITS_MAX)
+        .ok_or(Rejection::BalanceLimitExceeded)?;
+    if balance < 0 && account.kind != KIND_EXTERNAL {
+        return Err(Rejection::InsufficientFunds.into());
+    }
+    Ok(balance)
+}
+
 /// Adds `delta` minor units to one balance with a version CAS: read (balance, version),
 /// check the rules, `UPDATE ... WHERE version = ?`; zero rows means another writer won, so
 /// re-read and try again, bounded. Returns (balance, version) after.
@@ -119,17 +141,7 @@ async fn change_balance(
             _ => queries.find_account_for_update(account_id).await?,
         };
         let account = account.ok_or(Error::NotFound(Resource::Account))?;
-        if account.currency != currency {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
-        let balance = account
-            .balance
-            .checked_add(delta)
-            .filter(|balance| balance.abs() <= BALANCE_MINOR_UNITS_MAX)
-            .ok_or(Rejection::BalanceLimitExceeded)?;
-        if balance < 0 && account.kind != KIND_EXTERNAL {
-            return Err(Rejection::InsufficientFunds.into());
-        }
+        let balance = balance_after(&account, currency, delta)?;
         if queries.cas_balance(account_id, balance, account.version, now).await? {
             return Ok((balance, account.version + 1));
         }

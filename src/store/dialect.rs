@@ -206,7 +206,8 @@ impl Sql {
     }
 }
 
-fn render(portable: &str, dialect: Dialect) -> String {
+/// Renders portable SQL text for `dialect` (see [`Sql`]); for statements built at run time.
+pub(super) fn render(portable: &str, dialect: Dialect) -> String {
     match dialect {
         // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
         Dialect::Sqlite => portable.trim_end().trim_end_matches("FOR UPDATE").trim_end().to_owned(),

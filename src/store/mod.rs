@@ -19,10 +19,10 @@ use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use dialect::{classify, redacted, Dialect, Fault};
-pub use queries::Queries;
+pub use queries::{PaidBatch, Queries};
 pub use rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow, PaymentRow, RefundRow,
-    TokenRow, TransferRow,
+    AccountRow, AuditViolation, BalanceUpdate, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");

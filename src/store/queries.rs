@@ -5,10 +5,10 @@ use sqlx::query::Query;
 use sqlx::AnyConnection;
 use sqlx::{Any, Row};
 
-use super::dialect::{Dialect, Sql};
+use super::dialect::{render, Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow, PaymentRow, RefundRow,
-    TokenRow, TransferRow,
+    AccountRow, AuditViolation, BalanceUpdate, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 /// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
@@ -81,14 +81,17 @@ static FIND_PAYMENT: Sql = Sql::new(
     "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at \
      FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
 );
-static FIND_PAYMENT_AND_ORDER: Sql = Sql::new(
-    "SELECT p.trade_no, p.merchant_id, p.out_trade_no, p.order_no, p.payer_account_id, p.payee_account_id, p.amount, \
-     p.currency, p.status, p.created_at, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
-     o.currency AS o_currency, o.subject AS o_subject, o.status AS o_status, o.out_trade_no AS o_out_trade_no, \
-     o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at \
-     FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
-     WHERE p.merchant_id = ? AND p.out_trade_no = ?",
-);
+macro_rules! payment_and_order_select {
+    () => {
+        "SELECT p.trade_no, p.merchant_id, p.out_trade_no, p.order_no, p.payer_account_id, p.payee_account_id, \
+         p.amount, p.currency, p.status, p.created_at, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
+         o.currency AS o_currency, o.subject AS o_subject, o.status AS o_status, o.out_trade_no AS o_out_trade_no, \
+         o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at \
+         FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no"
+    };
+}
+static FIND_PAYMENT_AND_ORDER: Sql =
+    Sql::new(concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"));
 static INSERT_PAYMENT: Sql = Sql::new(
     "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -481,22 +484,28 @@ impl<'c> Queries<'c> {
             .bind(out_trade_no)
             .fetch_optional(&mut *self.connection)
             .await?;
-        let Some(row) = row else { return Ok(None) };
-        let payment = <PaymentRow as sqlx::FromRow<AnyRow>>::from_row(&row)?;
-        let order = OrderRow {
-            merchant_id: payment.merchant_id.clone(),
-            order_no: payment.order_no.clone(),
-            payee_account_id: row.try_get("o_payee_account_id")?,
-            amount: row.try_get("o_amount")?,
-            currency: row.try_get("o_currency")?,
-            subject: row.try_get("o_subject")?,
-            status: row.try_get("o_status")?,
-            out_trade_no: row.try_get("o_out_trade_no")?,
-            refunded_amount: row.try_get("o_refunded_amount")?,
-            created_at: row.try_get("o_created_at")?,
-            updated_at: row.try_get("o_updated_at")?,
-        };
-        Ok(Some((payment, order)))
+        row.as_ref().map(payment_and_order).transpose()
+    }
+
+    /// The payments of the given (merchant_id, out_trade_no) keys that exist, each with its
+    /// order, in one round trip.
+    pub async fn find_payments_and_orders(
+        &mut self,
+        keys: &[(&str, &str)],
+    ) -> Result<Vec<(PaymentRow, OrderRow)>, sqlx::Error> {
+        let sql = render(
+            &format!(
+                concat!(payment_and_order_select!(), " WHERE {}"),
+                repeated("(p.merchant_id = ? AND p.out_trade_no = ?)", keys.len(), " OR ")
+            ),
+            self.dialect,
+        );
+        let mut query = sqlx::query(&sql);
+        for (merchant_id, out_trade_no) in keys {
+            query = query.bind(*merchant_id).bind(*out_trade_no);
+        }
+        let rows = query.fetch_all(&mut *self.connection).await?;
+        rows.iter().map(payment_and_order).collect()
     }
 
     pub async fn insert_payment(&mut self, row: &PaymentRow) -> Result<bool, sqlx::Error> {
@@ -647,6 +656,107 @@ impl<'c> Queries<'c> {
         Ok(())
     }
 
+    /// Reads the given orders and locks their rows until the transaction ends, in key order
+    /// (so two transactions locking overlapping sets cannot deadlock on them). Missing keys
+    /// are simply absent from the result.
+    pub async fn lock_orders(&mut self, keys: &[(&str, &str)]) -> Result<Vec<OrderRow>, sqlx::Error> {
+        let sql = render(
+            &format!(
+                concat!("SELECT ", order_columns!(), " FROM orders WHERE {} ORDER BY merchant_id, order_no FOR UPDATE"),
+                repeated("(merchant_id = ? AND order_no = ?)", keys.len(), " OR ")
+            ),
+            self.dialect,
+        );
+        let mut query = sqlx::query_as(&sql);
+        for (merchant_id, order_no) in keys {
+            query = query.bind(*merchant_id).bind(*order_no);
+        }
+        query.fetch_all(&mut *self.connection).await
+    }
+
+    /// Reads the given accounts and locks their rows until the transaction ends, in
+    /// ascending byte order of account_id: the order in which single postings take their
+    /// row locks too (PostgreSQL sorts by the "C" collation for that; MySQL's keys are
+    /// ascii_bin and SQLite's BINARY). Missing ids are absent from the result.
+    pub async fn lock_accounts(&mut self, account_ids: &[&str]) -> Result<Vec<AccountRow>, sqlx::Error> {
+        let order_by = match self.dialect {
+            Dialect::Postgres => "account_id COLLATE \"C\"",
+            Dialect::MySql | Dialect::Sqlite => "account_id",
+        };
+        let sql = render(
+            &format!(
+                concat!(
+                    "SELECT ",
+                    account_columns!(),
+                    " FROM accounts WHERE account_id IN ({}) ORDER BY {} FOR UPDATE"
+                ),
+                repeated("?", account_ids.len(), ", "),
+                order_by
+            ),
+            self.dialect,
+        );
+        let mut query = sqlx::query_as(&sql);
+        for account_id in account_ids {
+            query = query.bind(*account_id);
+        }
+        query.fetch_all(&mut *self.connection).await
+    }
+
+    /// Writes what a group commit accepted, all or nothing: the payments (one multi-row
+    /// INSERT), PENDING -> PAID for their orders (one conditional UPDATE), the new balances
+    /// (one version CAS per account, all in one UPDATE) and the journal entries in the order
+    /// given (entry ids follow it). True when every row was written; false when a key
+    /// (out_trade_no, an order's one payment), an order's state or an account's version was
+    /// taken under the batch: the caller must roll back. On PostgreSQL this is one statement
+    /// (data-modifying CTEs, each run exactly once), elsewhere four.
+    pub async fn write_pays(&mut self, batch: &PaidBatch<'_>) -> Result<bool, sqlx::Error> {
+        let n = batch.payments.len();
+        let (balances, entries) = (batch.balances.len(), batch.entries.len());
+        if self.dialect == Dialect::Postgres {
+            let sql = render(
+                &format!(
+                    "WITH p AS ({} ON CONFLICT DO NOTHING RETURNING 1), o AS ({} RETURNING 1), \
+                     a AS ({} RETURNING 1), e AS ({} RETURNING 1) \
+                     SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), \
+                     (SELECT COUNT(*) FROM e)",
+                    insert_payments_sql(n),
+                    mark_orders_paid_sql(n),
+                    cas_balances_sql(balances),
+                    insert_entries_sql(entries)
+                ),
+                self.dialect,
+            );
+            let query =
+                bind_entries(bind_balances(bind_orders(bind_payments(sqlx::query(&sql), batch), batch), batch), batch);
+            let row = query.fetch_one(&mut *self.connection).await?;
+            let counts: [i64; 4] = [row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?];
+            let expected = [n, n, balances, entries].map(|count| count as i64);
+            return Ok(counts == expected);
+        }
+        let sql = render(&format!("{} ON CONFLICT DO NOTHING", insert_payments_sql(n)), self.dialect);
+        match bind_payments(sqlx::query(&sql), batch).execute(&mut *self.connection).await {
+            Ok(result) if result.rows_affected() == n as u64 => {}
+            Ok(_) => return Ok(false),
+            Err(sqlx::Error::Database(error)) if self.dialect == Dialect::MySql && error.is_unique_violation() => {
+                return Ok(false)
+            }
+            Err(error) => return Err(error),
+        }
+        let sql = render(&mark_orders_paid_sql(n), self.dialect);
+        if bind_orders(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected() != n as u64 {
+            return Ok(false);
+        }
+        let sql = render(&cas_balances_sql(balances), self.dialect);
+        if bind_balances(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected()
+            != balances as u64
+        {
+            return Ok(false);
+        }
+        let sql = render(&insert_entries_sql(entries), self.dialect);
+        let inserted = bind_entries(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected();
+        Ok(inserted == entries as u64)
+    }
+
     /// Accounts in the ledger (also: whether the schema is there at all).
     pub async fn count_accounts(&mut self) -> Result<i64, sqlx::Error> {
         sqlx::query("SELECT COUNT(*) FROM accounts").fetch_one(&mut *self.connection).await?.try_get(0)
@@ -663,4 +773,138 @@ impl<'c> Queries<'c> {
         }
         Ok(violations)
     }
+}
+
+/// What one group commit writes (see [`Queries::write_pays`]).
+pub struct PaidBatch<'a> {
+    pub payments: &'a [PaymentRow],
+    pub balances: &'a [BalanceUpdate<'a>],
+    /// Two legs per payment, in the order the balances moved.
+    pub entries: &'a [NewEntry<'a>],
+    pub now: i64,
+}
+
+fn insert_payments_sql(n: usize) -> String {
+    format!(
+        "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, \
+         amount, currency, status, created_at) VALUES {}",
+        repeated("(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", n, ", ")
+    )
+}
+
+fn bind_payments<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    for row in batch.payments {
+        query = query
+            .bind(row.trade_no.as_str())
+            .bind(row.merchant_id.as_str())
+            .bind(row.out_trade_no.as_str())
+            .bind(row.order_no.as_str())
+            .bind(row.payer_account_id.as_str())
+            .bind(row.payee_account_id.as_str())
+            .bind(row.amount)
+            .bind(row.currency.as_str())
+            .bind(row.status.as_str())
+            .bind(row.created_at);
+    }
+    query
+}
+
+fn mark_orders_paid_sql(n: usize) -> String {
+    format!(
+        "UPDATE orders SET status = 'PAID', updated_at = ?, out_trade_no = CASE {} END WHERE status = 'PENDING' AND ({})",
+        repeated("WHEN merchant_id = ? AND order_no = ? THEN ?", n, " "),
+        repeated("(merchant_id = ? AND order_no = ?)", n, " OR ")
+    )
+}
+
+fn bind_orders<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    query = query.bind(batch.now);
+    for row in batch.payments {
+        query = query.bind(row.merchant_id.as_str()).bind(row.order_no.as_str()).bind(row.out_trade_no.as_str());
+    }
+    for row in batch.payments {
+        query = query.bind(row.merchant_id.as_str()).bind(row.order_no.as_str());
+    }
+    query
+}
+
+fn cas_balances_sql(n: usize) -> String {
+    format!(
+        "UPDATE accounts SET balance = CASE {} END, version = CASE {} END, updated_at = ? WHERE {}",
+        repeated("WHEN account_id = ? THEN ?", n, " "),
+        repeated("WHEN account_id = ? THEN ?", n, " "),
+        repeated("(account_id = ? AND version = ?)", n, " OR ")
+    )
+}
+
+fn bind_balances<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    for update in batch.balances {
+        query = query.bind(update.account_id).bind(update.balance);
+    }
+    for update in batch.balances {
+        query = query.bind(update.account_id).bind(update.version);
+    }
+    query = query.bind(batch.now);
+    for update in batch.balances {
+        query = query.bind(update.account_id).bind(update.expected_version);
+    }
+    query
+}
+
+fn insert_entries_sql(n: usize) -> String {
+    format!(
+        "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+         posting_id, counterparty_account_id, created_at) VALUES {}",
+        repeated("(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", n, ", ")
+    )
+}
+
+fn bind_entries<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    for entry in batch.entries {
+        query = query
+            .bind(entry.account_id)
+            .bind(entry.currency)
+            .bind(entry.amount)
+            .bind(entry.balance_after)
+            .bind(entry.version_after)
+            .bind(entry.kind)
+            .bind(entry.reference)
+            .bind(entry.posting_id)
+            .bind(entry.counterparty_account_id)
+            .bind(entry.created_at);
+    }
+    query
+}
+
+/// A row of `payment_and_order_select!`.
+fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error> {
+    let payment = <PaymentRow as sqlx::FromRow<AnyRow>>::from_row(row)?;
+    let order = OrderRow {
+        merchant_id: payment.merchant_id.clone(),
+        order_no: payment.order_no.clone(),
+        payee_account_id: row.try_get("o_payee_account_id")?,
+        amount: row.try_get("o_amount")?,
+        currency: row.try_get("o_currency")?,
+        subject: row.try_get("o_subject")?,
+        status: row.try_get("o_status")?,
+        out_trade_no: row.try_get("o_out_trade_no")?,
+        refunded_amount: row.try_get("o_refunded_amount")?,
+        created_at: row.try_get("o_created_at")?,
+        updated_at: row.try_get("o_updated_at")?,
+    };
+    Ok((payment, order))
+}
+
+/// `n` copies of `group` joined by `separator`: the row list or predicate of a statement over
+/// `n` rows.
+fn repeated(group: &str, n: usize, separator: &str) -> String {
+    assert!(n > 0, "a statement over rows needs at least one row");
+    let mut text = String::with_capacity((group.len() + separator.len()) * n);
+    for i in 0..n {
+        if i > 0 {
+            text.push_str(separator);
+        }
+        text.push_str(group);
+    }
+    text
 }

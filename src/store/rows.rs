@@ -101,6 +101,16 @@ pub struct NewEntry<'a> {
     pub created_at: i64,
 }
 
+/// A new balance for one account, written by version CAS: only if the stored version is
+/// still `expected_version`, and then the version becomes `version`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BalanceUpdate<'a> {
+    pub account_id: &'a str,
+    pub balance: i64,
+    pub expected_version: i64,
+    pub version: i64,
+}
+
 /// One broken ledger invariant found by the audit: which check, and the offending key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditViolation {

@@ -891,13 +891,15 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
 pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &TestApp) {
     use payledger::bench::{bench, BenchSettings, Scenario};
 
-    for (scenario, zipf) in [
-        (Scenario::Pay, None),
-        (Scenario::Replay, None),
-        (Scenario::Hot, None),
-        (Scenario::Hot, Some(1.1)),
-        (Scenario::Refund, None),
-        (Scenario::Mixed, None),
+    for (scenario, zipf, rate) in [
+        (Scenario::Pay, None, None),
+        // Open-loop: calls started at 2,000/s.
+        (Scenario::Pay, None, Some(2_000.0)),
+        (Scenario::Replay, None, None),
+        (Scenario::Hot, None, None),
+        (Scenario::Hot, Some(1.1), None),
+        (Scenario::Refund, None, None),
+        (Scenario::Mixed, None, None),
     ] {
         let settings = BenchSettings {
             target: format!("http://{}", app.address),
@@ -909,6 +911,7 @@ pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &Te
             merchants: 5,
             zipf,
             duplicate_ratio: 0.2,
+            rate,
             connections: 2,
             json: false,
         };
@@ -986,4 +989,144 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
         .unwrap();
     assert_eq!(sqlx::Row::try_get::<i64, _>(&in_progress, 0).unwrap(), 0, "no record is left half done");
     assert_eq!(app.balance("alice").await, "970.00");
+}
+
+// Cases run a second time with group commit off (see `main.rs`).
+pub use pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit as pay_without_funds_one_by_one;
+pub use concurrent_pays_against_one_balance_never_overdraw_it as concurrent_pays_against_one_balance_one_by_one;
+pub use opposite_payments_between_two_accounts_finish_without_deadlock as opposite_payments_between_two_accounts_one_by_one;
+pub use pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing as pay_refusals_one_by_one;
+pub use twenty_concurrent_identical_pays_execute_once_with_one_trade_no as twenty_concurrent_identical_pays_one_by_one;
+
+/// A Pay command as the gRPC edge would build it.
+fn pay_command(out_trade_no: &str, order_no: &str, payer: &str, amount: &str) -> payledger::ledger::Pay {
+    use payledger::domain::{AccountId, Amount, Currency, MerchantId, OrderNo, OutTradeNo};
+    let currency = Currency::parse("currency", "USD").unwrap();
+    payledger::ledger::Pay {
+        merchant_id: MerchantId::parse("merchant_id", "m1").unwrap(),
+        out_trade_no: OutTradeNo::parse("out_trade_no", out_trade_no).unwrap(),
+        order_no: OrderNo::parse("order_no", order_no).unwrap(),
+        payer_account_id: AccountId::parse("payer_account_id", payer).unwrap(),
+        amount: Amount::parse("amount", amount, currency).unwrap(),
+    }
+}
+
+pub async fn one_group_commit_decides_each_pay_on_its_own(app: &TestApp) {
+    app.funded("alice", "5.00").await;
+    app.funded("bob", "100.00").await;
+    app.open("shop", "USD").await;
+    for order_no in ["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o-closed"] {
+        app.create_order("m1", order_no, "shop", "2.00").await.unwrap();
+    }
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "o-closed".into() };
+    app.payments.clone().close_order(close).await.unwrap();
+
+    let answers = app
+        .ledger
+        .pay_together(vec![
+            pay_command("t1", "o1", "alice", "2.00"),
+            pay_command("t2", "o2", "alice", "2.00"),
+            // alice has 1.00 left: refused, and only this Pay.
+            pay_command("t3", "o3", "alice", "2.00"),
+            pay_command("t4", "o4", "bob", "2.00"),
+            // A second Pay of o1 in the same batch, under another out_trade_no.
+            pay_command("t5", "o1", "bob", "2.00"),
+            // t1 again, for another order.
+            pay_command("t1", "o5", "bob", "2.00"),
+            // The very same Pay as the first, in the same batch: a replay of it.
+            pay_command("t1", "o1", "alice", "2.00"),
+            pay_command("t6", "o6", "bob", "3.00"),
+            pay_command("t7", "missing", "bob", "2.00"),
+            pay_command("t8", "o7", "carol", "2.00"),
+            pay_command("t9", "o-closed", "bob", "2.00"),
+            pay_command("t10", "o8", "bob", "2.00"),
+        ])
+        .await;
+    assert_eq!(answers.len(), 12);
+    // Through the one error mapping, as a gRPC caller would see them.
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let paid = |index: usize, out_trade_no: &str| {
+        let answer = answers[index].as_ref().unwrap_or_else(|error| panic!("{out_trade_no}: {error}"));
+        assert!(!answer.replayed, "{out_trade_no}");
+        assert_eq!(answer.value.payment.out_trade_no, out_trade_no);
+        assert_eq!(answer.value.order.status, "PAID");
+        assert_eq!(answer.value.order.out_trade_no.as_deref(), Some(out_trade_no));
+        answer.value.payment.trade_no.clone()
+    };
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let first_trade_no = paid(0, "t1");
+    paid(1, "t2");
+    refused(2, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    paid(3, "t4");
+    refused(4, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    refused(5, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
+    let replay = answers[6].as_ref().expect("the same Pay again is a replay");
+    assert!(replay.replayed);
+    assert_eq!(replay.value.payment.trade_no, first_trade_no, "the replay answers with the original trade_no");
+    refused(7, Code::FailedPrecondition, "AMOUNT_MISMATCH");
+    refused(8, Code::NotFound, "ORDER_NOT_FOUND");
+    refused(9, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    refused(10, Code::FailedPrecondition, "ORDER_CLOSED");
+    paid(11, "t10");
+
+    assert_eq!(app.balance("alice").await, "1.00");
+    assert_eq!(app.balance("bob").await, "96.00");
+    assert_eq!(app.balance("shop").await, "8.00");
+    let counters = app.ledger.counters();
+    assert_eq!(counters.group_committed_pays, 4, "t1, t2, t4 and t10 in one group commit: {counters:?}");
+    assert_eq!(counters.group_commits, 1);
+    // Entries follow the order the balances moved: the shop's four credits are versions 1..=4.
+    let entries = app
+        .accounts
+        .clone()
+        .list_entries(proto::ListEntriesRequest { account_id: "shop".into(), page_size: 10, page_token: String::new() })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    let balances: Vec<&str> = entries.iter().map(|entry| entry.balance_after.as_str()).collect();
+    assert_eq!(balances, ["8.00", "6.00", "4.00", "2.00"], "newest first");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // Sent again together: every one is a replay with its original trade_no, nothing moves.
+    let again = app
+        .ledger
+        .pay_together(vec![pay_command("t4", "o4", "bob", "2.00"), pay_command("t1", "o1", "alice", "2.00")])
+        .await;
+    assert!(again.iter().all(|answer| answer.as_ref().is_ok_and(|answer| answer.replayed)), "{again:?}");
+    assert_eq!(again[1].as_ref().unwrap().value.payment.trade_no, first_trade_no);
+    assert_eq!(app.balance("bob").await, "96.00");
+    assert_eq!(app.rows("payment_flow").await, 4);
+}
+
+pub async fn concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_once(app: &TestApp) {
+    app.open("shop", "USD").await;
+    for n in 0..40 {
+        app.funded(&format!("payer-{n}"), "10.00").await;
+        app.create_order("m1", &format!("o{n}"), "shop", "1.00").await.unwrap();
+    }
+    // Each Pay is sent twice at once: 80 concurrent calls for 40 payments.
+    let calls = (0..80).map(|call| {
+        let n = call % 40;
+        let request = app.pay_request("m1", &format!("t{n}"), &format!("o{n}"), &format!("payer-{n}"), "1.00");
+        let mut payments = app.payments.clone();
+        async move { (n, payments.pay(request).await) }
+    });
+    let answers = futures::future::join_all(calls).await;
+    let mut trade_nos = std::collections::BTreeMap::new();
+    for (n, answer) in answers {
+        let payment = answer.expect("every Pay succeeds or is replayed").into_inner().payment.unwrap();
+        let first = trade_nos.entry(n).or_insert_with(|| payment.trade_no.clone());
+        assert_eq!(*first, payment.trade_no, "both sends of t{n} answer with one trade_no");
+    }
+    assert_eq!(trade_nos.len(), 40);
+    assert_eq!(app.balance("shop").await, "40.00");
+    for n in 0..40 {
+        assert_eq!(app.balance(&format!("payer-{n}")).await, "9.00");
+    }
+    assert_eq!(app.rows("payment_flow").await, 40);
+    assert_eq!(app.ledger.counters().group_committed_pays, 40, "every fresh Pay went through a group commit");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
 }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use payledger::ledger::{Ledger, LedgerSettings, TokenStore};
+use payledger::ledger::{GroupCommitSettings, Ledger, LedgerSettings, TokenStore};
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use payledger::proto::{self, query_request::Key};
@@ -44,6 +44,8 @@ pub struct TestOptions {
     pub key_ttl: Duration,
     pub token_ttl: Duration,
     pub lock_timeout: Duration,
+    /// How concurrent Pays are grouped (the default: grouped, as `serve` does).
+    pub group_commit: GroupCommitSettings,
 }
 
 impl Default for TestOptions {
@@ -54,6 +56,7 @@ impl Default for TestOptions {
             key_ttl: defaults.key_ttl,
             token_ttl: defaults.token_ttl,
             lock_timeout: Duration::from_secs(10),
+            group_commit: defaults.group_commit,
         }
     }
 }
@@ -65,6 +68,11 @@ impl TestOptions {
 
     pub fn short_lived() -> Self {
         Self { key_ttl: Duration::from_secs(1), token_ttl: Duration::from_secs(1), ..Self::default() }
+    }
+
+    /// Every Pay in its own transaction (group commit off).
+    pub fn one_by_one() -> Self {
+        Self { group_commit: GroupCommitSettings { max_batch: 1, ..GroupCommitSettings::default() }, ..Self::default() }
     }
 
     pub fn short_lock_timeout() -> Self {
@@ -208,7 +216,11 @@ impl TestApp {
         let ledger = Ledger::with_settings(
             store,
             token_store,
-            LedgerSettings { key_ttl: options.key_ttl, token_ttl: options.token_ttl },
+            LedgerSettings {
+                key_ttl: options.key_ttl,
+                token_ttl: options.token_ttl,
+                group_commit: options.group_commit,
+            },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
         let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));

@@ -87,4 +87,12 @@ backend_suite!(
     every_bench_scenario_runs_clean_and_keeps_the_ledger_sound,
     a_malformed_protobuf_message_is_invalid_argument,
     a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_record,
+    one_group_commit_decides_each_pay_on_its_own,
+    concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_once,
+    // The same cases with every Pay in its own transaction (group commit off).
+    twenty_concurrent_identical_pays_one_by_one => one_by_one,
+    concurrent_pays_against_one_balance_one_by_one => one_by_one,
+    opposite_payments_between_two_accounts_one_by_one => one_by_one,
+    pay_without_funds_one_by_one => one_by_one,
+    pay_refusals_one_by_one => one_by_one,
 );

@@ -1,0 +1,403 @@
+//! Group commit of Pays: Pays that arrive while the database is busy are written together,
+//! in one transaction, with one statement per kind of row instead of one per Pay:
+//!
+//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order) and check each
+//!    Pay against its order ([`check_pay`]: terms and state machine);
+//! 2. lock every account the batch touches (one `SELECT ... FOR UPDATE`, in account_id order)
+//!    and apply the Pays one after another in arrival order, in memory, with the same leg rules
+//!    as a single posting ([`balance_after`]); a Pay that breaks a rule is rejected alone and
+//!    changes nothing;
+//! 3. write what the accepted Pays did: one multi-row INSERT of payments, one conditional
+//!    UPDATE of the orders (`WHERE status = 'PENDING'`), one version CAS per account (all in
+//!    one UPDATE; an account paid N times in the batch moves N versions at once), one
+//!    multi-row INSERT of journal entries (two legs per Pay, in order, so every entry records
+//!    the balance and version right after it), then one COMMIT.
+//!
+//! Each Pay keeps its own outcome: a rejection is that Pay's answer only, a replay stays a
+//! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
+//! out_trade_no in one batch, a key taken under it by a concurrent writer, any database error
+//! that is not a transient conflict) makes those Pays, or the whole batch after a rollback, run
+//! alone through the ordinary one-Pay transaction, which is idempotent by out_trade_no: a Pay
+//! whose batch did commit after all is then answered as a replay.
+//!
+//! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
+//! while the workers before it are busy; under light load a batch holds one Pay. Calls with an
+//! `idempotency-key` or `idempotency-token` are not batched: their records are written by
+//! their own transaction.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::domain::OrderStatus;
+use crate::error::{Error, Resource};
+use crate::store::{AccountRow, BalanceUpdate, NewEntry, OrderRow, PaidBatch, PaymentRow, Queries, Store};
+
+use super::commands::Pay;
+use super::payments::{check_pay, PayCheck, PayReceipt, PAYMENT_SUCCEEDED};
+use super::posting::{balance_after, EntryKind};
+use super::transaction::in_transaction;
+use super::{new_id, now_micros, Counters, Inserted};
+
+/// How Pays are grouped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupCommitSettings {
+    /// Most Pays written by one transaction; 1 turns group commit off.
+    pub max_batch: usize,
+    /// Batches in flight at once (each holds one pooled connection while it runs).
+    pub workers: usize,
+}
+
+impl Default for GroupCommitSettings {
+    fn default() -> Self {
+        Self { max_batch: 64, workers: 1 }
+    }
+}
+
+/// What the batch decided for one Pay.
+#[derive(Debug)]
+pub(super) enum Decision {
+    /// Paid and committed by the batch.
+    Paid(PayReceipt),
+    /// A payment under this out_trade_no was already committed (with its order): a replay,
+    /// or OUT_TRADE_NO_REUSED if it paid something else.
+    Found(PaymentRow, OrderRow),
+    /// The order was already paid under this out_trade_no: replay it.
+    PaidBefore,
+    /// The Pay breaks a rule; nothing of it was written.
+    Rejected(Error),
+    /// The batch could not decide it: run it in its own transaction.
+    Alone,
+}
+
+struct Job {
+    command: Pay,
+    reply: oneshot::Sender<Decision>,
+}
+
+/// The queues in front of the batch workers, one per worker. Pays are routed by merchant_id,
+/// so concurrent batches touch different orders and (when each merchant is paid into its own
+/// account) different payee accounts, and do not queue on each other's row locks. Dropping
+/// the last clone ends the workers.
+pub(super) struct PayBatcher {
+    queues: Vec<mpsc::UnboundedSender<Job>>,
+}
+
+impl PayBatcher {
+    /// Starts `settings.workers` workers on the current tokio runtime.
+    pub(super) fn start(store: Store, settings: GroupCommitSettings, counters: Arc<Counters>) -> Self {
+        let queues = (0..settings.workers.max(1))
+            .map(|_| {
+                let (jobs, queue) = mpsc::unbounded_channel();
+                tokio::spawn(work(store.clone(), queue, settings.max_batch.max(1), counters.clone()));
+                jobs
+            })
+            .collect();
+        Self { queues }
+    }
+
+    /// Queues a Pay and waits for its batch. [`Decision::Alone`] when the workers are gone.
+    pub(super) async fn submit(&self, command: Pay) -> Decision {
+        let mut hasher = std::hash::DefaultHasher::new();
+        command.merchant_id.as_str().hash(&mut hasher);
+        let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
+        let (reply, decision) = oneshot::channel();
+        if queue.send(Job { command, reply }).is_err() {
+            return Decision::Alone;
+        }
+        decision.await.unwrap_or(Decision::Alone)
+    }
+}
+
+/// A worker: takes whatever has queued up (at most `max_batch`) while its last batch ran, and
+/// runs it as one batch. Under light load a batch holds one Pay and starts at once.
+async fn work(store: Store, mut queue: mpsc::UnboundedReceiver<Job>, max_batch: usize, counters: Arc<Counters>) {
+    while let Some(first) = queue.recv().await {
+        let mut jobs = vec![first];
+        while jobs.len() < max_batch {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let (commands, replies): (Vec<Pay>, Vec<_>) = jobs.into_iter().map(|job| (job.command, job.reply)).unzip();
+        let decisions = pay_together(&store, &commands, &counters).await;
+        for (reply, decision) in replies.into_iter().zip(decisions) {
+            // The caller may be gone (client cancelled); the batch is committed regardless.
+            let _ = reply.send(decision);
+        }
+    }
+}
+
+/// Runs `commands` as one group commit and returns one decision per command, in order:
+/// first one read (no transaction, no locks) finds the out_trade_nos already paid, then one
+/// transaction writes the rest.
+pub(super) async fn pay_together(store: &Store, commands: &[Pay], counters: &Counters) -> Vec<Decision> {
+    let mut decisions: Vec<Option<Decision>> = match find_paid(store, commands).await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::debug!(%error, pays = commands.len(), "group commit could not read; every Pay of it runs alone");
+            return alone(commands.len());
+        }
+    };
+    let open: Vec<usize> = (0..commands.len()).filter(|index| decisions[*index].is_none()).collect();
+    if open.is_empty() {
+        return decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect();
+    }
+    let batch: Vec<&Pay> = open.iter().map(|index| &commands[*index]).collect();
+    let now = now_micros();
+    let trade_nos: Vec<String> = batch.iter().map(|_| new_id('T')).collect();
+    let outcome = in_transaction!(store, tx => {
+        let mut queries = tx.queries();
+        write_batch(&mut queries, &batch, &trade_nos, now).await
+    });
+    let written = match outcome {
+        Ok(Inserted::Done(written)) => written,
+        Ok(Inserted::KeyTaken) => alone(batch.len()),
+        Err(error) => {
+            tracing::debug!(%error, pays = batch.len(), "group commit failed; every Pay of it runs alone");
+            alone(batch.len())
+        }
+    };
+    let paid = written.iter().filter(|decision| matches!(decision, Decision::Paid(_))).count();
+    if paid > 0 {
+        counters.group_commits.fetch_add(1, Ordering::Relaxed);
+        counters.group_committed_pays.fetch_add(paid as u64, Ordering::Relaxed);
+    }
+    for (index, decision) in open.into_iter().zip(written) {
+        decisions[index] = Some(decision);
+    }
+    decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()
+}
+
+/// The replay read: [`Decision::Found`] for every Pay whose out_trade_no is already paid.
+async fn find_paid(store: &Store, commands: &[Pay]) -> Result<Vec<Option<Decision>>, Error> {
+    let keys: BTreeSet<(&str, &str)> =
+        commands.iter().map(|command| (command.merchant_id.as_str(), command.out_trade_no.as_str())).collect();
+    let keys: Vec<(&str, &str)> = keys.into_iter().collect();
+    let mut reader = store.reader().await?;
+    let found: HashMap<(String, String), (PaymentRow, OrderRow)> = reader
+        .queries()
+        .find_payments_and_orders(&keys)
+        .await?
+        .into_iter()
+        .map(|(payment, order)| ((payment.merchant_id.clone(), payment.out_trade_no.clone()), (payment, order)))
+        .collect();
+    Ok(commands
+        .iter()
+        .map(|command| {
+            let key = (command.merchant_id.as_str().to_owned(), command.out_trade_no.as_str().to_owned());
+            found.get(&key).map(|(payment, order)| Decision::Found(payment.clone(), order.clone()))
+        })
+        .collect())
+}
+
+fn alone(count: usize) -> Vec<Decision> {
+    (0..count).map(|_| Decision::Alone).collect()
+}
+
+/// One account's state as the batch moves it, in memory, under its row lock.
+struct Ledgered {
+    row: AccountRow,
+    read_version: i64,
+}
+
+/// The batch's writes. `Inserted::KeyTaken` means "roll back, every Pay runs alone".
+async fn write_batch(
+    queries: &mut Queries<'_>,
+    commands: &[&Pay],
+    trade_nos: &[String],
+    now: i64,
+) -> Result<Inserted<Vec<Decision>>, Error> {
+    let mut decisions: Vec<Option<Decision>> = commands.iter().map(|_| None).collect();
+
+    // A second Pay of the same order or out_trade_no waits for the first one's outcome: it
+    // runs alone after the batch (then it is a replay, ORDER_ALREADY_PAID or
+    // OUT_TRADE_NO_REUSED, exactly as if it had come second on its own).
+    let mut orders_seen = HashSet::new();
+    let mut trade_nos_seen = HashSet::new();
+    for (decision, command) in decisions.iter_mut().zip(commands) {
+        let merchant_id = command.merchant_id.as_str();
+        let first_of_order = orders_seen.insert((merchant_id, command.order_no.as_str()));
+        let first_of_trade_no = trade_nos_seen.insert((merchant_id, command.out_trade_no.as_str()));
+        if !(first_of_order && first_of_trade_no) {
+            *decision = Some(Decision::Alone);
+        }
+    }
+
+    // 1. The orders, locked.
+    let order_keys: BTreeSet<(&str, &str)> = commands
+        .iter()
+        .zip(&decisions)
+        .filter(|(_, decision)| decision.is_none())
+        .map(|(command, _)| (command.merchant_id.as_str(), command.order_no.as_str()))
+        .collect();
+    let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
+    let mut orders: HashMap<(String, String), OrderRow> = queries
+        .lock_orders(&order_keys)
+        .await?
+        .into_iter()
+        .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
+        .collect();
+    let mut candidates = Vec::new();
+    for (index, command) in commands.iter().enumerate() {
+        if decisions[index].is_some() {
+            continue;
+        }
+        let key = (command.merchant_id.as_str().to_owned(), command.order_no.as_str().to_owned());
+        let Some(order) = orders.remove(&key) else {
+            decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
+            continue;
+        };
+        match check_pay(&order, command) {
+            Ok(PayCheck::Proceed) => candidates.push((index, order)),
+            Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
+            Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+        }
+    }
+
+    // 2. The accounts, locked, and the Pays applied in arrival order.
+    let mut receipts = Vec::new();
+    if !candidates.is_empty() {
+        let account_ids: BTreeSet<&str> = candidates
+            .iter()
+            .flat_map(|(index, order)| [commands[*index].payer_account_id.as_str(), order.payee_account_id.as_str()])
+            .collect();
+        let account_ids: Vec<&str> = account_ids.into_iter().collect();
+        let mut accounts: BTreeMap<String, Ledgered> = queries
+            .lock_accounts(&account_ids)
+            .await?
+            .into_iter()
+            .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
+            .collect();
+        for (index, order) in candidates {
+            let command = &commands[index];
+            match apply(&mut accounts, command, &order) {
+                Ok(legs) => receipts.push((index, order, legs)),
+                Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+            }
+        }
+        if !receipts.is_empty() {
+            if !write_accepted(queries, commands, trade_nos, &receipts, &accounts, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+        }
+    }
+
+    for (index, order, _) in receipts {
+        let command = &commands[index];
+        let payment = payment_row(command, &order, &trade_nos[index], now);
+        let order = OrderRow {
+            status: OrderStatus::Paid.as_str().to_owned(),
+            out_trade_no: Some(payment.out_trade_no.clone()),
+            updated_at: now,
+            ..order
+        };
+        decisions[index] = Some(Decision::Paid(PayReceipt { payment, order }));
+    }
+    Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
+}
+
+/// The (balance, version) after each leg of one Pay: (payer, payee).
+type Legs = [(i64, i64); 2];
+
+/// Moves the Pay's money between the in-memory accounts, or changes nothing and says why.
+/// Legs are checked in account_id order, as a single posting checks them.
+fn apply(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &OrderRow) -> Result<Legs, Error> {
+    let (payer_id, payee_id) = (command.payer_account_id.as_str(), order.payee_account_id.as_str());
+    let payer = accounts.get(payer_id).ok_or(Error::NotFound(Resource::Account))?;
+    if payer.row.currency != order.currency {
+        return Err(crate::domain::Rejection::CurrencyMismatch.into());
+    }
+    let minor_units = command.amount.minor_units();
+    let mut after = [(0, 0); 2];
+    let mut legs = [(payer_id, -minor_units, 0), (payee_id, minor_units, 1)];
+    legs.sort_by(|a, b| a.0.cmp(b.0));
+    for (account_id, delta, slot) in legs {
+        let account = accounts.get(account_id).ok_or(Error::NotFound(Resource::Account))?;
+        after[slot] = (balance_after(&account.row, &order.currency, delta)?, account.row.version + 1);
+    }
+    for (account_id, _, slot) in legs {
+        let account = accounts.get_mut(account_id).expect("checked above");
+        (account.row.balance, account.row.version) = after[slot];
+    }
+    Ok(after)
+}
+
+fn payment_row(command: &Pay, order: &OrderRow, trade_no: &str, now: i64) -> PaymentRow {
+    PaymentRow {
+        trade_no: trade_no.to_owned(),
+        merchant_id: command.merchant_id.as_str().to_owned(),
+        out_trade_no: command.out_trade_no.as_str().to_owned(),
+        order_no: command.order_no.as_str().to_owned(),
+        payer_account_id: command.payer_account_id.as_str().to_owned(),
+        payee_account_id: order.payee_account_id.clone(),
+        amount: order.amount,
+        currency: order.currency.clone(),
+        status: PAYMENT_SUCCEEDED.to_owned(),
+        created_at: now,
+    }
+}
+
+/// Step 3: false when a key or a version was taken under the batch (roll back).
+async fn write_accepted(
+    queries: &mut Queries<'_>,
+    commands: &[&Pay],
+    trade_nos: &[String],
+    receipts: &[(usize, OrderRow, Legs)],
+    accounts: &BTreeMap<String, Ledgered>,
+    now: i64,
+) -> Result<bool, Error> {
+    let payments: Vec<PaymentRow> = receipts
+        .iter()
+        .map(|(index, order, _)| payment_row(&commands[*index], order, &trade_nos[*index], now))
+        .collect();
+    let balances: Vec<BalanceUpdate<'_>> = accounts
+        .values()
+        .filter(|account| account.row.version != account.read_version)
+        .map(|account| BalanceUpdate {
+            account_id: &account.row.account_id,
+            balance: account.row.balance,
+            expected_version: account.read_version,
+            version: account.row.version,
+        })
+        .collect();
+    let kind = EntryKind::Pay.as_str();
+    let mut entries = Vec::with_capacity(payments.len() * 2);
+    for (payment, (_, _, [(payer_balance, payer_version), (payee_balance, payee_version)])) in
+        payments.iter().zip(receipts)
+    {
+        let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
+            account_id,
+            currency: &payment.currency,
+            amount,
+            balance_after,
+            version_after,
+            kind,
+            reference: &payment.out_trade_no,
+            posting_id: &payment.trade_no,
+            counterparty_account_id,
+            created_at: now,
+        };
+        entries.push(leg(
+            &payment.payer_account_id,
+            &payment.payee_account_id,
+            -payment.amount,
+            *payer_balance,
+            *payer_version,
+        ));
+        entries.push(leg(
+            &payment.payee_account_id,
+            &payment.payer_account_id,
+            payment.amount,
+            *payee_balance,
+            *payee_version,
+        ));
+    }
+    let written =
+        queries.write_pays(&PaidBatch { payments: &payments, balances: &balances, entries: &entries, now }).await?;
+    Ok(written)
+}
