@@ -44,7 +44,9 @@ need() { # tool, Debian package
 cargo build --release --locked --quiet
 
 start_server() { # database url
-  "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$1" --pool-size "$POOL_SIZE" --log-filter warn &
+  # The server's last log line ("stopped") has the group-commit counters: mean batch size.
+  "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$1" --pool-size "$POOL_SIZE" \
+    --log-filter warn,payledger::startup=info --log-format json 2> "$RESULTS/server.log" &
   SERVER_PID=$!
   for _ in $(seq 1 100); do
     if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then return 0; fi
@@ -59,6 +61,18 @@ stop_server() {
   kill "$SERVER_PID"
   wait "$SERVER_PID" 2>/dev/null || true
   SERVER_PID=""
+  python3 - "$RESULTS/server.log" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        event = json.loads(line)
+    except ValueError:
+        continue
+    fields = event.get("fields", {})
+    if fields.get("message") == "stopped" and fields.get("group_commits"):
+        mean = fields["group_committed_pays"] / fields["group_commits"]
+        print(f"  group commits: {fields['group_commits']}, Pays in them: {fields['group_committed_pays']} (mean batch {mean:.1f})")
+PY
 }
 
 bench() { # label, scenario, concurrency, extra args...
@@ -78,11 +92,15 @@ PY
 
 rate() { python3 -c "import json;print(json.load(open('$RESULTS/$1.json'))['calls_per_second'])"; }
 ratio() { python3 -c "print(f'{$1/$2:.2f}')"; }
+p99() { python3 -c "import json;print(json.load(open('$RESULTS/$1.json'))['latency_us']['p99']/1000)"; }
 
 payledger_suite() { # database url, reference label, reference tps, target ratio
   local url=$1 reference=$2 reference_tps=$3 target=$4
   start_server "$url"
   bench pay pay "$CONCURRENCY"
+  local half
+  half=$(python3 -c "print(round($(rate pay) / 2))")
+  bench pay-half pay "$CONCURRENCY" --rate "$half"
   bench replay replay "$CONCURRENCY"
   bench hot hot "$CONCURRENCY"
   bench hot-zipf hot "$CONCURRENCY" --zipf 1.1
@@ -98,6 +116,7 @@ payledger_suite() { # database url, reference label, reference tps, target ratio
   echo "  $reference: $reference_tps tps   payledger pay: $pay calls/s   ratio $(ratio "$pay" "$reference_tps") (target >= $target)"
   echo "  replay / pay: $(ratio "$(rate replay)" "$pay") (target >= 4)   hot / pay: $(ratio "$(rate hot)" "$pay") (target >= 0.5)"
   echo "  pay at 128 callers / pay at $CONCURRENCY: $(ratio "$(rate pay-128)" "$pay") (target >= 0.8)"
+  echo "  p99 at half the peak rate ($half calls/s offered): $(p99 pay-half) ms (target <= 10)"
   echo "  server peak resident memory: $(( $(cat "$RESULTS/rss_kb") / 1024 )) MB (target <= 100)"
 }
 

@@ -27,11 +27,16 @@ pub struct DatabaseSettings {
     /// Most Pays written together by one transaction (group commit: Pays that arrive while
     /// the database is busy share one transaction and one commit); 1 turns it off. Pays with
     /// an idempotency-key or idempotency-token always run alone.
-    #[arg(long, env = "PAYLEDGER_PAY_BATCH_MAX", default_value_t = 64)]
-    pub pay_batch_max: usize,
-    /// Group-commit transactions in flight at once (each holds one pooled connection).
-    #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1)]
-    pub pay_batch_workers: usize,
+    /// At most 500, which keeps every statement of a batch within the databases' limits on
+    /// bound parameters (65,535 on PostgreSQL and MySQL, 32,766 on SQLite).
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_MAX", default_value_t = 64,
+          value_parser = clap::value_parser!(u16).range(1..=500))]
+    pub pay_batch_max: u16,
+    /// Group-commit transactions in flight at once, each with its own queue (Pays are routed
+    /// by merchant_id) and one pooled connection while it runs.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub pay_batch_workers: u16,
 }
 
 impl DatabaseSettings {
@@ -44,7 +49,10 @@ impl DatabaseSettings {
     }
 
     pub fn group_commit(&self) -> GroupCommitSettings {
-        GroupCommitSettings { max_batch: self.pay_batch_max.max(1), workers: self.pay_batch_workers.max(1) }
+        GroupCommitSettings {
+            max_batch: usize::from(self.pay_batch_max.max(1)),
+            workers: usize::from(self.pay_batch_workers.max(1)),
+        }
     }
 }
 

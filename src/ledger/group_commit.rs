@@ -280,10 +280,8 @@ async fn write_batch(
                 Err(error) => decisions[index] = Some(Decision::Rejected(error)),
             }
         }
-        if !receipts.is_empty() {
-            if !write_accepted(queries, commands, trade_nos, &receipts, &accounts, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
+        if !receipts.is_empty() && !write_accepted(queries, commands, trade_nos, &receipts, &accounts, now).await? {
+            return Ok(Inserted::KeyTaken);
         }
     }
 
@@ -353,7 +351,7 @@ async fn write_accepted(
 ) -> Result<bool, Error> {
     let payments: Vec<PaymentRow> = receipts
         .iter()
-        .map(|(index, order, _)| payment_row(&commands[*index], order, &trade_nos[*index], now))
+        .map(|(index, order, _)| payment_row(commands[*index], order, &trade_nos[*index], now))
         .collect();
     let balances: Vec<BalanceUpdate<'_>> = accounts
         .values()

@@ -16,6 +16,9 @@
 //! a conditional UPDATE, moves money by version CAS with two journal entries, and commits
 //! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
 //! and the committed original is replayed.
+//!
+//! Pays without an idempotency key or token take the same steps for a whole batch at once
+//! (see `group_commit`): one replay read, one transaction, one statement per kind of row.
 
 mod accounts;
 mod commands;

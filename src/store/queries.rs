@@ -493,16 +493,17 @@ impl<'c> Queries<'c> {
         &mut self,
         keys: &[(&str, &str)],
     ) -> Result<Vec<(PaymentRow, OrderRow)>, sqlx::Error> {
+        let keys = KeyGroups::new(keys.iter().copied());
         let sql = render(
             &format!(
                 concat!(payment_and_order_select!(), " WHERE {}"),
-                repeated("(p.merchant_id = ? AND p.out_trade_no = ?)", keys.len(), " OR ")
+                keys.predicate(self.dialect, "p.merchant_id", "p.out_trade_no")
             ),
             self.dialect,
         );
         let mut query = sqlx::query(&sql);
-        for (merchant_id, out_trade_no) in keys {
-            query = query.bind(*merchant_id).bind(*out_trade_no);
+        for value in keys.binds(self.dialect) {
+            query = query.bind(value);
         }
         let rows = query.fetch_all(&mut *self.connection).await?;
         rows.iter().map(payment_and_order).collect()
@@ -660,16 +661,17 @@ impl<'c> Queries<'c> {
     /// (so two transactions locking overlapping sets cannot deadlock on them). Missing keys
     /// are simply absent from the result.
     pub async fn lock_orders(&mut self, keys: &[(&str, &str)]) -> Result<Vec<OrderRow>, sqlx::Error> {
+        let keys = KeyGroups::new(keys.iter().copied());
         let sql = render(
             &format!(
                 concat!("SELECT ", order_columns!(), " FROM orders WHERE {} ORDER BY merchant_id, order_no FOR UPDATE"),
-                repeated("(merchant_id = ? AND order_no = ?)", keys.len(), " OR ")
+                keys.predicate(self.dialect, "merchant_id", "order_no")
             ),
             self.dialect,
         );
         let mut query = sqlx::query_as(&sql);
-        for (merchant_id, order_no) in keys {
-            query = query.bind(*merchant_id).bind(*order_no);
+        for value in keys.binds(self.dialect) {
+            query = query.bind(value);
         }
         query.fetch_all(&mut *self.connection).await
     }
@@ -720,14 +722,16 @@ impl<'c> Queries<'c> {
                      SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), \
                      (SELECT COUNT(*) FROM e)",
                     insert_payments_sql(n),
-                    mark_orders_paid_sql(n),
+                    mark_orders_paid_sql(self.dialect, batch),
                     cas_balances_sql(balances),
                     insert_entries_sql(entries)
                 ),
                 self.dialect,
             );
-            let query =
-                bind_entries(bind_balances(bind_orders(bind_payments(sqlx::query(&sql), batch), batch), batch), batch);
+            let query = bind_entries(
+                bind_balances(bind_orders(self.dialect, bind_payments(sqlx::query(&sql), batch), batch), batch),
+                batch,
+            );
             let row = query.fetch_one(&mut *self.connection).await?;
             let counts: [i64; 4] = [row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?];
             let expected = [n, n, balances, entries].map(|count| count as i64);
@@ -742,8 +746,10 @@ impl<'c> Queries<'c> {
             }
             Err(error) => return Err(error),
         }
-        let sql = render(&mark_orders_paid_sql(n), self.dialect);
-        if bind_orders(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected() != n as u64 {
+        let sql = render(&mark_orders_paid_sql(self.dialect, batch), self.dialect);
+        if bind_orders(self.dialect, sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected()
+            != n as u64
+        {
             return Ok(false);
         }
         let sql = render(&cas_balances_sql(balances), self.dialect);
@@ -809,21 +815,25 @@ fn bind_payments<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery
     query
 }
 
-fn mark_orders_paid_sql(n: usize) -> String {
+fn paid_order_keys<'q>(batch: &PaidBatch<'q>) -> KeyGroups<'q> {
+    KeyGroups::new(batch.payments.iter().map(|row| (row.merchant_id.as_str(), row.order_no.as_str())))
+}
+
+fn mark_orders_paid_sql(dialect: Dialect, batch: &PaidBatch<'_>) -> String {
     format!(
         "UPDATE orders SET status = 'PAID', updated_at = ?, out_trade_no = CASE {} END WHERE status = 'PENDING' AND ({})",
-        repeated("WHEN merchant_id = ? AND order_no = ? THEN ?", n, " "),
-        repeated("(merchant_id = ? AND order_no = ?)", n, " OR ")
+        repeated("WHEN merchant_id = ? AND order_no = ? THEN ?", batch.payments.len(), " "),
+        paid_order_keys(batch).predicate(dialect, "merchant_id", "order_no")
     )
 }
 
-fn bind_orders<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+fn bind_orders<'q>(dialect: Dialect, mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
     query = query.bind(batch.now);
     for row in batch.payments {
         query = query.bind(row.merchant_id.as_str()).bind(row.order_no.as_str()).bind(row.out_trade_no.as_str());
     }
-    for row in batch.payments {
-        query = query.bind(row.merchant_id.as_str()).bind(row.order_no.as_str());
+    for value in paid_order_keys(batch).binds(dialect) {
+        query = query.bind(value);
     }
     query
 }
@@ -895,6 +905,59 @@ fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error
     Ok((payment, order))
 }
 
+/// A list of two-column keys, written as a predicate each database runs as one index lookup
+/// per key. PostgreSQL gets `(a, b) IN (VALUES (?, ?), ...)`, which it joins against the
+/// primary key. Written as `(a = ? AND b = ?) OR ...`, PostgreSQL factors a first column that
+/// every term shares out of the OR (`a = ? AND (b = ? OR ...)`) and may then scan every row
+/// with that `a` (its OR-clause simplification; seen with `EXPLAIN ANALYZE` on a hot merchant).
+/// MySQL and SQLite get the keys grouped by their first column, `(a = ? AND b IN (?, ?)) OR
+/// ...`, which their range optimizers run as one range per key.
+struct KeyGroups<'a>(Vec<(&'a str, Vec<&'a str>)>);
+
+impl<'a> KeyGroups<'a> {
+    fn new(keys: impl Iterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut groups: Vec<(&'a str, Vec<&'a str>)> = Vec::new();
+        for (first, second) in keys {
+            match groups.iter_mut().find(|(group, _)| *group == first) {
+                Some((_, seconds)) => seconds.push(second),
+                None => groups.push((first, vec![second])),
+            }
+        }
+        Self(groups)
+    }
+
+    fn predicate(&self, dialect: Dialect, first_column: &str, second_column: &str) -> String {
+        if dialect == Dialect::Postgres {
+            let count = self.0.iter().map(|(_, seconds)| seconds.len()).sum();
+            return format!("({first_column}, {second_column}) IN (VALUES {})", repeated("(?, ?)", count, ", "));
+        }
+        let terms: Vec<String> = self
+            .0
+            .iter()
+            .map(|(_, seconds)| {
+                format!("({first_column} = ? AND {second_column} IN ({}))", repeated("?", seconds.len(), ", "))
+            })
+            .collect();
+        terms.join(" OR ")
+    }
+
+    /// The values to bind, in the order [`KeyGroups::predicate`] names them.
+    fn binds(&self, dialect: Dialect) -> Vec<&'a str> {
+        let mut binds = Vec::new();
+        for (first, seconds) in &self.0 {
+            if dialect == Dialect::Postgres {
+                for second in seconds {
+                    binds.extend([*first, *second]);
+                }
+            } else {
+                binds.push(*first);
+                binds.extend(seconds.iter().copied());
+            }
+        }
+        binds
+    }
+}
+
 /// `n` copies of `group` joined by `separator`: the row list or predicate of a statement over
 /// `n` rows.
 fn repeated(group: &str, n: usize, separator: &str) -> String {
@@ -907,4 +970,21 @@ fn repeated(group: &str, n: usize, separator: &str) -> String {
         text.push_str(group);
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_grouped_by_their_first_column_and_bound_in_the_order_named() {
+        let keys = KeyGroups::new([("m1", "a"), ("m2", "b"), ("m1", "c")].into_iter());
+        assert_eq!(keys.predicate(Dialect::MySql, "x", "y"), "(x = ? AND y IN (?, ?)) OR (x = ? AND y IN (?))");
+        assert_eq!(keys.binds(Dialect::MySql), ["m1", "a", "c", "m2", "b"]);
+        assert_eq!(
+            render(&keys.predicate(Dialect::Postgres, "x", "y"), Dialect::Postgres),
+            "(x, y) IN (VALUES ($1, $2), ($3, $4), ($5, $6))"
+        );
+        assert_eq!(keys.binds(Dialect::Postgres), ["m1", "a", "m1", "c", "m2", "b"]);
+    }
 }

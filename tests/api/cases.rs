@@ -992,10 +992,10 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
 }
 
 // Cases run a second time with group commit off (see `main.rs`).
-pub use pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit as pay_without_funds_one_by_one;
 pub use concurrent_pays_against_one_balance_never_overdraw_it as concurrent_pays_against_one_balance_one_by_one;
 pub use opposite_payments_between_two_accounts_finish_without_deadlock as opposite_payments_between_two_accounts_one_by_one;
 pub use pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing as pay_refusals_one_by_one;
+pub use pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit as pay_without_funds_one_by_one;
 pub use twenty_concurrent_identical_pays_execute_once_with_one_trade_no as twenty_concurrent_identical_pays_one_by_one;
 
 /// A Pay command as the gRPC edge would build it.
