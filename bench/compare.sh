@@ -4,8 +4,10 @@
 #   PostgreSQL: pgbench tpcb-like (3 UPDATEs, a SELECT, an INSERT), prepared mode;
 #   MariaDB/MySQL: sysbench oltp_write_only;
 #   SQLite: payledger's pay figure alone (there is no server to compare with).
-# Then every payledger scenario, the 128-caller overload, the server's peak resident memory,
-# and `payledger audit` on what the runs wrote. Every database it creates is dropped again.
+# Then every payledger scenario, the 128-caller overload, `pay` at half its peak rate, the
+# server's peak resident memory and `payledger audit` on what the runs wrote. The database's
+# benchmark runs before and after payledger and `pay` twice (the machine's speed drifts); the
+# ratio compares means. Every database it creates is dropped again.
 #
 # Usage: bench/compare.sh [postgres|mysql|sqlite|all]   (default: all)
 # Environment: CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
@@ -94,9 +96,19 @@ rate() { python3 -c "import json;print(json.load(open('$RESULTS/$1.json'))['call
 ratio() { python3 -c "print(f'{$1/$2:.2f}')"; }
 p99() { python3 -c "import json;print(json.load(open('$RESULTS/$1.json'))['latency_us']['p99']/1000)"; }
 
-payledger_suite() { # database url, reference label, reference tps, target ratio
-  local url=$1 reference=$2 reference_tps=$3 target=$4
+mean() { python3 -c "print(round(($1 + $2) / 2, 1))"; }
+
+# The machine is shared and its speed drifts by tens of percent within minutes, so the
+# database's own benchmark runs twice, before and after payledger, and payledger's `pay` twice,
+# first and last; the ratio compares the two means. A warm-up round (not counted) lets the
+# new tables get their statistics, as pgbench's and sysbench's own preparation does.
+payledger_suite() { # database url, reference label, reference function, target ratio
+  local url=$1 reference=$2 reference_run=$3 target=$4
+  local before after
+  before=$($reference_run)
+  echo "  $reference, before payledger: $before tps"
   start_server "$url"
+  COUNT=$(( COUNT / 4 )) bench warm-up pay "$CONCURRENCY"
   bench pay pay "$CONCURRENCY"
   local half
   half=$(python3 -c "print(round($(rate pay) / 2))")
@@ -108,51 +120,58 @@ payledger_suite() { # database url, reference label, reference tps, target ratio
   bench mixed mixed "$CONCURRENCY"
   bench pay-8 pay 8
   bench pay-128 pay 128
+  bench pay-again pay "$CONCURRENCY"
   stop_server
+  after=$($reference_run)
+  echo "  $reference, after payledger: $after tps"
   "$BIN" audit --database-url "$url"
-  local pay
-  pay=$(rate pay)
+  local pay reference_tps
+  pay=$(mean "$(rate pay)" "$(rate pay-again)")
+  reference_tps=$(mean "$before" "$after")
   echo
-  echo "  $reference: $reference_tps tps   payledger pay: $pay calls/s   ratio $(ratio "$pay" "$reference_tps") (target >= $target)"
+  echo "  $reference: $reference_tps tps (mean of 2)   payledger pay: $pay calls/s (mean of 2)   ratio $(ratio "$pay" "$reference_tps") (target >= $target)"
   echo "  replay / pay: $(ratio "$(rate replay)" "$pay") (target >= 4)   hot / pay: $(ratio "$(rate hot)" "$pay") (target >= 0.5)"
   echo "  pay at 128 callers / pay at $CONCURRENCY: $(ratio "$(rate pay-128)" "$pay") (target >= 0.8)"
   echo "  p99 at half the peak rate ($half calls/s offered): $(p99 pay-half) ms (target <= 10)"
   echo "  server peak resident memory: $(( $(cat "$RESULTS/rss_kb") / 1024 )) MB (target <= 100)"
 }
 
+pgbench_run() {
+  pgbench -h "$PG_HOST" -U postgres -M prepared -b tpcb-like -c "$CONCURRENCY" -j 2 -T "$SECONDS_DB" pgbench_reference 2>/dev/null \
+    | awk '/^tps = / {print $3; exit}'
+}
+
+SB="sysbench oltp_write_only --db-driver=mysql --mysql-host=127.0.0.1 --mysql-user=root --mysql-db=sysbench_reference --tables=8 --table-size=10000"
+sysbench_run() {
+  $SB --threads="$CONCURRENCY" --time="$SECONDS_DB" run | awk '/transactions:/ {gsub(/\(/, "", $3); print $3; exit}'
+}
+
 if [ "$TARGETS" = all ] || [ "$TARGETS" = postgres ]; then
   need pgbench postgresql-contrib
-  echo "== PostgreSQL: pgbench tpcb-like, prepared, $CONCURRENCY clients, ${SECONDS_DB}s"
+  echo "== PostgreSQL: pgbench tpcb-like, prepared, $CONCURRENCY clients, ${SECONDS_DB}s; then payledger"
   createdb -h "$PG_HOST" -U postgres pgbench_reference
   pgbench -h "$PG_HOST" -U postgres -i -q -s "$CONCURRENCY" pgbench_reference >/dev/null 2>&1
-  PG_TPS=$(pgbench -h "$PG_HOST" -U postgres -M prepared -b tpcb-like -c "$CONCURRENCY" -j 2 -T "$SECONDS_DB" pgbench_reference 2>/dev/null \
-    | awk '/^tps = / {print $3; exit}')
-  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE pgbench_reference WITH (FORCE)"
-  echo "  pgbench tpcb-like: $PG_TPS tps"
-  echo "== PostgreSQL: payledger"
   createdb -h "$PG_HOST" -U postgres payledger_bench
-  payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" "$PG_TPS" 1.0
+  payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" pgbench_run 1.0
   psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE payledger_bench WITH (FORCE)"
+  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE pgbench_reference WITH (FORCE)"
 fi
 
 if [ "$TARGETS" = all ] || [ "$TARGETS" = mysql ]; then
   need sysbench sysbench
-  echo "== MariaDB: sysbench oltp_write_only, $CONCURRENCY threads, ${SECONDS_DB}s"
+  echo "== MariaDB: sysbench oltp_write_only, $CONCURRENCY threads, ${SECONDS_DB}s; then payledger"
   mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE sysbench_reference"
-  SB="sysbench oltp_write_only --db-driver=mysql --mysql-host=127.0.0.1 --mysql-user=root --mysql-db=sysbench_reference --tables=8 --table-size=10000"
   $SB prepare >/dev/null
-  MY_TPS=$($SB --threads="$CONCURRENCY" --time="$SECONDS_DB" run | awk '/transactions:/ {gsub(/\(/, "", $3); print $3; exit}')
-  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE sysbench_reference"
-  echo "  sysbench oltp_write_only: $MY_TPS tps"
-  echo "== MariaDB: payledger"
   mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE payledger_bench"
-  payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" "$MY_TPS" 0.8
+  payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" sysbench_run 0.8
   mariadb -uroot -h127.0.0.1 -e "DROP DATABASE payledger_bench"
+  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE sysbench_reference"
 fi
 
 if [ "$TARGETS" = all ] || [ "$TARGETS" = sqlite ]; then
   echo "== SQLite (embedded): payledger"
   start_server "sqlite:/tmp/payledger_bench.db"
+  COUNT=$(( COUNT / 4 )) bench warm-up pay "$CONCURRENCY"
   bench pay pay "$CONCURRENCY"
   stop_server
   "$BIN" audit --database-url "sqlite:/tmp/payledger_bench.db"
