@@ -91,6 +91,8 @@ pub struct BenchSettings {
 pub struct BenchReport {
     pub scenario: Scenario,
     pub concurrency: usize,
+    /// `--rate`: the calls per second offered (open loop), if set.
+    pub offered_rate: Option<f64>,
     pub count: u64,
     pub duration_seconds: f64,
     pub calls_per_second: f64,
@@ -343,7 +345,13 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
     let clients = Clients { accounts, payments };
     eprintln!("preparing {:?} data (untimed)...", settings.scenario);
     let prepared = Arc::new(prepare(settings, &clients).await?);
-    eprintln!("running {} calls at concurrency {}...", settings.total, settings.concurrency);
+    match settings.rate {
+        Some(rate) => eprintln!(
+            "running {} calls at {rate} calls/s (open loop), at most {} in flight...",
+            settings.total, settings.concurrency
+        ),
+        None => eprintln!("running {} calls at concurrency {}...", settings.total, settings.concurrency),
+    }
 
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -418,6 +426,7 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
     Ok(BenchReport {
         scenario: settings.scenario,
         concurrency: settings.concurrency,
+        offered_rate: settings.rate,
         count,
         duration_seconds: elapsed,
         calls_per_second: count as f64 / elapsed.max(f64::EPSILON),
@@ -433,7 +442,13 @@ fn millis(micros: u64) -> String {
 }
 
 fn print_report(report: &BenchReport) {
-    println!("Summary ({:?}, concurrency {}):", report.scenario, report.concurrency);
+    match report.offered_rate {
+        Some(rate) => println!(
+            "Summary ({:?}, concurrency {}, open loop at {rate} calls/s offered; latency from each call's scheduled start):",
+            report.scenario, report.concurrency
+        ),
+        None => println!("Summary ({:?}, concurrency {}):", report.scenario, report.concurrency),
+    }
     println!("  Count:        {}", report.count);
     println!("  Total:        {:.2} s", report.duration_seconds);
     for (label, key) in [("Slowest", "max"), ("Fastest", "min"), ("Average", "mean")] {

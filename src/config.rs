@@ -10,8 +10,8 @@ use crate::store::PoolSettings;
 #[derive(Debug, Clone, clap::Args)]
 pub struct DatabaseSettings {
     /// Database URL; its scheme picks the backend: `postgres://user@host:5432/db`,
-    /// `mysql://root@host:3306/db` (also `mariadb://`), or `sqlite:path/to/file.db`
-    /// (created on first start).
+    /// `mysql://root@host:3306/db` (also `mariadb://`), or `sqlite:path/to/file.db` (`serve`
+    /// creates the file on first start; `audit` never creates anything).
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:payledger.db")]
     pub database_url: String,
     /// Most database connections (PostgreSQL and MySQL do best with a few per core).

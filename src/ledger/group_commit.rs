@@ -32,12 +32,11 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::domain::OrderStatus;
 use crate::error::{Error, Resource};
 use crate::store::{AccountRow, BalanceUpdate, NewEntry, OrderRow, PaidBatch, PaymentRow, Queries, Store};
 
 use super::commands::Pay;
-use super::payments::{check_pay, PayCheck, PayReceipt, PAYMENT_SUCCEEDED};
+use super::payments::{check_pay, new_payment, paid_receipt, PayCheck, PayReceipt};
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
 use super::{new_id, now_micros, Counters, Inserted};
@@ -280,21 +279,16 @@ async fn write_batch(
                 Err(error) => decisions[index] = Some(Decision::Rejected(error)),
             }
         }
-        if !receipts.is_empty() && !write_accepted(queries, commands, trade_nos, &receipts, &accounts, now).await? {
+        let payments: Vec<PaymentRow> = receipts
+            .iter()
+            .map(|(index, order, _)| new_payment(commands[*index], order, &trade_nos[*index], now))
+            .collect();
+        if !payments.is_empty() && !write_accepted(queries, &payments, &receipts, &accounts, now).await? {
             return Ok(Inserted::KeyTaken);
         }
-    }
-
-    for (index, order, _) in receipts {
-        let command = &commands[index];
-        let payment = payment_row(command, &order, &trade_nos[index], now);
-        let order = OrderRow {
-            status: OrderStatus::Paid.as_str().to_owned(),
-            out_trade_no: Some(payment.out_trade_no.clone()),
-            updated_at: now,
-            ..order
-        };
-        decisions[index] = Some(Decision::Paid(PayReceipt { payment, order }));
+        for ((index, order, _), payment) in receipts.into_iter().zip(payments) {
+            decisions[index] = Some(Decision::Paid(paid_receipt(payment, order, now)));
+        }
     }
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }
@@ -325,34 +319,14 @@ fn apply(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &Order
     Ok(after)
 }
 
-fn payment_row(command: &Pay, order: &OrderRow, trade_no: &str, now: i64) -> PaymentRow {
-    PaymentRow {
-        trade_no: trade_no.to_owned(),
-        merchant_id: command.merchant_id.as_str().to_owned(),
-        out_trade_no: command.out_trade_no.as_str().to_owned(),
-        order_no: command.order_no.as_str().to_owned(),
-        payer_account_id: command.payer_account_id.as_str().to_owned(),
-        payee_account_id: order.payee_account_id.clone(),
-        amount: order.amount,
-        currency: order.currency.clone(),
-        status: PAYMENT_SUCCEEDED.to_owned(),
-        created_at: now,
-    }
-}
-
 /// Step 3: false when a key or a version was taken under the batch (roll back).
 async fn write_accepted(
     queries: &mut Queries<'_>,
-    commands: &[&Pay],
-    trade_nos: &[String],
+    payments: &[PaymentRow],
     receipts: &[(usize, OrderRow, Legs)],
     accounts: &BTreeMap<String, Ledgered>,
     now: i64,
 ) -> Result<bool, Error> {
-    let payments: Vec<PaymentRow> = receipts
-        .iter()
-        .map(|(index, order, _)| payment_row(commands[*index], order, &trade_nos[*index], now))
-        .collect();
     let balances: Vec<BalanceUpdate<'_>> = accounts
         .values()
         .filter(|account| account.row.version != account.read_version)
@@ -395,7 +369,5 @@ async fn write_accepted(
             *payee_version,
         ));
     }
-    let written =
-        queries.write_pays(&PaidBatch { payments: &payments, balances: &balances, entries: &entries, now }).await?;
-    Ok(written)
+    Ok(queries.write_pays(&PaidBatch { payments, balances: &balances, entries: &entries, now }).await?)
 }

@@ -447,6 +447,34 @@ pub(super) fn check_pay(order: &OrderRow, command: &Pay) -> Result<PayCheck, Err
     Err(Error::Internal("a paid order's state machine accepted another Pay".into()))
 }
 
+/// The payment row of a Pay of `order`, as it is recorded when the Pay succeeds.
+pub(super) fn new_payment(command: &Pay, order: &OrderRow, trade_no: &str, now: i64) -> PaymentRow {
+    PaymentRow {
+        trade_no: trade_no.to_owned(),
+        merchant_id: command.merchant_id.as_str().to_owned(),
+        out_trade_no: command.out_trade_no.as_str().to_owned(),
+        order_no: command.order_no.as_str().to_owned(),
+        payer_account_id: command.payer_account_id.as_str().to_owned(),
+        payee_account_id: order.payee_account_id.clone(),
+        amount: order.amount,
+        currency: order.currency.clone(),
+        status: PAYMENT_SUCCEEDED.to_owned(),
+        created_at: now,
+    }
+}
+
+/// The answer to a Pay that just committed: its payment, and the order as read under its lock
+/// moved to PAID.
+pub(super) fn paid_receipt(payment: PaymentRow, order: OrderRow, now: i64) -> PayReceipt {
+    let order = OrderRow {
+        status: OrderStatus::Paid.as_str().to_owned(),
+        out_trade_no: Some(payment.out_trade_no.clone()),
+        updated_at: now,
+        ..order
+    };
+    PayReceipt { payment, order }
+}
+
 /// The writes of one Pay, in order: the payment row first (it claims out_trade_no and, by
 /// the unique (merchant_id, order_no), the order's one payment; a concurrent duplicate waits
 /// here for the first one's outcome), then PENDING -> PAID by conditional UPDATE, then the
@@ -473,18 +501,7 @@ async fn pay_in_transaction(
     if payer.currency != order.currency {
         return Err(Rejection::CurrencyMismatch.into());
     }
-    let payment = PaymentRow {
-        trade_no: trade_no.to_owned(),
-        merchant_id: merchant_id.to_owned(),
-        out_trade_no: command.out_trade_no.as_str().to_owned(),
-        order_no: order_no.to_owned(),
-        payer_account_id: command.payer_account_id.as_str().to_owned(),
-        payee_account_id: order.payee_account_id.clone(),
-        amount: order.amount,
-        currency: order.currency.clone(),
-        status: PAYMENT_SUCCEEDED.to_owned(),
-        created_at: now,
-    };
+    let payment = new_payment(command, &order, trade_no, now);
     if !queries.insert_payment(&payment).await? {
         return Ok(Inserted::KeyTaken);
     }
@@ -504,13 +521,7 @@ async fn pay_in_transaction(
         now,
     };
     post(queries, &posting, &accounts).await?;
-    let order = OrderRow {
-        status: OrderStatus::Paid.as_str().to_owned(),
-        out_trade_no: Some(payment.out_trade_no.clone()),
-        updated_at: now,
-        ..order
-    };
-    Ok(Inserted::Done(PayReceipt { payment, order }))
+    Ok(Inserted::Done(paid_receipt(payment, order, now)))
 }
 
 /// The writes of one Refund: the refund row first (it claims out_refund_no), then the order's
