@@ -267,6 +267,9 @@ impl Ledger {
     /// idempotency-key or token are written: one read for the replays, then one transaction
     /// with one statement per kind of row. Each Pay gets its own outcome, in the order given,
     /// exactly as [`Ledger::pay`] would answer it alone (a rejection fails only its own Pay).
+    ///
+    /// # Errors
+    /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
         let decisions = pay_together(&self.store, &commands, &self.counters).await;
         let mut answers = Vec::with_capacity(commands.len());
