@@ -29,6 +29,22 @@ macro_rules! order_columns {
          created_at, updated_at"
     };
 }
+/// The start of the INSERTs that write these rows, written once for the one-row and the
+/// multi-row statements.
+macro_rules! insert_payment_into {
+    () => {
+        "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, \
+         payee_account_id, amount, currency, status, created_at) VALUES "
+    };
+}
+macro_rules! insert_entry_into {
+    () => {
+        "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+         posting_id, counterparty_account_id, created_at) VALUES "
+    };
+}
+/// The placeholders of one payment or one entry row (both have ten columns).
+const TEN_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 macro_rules! refund_columns {
     () => {
         "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at"
@@ -47,11 +63,8 @@ static INSERT_ACCOUNT: Sql = Sql::new(
 static CAS_BALANCE: Sql = Sql::new(
     "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ?",
 );
-static INSERT_ENTRY_PAIR: Sql = Sql::new(
-    "INSERT INTO journal_entries \
-     (account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-);
+static INSERT_ENTRY_PAIR: Sql =
+    Sql::new(concat!(insert_entry_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
 static FIND_ENTRY: Sql =
     Sql::new(concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"));
 static LIST_ENTRIES: Sql = Sql::new(concat!(
@@ -92,10 +105,8 @@ macro_rules! payment_and_order_select {
 }
 static FIND_PAYMENT_AND_ORDER: Sql =
     Sql::new(concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"));
-static INSERT_PAYMENT: Sql = Sql::new(
-    "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-);
+static INSERT_PAYMENT: Sql =
+    Sql::new(concat!(insert_payment_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
 static FIND_REFUND: Sql =
     Sql::new(concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"));
@@ -339,19 +350,9 @@ impl<'c> Queries<'c> {
 
     /// Writes both legs of a posting in one statement.
     pub async fn insert_entry_pair(&mut self, legs: &[NewEntry<'_>; 2]) -> Result<(), sqlx::Error> {
-        let mut query = self.query(&INSERT_ENTRY_PAIR);
+        let mut query = sqlx::query(INSERT_ENTRY_PAIR.text(self.dialect));
         for leg in legs {
-            query = query
-                .bind(leg.account_id.to_owned())
-                .bind(leg.currency.to_owned())
-                .bind(leg.amount)
-                .bind(leg.balance_after)
-                .bind(leg.version_after)
-                .bind(leg.kind)
-                .bind(leg.reference.to_owned())
-                .bind(leg.posting_id.to_owned())
-                .bind(leg.counterparty_account_id.to_owned())
-                .bind(leg.created_at);
+            query = bind_entry(query, leg);
         }
         let inserted = query.execute(&mut *self.connection).await?.rows_affected();
         assert_eq!(inserted, 2, "a posting writes exactly two entries");
@@ -510,18 +511,7 @@ impl<'c> Queries<'c> {
     }
 
     pub async fn insert_payment(&mut self, row: &PaymentRow) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&INSERT_PAYMENT)
-            .bind(row.trade_no.clone())
-            .bind(row.merchant_id.clone())
-            .bind(row.out_trade_no.clone())
-            .bind(row.order_no.clone())
-            .bind(row.payer_account_id.clone())
-            .bind(row.payee_account_id.clone())
-            .bind(row.amount)
-            .bind(row.currency.clone())
-            .bind(row.status.clone())
-            .bind(row.created_at);
+        let query = bind_payment(sqlx::query(INSERT_PAYMENT.text(self.dialect)), row);
         self.insert_if_absent(query).await
     }
 
@@ -791,28 +781,25 @@ pub struct PaidBatch<'a> {
 }
 
 fn insert_payments_sql(n: usize) -> String {
-    format!(
-        "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, \
-         amount, currency, status, created_at) VALUES {}",
-        repeated("(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", n, ", ")
-    )
+    format!(concat!(insert_payment_into!(), "{}"), repeated(TEN_VALUES, n, ", "))
 }
 
-fn bind_payments<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    for row in batch.payments {
-        query = query
-            .bind(row.trade_no.as_str())
-            .bind(row.merchant_id.as_str())
-            .bind(row.out_trade_no.as_str())
-            .bind(row.order_no.as_str())
-            .bind(row.payer_account_id.as_str())
-            .bind(row.payee_account_id.as_str())
-            .bind(row.amount)
-            .bind(row.currency.as_str())
-            .bind(row.status.as_str())
-            .bind(row.created_at);
-    }
+fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
     query
+        .bind(row.trade_no.as_str())
+        .bind(row.merchant_id.as_str())
+        .bind(row.out_trade_no.as_str())
+        .bind(row.order_no.as_str())
+        .bind(row.payer_account_id.as_str())
+        .bind(row.payee_account_id.as_str())
+        .bind(row.amount)
+        .bind(row.currency.as_str())
+        .bind(row.status.as_str())
+        .bind(row.created_at)
+}
+
+fn bind_payments<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    batch.payments.iter().fold(query, bind_payment)
 }
 
 fn paid_order_keys<'q>(batch: &PaidBatch<'q>) -> KeyGroups<'q> {
@@ -862,28 +849,25 @@ fn bind_balances<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery
 }
 
 fn insert_entries_sql(n: usize) -> String {
-    format!(
-        "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
-         posting_id, counterparty_account_id, created_at) VALUES {}",
-        repeated("(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", n, ", ")
-    )
+    format!(concat!(insert_entry_into!(), "{}"), repeated(TEN_VALUES, n, ", "))
 }
 
-fn bind_entries<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    for entry in batch.entries {
-        query = query
-            .bind(entry.account_id)
-            .bind(entry.currency)
-            .bind(entry.amount)
-            .bind(entry.balance_after)
-            .bind(entry.version_after)
-            .bind(entry.kind)
-            .bind(entry.reference)
-            .bind(entry.posting_id)
-            .bind(entry.counterparty_account_id)
-            .bind(entry.created_at);
-    }
+fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
     query
+        .bind(entry.account_id)
+        .bind(entry.currency)
+        .bind(entry.amount)
+        .bind(entry.balance_after)
+        .bind(entry.version_after)
+        .bind(entry.kind)
+        .bind(entry.reference)
+        .bind(entry.posting_id)
+        .bind(entry.counterparty_account_id)
+        .bind(entry.created_at)
+}
+
+fn bind_entries<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
+    batch.entries.iter().fold(query, bind_entry)
 }
 
 /// A row of `payment_and_order_select!`.
