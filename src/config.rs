@@ -56,6 +56,27 @@ impl DatabaseSettings {
     }
 }
 
+/// `payledger audit`: only where the ledger is; it reads and changes nothing.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuditSettings {
+    /// Database URL of an existing ledger: `postgres://user@host:5432/db`,
+    /// `mysql://root@host:3306/db` (also `mariadb://`) or `sqlite:path/to/file.db`. Nothing
+    /// is created or migrated.
+    #[arg(long, env = "DATABASE_URL", default_value = "sqlite:payledger.db")]
+    pub database_url: String,
+}
+
+impl AuditSettings {
+    /// The audit reads on one connection at a time.
+    pub fn pool(&self) -> PoolSettings {
+        PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(30),
+            lock_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// Idempotency keys, one-time tokens and the reaper that deletes them once expired.
 #[derive(Debug, Clone, clap::Args)]
 pub struct IdempotencySettings {

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use payledger::config::{DatabaseSettings, LogSettings, ServeSettings};
+use payledger::config::{AuditSettings, LogSettings, ServeSettings};
 use payledger::startup::{open_existing_ledger, shutdown_signal, Application};
 use payledger::{bench, demo, storm, telemetry};
 
@@ -22,7 +22,7 @@ enum Command {
     /// Serve PaymentService, AccountService, gRPC health and reflection.
     Serve(ServeSettings),
     /// Check the ledger invariants; exits 1 on any violation.
-    Audit(DatabaseSettings),
+    Audit(AuditSettings),
     /// Play a short story that shows exactly-once money movement; exits 1 if a step misbehaves.
     Demo(demo::DemoSettings),
     /// Run a duplicate storm under faults against several instances and check that money
@@ -71,7 +71,7 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn audit(settings: DatabaseSettings) -> Result<ExitCode, AnyError> {
+async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
     let ledger = open_existing_ledger(&settings).await?;
     let violations = ledger.audit().await?;
     for violation in &violations {

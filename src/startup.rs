@@ -9,7 +9,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-use crate::config::{DatabaseSettings, IdempotencySettings, ServeSettings};
+use crate::config::{AuditSettings, DatabaseSettings, IdempotencySettings, ServeSettings};
 use crate::grpc::{AccountApi, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::proto;
@@ -56,8 +56,8 @@ pub async fn open_ledger(
 ///
 /// # Errors
 /// [`StartupError::Database`], also when the database holds no ledger.
-pub async fn open_existing_ledger(database: &DatabaseSettings) -> Result<Ledger, StartupError> {
-    Ok(Ledger::new(Store::connect_existing(&database.database_url, &database.pool()).await?))
+pub async fn open_existing_ledger(settings: &AuditSettings) -> Result<Ledger, StartupError> {
+    Ok(Ledger::new(Store::connect_existing(&settings.database_url, &settings.pool()).await?))
 }
 
 /// A ready server: database migrated, port bound.

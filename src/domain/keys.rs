@@ -76,7 +76,15 @@ business_number!(
 );
 
 /// A client-supplied idempotency key (the `idempotency-key` header): 1-128 printable ASCII
-/// characters (0x20-0x7E).
+/// characters (0x20-0x7E) other than `,`, neither beginning nor ending with a space. Keys
+/// compare byte for byte, so `k` and `K` are two keys on every backend.
+///
+/// The refused forms have more than one reading, so they are refused rather than kept:
+/// - a space at either end: HTTP field values exclude leading and trailing whitespace
+///   (RFC 9110, section 5.5), so a proxy or client library may strip it, and MySQL's PAD
+///   SPACE collations compare `k` and `k ` as equal;
+/// - a comma: an intermediary may join two header lines of one name into one value with a
+///   comma (RFC 9110, section 5.3), so `a,b` may be one key or two.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
 
@@ -85,13 +93,20 @@ impl IdempotencyKey {
     pub const LEN_MAX: usize = 128;
 
     /// # Errors
-    /// A [`FieldViolation`] on `field` when the key is empty, too long or not printable ASCII.
+    /// A [`FieldViolation`] on `field` when the key is empty, too long, not printable ASCII,
+    /// holds a comma, or begins or ends with a space.
     pub fn parse(field: &'static str, raw: &str) -> Result<Self, FieldViolation> {
         if raw.is_empty() || raw.len() > Self::LEN_MAX {
             return Err(FieldViolation::new(field, format!("must be 1-{} characters", Self::LEN_MAX)));
         }
         if !raw.bytes().all(|b| (0x20..=0x7e).contains(&b)) {
-            return Err(FieldViolation::new(field, "must be printable ASCII"));
+            return Err(FieldViolation::new(field, "must be printable ASCII (0x20-0x7E)"));
+        }
+        if raw.starts_with(' ') || raw.ends_with(' ') {
+            return Err(FieldViolation::new(field, "must not begin or end with a space"));
+        }
+        if raw.contains(',') {
+            return Err(FieldViolation::new(field, "must not contain a comma (it joins repeated headers)"));
         }
         Ok(Self(raw.to_owned()))
     }
@@ -177,9 +192,17 @@ mod tests {
     fn idempotency_key_is_1_to_128_printable_ascii_characters() {
         assert!(IdempotencyKey::parse("idempotency-key", "a b~!").is_ok());
         assert!(IdempotencyKey::parse("idempotency-key", &"k".repeat(128)).is_ok());
-        for raw in ["", "tab\there", "caf\u{e9}", &"k".repeat(129)] {
+        for raw in ["", "tab\there", "caf\u{e9}", "nul\0", &"k".repeat(129)] {
             assert!(IdempotencyKey::parse("idempotency-key", raw).is_err(), "{raw:?}");
         }
+    }
+
+    #[test]
+    fn idempotency_key_with_a_space_at_either_end_or_a_comma_is_rejected_and_a_space_inside_is_kept() {
+        for raw in ["k ", " k", " ", "k\t", "a,b"] {
+            assert!(IdempotencyKey::parse("idempotency-key", raw).is_err(), "{raw:?}");
+        }
+        assert_eq!(IdempotencyKey::parse("idempotency-key", "a b").unwrap().as_str(), "a b");
     }
 
     #[test]

@@ -82,8 +82,11 @@ pub(super) fn list_entries(request: proto::ListEntriesRequest) -> Result<ListEnt
     let before_entry_id = if page_token.is_empty() {
         Some(None)
     } else {
-        let digits = page_token.len() <= 19 && page_token.bytes().all(|b| b.is_ascii_digit());
-        let token = digits.then(|| page_token.parse::<i64>().ok()).flatten().filter(|id| *id > 0).map(Some);
+        // Only the canonical text of a positive entry id, as next_page_token gives it: "01"
+        // and "1" would otherwise be two texts for one page.
+        let canonical =
+            page_token.len() <= 19 && page_token.bytes().all(|b| b.is_ascii_digit()) && !page_token.starts_with('0');
+        let token = canonical.then(|| page_token.parse::<i64>().ok()).flatten().filter(|id| *id > 0).map(Some);
         v.check(token.ok_or_else(|| FieldViolation::new("page_token", "is not a next_page_token of this API")))
     };
     match (account_id, page_size, before_entry_id) {
@@ -174,21 +177,46 @@ pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKe
 }
 
 /// The `idempotency-key` and `idempotency-token` request headers.
+///
+/// Each has exactly one reading or the call is refused: a header sent more than once (which
+/// value would count?) and the binary twin `idempotency-key-bin` / `idempotency-token-bin`
+/// (a different gRPC metadata key that a caller may believe is the same) are
+/// INVALID_ARGUMENT naming the header, before anything is read or written.
 pub(super) fn guards(metadata: &tonic::metadata::MetadataMap) -> Result<Guards, Error> {
     let mut v = Violations::default();
-    let header = |name: &'static str, v: &mut Violations| -> Option<String> {
-        let value = metadata.get(name)?;
-        v.check(value.to_str().map(str::to_owned).map_err(|_| FieldViolation::new(name, "must be printable ASCII")))
-    };
-    let idempotency_key = header(IDEMPOTENCY_KEY_HEADER, &mut v)
-        .and_then(|raw| v.check(IdempotencyKey::parse(IDEMPOTENCY_KEY_HEADER, &raw)));
-    let token = header(IDEMPOTENCY_TOKEN_HEADER, &mut v)
-        .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, &raw)));
+    let idempotency_key = single_header(metadata, IDEMPOTENCY_KEY_HEADER, "idempotency-key-bin", &mut v)
+        .and_then(|raw| v.check(IdempotencyKey::parse(IDEMPOTENCY_KEY_HEADER, raw)));
+    let token = single_header(metadata, IDEMPOTENCY_TOKEN_HEADER, "idempotency-token-bin", &mut v)
+        .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, raw)));
     if v.0.is_empty() {
         Ok(Guards { idempotency_key, token })
     } else {
         Err(v.into_error())
     }
+}
+
+/// The one ASCII value of header `name`, or `None` when it is absent or refused (with its
+/// violation recorded); `binary_twin` is the `-bin` key of the same name.
+fn single_header<'a>(
+    metadata: &'a tonic::metadata::MetadataMap,
+    name: &'static str,
+    binary_twin: &'static str,
+    v: &mut Violations,
+) -> Option<&'a str> {
+    if metadata.get_bin(binary_twin).is_some() {
+        v.check::<()>(Err(FieldViolation::new(
+            name,
+            format!("must be sent as the ASCII header {name}, not {binary_twin}"),
+        )));
+        return None;
+    }
+    let mut values = metadata.get_all(name).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        v.check::<()>(Err(FieldViolation::new(name, "must be sent once")));
+        return None;
+    }
+    v.check(value.to_str().map_err(|_| FieldViolation::new(name, "must be printable ASCII (0x20-0x7E)")))
 }
 
 pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Error> {

@@ -39,7 +39,8 @@ pub struct ReapReport {
 
 impl Ledger {
     /// One sweep: deletes everything that expired by now, `batch_size` rows per statement
-    /// (each its own short transaction), pausing `pause` between statements.
+    /// (each its own short write transaction, queued with requests' transactions on SQLite),
+    /// pausing `pause` between statements.
     ///
     /// # Errors
     /// [`Error::Database`]; what was deleted before stays deleted.
@@ -49,14 +50,15 @@ impl Ledger {
         let mut report = ReapReport::default();
         for table in [Table::Records, Table::Tokens] {
             loop {
-                let deleted = {
-                    let mut reader = self.store.reader().await?;
-                    let mut queries = reader.queries();
-                    match table {
-                        Table::Records => queries.reap_records(now, limit).await?,
-                        Table::Tokens => queries.reap_tokens(now, limit).await?,
-                    }
+                // A write transaction of its own, begun like a request's: on SQLite it takes its
+                // turn in the same writer queue as requests instead of polling SQLite's busy
+                // handler against them (which could wait seconds under load).
+                let mut tx = self.store.begin().await?;
+                let deleted = match table {
+                    Table::Records => tx.queries().reap_records(now, limit).await?,
+                    Table::Tokens => tx.queries().reap_tokens(now, limit).await?,
                 };
+                tx.commit().await?;
                 report.batches += 1;
                 match table {
                     Table::Records => report.records_deleted += deleted,

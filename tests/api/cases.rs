@@ -1130,3 +1130,188 @@ pub async fn concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_on
     assert_eq!(app.ledger.counters().group_committed_pays, 40, "every fresh Pay went through a group commit");
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
+
+// ---- Identifiers compare byte for byte; ambiguous input is refused ------------------------
+
+/// The `transfer_id` of a successful Transfer.
+fn transfer_id(response: tonic::Response<proto::TransferResponse>) -> String {
+    response.into_inner().transfer.unwrap().transfer_id
+}
+
+pub async fn idempotency_keys_that_differ_by_spaces_or_case_mean_the_same_on_every_backend(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("bob", "USD").await;
+    let mut accounts = app.accounts.clone();
+    let transfer = |key: &str, amount: &str| with_key(transfer_request("alice", "bob", amount), key);
+
+    let plain = accounts.transfer(transfer("k", "1.00")).await.unwrap();
+    let trailing_space = accounts.transfer(transfer("k ", "1.00")).await.unwrap_err();
+    let trailing_space_other_amount = accounts.transfer(transfer("k ", "2.00")).await.unwrap_err();
+    let leading_space = accounts.transfer(transfer(" k", "1.00")).await.unwrap_err();
+    let upper_case = accounts.transfer(transfer("K", "1.00")).await.unwrap();
+    let upper_case_again = accounts.transfer(transfer("K", "1.00")).await.unwrap();
+    let one_inner_space = accounts.transfer(transfer("a b", "1.00")).await.unwrap();
+    let two_inner_spaces = accounts.transfer(transfer("a  b", "1.00")).await.unwrap();
+    let longest_key = "k".repeat(128);
+    let longest = accounts.transfer(transfer(&longest_key, "1.00")).await.unwrap();
+    let longest_again = accounts.transfer(transfer(&longest_key, "1.00")).await.unwrap();
+    let one_too_long = accounts.transfer(transfer(&"k".repeat(129), "1.00")).await.unwrap_err();
+
+    for refused in [&trailing_space, &trailing_space_other_amount, &leading_space, &one_too_long] {
+        assert_status(refused, Code::InvalidArgument, "INVALID_ARGUMENT");
+        assert_eq!(violated_fields(refused), ["idempotency-key"]);
+    }
+    assert!(!replayed(&plain) && !replayed(&upper_case) && !replayed(&one_inner_space) && !replayed(&longest));
+    assert!(replayed(&upper_case_again) && replayed(&longest_again));
+    let ids: Vec<String> =
+        [plain, upper_case, one_inner_space, two_inner_spaces, longest].into_iter().map(transfer_id).collect();
+    let distinct: std::collections::HashSet<_> = ids.iter().collect();
+    assert_eq!(distinct.len(), 5, "k, K, 'a b', 'a  b' and the 128-character key are five keys");
+    assert_eq!(transfer_id(upper_case_again), ids[1]);
+    assert_eq!(transfer_id(longest_again), ids[4]);
+    assert_eq!(app.balance("alice").await, "5.00");
+    assert_eq!(app.balance("bob").await, "5.00");
+    assert_eq!(app.rows("transfers").await, 5);
+    assert_eq!(app.rows("idempotency_record").await, 5);
+}
+
+pub async fn business_numbers_tokens_and_currencies_compare_byte_for_byte_on_every_backend(app: &TestApp) {
+    let mut accounts = app.accounts.clone();
+    let mut payments = app.payments.clone();
+    // Account ids: "alice" and "Alice" are two accounts.
+    app.funded("alice", "100.00").await;
+    app.open("Alice", "USD").await;
+    app.open("shop", "USD").await;
+    // Request ids: "dep" and "DEP" are two deposits.
+    let dep = app.deposit("dep", "Alice", "1.00", "USD").await.unwrap();
+    let dep_upper = app.deposit("DEP", "Alice", "1.00", "USD").await.unwrap();
+    // Merchant ids and order numbers: each case-distinct pair is two orders.
+    for (merchant, order_no) in [("m1", "o-1"), ("M1", "o-1"), ("m1", "O-1")] {
+        assert!(!replayed(&app.create_order(merchant, order_no, "shop", "10.00").await.unwrap()));
+    }
+    // out_trade_no: "P-1" and "p-1" are two payments.
+    let paid = app.pay("m1", "P-1", "o-1", "alice", "10.00").await.unwrap();
+    let paid_lower = app.pay("m1", "p-1", "O-1", "alice", "10.00").await.unwrap();
+    let paid_other_merchant = app.pay("M1", "P-1", "o-1", "alice", "10.00").await.unwrap();
+    // out_refund_no: "R-1" and "r-1" are two refunds.
+    let refund = app.refund("m1", "P-1", "R-1", "1.00").await.unwrap();
+    let refund_lower = app.refund("m1", "P-1", "r-1", "1.00").await.unwrap();
+    // The longest business numbers are stored and found whole.
+    let (long_order, long_trade) = ("o".repeat(64), "t".repeat(64));
+    app.create_order("m1", &long_order, "shop", "1.00").await.unwrap();
+    app.pay("m1", &long_trade, &long_order, "alice", "1.00").await.unwrap();
+    let found = app.query("m1", Key::OutTradeNo(long_trade.clone())).await.unwrap();
+    // A space at either end, or another case of a currency code, is refused everywhere.
+    let spaced = [
+        app.pay("m1", "p-2 ", "o-1", "alice", "10.00").await.unwrap_err(),
+        app.pay("m1", " p-2", "o-1", "alice", "10.00").await.unwrap_err(),
+        app.deposit("dep ", "Alice", "1.00", "USD").await.unwrap_err(),
+        app.deposit("dep", "Alice ", "1.00", "USD").await.unwrap_err(),
+        app.deposit("dep-3", "Alice", "1.00", "usd").await.unwrap_err(),
+        app.deposit("dep-3", "Alice", "1.00", "USD ").await.unwrap_err(),
+    ];
+    // Tokens: another case of an issued token is an unknown token; a space makes it no token.
+    let token = app.issue_token("m1").await;
+    let order = |order_no: &str| proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: order_no.into(),
+        payee_account_id: "shop".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+        subject: String::new(),
+    };
+    let upper_token = payments.create_order(with_token(order("o-t"), &token.to_uppercase(), None)).await.unwrap_err();
+    let spaced_token = payments.create_order(with_token(order("o-t"), &format!("{token} "), None)).await.unwrap_err();
+    let with_token_as_issued = payments.create_order(with_token(order("o-t"), &token, None)).await.unwrap();
+    let other_currency = accounts
+        .open_account(proto::OpenAccountRequest { account_id: "alice".into(), currency: "usd".into() })
+        .await
+        .unwrap_err();
+
+    assert!(!replayed(&dep) && !replayed(&dep_upper));
+    let trade_nos: std::collections::HashSet<_> = [paid, paid_lower, paid_other_merchant]
+        .into_iter()
+        .map(|response| response.into_inner().payment.unwrap().trade_no)
+        .collect();
+    assert_eq!(trade_nos.len(), 3);
+    assert_ne!(refund.into_inner().refund.unwrap().refund_no, refund_lower.into_inner().refund.unwrap().refund_no);
+    assert_eq!(found.payment.unwrap().out_trade_no, long_trade);
+    assert_eq!(found.order.unwrap().order_no, long_order);
+    for status in spaced.iter().chain([&spaced_token, &other_currency]) {
+        assert_status(status, Code::InvalidArgument, "INVALID_ARGUMENT");
+    }
+    assert_status(&upper_token, Code::FailedPrecondition, "TOKEN_INVALID");
+    assert!(!replayed(&with_token_as_issued), "the refused presentations did not consume the token");
+    // alice paid 10 + 10 + 10 + 1 and got 2 back; Alice holds her two deposits.
+    assert_eq!(app.balance("alice").await, "71.00");
+    assert_eq!(app.balance("Alice").await, "2.00");
+    assert_eq!(app.balance("shop").await, "29.00");
+    assert_eq!(app.rows("orders").await, 5);
+    assert_eq!(app.rows("refunds").await, 2);
+}
+
+pub async fn ambiguous_headers_and_page_tokens_are_invalid_argument_and_write_nothing(app: &TestApp) {
+    use tonic::metadata::{AsciiMetadataValue, BinaryMetadataValue};
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let token = app.issue_token("m1").await;
+    let before = app.all_rows().await;
+    let mut payments = app.payments.clone();
+    let pay = || tonic::Request::new(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00"));
+    let ascii = |text: &str| text.parse::<AsciiMetadataValue>().unwrap();
+
+    let mut key_twice_same = pay();
+    key_twice_same.metadata_mut().append("idempotency-key", ascii("k-1"));
+    key_twice_same.metadata_mut().append("idempotency-key", ascii("k-1"));
+    let mut key_twice_different = pay();
+    key_twice_different.metadata_mut().append("idempotency-key", ascii("k-1"));
+    key_twice_different.metadata_mut().append("idempotency-key", ascii("k-2"));
+    let mut token_twice = pay();
+    token_twice.metadata_mut().append("idempotency-token", ascii(&token));
+    token_twice.metadata_mut().append("idempotency-token", ascii(&token));
+    let mut binary_key = pay();
+    binary_key.metadata_mut().insert_bin("idempotency-key-bin", BinaryMetadataValue::from_bytes(b"k-1"));
+    let mut binary_token = pay();
+    binary_token.metadata_mut().insert_bin("idempotency-token-bin", BinaryMetadataValue::from_bytes(token.as_bytes()));
+    let mut comma_key = pay();
+    comma_key.metadata_mut().insert("idempotency-key", ascii("k-1,k-2"));
+    let mut tab_key = pay();
+    tab_key.metadata_mut().insert("idempotency-key", ascii("k-1\t"));
+    let mut non_ascii_key = pay();
+    non_ascii_key.metadata_mut().insert("idempotency-key", AsciiMetadataValue::try_from(&b"caf\xe9"[..]).unwrap());
+
+    let mut refusals = Vec::new();
+    for (header, request) in [
+        ("idempotency-key", key_twice_same),
+        ("idempotency-key", key_twice_different),
+        ("idempotency-token", token_twice),
+        ("idempotency-key", binary_key),
+        ("idempotency-token", binary_token),
+        ("idempotency-key", comma_key),
+        ("idempotency-key", tab_key),
+        ("idempotency-key", non_ascii_key),
+    ] {
+        refusals.push((header, payments.pay(request).await.unwrap_err()));
+    }
+    let mut page_token_refusals = Vec::new();
+    for page_token in ["01", "+1", " 1", "1 ", "0"] {
+        let request =
+            proto::ListEntriesRequest { account_id: "alice".into(), page_size: 1, page_token: page_token.into() };
+        page_token_refusals.push(app.accounts.clone().list_entries(request).await.unwrap_err());
+    }
+    let rows_after_refusals = app.all_rows().await;
+    let records_after_refusals = app.rows("idempotency_record").await;
+    let paid_with_the_token = payments.pay(with_token(pay().into_inner(), &token, None)).await.unwrap();
+
+    for (header, status) in &refusals {
+        assert_status(status, Code::InvalidArgument, "INVALID_ARGUMENT");
+        assert_eq!(violated_fields(status), [*header], "{status:?}");
+    }
+    for status in &page_token_refusals {
+        assert_status(status, Code::InvalidArgument, "INVALID_ARGUMENT");
+        assert_eq!(violated_fields(status), ["page_token"]);
+    }
+    assert_eq!(rows_after_refusals, before, "nothing written");
+    assert_eq!(records_after_refusals, 0, "no idempotency record claimed");
+    assert!(!replayed(&paid_with_the_token), "no refusal consumed the token or paid the order");
+    assert_eq!(app.balance("alice").await, "70.00");
+}

@@ -89,6 +89,9 @@ backend_suite!(
     a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_record,
     one_group_commit_decides_each_pay_on_its_own,
     concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_once,
+    idempotency_keys_that_differ_by_spaces_or_case_mean_the_same_on_every_backend,
+    business_numbers_tokens_and_currencies_compare_byte_for_byte_on_every_backend,
+    ambiguous_headers_and_page_tokens_are_invalid_argument_and_write_nothing,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,
