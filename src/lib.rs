@@ -4,22 +4,23 @@
 //! `grpc` (transport) -> `ledger` (use cases, transactions, idempotency) -> `store` (SQL)
 //! and `domain` (pure types and rules).
 
-pub mod bench;
-pub mod client;
 pub mod config;
-pub mod demo;
 pub mod domain;
 pub mod error;
 pub mod grpc;
 pub mod ledger;
 pub mod startup;
 pub mod store;
-pub mod storm;
 pub mod telemetry;
 
-/// Messages and service stubs generated from `proto/payledger/v1/payledger.proto`.
+/// The Rust client (the `payledger-client` crate): the retrying client and its settings.
+pub use payledger_client as client;
+
+/// The API generated from `proto/payledger/v1/payledger.proto`: the messages and client
+/// stubs of `payledger-client`, and the server stubs.
 pub mod proto {
     #![allow(clippy::all, clippy::pedantic, missing_docs)]
+    pub use payledger_client::proto::*;
     tonic::include_proto!("payledger.v1");
 
     /// The encoded descriptor set of the payledger API, served by reflection.

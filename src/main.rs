@@ -1,12 +1,13 @@
-//! The `payledger` command: `serve`, `audit`, `demo`.
+//! The `payledger` command: `serve` and `audit`. The test tools (demo, bench, storm) are the
+//! separate `payledger-tools` binary.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 use payledger::config::{AuditSettings, LogSettings, ServeSettings};
-use payledger::startup::{open_existing_ledger, shutdown_signal, Application};
-use payledger::{bench, demo, storm, telemetry};
+use payledger::startup::{error_chain, open_existing_ledger, shutdown_signal, Application};
+use payledger::telemetry;
 
 #[derive(Debug, Parser)]
 #[command(name = "payledger", version, about = "A gRPC payment ledger that moves money exactly once under retries")]
@@ -23,31 +24,15 @@ enum Command {
     Serve(ServeSettings),
     /// Check the ledger invariants; exits 1 on any violation.
     Audit(AuditSettings),
-    /// Play a short story that shows exactly-once money movement; exits 1 if a step misbehaves.
-    Demo(demo::DemoSettings),
-    /// Run a duplicate storm under faults against several instances and check that money
-    /// moved exactly once; exits 1 on any violation.
-    Storm(storm::StormSettings),
-    /// Load a running server with one scenario and print a ghz-like report.
-    Bench(bench::BenchSettings),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let mut cli = Cli::parse();
-    if matches!(cli.command, Command::Demo(_) | Command::Storm(_) | Command::Bench(_))
-        && std::env::var_os("PAYLEDGER_LOG").is_none()
-    {
-        // The story is the demo's output; the in-process server only speaks up on problems.
-        cli.log.log_filter = "warn".into();
-    }
+    let cli = Cli::parse();
     telemetry::init(&cli.log);
     let result = match cli.command {
         Command::Serve(settings) => serve(settings).await,
         Command::Audit(settings) => audit(settings).await,
-        Command::Demo(settings) => demo::run(settings).await,
-        Command::Storm(settings) => storm::run(settings).await,
-        Command::Bench(settings) => bench::run(settings).await,
     };
     match result {
         Ok(code) => code,
@@ -84,19 +69,4 @@ async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
         println!("audit: {} violation(s)", violations.len());
         Ok(ExitCode::FAILURE)
     }
-}
-
-/// The error and its causes, each said once (a driver error often repeats its cause).
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }

@@ -198,3 +198,18 @@ pub async fn shutdown_signal() {
         () = terminate => {}
     }
 }
+
+/// The error and its causes, each said once (a driver error often repeats its cause).
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}

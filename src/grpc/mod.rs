@@ -18,10 +18,10 @@ pub use payments::PaymentApi;
 use crate::error::Error;
 use crate::ledger::Replayable;
 
-/// Response metadata header set to `true` on an answer replayed from an earlier call.
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
-/// Response metadata header: until when the call's `idempotency-key` is kept (RFC 3339).
-pub const KEY_EXPIRES_HEADER: &str = "idempotency-expires-at";
+/// Response metadata headers: `idempotent-replayed: true` on an answer replayed from an
+/// earlier call; `idempotency-expires-at`, until when the call's `idempotency-key` is kept
+/// (RFC 3339). Defined once, in the client crate.
+pub use payledger_client::{KEY_EXPIRES_HEADER, REPLAYED_HEADER};
 
 /// Runs a use case on its own task, so that a client that cancels or whose deadline passes
 /// (tonic then drops the handler future) cannot cut a transaction in half: the task runs to

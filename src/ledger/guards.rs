@@ -30,10 +30,9 @@ use crate::store::{IdempotencyRecordRow, Queries};
 use super::tokens::{RedisConsumption, TokenStore};
 use super::{now_micros, Inserted, Ledger, Replayable};
 
-/// The request metadata header of a client-supplied idempotency key.
-pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
-/// The request metadata header of a one-time token.
-pub const IDEMPOTENCY_TOKEN_HEADER: &str = "idempotency-token";
+/// The request metadata headers of a client-supplied idempotency key and a one-time token
+/// (the wire contract, defined once in the client crate).
+pub use payledger_client::{IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 
 const RECORD_IN_PROGRESS: &str = "IN_PROGRESS";
 /// The scope of records that hold the response of a consumed one-time token (tokens are

@@ -863,7 +863,7 @@ pub async fn a_pay_retried_after_its_key_expired_is_still_a_replay(app: &TestApp
 
 pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_original_trade_no(app: &TestApp) {
     use payledger::client::{was_replayed, PayledgerClient, RetrySettings};
-    use payledger::storm::{FaultProxy, FaultSettings};
+    use payledger_tools::storm::{FaultProxy, FaultSettings};
 
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
     let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
@@ -889,7 +889,7 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
 // ---- Benchmark smoke: every scenario runs clean (correctness only, never a timing) ----------
 
 pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &TestApp) {
-    use payledger::bench::{bench, BenchSettings, Scenario};
+    use payledger_tools::bench::{bench, BenchSettings, Scenario};
 
     for (scenario, zipf, rate) in [
         (Scenario::Pay, None, None),
@@ -903,6 +903,7 @@ pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &Te
     ] {
         let settings = BenchSettings {
             target: format!("http://{}", app.address),
+            allow_test_data: true,
             scenario,
             concurrency: 8,
             total: 120,

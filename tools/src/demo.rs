@@ -10,22 +10,25 @@ use tonic::transport::Channel;
 use tonic::{Code, Response, Status};
 use tonic_types::StatusExt;
 
-use crate::config::{DatabaseSettings, IdempotencySettings};
-use crate::grpc::REPLAYED_HEADER;
-use crate::proto::account_service_client::AccountServiceClient;
-use crate::proto::payment_service_client::PaymentServiceClient;
-use crate::proto::{self, query_request::Key};
-use crate::startup::{open_ledger, Application};
+use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::startup::{open_ledger, Application};
+use payledger_client::proto::account_service_client::AccountServiceClient;
+use payledger_client::proto::payment_service_client::PaymentServiceClient;
+use payledger_client::proto::{self, query_request::Key};
+use payledger_client::REPLAYED_HEADER;
 
-type AnyError = Box<dyn std::error::Error + Send + Sync>;
+use crate::AnyError;
 
 /// `payledger demo` settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoSettings {
     /// Play against a running server (e.g. `http://127.0.0.1:50051`) instead of starting one
-    /// in-process on a temporary SQLite database.
+    /// in-process on a temporary SQLite database; needs `--allow-test-data`.
     #[arg(long)]
     pub target: Option<String>,
+    /// Let `--target` receive the demo's accounts, deposits, orders and payments.
+    #[arg(long)]
+    pub allow_test_data: bool,
 }
 
 /// Runs the demo; `Ok(ExitCode::FAILURE)` when a step did not behave as stated.
@@ -35,6 +38,7 @@ pub struct DemoSettings {
 pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
     match settings.target {
         Some(target) => {
+            crate::check_test_data_allowed(&target, settings.allow_test_data)?;
             println!("payledger demo against {target}\n");
             let channel = Channel::from_shared(target)?.connect().await?;
             let passed = Story::new(channel).play().await?;

@@ -1,39 +1,6 @@
-//! A client for Rust services that call payledger: the generated clients behind a tower
-//! retry layer that retries the way payledger's guarantees allow.
-//!
-//! ```no_run
-//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
-//! use payledger::client::{PayledgerClient, RetrySettings};
-//! use payledger::proto::PayRequest;
-//!
-//! let client = PayledgerClient::connect_lazy("http://127.0.0.1:50051", RetrySettings::default())?;
-//! let request = PayRequest {
-//!     merchant_id: "m1".into(),
-//!     out_trade_no: "pay-1".into(), // the business key: the same on every attempt
-//!     order_no: "order-1".into(),
-//!     payer_account_id: "alice".into(),
-//!     amount: "30.00".into(),
-//!     currency: "USD".into(),
-//! };
-//! let response = client.pay(request).await?;
-//! println!("trade_no {}", response.get_ref().payment.as_ref().map_or("", |p| p.trade_no.as_str()));
-//! # Ok(()) }
-//! ```
-//!
-//! What is retried (gRPC status codes, see gRFC A6 "gRPC Retry Design"):
-//! - UNAVAILABLE (connection refused or reset, database down), ABORTED (optimistic-lock
-//!   contention, a duplicate in flight past the lock timeout), RESOURCE_EXHAUSTED, and
-//!   DEADLINE_EXCEEDED of one attempt (the per-attempt timeout; the overall deadline is never
-//!   extended). Every payledger mutation is idempotent, so a retry of a call that did commit is
-//!   answered as a replay with the original result.
-//! - Never INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION (a retry would get
-//!   the same answer), nor anything else.
-//!
-//! How: exponential backoff with full jitter (the `retry-policies` crate), at most
-//! `max_attempts` attempts within `overall_deadline`; a server's `grpc-retry-pushback-ms`
-//! replaces the backoff (a negative or malformed value stops retrying, as A6 says); every retry
-//! carries `grpc-previous-rpc-attempts`. Every attempt re-sends the identical request bytes and
-//! headers, so the business keys and the `idempotency-key` are the same on every attempt.
+//! The retrying client: [`RetryLayer`] (a tower layer usable on any tonic `Channel`) and
+//! [`PayledgerClient`], the generated clients behind it. What is retried and how: see the
+//! crate documentation.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -421,13 +388,13 @@ pub fn with_idempotency_key<T>(message: T, idempotency_key: &str) -> Result<Requ
     let mut request = Request::new(message);
     let value =
         idempotency_key.parse().map_err(|_| Status::invalid_argument("idempotency-key must be printable ASCII"))?;
-    request.metadata_mut().insert(crate::ledger::IDEMPOTENCY_KEY_HEADER, value);
+    request.metadata_mut().insert(crate::IDEMPOTENCY_KEY_HEADER, value);
     Ok(request)
 }
 
 /// The answer was replayed from an earlier call (`idempotent-replayed: true`).
 pub fn was_replayed<T>(response: &Response<T>) -> bool {
-    response.metadata().get(crate::grpc::REPLAYED_HEADER).and_then(|value| value.to_str().ok()) == Some("true")
+    response.metadata().get(crate::REPLAYED_HEADER).and_then(|value| value.to_str().ok()) == Some("true")
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! It starts several `payledger serve` processes on loopback ports over one database, puts a
 //! [`FaultProxy`] in front of each, and lets N virtual callers run a random mix of Deposit,
 //! CreateOrder + Pay, Refund, Transfer and Query through the retrying client
-//! ([`crate::client`]), re-sending a share of the mutating calls as duplicates through another
+//! ([`payledger_client`]), re-sending a share of the mutating calls as duplicates through another
 //! instance. Meanwhile it injects faults: proxy delays, resets before the request, responses
 //! dropped after the server answered, black holes, SIGKILL and restart of an instance, and cut
 //! database connections. At the end it checks, from the database and from its own log of
@@ -12,6 +12,7 @@
 //! ledger audit (balances equal the sum of their entries, all balances sum to zero, refunds
 //! never exceed payments).
 
+mod database;
 pub mod proxy;
 
 use std::net::SocketAddr;
@@ -26,22 +27,31 @@ use sqlx::{AnyPool, Row};
 use tokio::process::{Child, Command};
 use tonic::{Code, Response, Status};
 
-use crate::client::{was_replayed, PayledgerClient, RetrySettings};
-use crate::ledger::Ledger;
-use crate::proto::{self, query_request::Key};
-use crate::store::{Dialect, PoolSettings, Store};
+use payledger::ledger::Ledger;
+use payledger::store::{Dialect, PoolSettings, Store};
+use payledger_client::proto::{self, query_request::Key};
+use payledger_client::{was_replayed, PayledgerClient, RetrySettings};
 
+pub use database::StormDatabase;
 pub use proxy::{Fault, FaultCount, FaultProxy, FaultSettings};
 
-type AnyError = Box<dyn std::error::Error + Send + Sync>;
+use crate::AnyError;
 
 /// `payledger storm` settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct StormSettings {
-    /// Database the instances share (PostgreSQL or MySQL/MariaDB; SQLite runs without the
-    /// connection-cut fault). It must exist; migrations are applied.
-    #[arg(long, env = "DATABASE_URL")]
+    /// Database the instances share, which the storm creates (PostgreSQL or MySQL/MariaDB: a
+    /// new database on that server; SQLite, a new file, run without the connection-cut fault)
+    /// and drops after a clean run. Never read from `DATABASE_URL`.
+    #[arg(long)]
     pub database_url: String,
+    /// Run on the database even though it exists already (the storm cuts its connections
+    /// and writes test money into it); it is then left in place.
+    #[arg(long)]
+    pub reuse_database: bool,
+    /// Keep the database the storm created, even after a clean run.
+    #[arg(long)]
+    pub keep_database: bool,
     /// payledger processes to start, each on its own loopback port.
     #[arg(long, default_value_t = 2)]
     pub instances: usize,
@@ -139,9 +149,11 @@ fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Starts one server instance: this binary's hidden `storm-instance` command, which serves
+/// exactly as `payledger serve` does.
 async fn spawn_instance(database_url: &str, port: u16) -> Result<Instance, AnyError> {
     let child = Command::new(std::env::current_exe()?)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--database-url", database_url])
+        .args(["storm-instance", "--listen", &format!("127.0.0.1:{port}"), "--database-url", database_url])
         .args(["--pool-size", "8", "--shutdown-grace-seconds", "1", "--log-filter", "error"])
         .kill_on_drop(true)
         .stdin(std::process::Stdio::null())
@@ -477,11 +489,22 @@ fn print_summary(summary: &StormSummary) {
 /// When instances cannot start or the database cannot be reached for the checks.
 pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     sqlx::any::install_default_drivers();
-    let dialect = Dialect::from_url(&settings.database_url).ok_or("unknown DATABASE_URL scheme")?;
+    let database = StormDatabase::create(&settings.database_url, settings.reuse_database).await?;
+    let summary = storm_on(settings, &database).await?;
+    if summary.violations.is_empty() && !settings.keep_database {
+        database.drop_if_created().await?;
+    } else {
+        println!("storm database kept for inspection: {}", payledger::store::redacted(&database.url));
+    }
+    Ok(summary)
+}
+
+async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<StormSummary, AnyError> {
+    let dialect = database.dialect;
     let instance_count = settings.instances.max(1);
     let mut instances = Vec::new();
     for _ in 0..instance_count {
-        instances.push(spawn_instance(&settings.database_url, free_port()?).await?);
+        instances.push(spawn_instance(&database.url, free_port()?).await?);
     }
     let mut proxies = Vec::new();
     for instance in &instances {
@@ -544,7 +567,7 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
         .collect();
 
     // Chaos: kill and restart instances, cut database connections, until the load ends.
-    let admin = AnyPool::connect(&settings.database_url).await?;
+    let admin = AnyPool::connect(&database.url).await?;
     let (mut kills, mut cuts) = (0u64, 0u64);
     let kill_every = Duration::from_secs(settings.kill_interval_seconds.max(1));
     let cut_every = Duration::from_secs(settings.cut_interval_seconds.max(1));
@@ -568,7 +591,7 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
             let _ = instances[victim].child.wait().await;
             kills += 1;
             tokio::time::sleep(Duration::from_millis(300)).await;
-            instances[victim] = spawn_instance(&settings.database_url, port).await?;
+            instances[victim] = spawn_instance(&database.url, port).await?;
         }
         if Instant::now() >= next_cut && dialect != Dialect::Sqlite {
             next_cut += cut_every;
@@ -604,7 +627,7 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
         .violations
         .extend(world.query_mismatches.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
     let operations = world.operations.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    check(&settings.database_url, &operations, &mut summary).await?;
+    check(&database.url, &operations, &mut summary).await?;
     for mut instance in instances {
         let _ = instance.child.start_kill();
         let _ = instance.child.wait().await;

@@ -17,11 +17,11 @@ use rand::Rng;
 use rand_distr::{Distribution, Zipf};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::proto::account_service_client::AccountServiceClient;
-use crate::proto::payment_service_client::PaymentServiceClient;
-use crate::proto::{self, query_request::Key};
+use payledger_client::proto::account_service_client::AccountServiceClient;
+use payledger_client::proto::payment_service_client::PaymentServiceClient;
+use payledger_client::proto::{self, query_request::Key};
 
-type AnyError = Box<dyn std::error::Error + Send + Sync>;
+use crate::AnyError;
 
 /// Concurrent calls while preparing data.
 const PREPARE_CONCURRENCY: usize = 64;
@@ -47,9 +47,14 @@ pub enum Scenario {
 /// `payledger bench` settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchSettings {
-    /// The server to load.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    /// The server to load, e.g. `http://127.0.0.1:50051`. Bench writes test data there
+    /// (accounts funded with 1,000,000,000.00 each, orders, payments), so it also needs
+    /// `--allow-test-data`.
+    #[arg(long)]
     pub target: String,
+    /// Let `--target` receive the bench's test data.
+    #[arg(long)]
+    pub allow_test_data: bool,
     #[arg(long, value_enum, default_value = "pay")]
     pub scenario: Scenario,
     /// Concurrent callers.
@@ -237,7 +242,7 @@ async fn call(
     clients: &Clients,
     duplicate_ratio: f64,
 ) -> Result<bool, tonic::Code> {
-    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(crate::grpc::REPLAYED_HEADER).is_some();
+    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(payledger_client::REPLAYED_HEADER).is_some();
     let index = usize::try_from(n).unwrap_or(0);
     match scenario {
         Scenario::Pay | Scenario::Hot => {
@@ -278,7 +283,7 @@ async fn call(
 }
 
 async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -> Result<bool, tonic::Code> {
-    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(crate::grpc::REPLAYED_HEADER).is_some();
+    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(payledger_client::REPLAYED_HEADER).is_some();
     let index = usize::try_from(n).unwrap_or(0);
     let payer = &prepared.payers[index % prepared.payers.len()];
     match draw {
@@ -323,7 +328,7 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
                 currency: "USD".into(),
                 memo: String::new(),
             };
-            let request = crate::client::with_idempotency_key(request, &format!("b{}-t{n}", prepared.run))
+            let request = payledger_client::with_idempotency_key(request, &format!("b{}-t{n}", prepared.run))
                 .map_err(|s| s.code())?;
             clients.account(n).transfer(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
@@ -477,6 +482,7 @@ fn print_report(report: &BenchReport) {
 /// # Errors
 /// When the target cannot be reached or the preparation fails.
 pub async fn run(settings: BenchSettings) -> Result<ExitCode, AnyError> {
+    crate::check_test_data_allowed(&settings.target, settings.allow_test_data)?;
     let report = bench(&settings).await?;
     print_report(&report);
     if settings.json {

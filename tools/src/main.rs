@@ -1,0 +1,62 @@
+//! `payledger-tools`: `demo`, `bench` and `storm`. The server binary (`payledger`) carries
+//! none of them.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use payledger::config::{LogSettings, ServeSettings};
+use payledger::startup::{shutdown_signal, Application};
+use payledger::telemetry;
+use payledger_tools::{bench, demo, storm, AnyError};
+
+#[derive(Debug, Parser)]
+#[command(name = "payledger-tools", version, about = "payledger's test tools: demo, load (bench) and duplicate storm")]
+struct Cli {
+    #[command(flatten)]
+    log: LogSettings,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Play a short story that shows exactly-once money movement; exits 1 if a step misbehaves.
+    Demo(demo::DemoSettings),
+    /// Load a server with one scenario and print a ghz-like report.
+    Bench(bench::BenchSettings),
+    /// Run a duplicate storm under faults against several instances over a database it
+    /// creates, and check that money moved exactly once; exits 1 on any violation.
+    Storm(storm::StormSettings),
+    /// One server instance of a storm (the storm starts and kills these).
+    #[command(hide = true)]
+    StormInstance(Box<ServeSettings>),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    if !matches!(cli.command, Command::StormInstance(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
+        // The report is the output; an in-process server only speaks up on problems.
+        cli.log.log_filter = "warn".into();
+    }
+    telemetry::init(&cli.log);
+    let result = match cli.command {
+        Command::Demo(settings) => demo::run(settings).await,
+        Command::Bench(settings) => bench::run(settings).await,
+        Command::Storm(settings) => storm::run(settings).await,
+        Command::StormInstance(settings) => storm_instance(&settings).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("payledger-tools: {}", payledger::startup::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn storm_instance(settings: &ServeSettings) -> Result<ExitCode, AnyError> {
+    Application::build(settings).await?.run_until(shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
+}
