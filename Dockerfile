@@ -4,19 +4,28 @@
 
 FROM rust:1.95-bookworm AS builder
 WORKDIR /src
-# Dependencies first, so they are cached until Cargo.toml or Cargo.lock change.
+# Dependencies first, so they are cached until a manifest or Cargo.lock changes. Cargo loads
+# every workspace member's manifest, so each gets its manifest and an empty stand-in source;
+# only the server (`-p payledger`) and the client crate it uses are built.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto ./proto
-RUN mkdir src \
+COPY client ./client
+COPY tools/Cargo.toml ./tools/Cargo.toml
+COPY examples/checkout-service/Cargo.toml ./examples/checkout-service/Cargo.toml
+RUN mkdir -p src tools/src examples/checkout-service/src \
  && echo 'fn main() {}' > src/main.rs \
  && echo '' > src/lib.rs \
- && cargo build --release --locked \
+ && echo 'fn main() {}' > tools/src/main.rs \
+ && echo '' > tools/src/lib.rs \
+ && echo 'fn main() {}' > examples/checkout-service/src/main.rs \
+ && cargo build --release --locked -p payledger \
  && rm -rf src
 COPY src ./src
 COPY migrations ./migrations
-# Touch the sources so cargo rebuilds the crate itself over the cached dummy.
+# Touch the sources so cargo rebuilds the crate itself over the cached stand-in. The image
+# carries the server binary only: the test tools (payledger-tools) are not built into it.
 RUN touch src/main.rs src/lib.rs \
- && cargo build --release --locked \
+ && cargo build --release --locked -p payledger --bin payledger \
  && strip target/release/payledger
 
 FROM debian:bookworm-slim AS runtime

@@ -24,6 +24,7 @@ POOL_SIZE="${POOL_SIZE:-16}"
 PG_HOST=127.0.0.1
 PORT=50999
 BIN=target/release/payledger
+TOOLS=target/release/payledger-tools
 RESULTS="$(mktemp -d)"
 SERVER_PID=""
 
@@ -80,7 +81,7 @@ PY
 bench() { # label, scenario, concurrency, extra args...
   local label=$1 scenario=$2 concurrency=$3
   shift 3
-  "$BIN" bench --target "http://127.0.0.1:$PORT" --scenario "$scenario" -c "$concurrency" -n "$COUNT" --json "$@" \
+  "$TOOLS" bench --target "http://127.0.0.1:$PORT" --allow-test-data --scenario "$scenario" -c "$concurrency" -n "$COUNT" --json "$@" \
     > "$RESULTS/$label.txt" 2>&1
   grep '^bench-report: ' "$RESULTS/$label.txt" | sed 's/^bench-report: //' > "$RESULTS/$label.json"
   python3 - "$RESULTS/$label.json" "$label" <<'PY'
