@@ -5,11 +5,11 @@ use crate::error::{Error, Resource, ReusedKey};
 use crate::store::{AccountRow, DepositRow, EntryRow, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer};
-use super::guards::{Call, Guards, Opened, Scope, IDEMPOTENCY_KEY_HEADER};
+use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
+use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
 use super::tokens::IssuedToken;
-use super::transaction::in_transaction;
-use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
+use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
 /// The answer to a Deposit: the account as it stood right after the deposit, and the entry
 /// that credited it. A replay rebuilds exactly the same answer from the stored entry.
@@ -42,66 +42,7 @@ impl Ledger {
     /// # Errors
     /// [`Error::KeyReused`] (ACCOUNT_ALREADY_EXISTS) when the id exists with another currency.
     pub async fn open_account(&self, command: OpenAccount, guards: &Guards) -> Result<Replayable<AccountRow>, Error> {
-        let call = Call::new(
-            "OpenAccount",
-            Scope::Account(&command.account_id),
-            &[("account_id", command.account_id.to_string()), ("currency", command.currency.to_string())],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        if let Some(account) = self.open_account_replay(&command).await? {
-            return Ok(self.natural_replay(account));
-        }
-        session.reserve_token().await?;
-        let now = now_micros();
-        let code = command.currency.code();
-        let account = AccountRow {
-            account_id: command.account_id.as_str().to_owned(),
-            currency: code.to_owned(),
-            kind: KIND_CUSTOMER.to_owned(),
-            balance: 0,
-            version: 0,
-            created_at: now,
-            updated_at: now,
-        };
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let external_id = external_account_id(code);
-            if queries.find_account(&external_id).await?.is_none() {
-                let external = AccountRow { account_id: external_id, kind: KIND_EXTERNAL.to_owned(), ..account.clone() };
-                queries.insert_account(&external).await?;
-            }
-            if !queries.insert_account(&account).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            session.complete(&mut queries, &account).await?;
-            Ok(Inserted::Done(account.clone()))
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => self
-                .open_account_replay(&command)
-                .await?
-                .map(|account| self.natural_replay(account))
-                .ok_or_else(key_vanished),
-        }
-    }
-
-    async fn open_account_replay(&self, command: &OpenAccount) -> Result<Option<AccountRow>, Error> {
-        let mut reader = self.store.reader().await?;
-        let Some(account) = reader.queries().find_account(command.account_id.as_str()).await? else {
-            return Ok(None);
-        };
-        let fields = differing_fields(&[("currency", account.currency == command.currency.code())]);
-        if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::AccountId, fields }));
-        }
-        Ok(Some(account))
+        self.run_idempotent(&command, guards).await
     }
 
     /// Credits an account from the currency's external funding account, once per request_id.
@@ -110,91 +51,7 @@ impl Ledger {
     /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
     /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
     pub async fn deposit(&self, command: Deposit, guards: &Guards) -> Result<Replayable<DepositReceipt>, Error> {
-        let call = Call::new(
-            "Deposit",
-            Scope::Account(&command.account_id),
-            &[
-                ("request_id", command.request_id.to_string()),
-                ("account_id", command.account_id.to_string()),
-                ("amount", command.amount.minor_units().to_string()),
-                ("currency", command.amount.currency().to_string()),
-            ],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        if let Some(receipt) = self.deposit_replay(&command).await? {
-            return Ok(self.natural_replay(receipt));
-        }
-        session.reserve_token().await?;
-        let deposit_id = new_id('D');
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let account_id = command.account_id.as_str();
-            let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-            if account.currency != command.amount.currency().code() {
-                return Err(crate::domain::Rejection::CurrencyMismatch.into());
-            }
-            let deposit = DepositRow {
-                request_id: command.request_id.as_str().to_owned(),
-                deposit_id: deposit_id.clone(),
-                account_id: account_id.to_owned(),
-                amount: command.amount.minor_units(),
-                currency: account.currency.clone(),
-                created_at: now,
-            };
-            if !queries.insert_deposit(&deposit).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let external_id = external_account_id(&account.currency);
-            let posting = Posting {
-                posting_id: &deposit_id,
-                kind: EntryKind::Deposit,
-                reference: command.request_id.as_str(),
-                from_account_id: &external_id,
-                to_account_id: account_id,
-                amount: command.amount,
-                now,
-            };
-            post(&mut queries, &posting, &[]).await?;
-            let receipt = deposit_receipt(&mut queries, account, &deposit_id).await?;
-            session.complete(&mut queries, &receipt).await?;
-            Ok(Inserted::Done(receipt))
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => self
-                .deposit_replay(&command)
-                .await?
-                .map(|receipt| self.natural_replay(receipt))
-                .ok_or_else(key_vanished),
-        }
-    }
-
-    async fn deposit_replay(&self, command: &Deposit) -> Result<Option<DepositReceipt>, Error> {
-        let mut reader = self.store.reader().await?;
-        let mut queries = reader.queries();
-        let Some(deposit) = queries.find_deposit(command.request_id.as_str()).await? else {
-            return Ok(None);
-        };
-        let fields = differing_fields(&[
-            ("account_id", deposit.account_id == command.account_id.as_str()),
-            ("amount", deposit.amount == command.amount.minor_units()),
-            ("currency", deposit.currency == command.amount.currency().code()),
-        ]);
-        if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::RequestId, fields }));
-        }
-        let account = queries
-            .find_account(&deposit.account_id)
-            .await?
-            .ok_or_else(|| Error::Internal("a deposit's account is missing".into()))?;
-        Ok(Some(deposit_receipt(&mut queries, account, &deposit.deposit_id).await?))
+        self.run_idempotent(&Identified { command, id: new_id('D') }, guards).await
     }
 
     /// Moves money between two accounts of one currency. Transfers have no natural key, so
@@ -212,57 +69,7 @@ impl Ledger {
             )
             .into());
         }
-        let call = Call::new(
-            "Transfer",
-            Scope::Account(&command.from_account_id),
-            &[
-                ("from_account_id", command.from_account_id.to_string()),
-                ("to_account_id", command.to_account_id.to_string()),
-                ("amount", command.amount.minor_units().to_string()),
-                ("currency", command.amount.currency().to_string()),
-                ("memo", command.memo.as_str().to_owned()),
-            ],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        session.reserve_token().await?;
-        let transfer_id = new_id('X');
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let transfer = TransferRow {
-                transfer_id: transfer_id.clone(),
-                from_account_id: command.from_account_id.as_str().to_owned(),
-                to_account_id: command.to_account_id.as_str().to_owned(),
-                amount: command.amount.minor_units(),
-                currency: command.amount.currency().code().to_owned(),
-                memo: command.memo.as_str().to_owned(),
-                created_at: now,
-            };
-            let posting = Posting {
-                posting_id: &transfer_id,
-                kind: EntryKind::Transfer,
-                reference: &transfer_id,
-                from_account_id: &transfer.from_account_id,
-                to_account_id: &transfer.to_account_id,
-                amount: command.amount,
-                now,
-            };
-            post(&mut queries, &posting, &[]).await?;
-            queries.insert_transfer(&transfer).await?;
-            let missing = || Error::Internal("a transfer's entry is missing".into());
-            let from_entry = queries.find_entry(&transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
-            let to_entry = queries.find_entry(&transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
-            let receipt = TransferReceipt { transfer, from_entry, to_entry };
-            session.complete(&mut queries, &receipt).await?;
-            Ok(Inserted::Done(receipt))
-        });
-        session.settle(outcome, now).await?.ok_or_else(key_vanished)
+        self.run_idempotent(&Identified { command, id: new_id('X') }, guards).await
     }
 
     /// Issues a one-time token to `merchant_id` for the `idempotency-token` header.
@@ -301,6 +108,180 @@ impl Ledger {
             None
         };
         Ok(EntryPage { entries, next_before_entry_id })
+    }
+}
+
+/// OpenAccount's business fields, from a request or a stored account.
+fn open_account_fields(account_id: &str, currency: &str) -> Fields {
+    vec![("account_id", account_id.to_owned()), ("currency", currency.to_owned())]
+}
+
+impl IdempotentCall for OpenAccount {
+    type Answer = AccountRow;
+    const METHOD: &'static str = "OpenAccount";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Account(&self.account_id)
+    }
+
+    fn fields(&self) -> Fields {
+        open_account_fields(self.account_id.as_str(), self.currency.code())
+    }
+
+    async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<AccountRow>, Error> {
+        let mut reader = ledger.store.reader().await?;
+        let Some(account) = reader.queries().find_account(self.account_id.as_str()).await? else {
+            return Ok(None);
+        };
+        let fields = differing_from(&self.fields(), &open_account_fields(&account.account_id, &account.currency));
+        if !fields.is_empty() {
+            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::AccountId, fields }));
+        }
+        Ok(Some(account))
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<AccountRow>, Error> {
+        let code = self.currency.code();
+        let account = AccountRow {
+            account_id: self.account_id.as_str().to_owned(),
+            currency: code.to_owned(),
+            kind: KIND_CUSTOMER.to_owned(),
+            balance: 0,
+            version: 0,
+            created_at: now,
+            updated_at: now,
+        };
+        let external_id = external_account_id(code);
+        if queries.find_account(&external_id).await?.is_none() {
+            let external = AccountRow { account_id: external_id, kind: KIND_EXTERNAL.to_owned(), ..account.clone() };
+            queries.insert_account(&external).await?;
+        }
+        if !queries.insert_account(&account).await? {
+            return Ok(Inserted::KeyTaken);
+        }
+        Ok(Inserted::Done(account))
+    }
+}
+
+/// Deposit's business fields, from a request or a stored deposit.
+fn deposit_fields(request_id: &str, account_id: &str, amount: i64, currency: &str) -> Fields {
+    vec![
+        ("request_id", request_id.to_owned()),
+        ("account_id", account_id.to_owned()),
+        ("amount", amount.to_string()),
+        ("currency", currency.to_owned()),
+    ]
+}
+
+impl IdempotentCall for Identified<Deposit> {
+    type Answer = DepositReceipt;
+    const METHOD: &'static str = "Deposit";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Account(&self.command.account_id)
+    }
+
+    fn fields(&self) -> Fields {
+        let Deposit { request_id, account_id, amount } = &self.command;
+        deposit_fields(request_id.as_str(), account_id.as_str(), amount.minor_units(), amount.currency().code())
+    }
+
+    async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<DepositReceipt>, Error> {
+        let mut reader = ledger.store.reader().await?;
+        let mut queries = reader.queries();
+        let Some(deposit) = queries.find_deposit(self.command.request_id.as_str()).await? else {
+            return Ok(None);
+        };
+        let stored = deposit_fields(&deposit.request_id, &deposit.account_id, deposit.amount, &deposit.currency);
+        let fields = differing_from(&self.fields(), &stored);
+        if !fields.is_empty() {
+            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::RequestId, fields }));
+        }
+        let account = queries
+            .find_account(&deposit.account_id)
+            .await?
+            .ok_or_else(|| Error::Internal("a deposit's account is missing".into()))?;
+        Ok(Some(deposit_receipt(&mut queries, account, &deposit.deposit_id).await?))
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
+        let Identified { command, id: deposit_id } = self;
+        let account_id = command.account_id.as_str();
+        let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
+        if account.currency != command.amount.currency().code() {
+            return Err(crate::domain::Rejection::CurrencyMismatch.into());
+        }
+        let deposit = DepositRow {
+            request_id: command.request_id.as_str().to_owned(),
+            deposit_id: deposit_id.clone(),
+            account_id: account_id.to_owned(),
+            amount: command.amount.minor_units(),
+            currency: account.currency.clone(),
+            created_at: now,
+        };
+        if !queries.insert_deposit(&deposit).await? {
+            return Ok(Inserted::KeyTaken);
+        }
+        let external_id = external_account_id(&account.currency);
+        let posting = Posting {
+            posting_id: deposit_id,
+            kind: EntryKind::Deposit,
+            reference: command.request_id.as_str(),
+            from_account_id: &external_id,
+            to_account_id: account_id,
+            amount: command.amount,
+            now,
+        };
+        post(queries, &posting, &[]).await?;
+        Ok(Inserted::Done(deposit_receipt(queries, account, deposit_id).await?))
+    }
+}
+
+impl IdempotentCall for Identified<Transfer> {
+    type Answer = TransferReceipt;
+    const METHOD: &'static str = "Transfer";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Account(&self.command.from_account_id)
+    }
+
+    fn fields(&self) -> Fields {
+        let Transfer { from_account_id, to_account_id, amount, memo } = &self.command;
+        vec![
+            ("from_account_id", from_account_id.to_string()),
+            ("to_account_id", to_account_id.to_string()),
+            ("amount", amount.minor_units().to_string()),
+            ("currency", amount.currency().to_string()),
+            ("memo", memo.as_str().to_owned()),
+        ]
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<TransferReceipt>, Error> {
+        let Identified { command, id: transfer_id } = self;
+        let transfer = TransferRow {
+            transfer_id: transfer_id.clone(),
+            from_account_id: command.from_account_id.as_str().to_owned(),
+            to_account_id: command.to_account_id.as_str().to_owned(),
+            amount: command.amount.minor_units(),
+            currency: command.amount.currency().code().to_owned(),
+            memo: command.memo.as_str().to_owned(),
+            created_at: now,
+        };
+        let posting = Posting {
+            posting_id: transfer_id,
+            kind: EntryKind::Transfer,
+            reference: transfer_id,
+            from_account_id: &transfer.from_account_id,
+            to_account_id: &transfer.to_account_id,
+            amount: command.amount,
+            now,
+        };
+        post(queries, &posting, &[]).await?;
+        queries.insert_transfer(&transfer).await?;
+        let missing = || Error::Internal("a transfer's entry is missing".into());
+        let from_entry = queries.find_entry(transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
+        let to_entry = queries.find_entry(transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
+        Ok(Inserted::Done(TransferReceipt { transfer, from_entry, to_entry }))
     }
 }
 

@@ -1,17 +1,16 @@
 //! Generic idempotency keys and one-time tokens: records in a dedup table
 //! (`idempotency_record`, unique on (scope, key)) written in the same transaction as the
-//! business change.
-//!
-//! For one call, in order:
+//! business change. The idempotency driver (`idempotent.rs`) calls these steps, in order:
 //! 1. [`Ledger::open_guards`] (no transaction): a committed, unexpired record of the call's
 //!    key or token answers it at once (same method and fingerprint: the stored response,
 //!    replayed; otherwise ALREADY_EXISTS).
 //! 2. [`GuardSession::reserve_token`] (Redis store only) consumes the token in Redis, one
-//!    Lua script, right before the transaction; [`GuardSession::claim`], first thing in the transaction: inserts an IN_PROGRESS record
+//!    Lua script, right before the transaction.
+//! 3. [`GuardSession::claim`], first thing in the transaction: inserts an IN_PROGRESS record
 //!    per guard (a duplicate in flight makes the insert wait for its outcome), and with the
 //!    database token store consumes the token by conditional UPDATE.
-//! 3. [`GuardSession::complete`], last thing in the transaction: stores the response.
-//! 4. [`GuardSession::settle`], after it: a claim that found the key taken is answered from the
+//! 4. [`GuardSession::complete`], last thing in the transaction: stores the response.
+//! 5. [`GuardSession::settle`], after it: a claim that found the key taken is answered from the
 //!    committed record; with Redis, a token whose business change failed is restored.
 //!
 //! A business change that fails rolls the claim back with it: nothing is recorded and a retry
@@ -27,6 +26,7 @@ use crate::domain::{AccountId, IdempotencyKey, MerchantId, OneTimeToken, Rejecti
 use crate::error::Error;
 use crate::store::{IdempotencyRecordRow, Queries};
 
+use super::idempotent::{differing, Fields};
 use super::tokens::{RedisConsumption, TokenStore};
 use super::{now_micros, Inserted, Ledger, Replayable};
 
@@ -48,6 +48,13 @@ pub struct Guards {
     pub token: Option<OneTimeToken>,
 }
 
+impl Guards {
+    /// True when the call carries neither an idempotency key nor a token.
+    pub fn is_empty(&self) -> bool {
+        self.idempotency_key.is_none() && self.token.is_none()
+    }
+}
+
 /// Whose keys a call's idempotency key lives among, so two callers' keys never collide.
 pub(super) enum Scope<'a> {
     Merchant(&'a MerchantId),
@@ -60,22 +67,26 @@ pub(super) struct Call {
     scope: String,
     /// Merchant-scoped calls accept only tokens issued to their merchant.
     merchant_id: Option<String>,
-    /// `name=value` lines of the business fields, normalized (amounts in minor units).
-    fields: String,
+    /// The business fields, normalized (amounts in minor units).
+    fields: Fields,
+    /// The same as `name=value` lines, as stored with a record.
+    fields_text: String,
     /// Hex SHA-256 of method and fields.
     fingerprint: String,
 }
 
 impl Call {
-    pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: &[(&'static str, String)]) -> Self {
+    pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: Fields) -> Self {
         let (scope, merchant_id) = match scope {
             Scope::Merchant(merchant_id) => (format!("merchant:{merchant_id}"), Some(merchant_id.as_str().to_owned())),
             Scope::Account(account_id) => (format!("account:{account_id}"), None),
         };
-        let fields: String = fields.iter().map(|(name, value)| format!("{name}={value}\n")).collect();
-        let fingerprint =
-            Sha256::digest(format!("{method}\n{fields}").as_bytes()).iter().map(|byte| format!("{byte:02x}")).collect();
-        Self { method, scope, merchant_id, fields, fingerprint }
+        let fields_text: String = fields.iter().map(|(name, value)| format!("{name}={value}\n")).collect();
+        let fingerprint = Sha256::digest(format!("{method}\n{fields_text}").as_bytes())
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        Self { method, scope, merchant_id, fields, fields_text, fingerprint }
     }
 
     /// The names of what differs from a stored record: `method` and/or field names.
@@ -87,14 +98,8 @@ impl Call {
             return Vec::new();
         }
         let stored_fields = String::from_utf8_lossy(&record.request_fields);
-        let stored: Vec<(&str, &str)> = stored_fields.lines().filter_map(|line| line.split_once('=')).collect();
-        let mut fields: Vec<String> = self
-            .fields
-            .lines()
-            .filter_map(|line| line.split_once('='))
-            .filter(|(name, value)| !stored.contains(&(name, value)))
-            .map(|(name, _)| name.to_owned())
-            .collect();
+        let stored = stored_fields.lines().filter_map(|line| line.split_once('='));
+        let mut fields: Vec<String> = differing(&self.fields, stored).into_iter().map(str::to_owned).collect();
         if fields.is_empty() {
             fields.push("request".to_owned());
         }
@@ -153,11 +158,6 @@ impl Ledger {
 }
 
 impl GuardSession<'_> {
-    /// True when the call carries neither an idempotency key nor a token.
-    pub(super) fn is_unguarded(&self) -> bool {
-        self.claims.is_empty()
-    }
-
     /// The first committed, unexpired record of this call's guards, as a replay.
     async fn committed_replay<T: DeserializeOwned>(&mut self) -> Result<Option<Replayable<T>>, Error> {
         let now = now_micros();
@@ -246,7 +246,7 @@ impl GuardSession<'_> {
                 idempotency_key: key.clone(),
                 method: self.call.method.to_owned(),
                 request_fingerprint: self.call.fingerprint.clone(),
-                request_fields: self.call.fields.clone().into_bytes(),
+                request_fields: self.call.fields_text.clone().into_bytes(),
                 response: None,
                 status: RECORD_IN_PROGRESS.to_owned(),
                 created_at: now,
@@ -330,7 +330,7 @@ mod tests {
         Call::new(
             "Pay",
             Scope::Merchant(&merchant),
-            &[("amount", amount.to_owned()), ("order_no", order_no.to_owned())],
+            vec![("amount", amount.to_owned()), ("order_no", order_no.to_owned())],
         )
     }
 
@@ -340,7 +340,7 @@ mod tests {
             idempotency_key: "k".into(),
             method: call.method.into(),
             request_fingerprint: call.fingerprint.clone(),
-            request_fields: call.fields.clone().into_bytes(),
+            request_fields: call.fields_text.clone().into_bytes(),
             response: Some(b"{}".to_vec()),
             status: "COMPLETED".into(),
             created_at: 0,
@@ -373,8 +373,8 @@ mod tests {
     fn scopes_keep_merchants_and_accounts_apart() {
         let merchant = MerchantId::parse("merchant_id", "x").unwrap();
         let account = AccountId::parse("account_id", "x").unwrap();
-        let by_merchant = Call::new("Pay", Scope::Merchant(&merchant), &[]);
-        let by_account = Call::new("Pay", Scope::Account(&account), &[]);
+        let by_merchant = Call::new("Pay", Scope::Merchant(&merchant), Vec::new());
+        let by_account = Call::new("Pay", Scope::Account(&account), Vec::new());
         assert_ne!(by_merchant.scope, by_account.scope);
     }
 }

@@ -24,6 +24,7 @@ mod accounts;
 mod commands;
 mod group_commit;
 mod guards;
+mod idempotent;
 mod payments;
 mod posting;
 mod reaper;
@@ -207,9 +208,12 @@ fn new_id(prefix: char) -> String {
     format!("{prefix}{}", uuid::Uuid::now_v7().simple())
 }
 
-/// The names of the fields whose stored and requested values differ.
-fn differing_fields(comparisons: &[(&'static str, bool)]) -> Vec<&'static str> {
-    comparisons.iter().filter(|(_, same)| !same).map(|(field, _)| *field).collect()
+/// A command with the id the server gives what it creates (deposit_id, trade_no,
+/// refund_no, transfer_id), made once per call so that every run of its transaction writes
+/// the same id.
+struct Identified<C> {
+    command: C,
+    id: String,
 }
 
 /// What a transaction that inserts a key row first found.

@@ -6,10 +6,11 @@ use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
 use super::group_commit::{pay_together, Decision, PayBatcher};
-use super::guards::{Call, Guards, Opened, Scope};
+use super::guards::{Guards, Scope};
+use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::posting::{post, EntryKind, Posting};
-use super::transaction::{in_transaction, CAS_ATTEMPTS_MAX};
-use super::{differing_fields, key_vanished, new_id, now_micros, Inserted, Ledger, Replayable};
+use super::transaction::CAS_ATTEMPTS_MAX;
+use super::{new_id, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -51,80 +52,7 @@ impl Ledger {
     /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
     /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
     pub async fn create_order(&self, command: CreateOrder, guards: &Guards) -> Result<Replayable<OrderRow>, Error> {
-        let call = Call::new(
-            "CreateOrder",
-            Scope::Merchant(&command.merchant_id),
-            &[
-                ("order_no", command.order_no.to_string()),
-                ("payee_account_id", command.payee_account_id.to_string()),
-                ("amount", command.amount.minor_units().to_string()),
-                ("currency", command.amount.currency().to_string()),
-                ("subject", command.subject.as_str().to_owned()),
-            ],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        if let Some(order) = self.create_order_replay(&command).await? {
-            return Ok(self.natural_replay(order));
-        }
-        session.reserve_token().await?;
-        let now = now_micros();
-        let order = OrderRow {
-            merchant_id: command.merchant_id.as_str().to_owned(),
-            order_no: command.order_no.as_str().to_owned(),
-            payee_account_id: command.payee_account_id.as_str().to_owned(),
-            amount: command.amount.minor_units(),
-            currency: command.amount.currency().code().to_owned(),
-            subject: command.subject.as_str().to_owned(),
-            status: OrderStatus::Pending.as_str().to_owned(),
-            out_trade_no: None,
-            refunded_amount: 0,
-            created_at: now,
-            updated_at: now,
-        };
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-            if payee.currency != order.currency {
-                return Err(Rejection::CurrencyMismatch.into());
-            }
-            if !queries.insert_order(&order).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            session.complete(&mut queries, &order).await?;
-            Ok(Inserted::Done(order.clone()))
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => self
-                .create_order_replay(&command)
-                .await?
-                .map(|order| self.natural_replay(order))
-                .ok_or_else(key_vanished),
-        }
-    }
-
-    async fn create_order_replay(&self, command: &CreateOrder) -> Result<Option<OrderRow>, Error> {
-        let mut reader = self.store.reader().await?;
-        let Some(order) = reader.queries().find_order(command.merchant_id.as_str(), command.order_no.as_str()).await?
-        else {
-            return Ok(None);
-        };
-        let fields = differing_fields(&[
-            ("payee_account_id", order.payee_account_id == command.payee_account_id.as_str()),
-            ("amount", order.amount == command.amount.minor_units()),
-            ("currency", order.currency == command.amount.currency().code()),
-            ("subject", order.subject == command.subject.as_str()),
-        ]);
-        if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OrderNo, fields }));
-        }
-        Ok(Some(order))
+        self.run_idempotent(&command, guards).await
     }
 
     /// Moves a PENDING order to CLOSED; a closed order is returned unchanged (replayed).
@@ -137,46 +65,7 @@ impl Ledger {
         order_no: &OrderNo,
         guards: &Guards,
     ) -> Result<Replayable<OrderRow>, Error> {
-        let call = Call::new("CloseOrder", Scope::Merchant(merchant_id), &[("order_no", order_no.to_string())]);
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        session.reserve_token().await?;
-        let (merchant_id, order_no) = (merchant_id.as_str(), order_no.as_str());
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let (pending, closed) = (OrderStatus::Pending.as_str(), OrderStatus::Closed.as_str());
-            let moved = queries.transition_order(merchant_id, order_no, pending, 0, closed, 0, now).await?;
-            let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-            if !moved {
-                match order_state(&order)?.apply(OrderEvent::Close)? {
-                    // Closing a closed order: nothing to write, answered as a replay.
-                    Transition::AlreadyApplied => return Ok(Inserted::KeyTaken),
-                    // Zero rows but PENDING now: it changed under us and changed back; cannot
-                    // happen with the transitions that exist, so report contention.
-                    Transition::To(_) => return Err(Error::Contention),
-                }
-            }
-            session.complete(&mut queries, &order).await?;
-            Ok(Inserted::Done(order))
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => {
-                let mut reader = self.store.reader().await?;
-                let order = reader
-                    .queries()
-                    .find_order(merchant_id, order_no)
-                    .await?
-                    .ok_or(Error::NotFound(Resource::Order))?;
-                Ok(self.natural_replay(order))
-            }
-        }
+        self.run_idempotent(&CloseOrder { merchant_id, order_no }, guards).await
     }
 
     /// Pays an order: the payer's money moves to the order's payee and the order moves from
@@ -187,22 +76,7 @@ impl Ledger {
     /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
     /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
     pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<PayReceipt>, Error> {
-        let call = Call::new(
-            "Pay",
-            Scope::Merchant(&command.merchant_id),
-            &[
-                ("out_trade_no", command.out_trade_no.to_string()),
-                ("order_no", command.order_no.to_string()),
-                ("payer_account_id", command.payer_account_id.to_string()),
-                ("amount", command.amount.minor_units().to_string()),
-                ("currency", command.amount.currency().to_string()),
-            ],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        if session.is_unguarded() {
+        if guards.is_empty() {
             if let Some(batcher) = self.pay_batcher() {
                 let decision = batcher.submit(command.clone()).await;
                 if let Some(answer) = self.answer_decided(&command, decision).await {
@@ -210,34 +84,13 @@ impl Ledger {
                 }
             }
         }
-        if let Some(receipt) = self.pay_replay(&command).await? {
-            return Ok(self.natural_replay(receipt));
-        }
-        session.reserve_token().await?;
-        let trade_no = new_id('T');
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let outcome = pay_in_transaction(&mut queries, &command, &trade_no, now).await?;
-            if let Inserted::Done(receipt) = &outcome {
-                session.complete(&mut queries, receipt).await?;
-            }
-            Ok(outcome)
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => self.pay_replay_after_taken(&command).await,
-        }
+        self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await
     }
 
     /// The answer to a Pay whose transaction found its key taken by a committed payment.
     async fn pay_replay_after_taken(&self, command: &Pay) -> Result<Replayable<PayReceipt>, Error> {
         match self.pay_replay(command).await? {
             Some(receipt) => Ok(self.natural_replay(receipt)),
-            // The taken key was the order's one payment, under another out_trade_no.
             None => Err(Rejection::OrderAlreadyPaid.into()),
         }
     }
@@ -298,12 +151,14 @@ impl Ledger {
     /// The replay of a Pay whose out_trade_no holds `payment`: the payment as first recorded
     /// and its order as it stands; OUT_TRADE_NO_REUSED when the key paid something else.
     fn replay_of(&self, command: &Pay, payment: PaymentRow, order: OrderRow) -> Result<PayReceipt, Error> {
-        let fields = differing_fields(&[
-            ("order_no", payment.order_no == command.order_no.as_str()),
-            ("payer_account_id", payment.payer_account_id == command.payer_account_id.as_str()),
-            ("amount", payment.amount == command.amount.minor_units()),
-            ("currency", payment.currency == command.amount.currency().code()),
-        ]);
+        let stored = pay_fields(
+            &payment.out_trade_no,
+            &payment.order_no,
+            &payment.payer_account_id,
+            payment.amount,
+            &payment.currency,
+        );
+        let fields = differing_from(&pay_command_fields(command), &stored);
         if !fields.is_empty() {
             return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
         }
@@ -317,67 +172,7 @@ impl Ledger {
     /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
     pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<RefundReceipt>, Error> {
-        let call = Call::new(
-            "Refund",
-            Scope::Merchant(&command.merchant_id),
-            &[
-                ("out_trade_no", command.out_trade_no.to_string()),
-                ("out_refund_no", command.out_refund_no.to_string()),
-                ("amount", command.amount.minor_units().to_string()),
-                ("currency", command.amount.currency().to_string()),
-                ("reason", command.reason.as_str().to_owned()),
-            ],
-        );
-        let mut session = match self.open_guards(guards, &call).await? {
-            Opened::Replayed(answer) => return Ok(answer),
-            Opened::Run(session) => session,
-        };
-        if let Some(receipt) = self.refund_replay(&command).await? {
-            return Ok(self.natural_replay(receipt));
-        }
-        session.reserve_token().await?;
-        let refund_no = new_id('R');
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
-            let mut queries = tx.queries();
-            if !session.claim(&mut queries, now).await? {
-                return Ok(Inserted::KeyTaken);
-            }
-            let outcome = refund_in_transaction(&mut queries, &command, &refund_no, now).await?;
-            if let Inserted::Done(receipt) = &outcome {
-                session.complete(&mut queries, receipt).await?;
-            }
-            Ok(outcome)
-        });
-        match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => {
-                self.refund_replay(&command).await?.map(|receipt| self.natural_replay(receipt)).ok_or_else(key_vanished)
-            }
-        }
-    }
-
-    async fn refund_replay(&self, command: &Refund) -> Result<Option<RefundReceipt>, Error> {
-        let mut reader = self.store.reader().await?;
-        let mut queries = reader.queries();
-        let merchant_id = command.merchant_id.as_str();
-        let Some(refund) = queries.find_refund(merchant_id, command.out_refund_no.as_str()).await? else {
-            return Ok(None);
-        };
-        let fields = differing_fields(&[
-            ("out_trade_no", refund.out_trade_no == command.out_trade_no.as_str()),
-            ("amount", refund.amount == command.amount.minor_units()),
-            ("currency", refund.currency == command.amount.currency().code()),
-            ("reason", refund.reason == command.reason.as_str()),
-        ]);
-        if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutRefundNo, fields }));
-        }
-        let order = queries
-            .find_order(merchant_id, &refund.order_no)
-            .await?
-            .ok_or_else(|| Error::Internal("a refund's order is missing".into()))?;
-        Ok(Some(RefundReceipt { refund, order }))
+        self.run_idempotent(&Identified { command, id: new_id('R') }, guards).await
     }
 
     /// An order with its payment and refunds, found by any of its business numbers.
@@ -412,6 +207,212 @@ impl Ledger {
         };
         let refunds = queries.list_refunds(merchant_id, &order_no).await?;
         Ok(OrderDetails { order, payment, refunds })
+    }
+}
+
+/// CreateOrder's business fields, from a request or a stored order.
+fn create_order_fields(order_no: &str, payee_account_id: &str, amount: i64, currency: &str, subject: &str) -> Fields {
+    vec![
+        ("order_no", order_no.to_owned()),
+        ("payee_account_id", payee_account_id.to_owned()),
+        ("amount", amount.to_string()),
+        ("currency", currency.to_owned()),
+        ("subject", subject.to_owned()),
+    ]
+}
+
+impl IdempotentCall for CreateOrder {
+    type Answer = OrderRow;
+    const METHOD: &'static str = "CreateOrder";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Merchant(&self.merchant_id)
+    }
+
+    fn fields(&self) -> Fields {
+        let amount = &self.amount;
+        let (order_no, payee, subject) =
+            (self.order_no.as_str(), self.payee_account_id.as_str(), self.subject.as_str());
+        create_order_fields(order_no, payee, amount.minor_units(), amount.currency().code(), subject)
+    }
+
+    async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
+        let mut reader = ledger.store.reader().await?;
+        let Some(order) = reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await? else {
+            return Ok(None);
+        };
+        let stored = create_order_fields(
+            &order.order_no,
+            &order.payee_account_id,
+            order.amount,
+            &order.currency,
+            &order.subject,
+        );
+        let fields = differing_from(&self.fields(), &stored);
+        if !fields.is_empty() {
+            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OrderNo, fields }));
+        }
+        Ok(Some(order))
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
+        let order = OrderRow {
+            merchant_id: self.merchant_id.as_str().to_owned(),
+            order_no: self.order_no.as_str().to_owned(),
+            payee_account_id: self.payee_account_id.as_str().to_owned(),
+            amount: self.amount.minor_units(),
+            currency: self.amount.currency().code().to_owned(),
+            subject: self.subject.as_str().to_owned(),
+            status: OrderStatus::Pending.as_str().to_owned(),
+            out_trade_no: None,
+            refunded_amount: 0,
+            created_at: now,
+            updated_at: now,
+        };
+        let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
+        if payee.currency != order.currency {
+            return Err(Rejection::CurrencyMismatch.into());
+        }
+        if !queries.insert_order(&order).await? {
+            return Ok(Inserted::KeyTaken);
+        }
+        Ok(Inserted::Done(order))
+    }
+}
+
+/// A CloseOrder call: the order it closes.
+struct CloseOrder<'a> {
+    merchant_id: &'a MerchantId,
+    order_no: &'a OrderNo,
+}
+
+impl IdempotentCall for CloseOrder<'_> {
+    type Answer = OrderRow;
+    const METHOD: &'static str = "CloseOrder";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Merchant(self.merchant_id)
+    }
+
+    fn fields(&self) -> Fields {
+        vec![("order_no", self.order_no.to_string())]
+    }
+
+    /// Closing a closed order changes nothing and answers the order as it stands.
+    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<OrderRow, Error> {
+        let mut reader = ledger.store.reader().await?;
+        let order = reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await?;
+        order.ok_or(Error::NotFound(Resource::Order))
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
+        let (merchant_id, order_no) = (self.merchant_id.as_str(), self.order_no.as_str());
+        let (pending, closed) = (OrderStatus::Pending.as_str(), OrderStatus::Closed.as_str());
+        let moved = queries.transition_order(merchant_id, order_no, pending, 0, closed, 0, now).await?;
+        let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+        if !moved {
+            match order_state(&order)?.apply(OrderEvent::Close)? {
+                // Closing a closed order: nothing to write, answered as a replay.
+                Transition::AlreadyApplied => return Ok(Inserted::KeyTaken),
+                // Zero rows but PENDING now: it changed under us and changed back; cannot
+                // happen with the transitions that exist, so report contention.
+                Transition::To(_) => return Err(Error::Contention),
+            }
+        }
+        Ok(Inserted::Done(order))
+    }
+}
+
+/// Pay's business fields, from a request or a stored payment.
+fn pay_fields(out_trade_no: &str, order_no: &str, payer_account_id: &str, amount: i64, currency: &str) -> Fields {
+    vec![
+        ("out_trade_no", out_trade_no.to_owned()),
+        ("order_no", order_no.to_owned()),
+        ("payer_account_id", payer_account_id.to_owned()),
+        ("amount", amount.to_string()),
+        ("currency", currency.to_owned()),
+    ]
+}
+
+fn pay_command_fields(command: &Pay) -> Fields {
+    let Pay { merchant_id: _, out_trade_no, order_no, payer_account_id, amount } = command;
+    let currency = amount.currency().code();
+    pay_fields(out_trade_no.as_str(), order_no.as_str(), payer_account_id.as_str(), amount.minor_units(), currency)
+}
+
+impl IdempotentCall for Identified<Pay> {
+    type Answer = PayReceipt;
+    const METHOD: &'static str = "Pay";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Merchant(&self.command.merchant_id)
+    }
+
+    fn fields(&self) -> Fields {
+        pay_command_fields(&self.command)
+    }
+
+    async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<PayReceipt>, Error> {
+        ledger.pay_replay(&self.command).await
+    }
+
+    /// The taken key may be the order's one payment under another out_trade_no.
+    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<PayReceipt, Error> {
+        ledger.pay_replay(&self.command).await?.ok_or_else(|| Rejection::OrderAlreadyPaid.into())
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<PayReceipt>, Error> {
+        pay_in_transaction(queries, &self.command, &self.id, now).await
+    }
+}
+
+/// Refund's business fields, from a request or a stored refund.
+fn refund_fields(out_trade_no: &str, out_refund_no: &str, amount: i64, currency: &str, reason: &str) -> Fields {
+    vec![
+        ("out_trade_no", out_trade_no.to_owned()),
+        ("out_refund_no", out_refund_no.to_owned()),
+        ("amount", amount.to_string()),
+        ("currency", currency.to_owned()),
+        ("reason", reason.to_owned()),
+    ]
+}
+
+impl IdempotentCall for Identified<Refund> {
+    type Answer = RefundReceipt;
+    const METHOD: &'static str = "Refund";
+
+    fn scope(&self) -> Scope<'_> {
+        Scope::Merchant(&self.command.merchant_id)
+    }
+
+    fn fields(&self) -> Fields {
+        let Refund { merchant_id: _, out_trade_no, out_refund_no, amount, reason } = &self.command;
+        let (minor_units, currency) = (amount.minor_units(), amount.currency().code());
+        refund_fields(out_trade_no.as_str(), out_refund_no.as_str(), minor_units, currency, reason.as_str())
+    }
+
+    async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<RefundReceipt>, Error> {
+        let mut reader = ledger.store.reader().await?;
+        let mut queries = reader.queries();
+        let merchant_id = self.command.merchant_id.as_str();
+        let Some(refund) = queries.find_refund(merchant_id, self.command.out_refund_no.as_str()).await? else {
+            return Ok(None);
+        };
+        let stored =
+            refund_fields(&refund.out_trade_no, &refund.out_refund_no, refund.amount, &refund.currency, &refund.reason);
+        let fields = differing_from(&self.fields(), &stored);
+        if !fields.is_empty() {
+            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OutRefundNo, fields }));
+        }
+        let order = queries
+            .find_order(merchant_id, &refund.order_no)
+            .await?
+            .ok_or_else(|| Error::Internal("a refund's order is missing".into()))?;
+        Ok(Some(RefundReceipt { refund, order }))
+    }
+
+    async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<RefundReceipt>, Error> {
+        refund_in_transaction(queries, &self.command, &self.id, now).await
     }
 }
 

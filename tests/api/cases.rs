@@ -536,7 +536,7 @@ pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestA
 
 // ---- Idempotency keys, one-time tokens and their lifecycle -------------------------------
 
-use crate::helpers::{transfer_request, with_key, with_token};
+use crate::helpers::{one_dollar_order, transfer_request, with_key, with_token};
 
 fn header(metadata: &tonic::metadata::MetadataMap, name: &str) -> Option<String> {
     metadata.get(name).and_then(|value| value.to_str().ok()).map(str::to_owned)
@@ -716,14 +716,7 @@ pub async fn fifty_concurrent_requests_presenting_one_redis_token_run_exactly_on
 
 pub async fn an_expired_unknown_or_foreign_token_is_token_invalid(app: &TestApp) {
     app.open("shop", "USD").await;
-    let order = |order_no: &str| proto::CreateOrderRequest {
-        merchant_id: "m1".into(),
-        order_no: order_no.into(),
-        payee_account_id: "shop".into(),
-        amount: "1.00".into(),
-        currency: "USD".into(),
-        subject: String::new(),
-    };
+    let order = |order_no: &str| one_dollar_order("m1", order_no, "shop");
     let mut payments = app.payments.clone();
     let foreign = app.issue_token("m2").await;
     let expiring = app.issue_token("m1").await;
@@ -1213,14 +1206,7 @@ pub async fn business_numbers_tokens_and_currencies_compare_byte_for_byte_on_eve
     ];
     // Tokens: another case of an issued token is an unknown token; a space makes it no token.
     let token = app.issue_token("m1").await;
-    let order = |order_no: &str| proto::CreateOrderRequest {
-        merchant_id: "m1".into(),
-        order_no: order_no.into(),
-        payee_account_id: "shop".into(),
-        amount: "1.00".into(),
-        currency: "USD".into(),
-        subject: String::new(),
-    };
+    let order = |order_no: &str| one_dollar_order("m1", order_no, "shop");
     let upper_token = payments.create_order(with_token(order("o-t"), &token.to_uppercase(), None)).await.unwrap_err();
     let spaced_token = payments.create_order(with_token(order("o-t"), &format!("{token} "), None)).await.unwrap_err();
     let with_token_as_issued = payments.create_order(with_token(order("o-t"), &token, None)).await.unwrap();

@@ -461,6 +461,18 @@ pub fn with_token<T>(message: T, token: &str, key: Option<&str>) -> Request<T> {
     request
 }
 
+/// A CreateOrder of 1.00 USD with no subject.
+pub fn one_dollar_order(merchant_id: &str, order_no: &str, payee: &str) -> proto::CreateOrderRequest {
+    proto::CreateOrderRequest {
+        merchant_id: merchant_id.into(),
+        order_no: order_no.into(),
+        payee_account_id: payee.into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+        subject: String::new(),
+    }
+}
+
 pub fn transfer_request(from: &str, to: &str, amount: &str) -> proto::TransferRequest {
     proto::TransferRequest {
         from_account_id: from.into(),
