@@ -7,7 +7,8 @@ use crate::ledger::Ledger;
 use crate::proto;
 use crate::proto::account_service_server::AccountService;
 
-use super::{decode, encode, reply, reply_replayable, run_detached};
+use super::{decode, reply, reply_replayable, run_detached};
+use crate::ledger::response;
 
 /// The AccountService handlers.
 #[derive(Clone)]
@@ -32,7 +33,7 @@ impl AccountService for AccountApi {
         let span = info_span!("OpenAccount", account_id = %command.account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.open_account(command, &guards).await }).await?;
-        reply_replayable(answer, |account| Ok(proto::OpenAccountResponse { account: Some(encode::account(account)?) }))
+        Ok(reply_replayable(answer))
     }
 
     async fn deposit(
@@ -44,12 +45,7 @@ impl AccountService for AccountApi {
         let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
-        reply_replayable(answer, |receipt| {
-            Ok(proto::DepositResponse {
-                account: Some(encode::account(receipt.account)?),
-                entry: Some(encode::entry(receipt.entry)?),
-            })
-        })
+        Ok(reply_replayable(answer))
     }
 
     async fn get_account(
@@ -60,7 +56,7 @@ impl AccountService for AccountApi {
         let span = info_span!("GetAccount", account_id = %account_id);
         let ledger = self.ledger.clone();
         let account = run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
-        Ok(reply(proto::GetAccountResponse { account: Some(encode::account(account)?) }, false))
+        Ok(reply(proto::GetAccountResponse { account: Some(response::account(account)?) }, false))
     }
 
     async fn list_entries(
@@ -71,7 +67,7 @@ impl AccountService for AccountApi {
         let span = info_span!("ListEntries", account_id = %query.account_id);
         let ledger = self.ledger.clone();
         let page = run_detached(span, async move { ledger.list_entries(query).await }).await?;
-        let entries = page.entries.into_iter().map(encode::entry).collect::<Result<Vec<_>, _>>()?;
+        let entries = page.entries.into_iter().map(response::entry).collect::<Result<Vec<_>, _>>()?;
         let next_page_token = page.next_before_entry_id.map(|id| id.to_string()).unwrap_or_default();
         Ok(reply(proto::ListEntriesResponse { entries, next_page_token }, false))
     }
@@ -86,12 +82,6 @@ impl AccountService for AccountApi {
             info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
-        reply_replayable(answer, |receipt| {
-            Ok(proto::TransferResponse {
-                transfer: Some(encode::transfer(receipt.transfer)?),
-                from_entry: Some(encode::entry(receipt.from_entry)?),
-                to_entry: Some(encode::entry(receipt.to_entry)?),
-            })
-        })
+        Ok(reply_replayable(answer))
     }
 }

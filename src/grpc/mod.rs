@@ -3,7 +3,6 @@
 mod accounts;
 pub mod codec;
 mod decode;
-mod encode;
 mod payments;
 
 use std::future::Future;
@@ -16,7 +15,7 @@ pub use accounts::AccountApi;
 pub use payments::PaymentApi;
 
 use crate::error::Error;
-use crate::ledger::Replayable;
+use crate::ledger::{response, Replayable};
 
 /// Response metadata headers: `idempotent-replayed: true` on an answer replayed from an
 /// earlier call; `idempotency-expires-at`, until when the call's `idempotency-key` is kept
@@ -57,17 +56,14 @@ fn reply<T>(message: T, replayed: bool) -> Response<T> {
     response
 }
 
-/// Encodes a replayable use-case answer, with the replay and key-expiry headers.
-fn reply_replayable<T, M>(
-    answer: Replayable<T>,
-    encode: impl FnOnce(T) -> Result<M, Error>,
-) -> Result<Response<M>, Status> {
-    let mut response = reply(encode(answer.value)?, answer.replayed);
+/// A use case's answer message, with the replay and key-expiry headers.
+fn reply_replayable<M>(answer: Replayable<M>) -> Response<M> {
+    let mut response = reply(answer.value, answer.replayed);
     if let Some(expires_at) = answer.key_expires_at {
-        let text = encode::timestamp(expires_at).map(|timestamp| timestamp.to_string()).unwrap_or_default();
+        let text = response::timestamp(expires_at).map(|timestamp| timestamp.to_string()).unwrap_or_default();
         if let Ok(value) = MetadataValue::try_from(text) {
             response.metadata_mut().insert(KEY_EXPIRES_HEADER, value);
         }
     }
-    Ok(response)
+    response
 }

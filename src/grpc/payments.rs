@@ -7,7 +7,8 @@ use crate::ledger::{Ledger, QueryKey};
 use crate::proto;
 use crate::proto::payment_service_server::PaymentService;
 
-use super::{decode, encode, reply, reply_replayable, run_detached};
+use super::{decode, reply, reply_replayable, run_detached};
+use crate::ledger::response;
 
 /// The PaymentService handlers.
 #[derive(Clone)]
@@ -32,7 +33,7 @@ impl PaymentService for PaymentApi {
         let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.create_order(command, &guards).await }).await?;
-        reply_replayable(answer, |order| Ok(proto::CreateOrderResponse { order: Some(encode::order(order)?) }))
+        Ok(reply_replayable(answer))
     }
 
     async fn close_order(
@@ -45,7 +46,7 @@ impl PaymentService for PaymentApi {
         let ledger = self.ledger.clone();
         let answer =
             run_detached(span, async move { ledger.close_order(&merchant_id, &order_no, &guards).await }).await?;
-        reply_replayable(answer, |order| Ok(proto::CloseOrderResponse { order: Some(encode::order(order)?) }))
+        Ok(reply_replayable(answer))
     }
 
     async fn pay(&self, request: Request<proto::PayRequest>) -> Result<Response<proto::PayResponse>, Status> {
@@ -54,12 +55,7 @@ impl PaymentService for PaymentApi {
         let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.pay(command, &guards).await }).await?;
-        reply_replayable(answer, |receipt| {
-            Ok(proto::PayResponse {
-                payment: Some(encode::payment(receipt.payment)?),
-                order: Some(encode::order(receipt.order)?),
-            })
-        })
+        Ok(reply_replayable(answer))
     }
 
     async fn refund(&self, request: Request<proto::RefundRequest>) -> Result<Response<proto::RefundResponse>, Status> {
@@ -68,12 +64,7 @@ impl PaymentService for PaymentApi {
         let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
-        reply_replayable(answer, |receipt| {
-            Ok(proto::RefundResponse {
-                refund: Some(encode::refund(receipt.refund)?),
-                order: Some(encode::order(receipt.order)?),
-            })
-        })
+        Ok(reply_replayable(answer))
     }
 
     async fn query(&self, request: Request<proto::QueryRequest>) -> Result<Response<proto::QueryResponse>, Status> {
@@ -92,9 +83,9 @@ impl PaymentService for PaymentApi {
         let ledger = self.ledger.clone();
         let details = run_detached(span, async move { ledger.query(&merchant_id, &key).await }).await?;
         let response = proto::QueryResponse {
-            order: Some(encode::order(details.order)?),
-            payment: details.payment.map(encode::payment).transpose()?,
-            refunds: details.refunds.into_iter().map(encode::refund).collect::<Result<_, _>>()?,
+            order: Some(response::order(details.order)?),
+            payment: details.payment.map(response::payment).transpose()?,
+            refunds: details.refunds.into_iter().map(response::refund).collect::<Result<_, _>>()?,
         };
         Ok(reply(response, false))
     }
@@ -108,7 +99,7 @@ impl PaymentService for PaymentApi {
         let ledger = self.ledger.clone();
         let issued = run_detached(span, async move { ledger.issue_token(&merchant_id, &purpose).await }).await?;
         Ok(reply(
-            proto::IssueTokenResponse { token: issued.token, expires_at: encode::timestamp(issued.expires_at) },
+            proto::IssueTokenResponse { token: issued.token, expires_at: response::timestamp(issued.expires_at) },
             false,
         ))
     }

@@ -2,12 +2,14 @@
 
 use crate::domain::{AccountId, FieldViolation, FreeText, MerchantId};
 use crate::error::{Error, Resource, ReusedKey};
+use crate::proto;
 use crate::store::{AccountRow, DepositRow, EntryRow, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use super::response;
 use super::tokens::IssuedToken;
 use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
@@ -41,7 +43,11 @@ impl Ledger {
     ///
     /// # Errors
     /// [`Error::KeyReused`] (ACCOUNT_ALREADY_EXISTS) when the id exists with another currency.
-    pub async fn open_account(&self, command: OpenAccount, guards: &Guards) -> Result<Replayable<AccountRow>, Error> {
+    pub async fn open_account(
+        &self,
+        command: OpenAccount,
+        guards: &Guards,
+    ) -> Result<Replayable<proto::OpenAccountResponse>, Error> {
         self.run_idempotent(&command, guards).await
     }
 
@@ -50,7 +56,11 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
     /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
-    pub async fn deposit(&self, command: Deposit, guards: &Guards) -> Result<Replayable<DepositReceipt>, Error> {
+    pub async fn deposit(
+        &self,
+        command: Deposit,
+        guards: &Guards,
+    ) -> Result<Replayable<proto::DepositResponse>, Error> {
         self.run_idempotent(&Identified { command, id: new_id('D') }, guards).await
     }
 
@@ -61,7 +71,11 @@ impl Ledger {
     /// [`Error::InvalidArgument`] without an idempotency key; [`Error::NotFound`] (account);
     /// [`crate::domain::Rejection`]s INSUFFICIENT_FUNDS, CURRENCY_MISMATCH;
     /// [`Error::IdempotencyKeyReused`].
-    pub async fn transfer(&self, command: Transfer, guards: &Guards) -> Result<Replayable<TransferReceipt>, Error> {
+    pub async fn transfer(
+        &self,
+        command: Transfer,
+        guards: &Guards,
+    ) -> Result<Replayable<proto::TransferResponse>, Error> {
         if guards.idempotency_key.is_none() {
             return Err(FieldViolation::new(
                 IDEMPOTENCY_KEY_HEADER,
@@ -118,7 +132,12 @@ fn open_account_fields(account_id: &str, currency: &str) -> Fields {
 
 impl IdempotentCall for OpenAccount {
     type Answer = AccountRow;
+    type Message = proto::OpenAccountResponse;
     const METHOD: &'static str = "OpenAccount";
+
+    fn message(account: AccountRow) -> Result<Self::Message, Error> {
+        Ok(proto::OpenAccountResponse { account: Some(response::account(account)?) })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Account(&self.account_id)
@@ -175,7 +194,15 @@ fn deposit_fields(request_id: &str, account_id: &str, amount: i64, currency: &st
 
 impl IdempotentCall for Identified<Deposit> {
     type Answer = DepositReceipt;
+    type Message = proto::DepositResponse;
     const METHOD: &'static str = "Deposit";
+
+    fn message(receipt: DepositReceipt) -> Result<Self::Message, Error> {
+        Ok(proto::DepositResponse {
+            account: Some(response::account(receipt.account)?),
+            entry: Some(response::entry(receipt.entry)?),
+        })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Account(&self.command.account_id)
@@ -239,7 +266,16 @@ impl IdempotentCall for Identified<Deposit> {
 
 impl IdempotentCall for Identified<Transfer> {
     type Answer = TransferReceipt;
+    type Message = proto::TransferResponse;
     const METHOD: &'static str = "Transfer";
+
+    fn message(receipt: TransferReceipt) -> Result<Self::Message, Error> {
+        Ok(proto::TransferResponse {
+            transfer: Some(response::transfer(receipt.transfer)?),
+            from_entry: Some(response::entry(receipt.from_entry)?),
+            to_entry: Some(response::entry(receipt.to_entry)?),
+        })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Account(&self.command.from_account_id)

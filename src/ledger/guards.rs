@@ -18,7 +18,6 @@
 
 use std::sync::atomic::Ordering;
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -126,18 +125,35 @@ pub(super) struct GuardSession<'a> {
 }
 
 /// The outcome of step 1.
-pub(super) enum Opened<'a, T> {
-    Replayed(Replayable<T>),
+pub(super) enum Opened<'a> {
+    Replayed(Replayable<StoredResponse>),
     Run(GuardSession<'a>),
+}
+
+/// What a completed record holds to answer a replay with.
+#[derive(Debug, Clone)]
+pub(super) struct StoredResponse {
+    /// The response message as the caller received it (encoded protobuf).
+    pub message: Option<Vec<u8>>,
+    /// The answer as JSON of rows: all that records written before the message was stored
+    /// hold.
+    pub json: Vec<u8>,
+}
+
+/// The outcome of step 5.
+pub(super) enum Settled<T> {
+    /// The business change committed: its fresh answer.
+    Fresh(Replayable<T>),
+    /// A guard of the call was taken by a committed original: its stored response.
+    Replayed(Replayable<StoredResponse>),
+    /// A natural key (out_trade_no...) was taken and none of the call's guards: the use case
+    /// replays by its natural key.
+    NaturalKeyTaken,
 }
 
 impl Ledger {
     /// Step 1 (see the module docs).
-    pub(super) async fn open_guards<'a, T: DeserializeOwned>(
-        &'a self,
-        guards: &'a Guards,
-        call: &'a Call,
-    ) -> Result<Opened<'a, T>, Error> {
+    pub(super) async fn open_guards<'a>(&'a self, guards: &'a Guards, call: &'a Call) -> Result<Opened<'a>, Error> {
         let mut claims = Vec::new();
         if let Some(key) = &guards.idempotency_key {
             claims.push((GuardKind::Key, call.scope.clone(), key.as_str().to_owned()));
@@ -159,7 +175,7 @@ impl Ledger {
 
 impl GuardSession<'_> {
     /// The first committed, unexpired record of this call's guards, as a replay.
-    async fn committed_replay<T: DeserializeOwned>(&mut self) -> Result<Option<Replayable<T>>, Error> {
+    async fn committed_replay(&mut self) -> Result<Option<Replayable<StoredResponse>>, Error> {
         let now = now_micros();
         let mut reader = self.ledger.store.reader().await?;
         let mut queries = reader.queries();
@@ -176,11 +192,7 @@ impl GuardSession<'_> {
         Ok(None)
     }
 
-    fn replay<T: DeserializeOwned>(
-        &self,
-        kind: GuardKind,
-        record: IdempotencyRecordRow,
-    ) -> Result<Replayable<T>, Error> {
+    fn replay(&self, kind: GuardKind, record: IdempotencyRecordRow) -> Result<Replayable<StoredResponse>, Error> {
         let counters = &self.ledger.counters;
         let fields = self.call.differences(&record);
         if !fields.is_empty() {
@@ -190,9 +202,8 @@ impl GuardSession<'_> {
                 GuardKind::Token => Error::TokenReused { fields },
             });
         }
-        let response = record.response.ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
-        let value =
-            serde_json::from_slice(&response).map_err(|error| Error::Internal(format!("stored response: {error}")))?;
+        let json = record.response.ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
+        let value = StoredResponse { message: record.response_message, json };
         counters.replays.fetch_add(1, Ordering::Relaxed);
         Ok(Replayable { value, replayed: true, key_expires_at: self.key_expires_at(kind, record.expires_at) })
     }
@@ -221,7 +232,7 @@ impl GuardSession<'_> {
         Ok(())
     }
 
-    /// Step 2, inside the transaction: false when a guard is taken (the caller then returns
+    /// Step 3, inside the transaction: false when a guard is taken (the caller then returns
     /// `Inserted::KeyTaken`, rolls back, and [`GuardSession::settle`] replays the original).
     ///
     /// # Errors
@@ -248,6 +259,7 @@ impl GuardSession<'_> {
                 request_fingerprint: self.call.fingerprint.clone(),
                 request_fields: self.call.fields_text.clone().into_bytes(),
                 response: None,
+                response_message: None,
                 status: RECORD_IN_PROGRESS.to_owned(),
                 created_at: now,
                 expires_at,
@@ -263,41 +275,50 @@ impl GuardSession<'_> {
         Ok(true)
     }
 
-    /// Step 3, inside the transaction: the response of the business change.
-    pub(super) async fn complete<T: Serialize>(&self, queries: &mut Queries<'_>, response: &T) -> Result<(), Error> {
-        if self.claims.is_empty() {
-            return Ok(());
-        }
-        let response =
-            serde_json::to_vec(response).map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
+    /// True when the call claims a record, whose response [`GuardSession::complete`] then
+    /// stores.
+    pub(super) fn records_response(&self) -> bool {
+        !self.claims.is_empty()
+    }
+
+    /// Step 4, inside the transaction: the answer as JSON of rows (what the previous release
+    /// replays from) and the response message as the caller receives it (encoded protobuf).
+    pub(super) async fn complete<T: Serialize>(
+        &self,
+        queries: &mut Queries<'_>,
+        answer: &T,
+        message: &[u8],
+    ) -> Result<(), Error> {
+        let json =
+            serde_json::to_vec(answer).map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
         for (_, scope, key) in &self.claims {
-            if !queries.complete_record(scope, key, &response).await? {
+            if !queries.complete_record(scope, key, &json, message).await? {
                 return Err(Error::Internal("a claimed idempotency record vanished".into()));
             }
         }
         Ok(())
     }
 
-    /// Step 4, after the transaction (`now` as given to [`GuardSession::claim`]).
-    ///
-    /// `Some(answer)`: the fresh answer of a committed change, or the replay of a guard that
-    /// was taken. `None`: a natural key (out_trade_no...) was taken and none of this call's
-    /// guards; the use case replays by its natural key.
+    /// Step 5, after the transaction (`now` as given to [`GuardSession::claim`]).
     ///
     /// # Errors
     /// The business error, after restoring a token consumed in Redis; or the replay's error.
-    pub(super) async fn settle<T: DeserializeOwned>(
+    pub(super) async fn settle<T>(
         &mut self,
         outcome: Result<Inserted<T>, Error>,
         now: i64,
-    ) -> Result<Option<Replayable<T>>, Error> {
+    ) -> Result<Settled<T>, Error> {
         let counters = &self.ledger.counters;
         match outcome {
             Ok(Inserted::Done(value)) => {
                 if self.token.is_some() {
                     counters.token_consumptions.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(Some(Replayable { value, replayed: false, key_expires_at: self.fresh_key_expires_at(now) }))
+                Ok(Settled::Fresh(Replayable {
+                    value,
+                    replayed: false,
+                    key_expires_at: self.fresh_key_expires_at(now),
+                }))
             }
             Ok(Inserted::KeyTaken) => {
                 // The original committed: a token consumed in Redis stays consumed.
@@ -309,7 +330,7 @@ impl GuardSession<'_> {
                 if was_absent && replay.is_some() {
                     counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(replay)
+                Ok(replay.map_or(Settled::NaturalKeyTaken, Settled::Replayed))
             }
             Err(error) => {
                 if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
@@ -342,6 +363,7 @@ mod tests {
             request_fingerprint: call.fingerprint.clone(),
             request_fields: call.fields_text.clone().into_bytes(),
             response: Some(b"{}".to_vec()),
+            response_message: None,
             status: "COMPLETED".into(),
             created_at: 0,
             expires_at: 1,

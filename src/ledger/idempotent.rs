@@ -10,23 +10,25 @@
 //!    request_id...) answers it, without a lock;
 //! 3. token: with the Redis token store, the token is consumed right before the transaction;
 //! 4. in one transaction (run again from BEGIN after a deadlock or serialization failure):
-//!    claim the guards first, then the body, then complete the guards with the answer;
+//!    claim the guards first, then the body, then complete the guards' records with the
+//!    response message as the caller receives it (encoded protobuf);
 //! 5. settle: a fresh answer, or, when a key was found taken, the replay of the committed
-//!    original (by the guards' record, or else by the natural key); with Redis, a token whose
-//!    business change failed is restored.
+//!    original (the guards' stored response message, or else by the natural key); with
+//!    Redis, a token whose business change failed is restored.
 //!
 //! A body that fails rolls everything back with it, the guards' claims included, so a retry
 //! runs afresh.
 
 use std::future::Future;
 
+use prost::Message;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::Error;
 use crate::store::Queries;
 
-use super::guards::{Call, Guards, Opened, Scope};
+use super::guards::{Call, Guards, Opened, Scope, Settled, StoredResponse};
 use super::transaction::in_transaction;
 use super::{key_vanished, now_micros, Inserted, Ledger, Replayable};
 
@@ -51,11 +53,20 @@ pub(super) fn differing_from(requested: &Fields, stored: &Fields) -> Vec<&'stati
 
 /// A mutating use case, as the idempotency driver runs it.
 pub(super) trait IdempotentCall: Sync {
-    /// The answer, fresh or replayed. Stored with the guards' record for replays.
-    type Answer: Serialize + DeserializeOwned + Send;
+    /// The answer, fresh or replayed by the natural key.
+    type Answer: Serialize + DeserializeOwned + Clone + Send;
+
+    /// The response message the caller receives, stored with the guards' records.
+    type Message: Message + Default + Send;
 
     /// The gRPC method: part of the fingerprint, so one key cannot serve two methods.
     const METHOD: &'static str;
+
+    /// The response message of an answer.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] for a stored value that cannot be encoded.
+    fn message(answer: Self::Answer) -> Result<Self::Message, Error>;
 
     /// Whose keys the call's `idempotency-key` lives among.
     fn scope(&self) -> Scope<'_>;
@@ -86,24 +97,46 @@ pub(super) trait IdempotentCall: Sync {
     ) -> impl Future<Output = Result<Inserted<Self::Answer>, Error>> + Send;
 }
 
+/// What the driver answers, before it becomes a response message.
+pub(super) enum Reply<T> {
+    /// Fresh, or replayed by the natural key.
+    Value(T),
+    /// Replayed from a guard's record.
+    Stored(StoredResponse),
+}
+
 impl Ledger {
-    /// Runs `call` exactly once whatever its retries: the steps in the module docs.
+    /// Runs `call` exactly once whatever its retries (the steps in the module docs) and
+    /// answers with its response message: the stored one for a replay of a guard's record.
     ///
     /// # Errors
     /// The body's errors; ALREADY_EXISTS when a key is reused for another request;
-    /// [`crate::domain::Rejection::TokenInvalid`] for a token that cannot be used.
+    /// [`crate::domain::Rejection::TokenInvalid`] for a token that cannot be used;
+    /// [`Error::Internal`] for a stored response that cannot be read.
     pub(super) async fn run_idempotent<C: IdempotentCall>(
         &self,
         call: &C,
         guards: &Guards,
-    ) -> Result<Replayable<C::Answer>, Error> {
+    ) -> Result<Replayable<C::Message>, Error> {
+        self.run_guarded(call, guards).await?.try_map(|reply| match reply {
+            Reply::Value(answer) => C::message(answer),
+            Reply::Stored(stored) => stored_message::<C>(stored),
+        })
+    }
+
+    /// [`Ledger::run_idempotent`] before the answer becomes a message.
+    pub(super) async fn run_guarded<C: IdempotentCall>(
+        &self,
+        call: &C,
+        guards: &Guards,
+    ) -> Result<Replayable<Reply<C::Answer>>, Error> {
         let fingerprint = Call::new(C::METHOD, call.scope(), call.fields());
         let mut session = match self.open_guards(guards, &fingerprint).await? {
-            Opened::Replayed(answer) => return Ok(answer),
+            Opened::Replayed(stored) => return stored.try_map(|stored| Ok(Reply::Stored(stored))),
             Opened::Run(session) => session,
         };
         if let Some(answer) = call.natural_replay(self).await? {
-            return Ok(self.natural_replay(answer));
+            return Ok(self.natural_replay(Reply::Value(answer)));
         }
         session.reserve_token().await?;
         let now = now_micros();
@@ -113,14 +146,30 @@ impl Ledger {
                 return Ok(Inserted::KeyTaken);
             }
             let outcome = call.body(&mut queries, now).await?;
-            if let Inserted::Done(answer) = &outcome {
-                session.complete(&mut queries, answer).await?;
+            if let (Inserted::Done(answer), true) = (&outcome, session.records_response()) {
+                let message = C::message(answer.clone())?.encode_to_vec();
+                session.complete(&mut queries, answer, &message).await?;
             }
             Ok(outcome)
         });
         match session.settle(outcome, now).await? {
-            Some(answer) => Ok(answer),
-            None => Ok(self.natural_replay(call.replay_after_taken(self).await?)),
+            Settled::Fresh(answer) => answer.try_map(|answer| Ok(Reply::Value(answer))),
+            Settled::Replayed(stored) => stored.try_map(|stored| Ok(Reply::Stored(stored))),
+            Settled::NaturalKeyTaken => Ok(self.natural_replay(Reply::Value(call.replay_after_taken(self).await?))),
+        }
+    }
+}
+
+/// The response message of a guard's record: the stored message, or, in a record written
+/// before messages were stored, the message of its answer stored as JSON of rows.
+fn stored_message<C: IdempotentCall>(stored: StoredResponse) -> Result<C::Message, Error> {
+    match stored.message {
+        Some(message) => C::Message::decode(message.as_slice())
+            .map_err(|error| Error::Internal(format!("stored response message: {error}"))),
+        None => {
+            let answer: C::Answer = serde_json::from_slice(&stored.json)
+                .map_err(|error| Error::Internal(format!("stored response (JSON of rows): {error}")))?;
+            C::message(answer)
         }
     }
 }

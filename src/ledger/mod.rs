@@ -28,6 +28,7 @@ mod idempotent;
 mod payments;
 mod posting;
 mod reaper;
+pub mod response;
 mod tokens;
 mod transaction;
 
@@ -59,6 +60,13 @@ pub struct Replayable<T> {
     pub value: T,
     pub replayed: bool,
     pub key_expires_at: Option<i64>,
+}
+
+impl<T> Replayable<T> {
+    /// The same answer with its value mapped (replay flag and key expiry kept).
+    pub(crate) fn try_map<U>(self, map: impl FnOnce(T) -> Result<U, Error>) -> Result<Replayable<U>, Error> {
+        Ok(Replayable { value: map(self.value)?, replayed: self.replayed, key_expires_at: self.key_expires_at })
+    }
 }
 
 /// Lifetimes of idempotency keys and one-time tokens.

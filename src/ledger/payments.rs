@@ -2,13 +2,15 @@
 
 use crate::domain::{MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
+use crate::proto;
 use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
 use super::group_commit::{pay_together, Decision, PayBatcher};
 use super::guards::{Guards, Scope};
-use super::idempotent::{differing_from, Fields, IdempotentCall};
+use super::idempotent::{differing_from, Fields, IdempotentCall, Reply};
 use super::posting::{post, EntryKind, Posting};
+use super::response;
 use super::transaction::CAS_ATTEMPTS_MAX;
 use super::{new_id, Identified, Inserted, Ledger, Replayable};
 
@@ -51,7 +53,11 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
     /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
-    pub async fn create_order(&self, command: CreateOrder, guards: &Guards) -> Result<Replayable<OrderRow>, Error> {
+    pub async fn create_order(
+        &self,
+        command: CreateOrder,
+        guards: &Guards,
+    ) -> Result<Replayable<proto::CreateOrderResponse>, Error> {
         self.run_idempotent(&command, guards).await
     }
 
@@ -64,7 +70,7 @@ impl Ledger {
         merchant_id: &MerchantId,
         order_no: &OrderNo,
         guards: &Guards,
-    ) -> Result<Replayable<OrderRow>, Error> {
+    ) -> Result<Replayable<proto::CloseOrderResponse>, Error> {
         self.run_idempotent(&CloseOrder { merchant_id, order_no }, guards).await
     }
 
@@ -75,12 +81,12 @@ impl Ledger {
     /// [`Error::NotFound`] (order or payer), [`Rejection`]s AMOUNT_MISMATCH,
     /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
     /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
-    pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<PayReceipt>, Error> {
+    pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<proto::PayResponse>, Error> {
         if guards.is_empty() {
             if let Some(batcher) = self.pay_batcher() {
                 let decision = batcher.submit(command.clone()).await;
                 if let Some(answer) = self.answer_decided(&command, decision).await {
-                    return answer;
+                    return answer?.try_map(<Identified<Pay>>::message);
                 }
             }
         }
@@ -129,11 +135,21 @@ impl Ledger {
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
                 Some(answer) => answer,
-                None => self.pay(command, &Guards::default()).await,
+                None => self.pay_alone(command).await,
             };
             answers.push(answer);
         }
         answers
+    }
+
+    /// A Pay without idempotency key or token in its own transaction: its receipt.
+    async fn pay_alone(&self, command: Pay) -> Result<Replayable<PayReceipt>, Error> {
+        self.run_guarded(&Identified { command, id: new_id('T') }, &Guards::default()).await?.try_map(|reply| {
+            match reply {
+                Reply::Value(receipt) => Ok(receipt),
+                Reply::Stored(_) => Err(Error::Internal("a Pay without guards was answered from a record".into())),
+            }
+        })
     }
 
     async fn pay_replay(&self, command: &Pay) -> Result<Option<PayReceipt>, Error> {
@@ -171,7 +187,7 @@ impl Ledger {
     /// [`Error::NotFound`] (PAYMENT_NOT_FOUND), [`Rejection`]s REFUND_EXCEEDS_PAID,
     /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
-    pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<RefundReceipt>, Error> {
+    pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<proto::RefundResponse>, Error> {
         self.run_idempotent(&Identified { command, id: new_id('R') }, guards).await
     }
 
@@ -223,7 +239,12 @@ fn create_order_fields(order_no: &str, payee_account_id: &str, amount: i64, curr
 
 impl IdempotentCall for CreateOrder {
     type Answer = OrderRow;
+    type Message = proto::CreateOrderResponse;
     const METHOD: &'static str = "CreateOrder";
+
+    fn message(order: OrderRow) -> Result<Self::Message, Error> {
+        Ok(proto::CreateOrderResponse { order: Some(response::order(order)?) })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Merchant(&self.merchant_id)
@@ -288,7 +309,12 @@ struct CloseOrder<'a> {
 
 impl IdempotentCall for CloseOrder<'_> {
     type Answer = OrderRow;
+    type Message = proto::CloseOrderResponse;
     const METHOD: &'static str = "CloseOrder";
+
+    fn message(order: OrderRow) -> Result<Self::Message, Error> {
+        Ok(proto::CloseOrderResponse { order: Some(response::order(order)?) })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Merchant(self.merchant_id)
@@ -342,7 +368,15 @@ fn pay_command_fields(command: &Pay) -> Fields {
 
 impl IdempotentCall for Identified<Pay> {
     type Answer = PayReceipt;
+    type Message = proto::PayResponse;
     const METHOD: &'static str = "Pay";
+
+    fn message(receipt: PayReceipt) -> Result<Self::Message, Error> {
+        Ok(proto::PayResponse {
+            payment: Some(response::payment(receipt.payment)?),
+            order: Some(response::order(receipt.order)?),
+        })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Merchant(&self.command.merchant_id)
@@ -379,7 +413,15 @@ fn refund_fields(out_trade_no: &str, out_refund_no: &str, amount: i64, currency:
 
 impl IdempotentCall for Identified<Refund> {
     type Answer = RefundReceipt;
+    type Message = proto::RefundResponse;
     const METHOD: &'static str = "Refund";
+
+    fn message(receipt: RefundReceipt) -> Result<Self::Message, Error> {
+        Ok(proto::RefundResponse {
+            refund: Some(response::refund(receipt.refund)?),
+            order: Some(response::order(receipt.order)?),
+        })
+    }
 
     fn scope(&self) -> Scope<'_> {
         Scope::Merchant(&self.command.merchant_id)

@@ -129,8 +129,8 @@ static INSERT_DEPOSIT: Sql = Sql::new(
 );
 
 static FIND_RECORD: Sql = Sql::new(
-    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at \
-     FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
+    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, status, \
+     created_at, expires_at FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
 );
 static INSERT_RECORD: Sql = Sql::new(
     "INSERT INTO idempotency_record \
@@ -140,7 +140,7 @@ static INSERT_RECORD: Sql = Sql::new(
 static DELETE_EXPIRED_RECORD: Sql =
     Sql::new("DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?");
 static COMPLETE_RECORD: Sql = Sql::new(
-    "UPDATE idempotency_record SET response = ?, status = 'COMPLETED' \
+    "UPDATE idempotency_record SET response = ?, response_message = ?, status = 'COMPLETED' \
      WHERE scope = ? AND idempotency_key = ? AND status = 'IN_PROGRESS'",
 );
 static REAP_RECORDS: Sql = Sql::with_mysql(
@@ -594,9 +594,21 @@ impl<'c> Queries<'c> {
         self.update_one(query).await
     }
 
-    /// Stores the response in a record claimed by this transaction.
-    pub async fn complete_record(&mut self, scope: &str, key: &str, response: &[u8]) -> Result<bool, sqlx::Error> {
-        let query = self.query(&COMPLETE_RECORD).bind(response.to_vec()).bind(scope.to_owned()).bind(key.to_owned());
+    /// Stores the answer (JSON of rows) and the response message (encoded protobuf) in a
+    /// record claimed by this transaction.
+    pub async fn complete_record(
+        &mut self,
+        scope: &str,
+        key: &str,
+        response: &[u8],
+        response_message: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&COMPLETE_RECORD)
+            .bind(response.to_vec())
+            .bind(response_message.to_vec())
+            .bind(scope.to_owned())
+            .bind(key.to_owned());
         self.update_one(query).await
     }
 

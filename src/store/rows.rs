@@ -131,9 +131,12 @@ pub struct IdempotencyRecordRow {
     /// The request's business fields, one `name=value` per line (UTF-8), for naming
     /// differences.
     pub request_fields: Vec<u8>,
-    /// The serialized response (UTF-8 JSON); set in the same transaction as the business
-    /// change.
+    /// The answer as JSON of rows (UTF-8), as the previous release stored and reads it; set
+    /// in the same transaction as the business change.
     pub response: Option<Vec<u8>>,
+    /// The response message as the caller received it (encoded protobuf); `None` in records
+    /// written before it was stored.
+    pub response_message: Option<Vec<u8>>,
     pub status: String,
     pub created_at: i64,
     pub expires_at: i64,

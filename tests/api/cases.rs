@@ -1302,3 +1302,45 @@ pub async fn ambiguous_headers_and_page_tokens_are_invalid_argument_and_write_no
     assert!(!replayed(&paid_with_the_token), "no refusal consumed the token or paid the order");
     assert_eq!(app.balance("alice").await, "70.00");
 }
+
+/// A keyed Pay's record as the release before stored-response messages wrote it: the answer
+/// as JSON of rows, no message. Ids and times are its own, so a replay from it is told apart.
+const PAY_RECORD_OF_THE_PREVIOUS_RELEASE: &str = r#"{"payment":{"trade_no":"T0000000000000000000000000000old1","merchant_id":"m1","out_trade_no":"pay-1","order_no":"order-1","payer_account_id":"alice","payee_account_id":"shop","amount":3000,"currency":"USD","status":"SUCCEEDED","created_at":1764460800000000},"order":{"merchant_id":"m1","order_no":"order-1","payee_account_id":"shop","amount":3000,"currency":"USD","subject":"order order-1","status":"PAID","out_trade_no":"pay-1","refunded_amount":0,"created_at":1764460000000000,"updated_at":1764460800000000}}"#;
+
+pub async fn records_replay_the_response_as_sent_and_records_of_the_previous_release_still_replay(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "20.00").await.unwrap();
+    let mut payments = app.payments.clone();
+    let pay_1 = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+    let pay_2 = app.pay_request("m1", "pay-2", "order-2", "alice", "20.00");
+    payments.pay(with_key(pay_1.clone(), "k-old")).await.unwrap();
+    let sent = payments.pay(with_key(pay_2.clone(), "k-new")).await.unwrap().into_inner();
+    // k-old as the previous release left it; k-new's JSON copy ruined, so that only its
+    // stored message can answer.
+    let rewrite = |key: &str, json: &str| {
+        format!(
+            "UPDATE idempotency_record SET response = {}, response_message = NULL WHERE idempotency_key = '{key}'",
+            app.bytes_literal(json)
+        )
+    };
+    sqlx::query(&rewrite("k-old", PAY_RECORD_OF_THE_PREVIOUS_RELEASE)).execute(&app.raw).await.unwrap();
+    let ruin_json = format!(
+        "UPDATE idempotency_record SET response = {} WHERE idempotency_key = 'k-new'",
+        app.bytes_literal("not json")
+    );
+    sqlx::query(&ruin_json).execute(&app.raw).await.unwrap();
+
+    let old = payments.pay(with_key(pay_1, "k-old")).await.unwrap();
+    let new = payments.pay(with_key(pay_2, "k-new")).await.unwrap();
+
+    assert!(replayed(&old) && replayed(&new));
+    assert!(header(old.metadata(), "idempotency-expires-at").is_some());
+    let old = old.into_inner();
+    let payment = old.payment.unwrap();
+    assert_eq!(payment.trade_no, "T0000000000000000000000000000old1", "answered from the old record");
+    assert_eq!((payment.amount.as_str(), payment.currency.as_str()), ("30.00", "USD"));
+    assert_eq!(payment.created_at.unwrap().seconds, 1_764_460_800);
+    assert_eq!(old.order.unwrap().status, OrderStatus::Paid as i32);
+    assert_eq!(new.into_inner(), sent, "the stored message is the response as first sent");
+    assert_eq!(app.balance("alice").await, "50.00", "nothing paid twice");
+}

@@ -92,6 +92,7 @@ backend_suite!(
     idempotency_keys_that_differ_by_spaces_or_case_mean_the_same_on_every_backend,
     business_numbers_tokens_and_currencies_compare_byte_for_byte_on_every_backend,
     ambiguous_headers_and_page_tokens_are_invalid_argument_and_write_nothing,
+    records_replay_the_response_as_sent_and_records_of_the_previous_release_still_replay,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,

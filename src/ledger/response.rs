@@ -1,11 +1,13 @@
-//! Stored records to wire messages.
+//! Answers as the caller receives them: stored records to the API's wire messages. The
+//! idempotency driver stores the encoded response message of a keyed call from these, and the
+//! transport encodes the answers of reads with them.
 
 use prost_types::Timestamp;
 
 use crate::domain::{format_minor, Currency, OrderStatus};
 use crate::error::Error;
-use crate::ledger::records::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
 use crate::proto;
+use crate::store::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
 
 /// Minor units of a stored currency code as a decimal string.
 fn money(minor_units: i64, currency_code: &str) -> Result<String, Error> {
@@ -15,12 +17,12 @@ fn money(minor_units: i64, currency_code: &str) -> Result<String, Error> {
 }
 
 /// Microseconds since the Unix epoch as a protobuf Timestamp.
-pub(super) fn timestamp(micros: i64) -> Option<Timestamp> {
+pub fn timestamp(micros: i64) -> Option<Timestamp> {
     let nanos = i32::try_from(micros.rem_euclid(1_000_000) * 1_000).unwrap_or(0);
     Some(Timestamp { seconds: micros.div_euclid(1_000_000), nanos })
 }
 
-pub(super) fn account(row: AccountRow) -> Result<proto::Account, Error> {
+pub fn account(row: AccountRow) -> Result<proto::Account, Error> {
     Ok(proto::Account {
         balance: money(row.balance, &row.currency)?,
         account_id: row.account_id,
@@ -31,7 +33,7 @@ pub(super) fn account(row: AccountRow) -> Result<proto::Account, Error> {
     })
 }
 
-pub(super) fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
+pub fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
     let kind = match row.kind.as_str() {
         "DEPOSIT" => proto::EntryKind::Deposit,
         "PAY" => proto::EntryKind::Pay,
@@ -54,7 +56,7 @@ pub(super) fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
     })
 }
 
-pub(super) fn order(row: OrderRow) -> Result<proto::Order, Error> {
+pub fn order(row: OrderRow) -> Result<proto::Order, Error> {
     let status = match OrderStatus::from_stored(&row.status) {
         Some(OrderStatus::Pending) => proto::OrderStatus::Pending,
         Some(OrderStatus::Paid) => proto::OrderStatus::Paid,
@@ -78,7 +80,7 @@ pub(super) fn order(row: OrderRow) -> Result<proto::Order, Error> {
     })
 }
 
-pub(super) fn payment(row: PaymentRow) -> Result<proto::Payment, Error> {
+pub fn payment(row: PaymentRow) -> Result<proto::Payment, Error> {
     Ok(proto::Payment {
         amount: money(row.amount, &row.currency)?,
         trade_no: row.trade_no,
@@ -93,7 +95,7 @@ pub(super) fn payment(row: PaymentRow) -> Result<proto::Payment, Error> {
     })
 }
 
-pub(super) fn refund(row: RefundRow) -> Result<proto::Refund, Error> {
+pub fn refund(row: RefundRow) -> Result<proto::Refund, Error> {
     Ok(proto::Refund {
         amount: money(row.amount, &row.currency)?,
         refund_no: row.refund_no,
@@ -107,7 +109,7 @@ pub(super) fn refund(row: RefundRow) -> Result<proto::Refund, Error> {
     })
 }
 
-pub(super) fn transfer(row: TransferRow) -> Result<proto::Transfer, Error> {
+pub fn transfer(row: TransferRow) -> Result<proto::Transfer, Error> {
     Ok(proto::Transfer {
         amount: money(row.amount, &row.currency)?,
         transfer_id: row.transfer_id,
