@@ -103,6 +103,10 @@ pub enum Error {
     /// Optimistic-lock retries ran out under contention. ABORTED: retry with the same key.
     #[error("too much contention on the same accounts or order; retry with the same key")]
     Contention,
+    /// The transaction found its key taken, but the committed original could not be read
+    /// yet (a replica or cluster node behind the one that committed it): ABORTED, retryable.
+    #[error("the original of this call committed but is not visible here yet; retry with the same key")]
+    NotYetVisible,
     /// The database failed; `classify` tells whether it is unreachable, transient or a bug.
     #[error("database error")]
     Database(#[from] sqlx::Error),
@@ -131,7 +135,7 @@ const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 /// and an unreachable database need longer.
 fn retry_pushback(reason: &str) -> Option<Duration> {
     match reason {
-        "CONTENTION" => Some(Duration::from_millis(20)),
+        "CONTENTION" | "KEY_NOT_YET_VISIBLE" => Some(Duration::from_millis(20)),
         "LOCK_TIMEOUT" => Some(Duration::from_millis(200)),
         "DATABASE_UNAVAILABLE" | "TOKEN_STORE_UNAVAILABLE" => Some(Duration::from_millis(250)),
         _ => None,
@@ -173,6 +177,11 @@ impl From<Error> for Status {
             Error::Contention => {
                 details.set_retry_info(Some(RETRY_DELAY));
                 (Code::Aborted, "CONTENTION", error.to_string())
+            }
+            Error::NotYetVisible => {
+                tracing::info!("a taken key's original is not visible yet after re-reads");
+                details.set_retry_info(Some(RETRY_DELAY));
+                (Code::Aborted, "KEY_NOT_YET_VISIBLE", error.to_string())
             }
             Error::Database(db_error) => match classify(db_error) {
                 Fault::Unavailable => {

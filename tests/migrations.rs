@@ -61,3 +61,33 @@ async fn four_instances_starting_together_on_mysql_all_come_up() {
         instances_start_together(&url).await;
     }
 }
+
+/// During a rolling deploy an instance of an older release may start after a newer one has
+/// migrated: a migration it does not know is ignored, not refused.
+#[tokio::test]
+async fn an_instance_starts_on_a_database_migrated_by_a_newer_release() {
+    sqlx::any::install_default_drivers();
+    let directory = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let store = Store::connect(&url, &settings).await.unwrap();
+    store.migrate().await.unwrap();
+    let raw = AnyPool::connect(&url).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (99990101000000, 'of a newer release', 1, X'00', 1)",
+    )
+    .execute(&raw)
+    .await
+    .unwrap();
+
+    let again = store.migrate().await;
+
+    raw.close().await;
+    store.close().await;
+    again.expect("a migration of a newer release is ignored");
+}

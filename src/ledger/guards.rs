@@ -175,7 +175,7 @@ impl Ledger {
 
 impl GuardSession<'_> {
     /// The first committed, unexpired record of this call's guards, as a replay.
-    async fn committed_replay(&mut self) -> Result<Option<Replayable<StoredResponse>>, Error> {
+    pub(super) async fn committed_replay(&mut self) -> Result<Option<Replayable<StoredResponse>>, Error> {
         let now = now_micros();
         let mut reader = self.ledger.store.reader().await?;
         let mut queries = reader.queries();

@@ -20,6 +20,7 @@
 //! runs afresh.
 
 use std::future::Future;
+use std::time::Duration;
 
 use prost::Message;
 use serde::de::DeserializeOwned;
@@ -28,9 +29,14 @@ use serde::Serialize;
 use crate::error::Error;
 use crate::store::Queries;
 
-use super::guards::{Call, Guards, Opened, Scope, Settled, StoredResponse};
+use super::guards::{Call, GuardSession, Guards, Opened, Scope, Settled, StoredResponse};
 use super::transaction::in_transaction;
-use super::{key_vanished, now_micros, Inserted, Ledger, Replayable};
+use super::{now_micros, Inserted, Ledger, Replayable};
+
+/// Reads of a taken key's committed original before the call is ABORTED as not yet visible.
+const TAKEN_KEY_READS_MAX: u32 = 4;
+/// The wait before the second read; it doubles before each later one (5, 10, 20 ms).
+const TAKEN_KEY_READ_WAIT: Duration = Duration::from_millis(5);
 
 /// A call's business fields as `(name, value)` pairs, normalized (amounts in minor units,
 /// currencies as ISO 4217 codes), in a fixed order.
@@ -83,9 +89,11 @@ pub(super) trait IdempotentCall: Sync {
     }
 
     /// The answer when the body found its natural key taken and none of the call's guards
-    /// was: by default the natural replay, which must then exist.
-    fn replay_after_taken(&self, ledger: &Ledger) -> impl Future<Output = Result<Self::Answer, Error>> + Send {
-        async move { self.natural_replay(ledger).await?.ok_or_else(key_vanished) }
+    /// was: by default the natural replay. `None` while the committed original cannot be read
+    /// yet (a replica or cluster node behind the one that committed it); the driver reads
+    /// again, a bounded number of times.
+    fn replay_after_taken(&self, ledger: &Ledger) -> impl Future<Output = Result<Option<Self::Answer>, Error>> + Send {
+        self.natural_replay(ledger)
     }
 
     /// The business change, inside the transaction after the guards are claimed, at `now`
@@ -155,8 +163,32 @@ impl Ledger {
         match session.settle(outcome, now).await? {
             Settled::Fresh(answer) => answer.try_map(|answer| Ok(Reply::Value(answer))),
             Settled::Replayed(stored) => stored.try_map(|stored| Ok(Reply::Stored(stored))),
-            Settled::NaturalKeyTaken => Ok(self.natural_replay(Reply::Value(call.replay_after_taken(self).await?))),
+            Settled::NaturalKeyTaken => self.replay_taken(call, &mut session).await,
         }
+    }
+
+    /// The committed original of a call whose transaction found a key taken: by its natural
+    /// key, or by a guard's record. A row another transaction committed may not be readable
+    /// here yet (replica or cluster lag), so it is read again, at most
+    /// [`TAKEN_KEY_READS_MAX`] times with a short wait, before the call is ABORTED
+    /// (`KEY_NOT_YET_VISIBLE`, retryable with the same key).
+    async fn replay_taken<C: IdempotentCall>(
+        &self,
+        call: &C,
+        session: &mut GuardSession<'_>,
+    ) -> Result<Replayable<Reply<C::Answer>>, Error> {
+        for read in 1..=TAKEN_KEY_READS_MAX {
+            if read > 1 {
+                tokio::time::sleep(TAKEN_KEY_READ_WAIT * 2_u32.pow(read - 2)).await;
+            }
+            if let Some(answer) = call.replay_after_taken(self).await? {
+                return Ok(self.natural_replay(Reply::Value(answer)));
+            }
+            if let Some(stored) = session.committed_replay().await? {
+                return stored.try_map(|stored| Ok(Reply::Stored(stored)));
+            }
+        }
+        Err(Error::NotYetVisible)
     }
 }
 
@@ -184,5 +216,87 @@ mod tests {
         let stored: Fields = vec![("order_no", "o-1".into()), ("amount", "200".into())];
         assert_eq!(differing_from(&requested, &stored), ["amount", "currency"]);
         assert!(differing_from(&requested, &requested).is_empty());
+    }
+
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use crate::domain::AccountId;
+    use crate::store::{PoolSettings, Store};
+
+    /// A call whose key is always found taken, and whose committed original becomes readable
+    /// only at read number `visible_at` after that (`u32::MAX`: never).
+    struct TakenKey {
+        account_id: AccountId,
+        visible_at: u32,
+        reads: AtomicU32,
+    }
+
+    impl IdempotentCall for TakenKey {
+        type Answer = String;
+        type Message = crate::proto::GetAccountRequest;
+        const METHOD: &'static str = "TakenKey";
+
+        fn message(answer: String) -> Result<Self::Message, Error> {
+            Ok(crate::proto::GetAccountRequest { account_id: answer })
+        }
+
+        fn scope(&self) -> Scope<'_> {
+            Scope::Account(&self.account_id)
+        }
+
+        fn fields(&self) -> Fields {
+            Vec::new()
+        }
+
+        async fn replay_after_taken(&self, _ledger: &Ledger) -> Result<Option<String>, Error> {
+            let read = self.reads.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok((read >= self.visible_at).then(|| "the original".to_owned()))
+        }
+
+        async fn body(&self, _queries: &mut Queries<'_>, _now: i64) -> Result<Inserted<String>, Error> {
+            Ok(Inserted::KeyTaken)
+        }
+    }
+
+    async fn ledger(directory: &tempfile::TempDir) -> Ledger {
+        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+        let settings = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+        };
+        let store = Store::connect(&url, &settings).await.unwrap();
+        store.migrate().await.unwrap();
+        Ledger::new(store)
+    }
+
+    fn taken_key(visible_at: u32) -> TakenKey {
+        TakenKey { account_id: AccountId::parse("account_id", "a").unwrap(), visible_at, reads: AtomicU32::new(0) }
+    }
+
+    #[tokio::test]
+    async fn a_taken_key_whose_original_becomes_readable_late_is_replayed() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger(&directory).await;
+        let call = taken_key(3);
+
+        let answer = ledger.run_idempotent(&call, &Guards::default()).await.unwrap();
+
+        assert!(answer.replayed);
+        assert_eq!(answer.value.account_id, "the original");
+        assert_eq!(call.reads.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_taken_key_whose_original_stays_unreadable_is_aborted_never_internal() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger(&directory).await;
+        let call = taken_key(u32::MAX);
+
+        let error = ledger.run_idempotent(&call, &Guards::default()).await.unwrap_err();
+
+        assert!(matches!(error, Error::NotYetVisible), "{error:?}");
+        assert_eq!(call.reads.load(Ordering::SeqCst), TAKEN_KEY_READS_MAX);
+        assert_eq!(tonic::Status::from(error).code(), tonic::Code::Aborted);
     }
 }

@@ -230,9 +230,3 @@ enum Inserted<T> {
     /// The key row was already there: roll back and replay the committed original.
     KeyTaken,
 }
-
-/// The key row was taken by a committed row that is no longer there: impossible while rows
-/// are never deleted.
-fn key_vanished() -> Error {
-    Error::Internal("a key reported as taken has no committed row".into())
-}

@@ -325,10 +325,9 @@ impl IdempotentCall for CloseOrder<'_> {
     }
 
     /// Closing a closed order changes nothing and answers the order as it stands.
-    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<OrderRow, Error> {
+    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
         let mut reader = ledger.store.reader().await?;
-        let order = reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await?;
-        order.ok_or(Error::NotFound(Resource::Order))
+        Ok(reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await?)
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
@@ -391,8 +390,11 @@ impl IdempotentCall for Identified<Pay> {
     }
 
     /// The taken key may be the order's one payment under another out_trade_no.
-    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<PayReceipt, Error> {
-        ledger.pay_replay(&self.command).await?.ok_or_else(|| Rejection::OrderAlreadyPaid.into())
+    async fn replay_after_taken(&self, ledger: &Ledger) -> Result<Option<PayReceipt>, Error> {
+        match ledger.pay_replay(&self.command).await? {
+            Some(receipt) => Ok(Some(receipt)),
+            None => Err(Rejection::OrderAlreadyPaid.into()),
+        }
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<PayReceipt>, Error> {

@@ -117,15 +117,12 @@ pub enum Fault {
     Other,
 }
 
-/// Classifies a sqlx error by driver error code, never by message text.
-///
-/// Sources: PostgreSQL Appendix A (40P01 deadlock_detected, 40001 serialization_failure,
-/// 55P03 lock_not_available; classes 08, 28, 3D, 53 and 57 at connection time or by an
-/// operator);
-/// MySQL server error reference (1213 ER_LOCK_DEADLOCK; 1205 ER_LOCK_WAIT_TIMEOUT, which
-/// rolls back only the statement, so the whole transaction is rolled back; 1927
-/// ER_CONNECTION_KILLED, 1053 ER_SERVER_SHUTDOWN); SQLite result codes (5 BUSY once the busy
-/// timeout ran out, 6 LOCKED, 261 BUSY_RECOVERY, 517 BUSY_SNAPSHOT).
+/// Classifies a sqlx error by driver error code, never by message text, and by kind: every
+/// state of the database that can pass without the caller changing its request (a lost or
+/// refused connection, read-only mode, a full disk, a server shutting down, a cluster node
+/// not ready or without quorum, a lock wait or statement timeout, a deadlock or
+/// serialization failure) is retryable; only what no retry can fix (a bug, a broken schema,
+/// corrupted data) is [`Fault::Other`], answered INTERNAL.
 pub fn classify(error: &sqlx::Error) -> Fault {
     match error {
         sqlx::Error::PoolTimedOut
@@ -140,30 +137,76 @@ pub fn classify(error: &sqlx::Error) -> Fault {
 
 fn classify_database_error(error: &dyn DatabaseError) -> Fault {
     if let Some(mysql) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        return match mysql.number() {
-            // Deadlock; a statement interrupted by KILL QUERY.
-            1213 | 1317 => Fault::Transient,
-            1205 => Fault::LockTimeout,
-            // Connection killed, server shutting down, too many connections (server-wide or
-            // for the user), access denied, unknown database: the database cannot serve now.
-            1927 | 1053 | 1040 | 1226 | 1045 | 1049 => Fault::Unavailable,
-            _ => Fault::Other,
-        };
+        return classify_mysql(mysql.number(), mysql.code());
     }
     let code = error.code().unwrap_or_default();
     if error.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        return match code.as_ref() {
-            "5" => Fault::LockTimeout,
-            "6" | "261" | "517" => Fault::Transient,
-            _ => Fault::Other,
-        };
+        return code.parse().map_or(Fault::Other, classify_sqlite);
     }
-    match code.as_ref() {
-        "40P01" | "40001" => Fault::Transient,
-        "55P03" => Fault::LockTimeout,
-        // Classes 08 connection exception, 57 operator intervention, 53 insufficient resources
-        // (too many connections), 28 invalid authorization, 3D unknown database.
-        code if ["08", "57", "53", "28", "3D"].iter().any(|class| code.starts_with(class)) => Fault::Unavailable,
+    classify_postgres(&code)
+}
+
+/// PostgreSQL, by SQLSTATE (PostgreSQL manual, Appendix A "PostgreSQL Error Codes").
+fn classify_postgres(sqlstate: &str) -> Fault {
+    match sqlstate {
+        // serialization_failure, deadlock_detected, snapshot_too_old: run the transaction again.
+        "40001" | "40P01" | "72000" => Fault::Transient,
+        // lock_not_available (lock_timeout), query_canceled (statement_timeout or a cancel).
+        "55P03" | "57014" => Fault::LockTimeout,
+        // read_only_sql_transaction (default_transaction_read_only, a hot standby, a failover
+        // under way), idle_in_transaction_session_timeout, statement_completion_unknown (the
+        // commit's outcome is unknown: the retry replays it or runs it).
+        "25006" | "25P03" | "40003" => Fault::Unavailable,
+        // Classes 08 connection exception, 28 invalid authorization, 3D unknown database,
+        // 53 insufficient resources (disk full, out of memory, too many connections),
+        // 57 operator intervention (admin or crash shutdown, cannot connect now), 58 system
+        // error (I/O).
+        sqlstate if ["08", "28", "3D", "53", "57", "58"].iter().any(|class| sqlstate.starts_with(class)) => {
+            Fault::Unavailable
+        }
+        _ => Fault::Other,
+    }
+}
+
+/// MySQL and MariaDB, by error number (MySQL "Server Error Message Reference", MariaDB
+/// "Error Codes"), then by SQLSTATE class for numbers not listed.
+fn classify_mysql(number: u16, sqlstate: Option<&str>) -> Fault {
+    match number {
+        // ER_LOCK_DEADLOCK (also a Galera certification conflict), ER_QUERY_INTERRUPTED.
+        1213 | 1317 => Fault::Transient,
+        // ER_LOCK_WAIT_TIMEOUT (it rolls back only the statement, so the whole transaction is
+        // rolled back), MariaDB max_statement_time, MySQL max_execution_time.
+        1205 | 1969 | 3024 => Fault::LockTimeout,
+        // Read-only: ER_OPTION_PREVENTS_STATEMENT (read_only), ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION,
+        // ER_READ_ONLY_MODE.
+        1290 | 1792 | 1836
+        // Out of space or memory: ER_DISK_FULL, ER_RECORD_FILE_FULL, ER_OUT_OF_RESOURCES,
+        // ER_OUTOFMEMORY, ER_OUT_OF_SORTMEMORY, ER_MAX_PREPARED_STMT_COUNT_REACHED.
+        | 1021 | 1114 | 1041 | 1037 | 1038 | 1461
+        // Galera: a node not ready or without quorum ("WSREP has not yet prepared node for
+        // application use", ER_UNKNOWN_COM_ERROR), a commit refused (ER_ERROR_DURING_COMMIT).
+        | 1047 | 1180
+        // The connection or the server: ER_CONNECTION_KILLED, ER_SERVER_SHUTDOWN,
+        // ER_CON_COUNT_ERROR, ER_USER_LIMIT_REACHED, ER_ACCESS_DENIED_ERROR, ER_BAD_DB_ERROR,
+        // ER_CLIENT_INTERACTION_TIMEOUT, ER_NET_READ_ERROR and kin.
+        | 1927 | 1053 | 1040 | 1226 | 1045 | 1049 | 4031 | 1158..=1161 => Fault::Unavailable,
+        // SQLSTATE class 08, connection exception, is always transient; 40001 is serialization.
+        _ if sqlstate.is_some_and(|sqlstate| sqlstate.starts_with("08")) => Fault::Unavailable,
+        _ if sqlstate == Some("40001") => Fault::Transient,
+        _ => Fault::Other,
+    }
+}
+
+/// SQLite, by (extended) result code (SQLite documentation, "Result and Error Codes").
+fn classify_sqlite(code: i32) -> Fault {
+    match code {
+        // SQLITE_BUSY_RECOVERY, SQLITE_BUSY_SNAPSHOT, SQLITE_LOCKED: run the transaction again.
+        261 | 517 | 6 => Fault::Transient,
+        // SQLITE_BUSY once the busy timeout ran out.
+        5 => Fault::LockTimeout,
+        // By primary code: SQLITE_NOMEM, SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL,
+        // SQLITE_CANTOPEN, SQLITE_PROTOCOL.
+        code if matches!(code & 0xff, 7 | 8 | 10 | 13 | 14 | 15) => Fault::Unavailable,
         _ => Fault::Other,
     }
 }
@@ -249,6 +292,58 @@ pub fn redacted(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn postgres_states_that_pass_are_retryable_and_bugs_are_not() {
+        for sqlstate in
+            ["08006", "08001", "25006", "25P03", "40003", "53100", "53300", "57P01", "57P03", "58030", "28P01"]
+        {
+            assert_eq!(classify_postgres(sqlstate), Fault::Unavailable, "{sqlstate}");
+        }
+        for sqlstate in ["40001", "40P01", "72000"] {
+            assert_eq!(classify_postgres(sqlstate), Fault::Transient, "{sqlstate}");
+        }
+        for sqlstate in ["55P03", "57014"] {
+            assert_eq!(classify_postgres(sqlstate), Fault::LockTimeout, "{sqlstate}");
+        }
+        for sqlstate in ["42P01", "42703", "23502", "22003", "XX000", "XX001", ""] {
+            assert_eq!(classify_postgres(sqlstate), Fault::Other, "{sqlstate}");
+        }
+    }
+
+    #[test]
+    fn mysql_states_that_pass_are_retryable_by_number_or_by_sqlstate_class() {
+        for number in [1290, 1792, 1836, 1021, 1114, 1041, 1461, 1047, 1180, 1927, 1053, 1040, 1045, 1049, 4031, 1159] {
+            assert_eq!(classify_mysql(number, Some("HY000")), Fault::Unavailable, "{number}");
+        }
+        assert_eq!(classify_mysql(1213, Some("40001")), Fault::Transient);
+        assert_eq!(classify_mysql(1317, Some("70100")), Fault::Transient);
+        for number in [1205, 1969, 3024] {
+            assert_eq!(classify_mysql(number, Some("HY000")), Fault::LockTimeout, "{number}");
+        }
+        assert_eq!(classify_mysql(9999, Some("08S01")), Fault::Unavailable, "class 08, whatever the number");
+        assert_eq!(classify_mysql(9998, Some("40001")), Fault::Transient);
+        for number in [1146, 1054, 1064, 1062, 1406, 1105] {
+            assert_eq!(classify_mysql(number, Some("42S02")), Fault::Other, "{number}");
+        }
+    }
+
+    #[test]
+    fn sqlite_states_that_pass_are_retryable_by_primary_code() {
+        assert_eq!(classify_sqlite(5), Fault::LockTimeout);
+        for code in [6, 261, 517] {
+            assert_eq!(classify_sqlite(code), Fault::Transient, "{code}");
+        }
+        // SQLITE_FULL, SQLITE_READONLY, SQLITE_READONLY_DBMOVED (1032), SQLITE_IOERR_WRITE (778),
+        // SQLITE_IOERR_FSYNC (1034), SQLITE_CANTOPEN, SQLITE_NOMEM.
+        for code in [13, 8, 1032, 778, 1034, 14, 7] {
+            assert_eq!(classify_sqlite(code), Fault::Unavailable, "{code}");
+        }
+        // SQLITE_ERROR, SQLITE_CORRUPT, SQLITE_CONSTRAINT_UNIQUE (2067), SQLITE_NOTADB.
+        for code in [1, 11, 2067, 26] {
+            assert_eq!(classify_sqlite(code), Fault::Other, "{code}");
+        }
+    }
 
     #[test]
     fn passwords_are_left_out_of_messages() {

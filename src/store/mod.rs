@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::any::AnyPoolOptions;
+use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -25,9 +26,12 @@ pub use rows::{
     PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
-static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
-static MYSQL_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
-static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+// A migration applied by a newer release is ignored, not refused: during a rolling deploy an
+// instance of the previous release may (re)start after a newer one has migrated, and every
+// migration only adds to the schema.
+static POSTGRES_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/postgres") };
+static MYSQL_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/mysql") };
+static SQLITE_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/sqlite") };
 /// Waits up to 60 s for the migration lock (1: held, 0: timed out).
 const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK('payledger_migrations', 60) AS SIGNED)";
 
