@@ -10,7 +10,7 @@ use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
 use crate::config::{AuditSettings, DatabaseSettings, IdempotencySettings, ServeSettings};
-use crate::grpc::{AccountApi, PaymentApi};
+use crate::grpc::{capture_guard_headers, AccountApi, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
@@ -127,6 +127,7 @@ impl Application {
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let server = Server::builder()
             .trace_fn(|request| tracing::info_span!("grpc", path = %request.uri().path()))
+            .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)

@@ -28,7 +28,7 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::OpenAccountRequest>,
     ) -> Result<Response<proto::OpenAccountResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::open_account(request.into_inner())?;
         let span = info_span!("OpenAccount", account_id = %command.account_id);
         let ledger = self.ledger.clone();
@@ -40,7 +40,7 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::DepositRequest>,
     ) -> Result<Response<proto::DepositResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::deposit(request.into_inner())?;
         let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
@@ -76,7 +76,7 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::TransferRequest>,
     ) -> Result<Response<proto::TransferResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::transfer(request.into_inner())?;
         let span =
             info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);

@@ -13,6 +13,8 @@ use crate::ledger::{
 };
 use crate::proto;
 
+use super::GuardHeaders;
+
 /// Collects the violations of one request.
 #[derive(Default)]
 struct Violations(Vec<FieldViolation>);
@@ -179,11 +181,31 @@ pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKe
 /// The `idempotency-key` and `idempotency-token` request headers.
 ///
 /// Each has exactly one reading or the call is refused: a header sent more than once (which
-/// value would count?) and the binary twin `idempotency-key-bin` / `idempotency-token-bin`
-/// (a different gRPC metadata key that a caller may believe is the same) are
+/// value would count?), sent in the request's trailers (tonic would let the trailer replace
+/// the header), or sent as its binary twin `idempotency-key-bin` / `idempotency-token-bin`
+/// (a different gRPC metadata key that a caller may believe is the same) is
 /// INVALID_ARGUMENT naming the header, before anything is read or written.
-pub(super) fn guards(metadata: &tonic::metadata::MetadataMap) -> Result<Guards, Error> {
+pub(super) fn guards<T>(request: &tonic::Request<T>) -> Result<Guards, Error> {
+    let metadata = request.metadata();
     let mut v = Violations::default();
+    if let Some(headers) = request.extensions().get::<GuardHeaders>() {
+        // A value that is not the HEADERS frame's came in the request's trailers.
+        for (name, sent) in
+            [(IDEMPOTENCY_KEY_HEADER, &headers.idempotency_key), (IDEMPOTENCY_TOKEN_HEADER, &headers.idempotency_token)]
+        {
+            if !metadata
+                .get_all(name)
+                .iter()
+                .map(|value| value.as_bytes())
+                .eq(sent.iter().map(|value| value.as_bytes()))
+            {
+                v.check::<()>(Err(FieldViolation::new(name, "must be sent as a request header, not in trailers")));
+            }
+        }
+        if !v.0.is_empty() {
+            return Err(v.into_error());
+        }
+    }
     let idempotency_key = single_header(metadata, IDEMPOTENCY_KEY_HEADER, "idempotency-key-bin", &mut v)
         .and_then(|raw| v.check(IdempotencyKey::parse(IDEMPOTENCY_KEY_HEADER, raw)));
     let token = single_header(metadata, IDEMPOTENCY_TOKEN_HEADER, "idempotency-token-bin", &mut v)

@@ -22,6 +22,28 @@ use crate::ledger::{response, Replayable};
 /// (RFC 3339). Defined once, in the client crate.
 pub use payledger_client::{KEY_EXPIRES_HEADER, REPLAYED_HEADER};
 
+/// The guard headers (`idempotency-key`, `idempotency-token`) as they arrived in the request's
+/// HTTP/2 HEADERS frame. tonic merges request trailers into the metadata, where a trailer
+/// replaces a header of the same name; this record, taken before that (by
+/// [`capture_guard_headers`], a layer of the server), lets the decoder refuse a guard sent
+/// in trailers instead of silently reading the trailer's value.
+#[derive(Debug, Clone, Default)]
+pub struct GuardHeaders {
+    idempotency_key: Vec<http::HeaderValue>,
+    idempotency_token: Vec<http::HeaderValue>,
+}
+
+/// Records the guard headers of `request` in its extensions (see [`GuardHeaders`]).
+pub fn capture_guard_headers<B>(mut request: http::Request<B>) -> http::Request<B> {
+    let values = |name: &str| request.headers().get_all(name).iter().cloned().collect();
+    let captured = GuardHeaders {
+        idempotency_key: values(crate::ledger::IDEMPOTENCY_KEY_HEADER),
+        idempotency_token: values(crate::ledger::IDEMPOTENCY_TOKEN_HEADER),
+    };
+    request.extensions_mut().insert(captured);
+    request
+}
+
 /// Runs a use case on its own task, so that a client that cancels or whose deadline passes
 /// (tonic then drops the handler future) cannot cut a transaction in half: the task runs to
 /// commit or rollback whatever happens to the call, and its connection returns to the pool

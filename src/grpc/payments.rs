@@ -28,7 +28,7 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CreateOrderRequest>,
     ) -> Result<Response<proto::CreateOrderResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::create_order(request.into_inner())?;
         let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
@@ -40,7 +40,7 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CloseOrderRequest>,
     ) -> Result<Response<proto::CloseOrderResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
         let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
@@ -50,7 +50,7 @@ impl PaymentService for PaymentApi {
     }
 
     async fn pay(&self, request: Request<proto::PayRequest>) -> Result<Response<proto::PayResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::pay(request.into_inner())?;
         let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
@@ -59,7 +59,7 @@ impl PaymentService for PaymentApi {
     }
 
     async fn refund(&self, request: Request<proto::RefundRequest>) -> Result<Response<proto::RefundResponse>, Status> {
-        let guards = decode::guards(request.metadata())?;
+        let guards = decode::guards(&request)?;
         let command = decode::refund(request.into_inner())?;
         let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();

@@ -176,6 +176,9 @@ impl Ledger {
 impl GuardSession<'_> {
     /// The first committed, unexpired record of this call's guards, as a replay.
     pub(super) async fn committed_replay(&mut self) -> Result<Option<Replayable<StoredResponse>>, Error> {
+        if self.claims.is_empty() {
+            return Ok(None);
+        }
         let now = now_micros();
         let mut reader = self.ledger.store.reader().await?;
         let mut queries = reader.queries();
@@ -194,6 +197,12 @@ impl GuardSession<'_> {
 
     fn replay(&self, kind: GuardKind, record: IdempotencyRecordRow) -> Result<Replayable<StoredResponse>, Error> {
         let counters = &self.ledger.counters;
+        // A token's record is keyed by the token alone: it answers only the merchant that
+        // made it (a merchant-scoped token is invalid for any other merchant).
+        let other_caller = record.caller_scope.as_ref().is_some_and(|scope| *scope != self.call.scope);
+        if kind == GuardKind::Token && other_caller && self.call.merchant_id.is_some() {
+            return Err(Rejection::TokenInvalid.into());
+        }
         let fields = self.call.differences(&record);
         if !fields.is_empty() {
             counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
@@ -206,6 +215,20 @@ impl GuardSession<'_> {
         let value = StoredResponse { message: record.response_message, json };
         counters.replays.fetch_add(1, Ordering::Relaxed);
         Ok(Replayable { value, replayed: true, key_expires_at: self.key_expires_at(kind, record.expires_at) })
+    }
+
+    /// True when this call's token has a committed record.
+    async fn token_record_committed(&self) -> Result<bool, Error> {
+        let Some(token) = self.token else { return Ok(false) };
+        let mut reader = self.ledger.store.reader().await?;
+        let record = reader.queries().find_record(TOKEN_SCOPE, token.as_str()).await?;
+        Ok(record.is_some_and(|record| record.response.is_some()))
+    }
+
+    /// Whether a token issued to `issued_to` may guard this call: on a merchant-scoped call
+    /// (PaymentService) only its own merchant's; on AccountService a token is a bearer secret.
+    fn merchant_may_use(&self, issued_to: &str) -> bool {
+        self.call.merchant_id.as_deref().is_none_or(|merchant_id| merchant_id == issued_to)
     }
 
     fn key_expires_at(&self, kind: GuardKind, expires_at: i64) -> Option<i64> {
@@ -239,15 +262,16 @@ impl GuardSession<'_> {
     /// [`Rejection::TokenInvalid`] for an unknown, expired or foreign token (database store).
     pub(super) async fn claim(&self, queries: &mut Queries<'_>, now: i64) -> Result<bool, Error> {
         if let (Some(token), TokenStore::Database) = (self.token, &self.ledger.tokens) {
-            if !queries.consume_token(token.as_str(), now).await? {
-                return match queries.find_token(token.as_str()).await? {
-                    Some(row) if row.consumed_at.is_some() => Ok(false),
-                    _ => Err(Rejection::TokenInvalid.into()),
-                };
-            }
+            let consumed_now = queries.consume_token(token.as_str(), now).await?;
             let row = queries.find_token(token.as_str()).await?.ok_or(Rejection::TokenInvalid)?;
-            if self.call.merchant_id.as_ref().is_some_and(|merchant_id| *merchant_id != row.merchant_id) {
+            // A token issued to another merchant is invalid for this one, consumed or not.
+            if !self.merchant_may_use(&row.merchant_id) {
                 return Err(Rejection::TokenInvalid.into());
+            }
+            if !consumed_now {
+                // Consumed before (the original committed or is in flight): taken. Unknown or
+                // expired: invalid.
+                return if row.consumed_at.is_some() { Ok(false) } else { Err(Rejection::TokenInvalid.into()) };
             }
         }
         let expires_at = now.saturating_add(self.ledger.settings.key_ttl_micros());
@@ -260,6 +284,7 @@ impl GuardSession<'_> {
                 request_fields: self.call.fields_text.clone().into_bytes(),
                 response: None,
                 response_message: None,
+                caller_scope: Some(self.call.scope.clone()),
                 status: RECORD_IN_PROGRESS.to_owned(),
                 created_at: now,
                 expires_at,
@@ -321,14 +346,21 @@ impl GuardSession<'_> {
                 }))
             }
             Ok(Inserted::KeyTaken) => {
-                // The original committed: a token consumed in Redis stays consumed.
-                self.redis = None;
                 // An in-flight wait: step 1 saw no record of this call's guards, yet one was
                 // committed by the time the claim met it (not: a natural key was taken).
                 let was_absent = self.seen_absent;
                 let replay = self.committed_replay().await?;
                 if was_absent && replay.is_some() {
                     counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
+                }
+                // A token consumed in Redis stays consumed only when the call that committed
+                // was this token's (its record exists). When the call was answered by another
+                // key (a natural key, say), nothing used the token: put it back, as the
+                // database store's rollback does.
+                if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
+                    if !self.token_record_committed().await? {
+                        redis.restore(consumption).await;
+                    }
                 }
                 Ok(replay.map_or(Settled::NaturalKeyTaken, Settled::Replayed))
             }
@@ -364,6 +396,7 @@ mod tests {
             request_fields: call.fields_text.clone().into_bytes(),
             response: Some(b"{}".to_vec()),
             response_message: None,
+            caller_scope: Some(call.scope.clone()),
             status: "COMPLETED".into(),
             created_at: 0,
             expires_at: 1,

@@ -144,6 +144,11 @@ impl Ledger {
             Opened::Run(session) => session,
         };
         if let Some(answer) = call.natural_replay(self).await? {
+            // The natural key's row commits together with the guards' records, so a guard of
+            // this call that has a record by now answers instead: the response as first sent.
+            if let Some(stored) = session.committed_replay().await? {
+                return stored.try_map(|stored| Ok(Reply::Stored(stored)));
+            }
             return Ok(self.natural_replay(Reply::Value(answer)));
         }
         session.reserve_token().await?;

@@ -27,13 +27,20 @@ const TOKEN_RANDOM_BYTES: usize = 24;
 const REDIS_KEY_PREFIX: &str = "payledger:token:";
 
 /// Consumes an issued token: 1 consumed now, 2 consumed before, 0 unknown or expired,
-/// -1 issued to another merchant. KEYS[1] token key; ARGV[1] merchant ('' for none);
-/// ARGV[2] this consumer's mark.
+/// -1 issued to another merchant (whether consumed or not). KEYS[1] token key; ARGV[1]
+/// merchant ('' for none); ARGV[2] this consumer's mark. An issued token's value is
+/// `i:<merchant>`; a consumed one's `c:<mark>:i:<merchant>` (marks are hex, without ':').
 const CONSUME_SCRIPT: &str = r"
 local value = redis.call('GET', KEYS[1])
 if not value then return 0 end
-if string.sub(value, 1, 2) ~= 'i:' then return 2 end
-if ARGV[1] ~= '' and string.sub(value, 3) ~= ARGV[1] then return -1 end
+local issued = value
+if string.sub(value, 1, 2) == 'c:' then
+  local at = string.find(value, ':i:', 3, true)
+  if not at then return 0 end
+  issued = string.sub(value, at + 1)
+end
+if ARGV[1] ~= '' and string.sub(issued, 3) ~= ARGV[1] then return -1 end
+if issued ~= value then return 2 end
 redis.call('SET', KEYS[1], 'c:' .. ARGV[2] .. ':' .. value, 'KEEPTTL')
 return 1
 ";

@@ -37,13 +37,15 @@ impl Dialect {
     }
 
     /// The URL handed to sqlx: `mariadb://` becomes `mysql://`; a SQLite file is created
-    /// when `create` (on `serve`'s first start) unless the URL chooses a `mode` itself.
+    /// when `create` (on `serve`'s first start) unless the URL chooses a `mode` itself, and
+    /// never otherwise (`audit`), whatever mode the URL asks for.
     pub(super) fn driver_url(self, url: &str, create: bool) -> String {
         match self {
             Dialect::MySql => match url.strip_prefix("mariadb:") {
                 Some(rest) => format!("mysql:{rest}"),
                 None => url.to_owned(),
             },
+            Dialect::Sqlite if !create && url.contains("mode=rwc") => url.replace("mode=rwc", "mode=rw"),
             Dialect::Sqlite if !url.contains("mode=") => {
                 let separator = if url.contains('?') { '&' } else { '?' };
                 let mode = if create { "rwc" } else { "rw" };
@@ -391,6 +393,7 @@ mod tests {
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db", true), "sqlite:payledger.db?mode=rwc");
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db", false), "sqlite:payledger.db?mode=rw");
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro", true), "sqlite:x.db?mode=ro");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=rwc", false), "sqlite:x.db?mode=rw");
         assert_eq!(Dialect::MySql.driver_url("mariadb://root@h/test", true), "mysql://root@h/test");
     }
 }

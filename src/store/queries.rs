@@ -129,13 +129,13 @@ static INSERT_DEPOSIT: Sql = Sql::new(
 );
 
 static FIND_RECORD: Sql = Sql::new(
-    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, status, \
-     created_at, expires_at FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
+    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
+     caller_scope, status, created_at, expires_at FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
 );
 static INSERT_RECORD: Sql = Sql::new(
     "INSERT INTO idempotency_record \
-     (scope, idempotency_key, method, request_fingerprint, request_fields, response, status, created_at, expires_at) \
-     VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT DO NOTHING",
+     (scope, idempotency_key, method, request_fingerprint, request_fields, response, caller_scope, status, created_at, \
+     expires_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 static DELETE_EXPIRED_RECORD: Sql =
     Sql::new("DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?");
@@ -582,6 +582,7 @@ impl<'c> Queries<'c> {
             .bind(row.method.clone())
             .bind(row.request_fingerprint.clone())
             .bind(row.request_fields.clone())
+            .bind(row.caller_scope.clone())
             .bind(row.status.clone())
             .bind(row.created_at)
             .bind(row.expires_at);

@@ -137,6 +137,9 @@ pub struct IdempotencyRecordRow {
     /// The response message as the caller received it (encoded protobuf); `None` in records
     /// written before it was stored.
     pub response_message: Option<Vec<u8>>,
+    /// The scope of the caller that made the record (for a token's record, whose `scope` is
+    /// the token's); `None` in records written before it was stored.
+    pub caller_scope: Option<String>,
     pub status: String,
     pub created_at: i64,
     pub expires_at: i64,

@@ -1344,3 +1344,188 @@ pub async fn records_replay_the_response_as_sent_and_records_of_the_previous_rel
     assert_eq!(new.into_inner(), sent, "the stored message is the response as first sent");
     assert_eq!(app.balance("alice").await, "50.00", "nothing paid twice");
 }
+
+/// Sends one gRPC call over raw HTTP/2, with `headers` in the HEADERS frame and `trailers`
+/// after the message (tonic's client cannot send request trailers); returns its grpc-status.
+async fn raw_call_with_trailers(
+    app: &TestApp,
+    path: &str,
+    message: &impl prost::Message,
+    headers: &[(&str, &str)],
+    trailers: &[(&'static str, &str)],
+) -> String {
+    let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let mut request = http::Request::post(format!("http://{}{path}", app.address))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let (response, mut stream) = client.send_request(request.body(()).unwrap(), false).unwrap();
+    let body = message.encode_to_vec();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&body);
+    stream.send_data(bytes::Bytes::from(frame), false).unwrap();
+    let mut sent_trailers = http::HeaderMap::new();
+    for (name, value) in trailers {
+        sent_trailers.append(*name, value.parse().unwrap());
+    }
+    stream.send_trailers(sent_trailers).unwrap();
+    let response = response.await.unwrap();
+    let status_in_headers = response.headers().get("grpc-status").cloned();
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk.unwrap();
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or_default();
+    let status = trailers.get("grpc-status").cloned().or(status_in_headers).expect("a grpc-status");
+    status.to_str().unwrap().to_owned()
+}
+
+pub async fn guard_headers_sent_in_request_trailers_are_invalid_argument_and_move_nothing(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    let token = app.issue_token("m1").await;
+    let transfer = transfer_request("alice", "bob", "7.00");
+    let path = "/payledger.v1.AccountService/Transfer";
+
+    let replaced = raw_call_with_trailers(
+        app,
+        path,
+        &transfer,
+        &[("idempotency-key", "split-A")],
+        &[("idempotency-key", "split-B")],
+    )
+    .await;
+    let only_in_trailers = raw_call_with_trailers(app, path, &transfer, &[], &[("idempotency-key", "split-C")]).await;
+    let same_in_both = raw_call_with_trailers(
+        app,
+        path,
+        &transfer,
+        &[("idempotency-key", "split-D")],
+        &[("idempotency-key", "split-D")],
+    )
+    .await;
+    let token_in_trailers = raw_call_with_trailers(
+        app,
+        path,
+        &transfer,
+        &[("idempotency-key", "split-E")],
+        &[("idempotency-token", &token)],
+    )
+    .await;
+    let plain_trailer =
+        raw_call_with_trailers(app, path, &transfer, &[("idempotency-key", "split-F")], &[("x-unrelated", "1")]).await;
+
+    assert_eq!(replaced, "3", "a key whose trailer replaces its header is INVALID_ARGUMENT");
+    assert_eq!(only_in_trailers, "3");
+    assert_eq!(token_in_trailers, "3");
+    // The same value in the trailer leaves one reading; an unrelated trailer changes nothing.
+    assert_eq!(same_in_both, "0");
+    assert_eq!(plain_trailer, "0");
+    assert_eq!(app.rows("transfers").await, 2);
+    assert_eq!(app.balance("alice").await, "86.00");
+    let mut accounts = app.accounts.clone();
+    let retried = accounts.transfer(with_key(transfer_request("alice", "bob", "7.00"), "split-D")).await.unwrap();
+    assert!(replayed(&retried), "split-D was recorded under its header's value");
+    let order = one_dollar_order("m1", "o-1", "bob");
+    let with_the_token = app.payments.clone().create_order(with_token(order, &token, None)).await.unwrap();
+    assert!(!replayed(&with_the_token), "the refused call did not consume the token");
+}
+
+/// A token used by merchant m1 never answers or serves merchant m2: not its stored response,
+/// not a fresh run.
+async fn a_used_token_answers_only_its_own_merchant(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "10.00").await;
+    app.create_order("m2", "order-1", "shop", "10.00").await.unwrap();
+    let mut payments = app.payments.clone();
+    let token = app.issue_token("m1").await;
+    payments.create_order(with_token(one_dollar_order("m1", "o-t", "shop"), &token, None)).await.unwrap();
+    let before = app.all_rows().await;
+
+    let same_fields_other_merchant =
+        payments.create_order(with_token(one_dollar_order("m2", "o-t", "shop"), &token, None)).await.unwrap_err();
+    let pay_of_other_merchant = payments
+        .pay(with_token(app.pay_request("m2", "pay-1", "order-1", "alice", "10.00"), &token, None))
+        .await
+        .unwrap_err();
+    let own_replay =
+        payments.create_order(with_token(one_dollar_order("m1", "o-t", "shop"), &token, None)).await.unwrap();
+
+    assert_status(&same_fields_other_merchant, Code::FailedPrecondition, "TOKEN_INVALID");
+    assert_status(&pay_of_other_merchant, Code::FailedPrecondition, "TOKEN_INVALID");
+    assert!(replayed(&own_replay));
+    assert_eq!(app.all_rows().await, before, "nothing written for m2");
+    assert_eq!(app.balance("alice").await, "100.00");
+}
+
+pub async fn a_used_token_answers_only_its_own_merchant_in_the_database_store(app: &TestApp) {
+    a_used_token_answers_only_its_own_merchant(app).await;
+}
+
+pub async fn a_used_token_answers_only_its_own_merchant_in_the_redis_store(app: &TestApp) {
+    a_used_token_answers_only_its_own_merchant(app).await;
+}
+
+/// A token presented with a call that its natural key answers (nothing runs) is not used up,
+/// in either store, and stays its merchant's.
+async fn a_token_whose_call_changed_nothing_stays_usable_by_its_merchant_only(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "2.00").await;
+    app.create_order("m1", "closed", "shop", "1.00").await.unwrap();
+    app.create_order("m2", "order-2", "shop", "2.00").await.unwrap();
+    let mut payments = app.payments.clone();
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "closed".into() };
+    payments.close_order(close.clone()).await.unwrap();
+    let token = app.issue_token("m1").await;
+
+    let closed_again = payments.close_order(with_token(close, &token, None)).await.unwrap();
+    let other_merchant = payments
+        .pay(with_token(app.pay_request("m2", "pay-2", "order-2", "alice", "2.00"), &token, None))
+        .await
+        .unwrap_err();
+    let own_merchant = payments
+        .pay(with_token(app.pay_request("m1", "pay-1", "order-1", "alice", "2.00"), &token, None))
+        .await
+        .unwrap();
+
+    assert!(replayed(&closed_again), "closing a closed order is a replay");
+    assert_status(&other_merchant, Code::FailedPrecondition, "TOKEN_INVALID");
+    assert!(!replayed(&own_merchant), "the token was still unused: this Pay ran");
+    assert_eq!(app.balance("alice").await, "98.00", "only m1's Pay moved money");
+    assert_eq!(app.rows("payment_flow").await, 1);
+}
+
+pub async fn a_token_whose_call_changed_nothing_stays_usable_in_the_database_store(app: &TestApp) {
+    a_token_whose_call_changed_nothing_stays_usable_by_its_merchant_only(app).await;
+}
+
+pub async fn a_token_whose_call_changed_nothing_stays_usable_in_the_redis_store(app: &TestApp) {
+    a_token_whose_call_changed_nothing_stays_usable_by_its_merchant_only(app).await;
+}
+
+pub async fn concurrent_duplicates_of_a_keyed_pay_are_answered_from_its_key_record(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let request = app.pay_request("m1", "pay-1", "order-1", "alice", "30.00");
+
+    let calls = (0..20).map(|_| {
+        let (mut payments, request) = (app.payments.clone(), request.clone());
+        tokio::spawn(async move { payments.pay(with_key(request, "k-1")).await })
+    });
+    let responses: Vec<_> =
+        futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap().unwrap()).collect();
+
+    assert_eq!(responses.iter().filter(|response| !replayed(response)).count(), 1);
+    for response in &responses {
+        // Every duplicate is the key's replay (the response as first sent, with the key's
+        // expiry), never an answer rebuilt from the natural key.
+        assert!(header(response.metadata(), "idempotency-expires-at").is_some(), "{:?}", response.metadata());
+    }
+    let trade_nos: std::collections::HashSet<_> =
+        responses.into_iter().map(|response| response.into_inner().payment.unwrap().trade_no).collect();
+    assert_eq!(trade_nos.len(), 1);
+    assert_eq!(app.balance("alice").await, "70.00");
+}

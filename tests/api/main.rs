@@ -93,6 +93,12 @@ backend_suite!(
     business_numbers_tokens_and_currencies_compare_byte_for_byte_on_every_backend,
     ambiguous_headers_and_page_tokens_are_invalid_argument_and_write_nothing,
     records_replay_the_response_as_sent_and_records_of_the_previous_release_still_replay,
+    guard_headers_sent_in_request_trailers_are_invalid_argument_and_move_nothing,
+    a_used_token_answers_only_its_own_merchant_in_the_database_store,
+    a_used_token_answers_only_its_own_merchant_in_the_redis_store => redis,
+    a_token_whose_call_changed_nothing_stays_usable_in_the_database_store,
+    a_token_whose_call_changed_nothing_stays_usable_in_the_redis_store => redis,
+    concurrent_duplicates_of_a_keyed_pay_are_answered_from_its_key_record,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,

@@ -38,14 +38,17 @@ impl StormDatabase {
     pub async fn create(url: &str, reuse: bool) -> Result<Self, AnyError> {
         let dialect =
             Dialect::from_url(url).ok_or("--database-url must start with postgres://, mysql:// or sqlite:")?;
-        let (place, exists) = match dialect {
+        let (place, exists, url) = match dialect {
             Dialect::Sqlite => {
-                let path = sqlite_path(url);
+                let path = sqlite_path(url)?;
                 let exists = path.exists();
-                (Place::SqliteFile(path), exists)
+                let url = format!("sqlite:{}", path.display());
+                (Place::SqliteFile(path), exists, url)
             }
             Dialect::Postgres | Dialect::MySql => {
-                let (admin_url, name) = split_server_url(url, dialect)?;
+                let (server, name) = split_server_url(url)?;
+                let url = format!("{server}/{name}");
+                let admin_url = if dialect == Dialect::Postgres { format!("{server}/postgres") } else { server };
                 let admin = AnyPool::connect(&admin_url).await?;
                 let exists_sql = match dialect {
                     Dialect::Postgres => "SELECT COUNT(*) FROM pg_database WHERE datname = $1",
@@ -56,7 +59,7 @@ impl StormDatabase {
                     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await?;
                 }
                 admin.close().await;
-                (Place::Server { admin_url, name }, count > 0)
+                (Place::Server { admin_url, name }, count > 0, url)
             }
         };
         if exists && !reuse {
@@ -64,11 +67,13 @@ impl StormDatabase {
                 "refusing to run on {}: it already exists and this storm did not create it (a storm cuts every \
                  connection of its database and writes test money); name a new database, which the storm creates and \
                  drops, or pass --reuse-database",
-                payledger::store::redacted(url)
+                payledger::store::redacted(&url)
             )
             .into());
         }
-        Ok(Self { url: url.to_owned(), dialect, place, created: !exists })
+        // The instances and the checks use exactly the database checked here: the URL is
+        // rebuilt from what was parsed, with nothing a driver could read differently.
+        Ok(Self { url, dialect, place, created: !exists })
     }
 
     /// Drops the database if this storm created it.
@@ -101,36 +106,38 @@ impl StormDatabase {
     }
 }
 
-/// The file of a `sqlite:` URL (`sqlite:path`, `sqlite://path`, with or without `?options`).
-fn sqlite_path(url: &str) -> PathBuf {
+/// The file of a `sqlite:` URL (`sqlite:path` or `sqlite://path`). Options (`?`) and
+/// percent-escapes are refused: a driver would read them, and could open another file than
+/// the one checked here.
+fn sqlite_path(url: &str) -> Result<PathBuf, AnyError> {
     let rest = url.strip_prefix("sqlite:").unwrap_or(url);
     let rest = rest.strip_prefix("//").unwrap_or(rest);
-    PathBuf::from(rest.split_once('?').map_or(rest, |(path, _)| path))
+    if rest.is_empty() || rest.contains(['?', '%']) || rest.starts_with("sqlite:") {
+        return Err("--database-url must be a plain sqlite:PATH (no ?options, no %-escapes) for the storm".into());
+    }
+    Ok(PathBuf::from(rest))
 }
 
-/// The server's maintenance URL and the database name of a PostgreSQL or MySQL URL.
-fn split_server_url(url: &str, dialect: Dialect) -> Result<(String, String), AnyError> {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
+/// The server part (scheme, user, host, port) and the database name of a PostgreSQL or MySQL
+/// URL. Options (`?`) are refused (`?dbname=` would name another database than the path), and
+/// so is a name that is not plain lower case (unquoted, a server folds or compares it
+/// otherwise).
+fn split_server_url(url: &str) -> Result<(String, String), AnyError> {
+    if url.contains('?') {
+        return Err("--database-url must carry no ?options for the storm (they could name another database)".into());
+    }
+    let authority_start = url.find("://").map_or(0, |at| at + 3);
+    let (server, name) = match url[authority_start..].find('/') {
+        Some(slash) => (&url[..authority_start + slash], &url[authority_start + slash + 1..]),
+        None => (url, ""),
     };
-    let authority_start = base.find("://").map_or(0, |at| at + 3);
-    let (server, name) = match base[authority_start..].find('/') {
-        Some(slash) => (&base[..authority_start + slash], &base[authority_start + slash + 1..]),
-        None => (base, ""),
-    };
-    let plain = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let plain = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
     if name.is_empty() || name.len() > DATABASE_NAME_LEN_MAX || !name.chars().all(plain) {
         return Err(
-            "--database-url must name a database of 1-63 characters of [A-Za-z0-9_] for the storm to create".into()
+            "--database-url must name a database of 1-63 characters of [a-z0-9_] for the storm to create".into()
         );
     }
-    let maintenance = if dialect == Dialect::Postgres { "/postgres" } else { "" };
-    let admin_url = match query {
-        Some(query) => format!("{server}{maintenance}?{query}"),
-        None => format!("{server}{maintenance}"),
-    };
-    Ok((admin_url, name.to_owned()))
+    Ok((server.to_owned(), name.to_owned()))
 }
 
 #[cfg(test)]
@@ -138,23 +145,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_server_url_splits_into_its_maintenance_url_and_the_database_name() {
-        let (admin, name) = split_server_url("postgres://u@h:5432/storm_1?sslmode=disable", Dialect::Postgres).unwrap();
-        assert_eq!((admin.as_str(), name.as_str()), ("postgres://u@h:5432/postgres?sslmode=disable", "storm_1"));
-        let (admin, name) = split_server_url("mysql://root@h:3306/storm", Dialect::MySql).unwrap();
-        assert_eq!((admin.as_str(), name.as_str()), ("mysql://root@h:3306", "storm"));
+    fn a_server_url_splits_into_its_server_and_the_database_name() {
+        let (server, name) = split_server_url("postgres://u@h:5432/storm_1").unwrap();
+        assert_eq!((server.as_str(), name.as_str()), ("postgres://u@h:5432", "storm_1"));
+        let (server, name) = split_server_url("mysql://root@h:3306/storm").unwrap();
+        assert_eq!((server.as_str(), name.as_str()), ("mysql://root@h:3306", "storm"));
     }
 
     #[test]
-    fn a_url_without_a_plain_database_name_is_refused() {
-        for url in ["postgres://u@h:5432", "postgres://u@h:5432/", "postgres://u@h/a;drop", "mysql://h/a-b"] {
-            assert!(split_server_url(url, Dialect::Postgres).is_err(), "{url}");
+    fn a_url_whose_database_a_driver_could_read_otherwise_is_refused() {
+        for url in [
+            "postgres://u@h:5432",
+            "postgres://u@h:5432/",
+            "postgres://u@h/a;drop",
+            "mysql://h/a-b",
+            "postgres://u@h/storm?dbname=victim",
+            "postgres://u@h/Storm_Mixed",
+        ] {
+            assert!(split_server_url(url).is_err(), "{url}");
         }
     }
 
     #[test]
-    fn sqlite_urls_name_their_file() {
-        assert_eq!(sqlite_path("sqlite:/tmp/a.db?mode=rwc"), PathBuf::from("/tmp/a.db"));
-        assert_eq!(sqlite_path("sqlite://data/a.db"), PathBuf::from("data/a.db"));
+    fn sqlite_urls_name_their_file_literally_or_are_refused() {
+        assert_eq!(sqlite_path("sqlite:/tmp/a.db").unwrap(), PathBuf::from("/tmp/a.db"));
+        assert_eq!(sqlite_path("sqlite://data/a.db").unwrap(), PathBuf::from("data/a.db"));
+        for url in ["sqlite:/tmp/a.db?mode=rwc", "sqlite:/tmp/vic%74im.db", "sqlite:sqlite:/tmp/a.db", "sqlite:"] {
+            assert!(sqlite_path(url).is_err(), "{url}");
+        }
     }
 }
