@@ -3,7 +3,7 @@
 # temporary SQLite database, runs the example against it, and stops the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --quiet --bin payledger -p payledger -p checkout-service
+cargo build --locked --quiet --bin payledger --bin checkout-service
 work=$(mktemp -d)
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 target/debug/payledger serve --listen "127.0.0.1:$port" --database-url "sqlite:$work/ledger.db" >"$work/server.log" 2>&1 &
