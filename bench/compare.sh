@@ -28,14 +28,26 @@ TOOLS=target/release/payledger-tools
 RESULTS="$(mktemp -d)"
 SERVER_PID=""
 
+# What this script created, and so may drop: never a database or file that was there before.
+CREATED_PG=()
+CREATED_MY=()
+CREATED_SQLITE=""
+
 cleanup() {
   if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
-  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE IF EXISTS payledger_bench WITH (FORCE)" 2>/dev/null || true
-  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE IF EXISTS pgbench_reference WITH (FORCE)" 2>/dev/null || true
-  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE IF EXISTS payledger_bench; DROP DATABASE IF EXISTS sysbench_reference" 2>/dev/null || true
-  rm -f /tmp/payledger_bench.db /tmp/payledger_bench.db-wal /tmp/payledger_bench.db-shm
+  for db in "${CREATED_PG[@]}"; do
+    psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)" 2>/dev/null || true
+  done
+  for db in "${CREATED_MY[@]}"; do
+    mariadb -uroot -h127.0.0.1 -e "DROP DATABASE IF EXISTS $db" 2>/dev/null || true
+  done
+  if [ -n "$CREATED_SQLITE" ]; then rm -f "$CREATED_SQLITE" "$CREATED_SQLITE-wal" "$CREATED_SQLITE-shm"; fi
 }
 trap cleanup EXIT
+
+# Creates a database this script then owns; fails (and drops nothing) when it exists.
+create_pg() { createdb -h "$PG_HOST" -U postgres "$1" && CREATED_PG+=("$1"); }
+create_my() { mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE $1" && CREATED_MY+=("$1"); }
 
 need() { # tool, Debian package
   if ! command -v "$1" >/dev/null 2>&1; then
@@ -150,27 +162,25 @@ sysbench_run() {
 if [ "$TARGETS" = all ] || [ "$TARGETS" = postgres ]; then
   need pgbench postgresql-contrib
   echo "== PostgreSQL: pgbench tpcb-like, prepared, $CONCURRENCY clients, ${SECONDS_DB}s; then payledger"
-  createdb -h "$PG_HOST" -U postgres pgbench_reference
+  create_pg pgbench_reference
   pgbench -h "$PG_HOST" -U postgres -i -q -s "$CONCURRENCY" pgbench_reference >/dev/null 2>&1
-  createdb -h "$PG_HOST" -U postgres payledger_bench
+  create_pg payledger_bench
   payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" pgbench_run 1.0
-  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE payledger_bench WITH (FORCE)"
-  psql -h "$PG_HOST" -U postgres -qc "DROP DATABASE pgbench_reference WITH (FORCE)"
 fi
 
 if [ "$TARGETS" = all ] || [ "$TARGETS" = mysql ]; then
   need sysbench sysbench
   echo "== MariaDB: sysbench oltp_write_only, $CONCURRENCY threads, ${SECONDS_DB}s; then payledger"
-  mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE sysbench_reference"
+  create_my sysbench_reference
   $SB prepare >/dev/null
-  mariadb -uroot -h127.0.0.1 -e "CREATE DATABASE payledger_bench"
+  create_my payledger_bench
   payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" sysbench_run 0.8
-  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE payledger_bench"
-  mariadb -uroot -h127.0.0.1 -e "DROP DATABASE sysbench_reference"
 fi
 
 if [ "$TARGETS" = all ] || [ "$TARGETS" = sqlite ]; then
   echo "== SQLite (embedded): payledger"
+  if [ -e /tmp/payledger_bench.db ]; then echo "/tmp/payledger_bench.db exists; not using it" >&2; exit 1; fi
+  CREATED_SQLITE=/tmp/payledger_bench.db
   start_server "sqlite:/tmp/payledger_bench.db"
   COUNT=$(( COUNT / 4 )) bench warm-up pay "$CONCURRENCY"
   bench pay pay "$CONCURRENCY"

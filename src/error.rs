@@ -124,15 +124,12 @@ impl From<FieldViolation> for Error {
     }
 }
 
-/// How long a caller should wait before retrying a contended or unavailable call.
-const RETRY_DELAY: Duration = Duration::from_millis(50);
-
 /// Response header of gRFC A6 retry pushback.
 const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 
-/// The wait the server asks of a retry, where it knows better than the client's backoff:
-/// a lost optimistic lock clears fast; a lock held past the timeout (a duplicate in flight)
-/// and an unreachable database need longer.
+/// The wait the server asks of a retry (in RetryInfo and the pushback header alike), where it
+/// knows better than the client's backoff: a lost optimistic lock clears fast; a lock held
+/// past the timeout (a duplicate in flight) and an unreachable database need longer.
 fn retry_pushback(reason: &str) -> Option<Duration> {
     match reason {
         "CONTENTION" | "KEY_NOT_YET_VISIBLE" => Some(Duration::from_millis(20)),
@@ -170,23 +167,17 @@ impl From<Error> for Status {
             }
             Error::TokenStore(redis_error) => {
                 tracing::warn!(error = %redis_error, "token store unavailable");
-                details.set_retry_info(Some(RETRY_DELAY));
                 (Code::Unavailable, "TOKEN_STORE_UNAVAILABLE", "token store unavailable; retry".to_owned())
             }
             Error::Rejected(rejection) => (Code::FailedPrecondition, rejection.reason(), error.to_string()),
-            Error::Contention => {
-                details.set_retry_info(Some(RETRY_DELAY));
-                (Code::Aborted, "CONTENTION", error.to_string())
-            }
+            Error::Contention => (Code::Aborted, "CONTENTION", error.to_string()),
             Error::NotYetVisible => {
                 tracing::info!("a taken key's original is not visible yet after re-reads");
-                details.set_retry_info(Some(RETRY_DELAY));
                 (Code::Aborted, "KEY_NOT_YET_VISIBLE", error.to_string())
             }
             Error::Database(db_error) => match classify(db_error) {
                 Fault::Unavailable => {
                     tracing::warn!(error = %db_error, "database unavailable");
-                    details.set_retry_info(Some(RETRY_DELAY));
                     (
                         Code::Unavailable,
                         "DATABASE_UNAVAILABLE",
@@ -195,7 +186,6 @@ impl From<Error> for Status {
                 }
                 Fault::LockTimeout => {
                     tracing::info!(error = %db_error, "lock wait timed out");
-                    details.set_retry_info(Some(RETRY_DELAY));
                     (
                         Code::Aborted,
                         "LOCK_TIMEOUT",
@@ -204,7 +194,6 @@ impl From<Error> for Status {
                 }
                 Fault::Transient => {
                     tracing::info!(error = %db_error, "transient database conflict after retries");
-                    details.set_retry_info(Some(RETRY_DELAY));
                     (Code::Aborted, "CONTENTION", "transaction conflict; retry with the same key".to_owned())
                 }
                 Fault::Other => {
@@ -220,12 +209,16 @@ impl From<Error> for Status {
         if details.error_info().is_none() {
             details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
         }
+        // One wait, said twice: RetryInfo for clients that read details, the gRFC A6 pushback
+        // header for those that retry by service config; the server knows better than the
+        // client's backoff here.
+        let pushback = retry_pushback(reason);
+        if pushback.is_some() {
+            details.set_retry_info(pushback);
+        }
         let mut status = Status::with_error_details(code, message, details);
-        if let Some(wait) = retry_pushback(reason) {
-            // gRFC A6: the server knows better than the client's backoff here.
-            if let Ok(value) = wait.as_millis().to_string().parse() {
-                status.metadata_mut().insert(RETRY_PUSHBACK_HEADER, value);
-            }
+        if let Some(value) = pushback.and_then(|wait| wait.as_millis().to_string().parse().ok()) {
+            status.metadata_mut().insert(RETRY_PUSHBACK_HEADER, value);
         }
         status
     }

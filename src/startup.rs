@@ -72,9 +72,10 @@ impl Application {
     /// # Errors
     /// [`StartupError`] when the database or the port cannot be had.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
+        // The port first: a server that cannot listen creates no database file.
         let listener =
             TcpListener::bind(settings.listen).await.map_err(|error| StartupError::Bind(settings.listen, error))?;
+        let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
         let application = Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds));
         Ok(application.with_reaper(settings.idempotency.reaper()))
     }

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use payledger::ledger::Ledger;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
@@ -242,10 +243,14 @@ async fn a_postgres_database_turned_read_only_under_load_gets_only_retryable_cod
             sqlx::query(&cut).execute(&admin).await.unwrap();
         }
     };
-    read_only_under_load(&database_url, switch).await;
+    // The database is dropped whatever the outcome, then a failure is reported.
+    let outcome = std::panic::AssertUnwindSafe(read_only_under_load(&database_url, switch)).catch_unwind().await;
 
     sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
     admin.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 /// A MariaDB server of the test's own, stopped and removed when dropped.

@@ -667,6 +667,13 @@ pub async fn a_duplicate_in_flight_past_the_lock_timeout_is_aborted_then_runs(ap
     let after = app.accounts.clone().transfer(with_key(transfer_request("alice", "bob", "1.00"), "k-1")).await.unwrap();
 
     assert_eq!(waited.code(), Code::Aborted, "a timed-out wait is ABORTED, never INTERNAL: {waited:?}");
+    let retry_info = tonic_types::StatusExt::get_error_details(&waited).retry_info().cloned().expect("RetryInfo");
+    let pushback_ms = header(waited.metadata(), "grpc-retry-pushback-ms").expect("a pushback header");
+    assert_eq!(
+        retry_info.retry_delay.map(|delay| delay.as_millis().to_string()),
+        Some(pushback_ms),
+        "RetryInfo and the pushback header ask for the same wait"
+    );
     assert!(!replayed(&after), "the holder rolled back, so the retry runs");
     assert_eq!(app.balance("alice").await, "99.00");
 }

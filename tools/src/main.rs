@@ -3,7 +3,8 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use payledger::config::{LogSettings, ServeSettings};
 use payledger::startup::{shutdown_signal, Application};
@@ -35,9 +36,16 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let mut cli = Cli::parse();
-    if !matches!(cli.command, Command::StormInstance(_)) && std::env::var_os("PAYLEDGER_LOG").is_none() {
-        // The report is the output; an in-process server only speaks up on problems.
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    let filter_chosen =
+        matches!(matches.value_source("log_filter"), Some(source) if source != ValueSource::DefaultValue);
+    if !matches!(cli.command, Command::StormInstance(_)) && !filter_chosen {
+        // The report is the output: unless told otherwise (--log-filter or PAYLEDGER_LOG), an
+        // in-process server only speaks up on problems.
         cli.log.log_filter = "warn".into();
     }
     telemetry::init(&cli.log);

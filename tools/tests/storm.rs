@@ -46,6 +46,12 @@ async fn databases_named(admin: &AnyPool, name: &str) -> i64 {
     sqlx::query(&sql).fetch_one(admin).await.unwrap().try_get::<i64, _>(0).unwrap()
 }
 
+/// Drops database `name`, cutting any session still attached to it on PostgreSQL.
+async fn drop_database(admin: &AnyPool, admin_url: &str, name: &str) {
+    let force = if admin_url.starts_with("postgres") { " WITH (FORCE)" } else { "" };
+    sqlx::query(&format!("DROP DATABASE {name}{force}")).execute(admin).await.expect("the test's database drops");
+}
+
 async fn storm_on(admin_url: &str) {
     sqlx::any::install_default_drivers();
     let name = format!("payledger_storm_{}", uuid::Uuid::new_v4().simple());
@@ -55,7 +61,9 @@ async fn storm_on(admin_url: &str) {
     );
     let admin = AnyPool::connect(admin_url).await.unwrap();
     let left_behind = databases_named(&admin, &name).await;
-    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}")).execute(&admin).await;
+    if left_behind > 0 {
+        drop_database(&admin, admin_url, &name).await;
+    }
     admin.close().await;
 
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -109,7 +117,7 @@ async fn storm_refuses_a_database_it_did_not_create_on(admin_url: &str) {
     };
     let tables: i64 = sqlx::query(tables_sql).fetch_one(&target).await.unwrap().try_get(0).unwrap();
     target.close().await;
-    let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
+    drop_database(&admin, admin_url, &name).await;
     admin.close().await;
 
     let stderr = String::from_utf8_lossy(&output.stderr);

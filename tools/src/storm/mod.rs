@@ -85,6 +85,9 @@ pub struct StormSummary {
     pub acknowledged: u64,
     pub refused: u64,
     pub unknown_outcome: u64,
+    /// The final gRPC status code of every mutating call (after the client's retries), by
+    /// code name (`Ok`, `Unavailable`...).
+    pub status_codes: std::collections::BTreeMap<String, u64>,
     pub attempts: u64,
     pub retries: u64,
     pub duplicates_sent: u64,
@@ -110,9 +113,9 @@ enum Outcome {
     Acknowledged { id: String, replayed: bool },
     /// A definitive refusal (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
     /// FAILED_PRECONDITION): the call did not happen.
-    Refused,
-    /// Transient to the end (retries ran out): it may or may not have happened.
-    Unknown,
+    Refused(Code),
+    /// Transient to the end (retries ran out), or INTERNAL: it may or may not have happened.
+    Unknown(Code),
 }
 
 #[derive(Debug, Clone)]
@@ -134,9 +137,9 @@ fn classify<T>(result: &Result<Response<T>, Status>, id: impl FnOnce(&T) -> Stri
                 Code::InvalidArgument | Code::NotFound | Code::AlreadyExists | Code::FailedPrecondition
             ) =>
         {
-            Outcome::Refused
+            Outcome::Refused(status.code())
         }
-        Err(_) => Outcome::Unknown,
+        Err(status) => Outcome::Unknown(status.code()),
     }
 }
 
@@ -202,6 +205,9 @@ async fn cut_database_connections(admin: &AnyPool, dialect: Dialect) -> Result<u
     }
 }
 
+/// Time between two progress lines.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
 fn storm_faults() -> FaultSettings {
     // Per request. Every fault but the delay breaks the whole HTTP/2 connection, and with it
     // every call in flight on it, so the probabilities stay small.
@@ -225,6 +231,8 @@ struct World {
     queries: AtomicU64,
     query_mismatches: Mutex<Vec<String>>,
     run: String,
+    /// Mutating calls answered so far, for the progress line: acknowledged, refused, other.
+    progress: [AtomicU64; 3],
 }
 
 impl World {
@@ -241,6 +249,19 @@ impl World {
 
     fn new_key(&self, prefix: &str) -> String {
         format!("{}-{prefix}-{}", self.run, &uuid::Uuid::new_v4().simple().to_string()[..20])
+    }
+
+    /// Counts answered calls for the progress line.
+    fn count(&self, outcomes: Vec<Outcome>) -> Vec<Outcome> {
+        for outcome in &outcomes {
+            let slot = match outcome {
+                Outcome::Acknowledged { .. } => 0,
+                Outcome::Refused(_) => 1,
+                Outcome::Unknown(_) => 2,
+            };
+            self.progress[slot].fetch_add(1, Ordering::Relaxed);
+        }
+        outcomes
     }
 
     fn record(&self, kind: OperationKind, merchant_id: &str, key: String, amount: String, outcomes: Vec<Outcome>) {
@@ -264,9 +285,9 @@ where
         world.duplicates_sent.fetch_add(1, Ordering::Relaxed);
         let (first, second) = world.other_client(rand::rng().random_range(0..world.clients.len()));
         let (one, two) = tokio::join!(call(world.clients[first].clone()), call(world.clients[second].clone()));
-        vec![classify(&one, id), classify(&two, id)]
+        world.count(vec![classify(&one, id), classify(&two, id)])
     } else {
-        vec![classify(&call(world.client().clone()).await, id)]
+        world.count(vec![classify(&call(world.client().clone()).await, id)])
     }
 }
 
@@ -475,6 +496,8 @@ fn print_summary(summary: &StormSummary) {
         summary.instance_kills,
         summary.database_cuts
     );
+    let codes: Vec<String> = summary.status_codes.iter().map(|(code, calls)| format!("{code} {calls}")).collect();
+    println!("  final status codes of mutating calls: {}", codes.join("  "));
     let audit_broken = summary.violations.iter().any(|violation| violation.starts_with("audit:"));
     println!("  ledger audit: {}", if audit_broken { "VIOLATED" } else { "passed" });
     println!("  violations {}", summary.violations.len());
@@ -490,7 +513,16 @@ fn print_summary(summary: &StormSummary) {
 pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     sqlx::any::install_default_drivers();
     let database = StormDatabase::create(&settings.database_url, settings.reuse_database).await?;
-    let summary = storm_on(settings, &database).await?;
+    let summary = match storm_on(settings, &database).await {
+        Ok(summary) => summary,
+        Err(error) => {
+            // A storm that could not run leaves no database of its own behind.
+            if let Err(drop_error) = database.drop_if_created().await {
+                eprintln!("payledger-tools: could not drop the storm's database: {drop_error}");
+            }
+            return Err(error);
+        }
+    };
     if summary.violations.is_empty() && !settings.keep_database {
         database.drop_if_created().await?;
     } else {
@@ -553,6 +585,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         queries: AtomicU64::new(0),
         query_mismatches: Mutex::new(Vec::new()),
         run,
+        progress: Default::default(),
     });
 
     let faults = !settings.no_faults;
@@ -576,8 +609,30 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     // still exercises each of them.
     let load = Duration::from_secs(settings.duration_seconds);
     let mut forced_at: Vec<Instant> = (1..=3).map(|quarter| Instant::now() + load * quarter / 4).collect();
-    while faults && Instant::now() < until {
+    let started = Instant::now();
+    let mut next_progress = started + PROGRESS_INTERVAL;
+    while Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        if Instant::now() >= next_progress {
+            next_progress += PROGRESS_INTERVAL;
+            let injected: u64 = proxies.iter().map(|proxy| proxy.counters().injected()).sum();
+            let [acknowledged, refused, other] = &world.progress;
+            let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+            println!(
+                "storm progress: {:>4}s  calls {}  acknowledged {}  refused {}  unknown or failed {}  faults {}  kills {}  cuts {}",
+                started.elapsed().as_secs(),
+                read(acknowledged) + read(refused) + read(other),
+                read(acknowledged),
+                read(refused),
+                read(other),
+                injected + kills + cuts,
+                kills,
+                cuts
+            );
+        }
+        if !faults {
+            continue;
+        }
         if forced_at.first().is_some_and(|at| Instant::now() >= *at) {
             forced_at.remove(0);
             let proxy = &proxies[rand::rng().random_range(0..proxies.len())];
@@ -651,14 +706,26 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
         let mut acknowledged_ids: Vec<&str> = Vec::new();
         let (mut refused, mut unknown) = (0, 0);
         for outcome in &operation.outcomes {
-            match outcome {
+            let code = match outcome {
                 Outcome::Acknowledged { id, replayed } => {
                     summary.acknowledged += 1;
                     summary.replays_served += u64::from(*replayed);
                     acknowledged_ids.push(id);
+                    Code::Ok
                 }
-                Outcome::Refused => refused += 1,
-                Outcome::Unknown => unknown += 1,
+                Outcome::Refused(code) => {
+                    refused += 1;
+                    *code
+                }
+                Outcome::Unknown(code) => {
+                    unknown += 1;
+                    *code
+                }
+            };
+            *summary.status_codes.entry(format!("{code:?}")).or_default() += 1;
+            // INTERNAL means a bug (or a database state answered as one): never expected.
+            if code == Code::Internal {
+                summary.violations.push(format!("{:?} {}: answered INTERNAL", operation.kind, operation.key));
             }
         }
         summary.refused += refused;
@@ -762,14 +829,20 @@ mod tests {
         store.close().await;
         let acknowledged = Outcome::Acknowledged { id: "T-lost".into(), replayed: false };
         let operations = [
-            operation(OperationKind::Pay, "pay-1", vec![acknowledged.clone(), Outcome::Unknown]),
-            operation(OperationKind::Transfer, "memo-1", vec![Outcome::Refused]),
+            operation(OperationKind::Pay, "pay-1", vec![acknowledged.clone(), Outcome::Unknown(Code::Unavailable)]),
+            operation(OperationKind::Transfer, "memo-1", vec![Outcome::Refused(Code::FailedPrecondition)]),
+            operation(OperationKind::Deposit, "dep-1", vec![Outcome::Unknown(Code::Internal)]),
         ];
 
         let mut summary = StormSummary::default();
         check(&url, &operations, &mut summary).await.unwrap();
 
-        assert_eq!(summary.violations, ["Pay pay-1: acknowledged T-lost, stored 0 times"]);
-        assert_eq!((summary.calls, summary.acknowledged, summary.refused, summary.unknown_outcome), (3, 1, 1, 1));
+        assert_eq!(
+            summary.violations,
+            ["Pay pay-1: acknowledged T-lost, stored 0 times", "Deposit dep-1: answered INTERNAL"]
+        );
+        assert_eq!((summary.calls, summary.acknowledged, summary.refused, summary.unknown_outcome), (4, 1, 1, 2));
+        let codes: Vec<_> = summary.status_codes.iter().map(|(code, calls)| (code.as_str(), *calls)).collect();
+        assert_eq!(codes, [("FailedPrecondition", 1), ("Internal", 1), ("Ok", 1), ("Unavailable", 1)]);
     }
 }

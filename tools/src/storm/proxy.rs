@@ -63,6 +63,13 @@ pub struct FaultCount {
     pub blackholes: u64,
 }
 
+impl FaultCount {
+    /// Faults injected (delays, resets, dropped responses, black holes).
+    pub fn injected(&self) -> u64 {
+        self.delays + self.resets_before_request + self.dropped_responses + self.blackholes
+    }
+}
+
 /// One fault, as applied to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
