@@ -84,11 +84,15 @@ pub struct IdempotencySettings {
     /// Redis URL such as `redis://127.0.0.1:6379` (see README, "One-time tokens").
     #[arg(long, env = "PAYLEDGER_TOKEN_STORE", default_value = "database")]
     pub token_store: String,
-    /// Seconds an `idempotency-key` is kept (default 24 hours).
-    #[arg(long, env = "PAYLEDGER_IDEMPOTENCY_KEY_TTL_SECONDS", default_value_t = 86_400)]
+    /// Seconds an `idempotency-key` is kept (default 24 hours): at least 1, and at least
+    /// `--token-ttl-seconds`, since a consumed token's record must outlive the token (checked
+    /// at start).
+    #[arg(long, env = "PAYLEDGER_IDEMPOTENCY_KEY_TTL_SECONDS", default_value_t = 86_400,
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub idempotency_key_ttl_seconds: u64,
-    /// Seconds an issued one-time token stays valid.
-    #[arg(long, env = "PAYLEDGER_TOKEN_TTL_SECONDS", default_value_t = 300)]
+    /// Seconds an issued one-time token stays valid (at least 1).
+    #[arg(long, env = "PAYLEDGER_TOKEN_TTL_SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub token_ttl_seconds: u64,
     /// Seconds between two sweeps of the reaper.
     #[arg(long, env = "PAYLEDGER_REAPER_INTERVAL_SECONDS", default_value_t = 60)]
@@ -115,6 +119,22 @@ impl Default for IdempotencySettings {
 }
 
 impl IdempotencySettings {
+    /// Checks the bounds that span two settings.
+    ///
+    /// # Errors
+    /// A message naming the settings when a key would be forgotten before a token it
+    /// records: a consumed token whose record expired could run a second time.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.idempotency_key_ttl_seconds < self.token_ttl_seconds {
+            return Err(format!(
+                "--idempotency-key-ttl-seconds ({}) must be at least --token-ttl-seconds ({}): a consumed token's \
+                 record must outlive the token",
+                self.idempotency_key_ttl_seconds, self.token_ttl_seconds
+            ));
+        }
+        Ok(())
+    }
+
     pub fn ledger(&self) -> LedgerSettings {
         LedgerSettings {
             key_ttl: Duration::from_secs(self.idempotency_key_ttl_seconds),
@@ -165,4 +185,33 @@ pub struct LogSettings {
     /// Log filter in `tracing` EnvFilter syntax, e.g. `info` or `payledger=debug,sqlx=warn`.
     #[arg(long, env = "PAYLEDGER_LOG", default_value = "info,sqlx=warn", global = true)]
     pub log_filter: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_kept_shorter_than_a_token_lives_is_refused_at_start() {
+        let settings =
+            IdempotencySettings { idempotency_key_ttl_seconds: 2, token_ttl_seconds: 300, ..Default::default() };
+        assert!(settings.validate().unwrap_err().contains("--token-ttl-seconds"));
+        let equal =
+            IdempotencySettings { idempotency_key_ttl_seconds: 300, token_ttl_seconds: 300, ..Default::default() };
+        assert!(equal.validate().is_ok());
+        assert!(IdempotencySettings::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_key_ttl_of_zero_is_refused_by_the_command_line() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            idempotency: IdempotencySettings,
+        }
+        use clap::Parser as _;
+        assert!(Cli::try_parse_from(["payledger", "--idempotency-key-ttl-seconds", "0"]).is_err());
+        assert!(Cli::try_parse_from(["payledger", "--token-ttl-seconds", "0"]).is_err());
+        assert!(Cli::try_parse_from(["payledger", "--idempotency-key-ttl-seconds", "1"]).is_ok());
+    }
 }

@@ -30,6 +30,8 @@ pub enum StartupError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("cannot reach the token store: {0}")]
     TokenStore(String),
+    #[error("invalid settings: {0}")]
+    Settings(String),
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -42,6 +44,7 @@ pub async fn open_ledger(
     database: &DatabaseSettings,
     idempotency: &IdempotencySettings,
 ) -> Result<Ledger, StartupError> {
+    idempotency.validate().map_err(StartupError::Settings)?;
     let store = Store::connect(&database.database_url, &database.pool()).await?;
     store.migrate().await?;
     let tokens = TokenStore::connect(&idempotency.token_store)

@@ -190,19 +190,40 @@ impl GuardSession<'_> {
                 continue;
             }
             self.seen_absent = false;
+            if *kind == GuardKind::Token && !self.token_owned_by_caller(&mut queries, &record).await? {
+                return Err(Rejection::TokenInvalid.into());
+            }
             return self.replay(*kind, record).map(Some);
         }
         Ok(None)
     }
 
+    /// On a merchant-scoped call (PaymentService), whether the presented token was issued to
+    /// this call's merchant: a token's record is keyed by the token alone, so this is what
+    /// keeps its stored response from another merchant. The issuing merchant comes from the
+    /// token store, or, where the token is gone from it, from the record's caller; a record
+    /// that names neither (written before callers were recorded) is refused. On AccountService
+    /// a token is a bearer secret: always true.
+    async fn token_owned_by_caller(
+        &self,
+        queries: &mut Queries<'_>,
+        record: &IdempotencyRecordRow,
+    ) -> Result<bool, Error> {
+        let (Some(merchant_id), Some(token)) = (self.call.merchant_id.as_deref(), self.token) else {
+            return Ok(true);
+        };
+        let issued_to = match &self.ledger.tokens {
+            TokenStore::Database => queries.find_token(token.as_str()).await?.map(|row| row.merchant_id),
+            TokenStore::Redis(redis) => redis.issued_to(token).await?,
+        };
+        let owner = issued_to.or_else(|| {
+            record.caller_scope.as_deref().and_then(|scope| scope.strip_prefix("merchant:")).map(str::to_owned)
+        });
+        Ok(owner.as_deref() == Some(merchant_id))
+    }
+
     fn replay(&self, kind: GuardKind, record: IdempotencyRecordRow) -> Result<Replayable<StoredResponse>, Error> {
         let counters = &self.ledger.counters;
-        // A token's record is keyed by the token alone: it answers only the merchant that
-        // made it (a merchant-scoped token is invalid for any other merchant).
-        let other_caller = record.caller_scope.as_ref().is_some_and(|scope| *scope != self.call.scope);
-        if kind == GuardKind::Token && other_caller && self.call.merchant_id.is_some() {
-            return Err(Rejection::TokenInvalid.into());
-        }
         let fields = self.call.differences(&record);
         if !fields.is_empty() {
             counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
@@ -346,21 +367,21 @@ impl GuardSession<'_> {
                 }))
             }
             Ok(Inserted::KeyTaken) => {
+                // A token consumed in Redis stays consumed only when the call that committed
+                // was this token's (its record exists). When the call was answered by another
+                // key (a natural key, say), nothing used the token: put it back, as the
+                // database store's rollback does, before the replay (which may be an error).
+                if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
+                    if !self.token_record_committed().await? {
+                        redis.restore(consumption).await;
+                    }
+                }
                 // An in-flight wait: step 1 saw no record of this call's guards, yet one was
                 // committed by the time the claim met it (not: a natural key was taken).
                 let was_absent = self.seen_absent;
                 let replay = self.committed_replay().await?;
                 if was_absent && replay.is_some() {
                     counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
-                }
-                // A token consumed in Redis stays consumed only when the call that committed
-                // was this token's (its record exists). When the call was answered by another
-                // key (a natural key, say), nothing used the token: put it back, as the
-                // database store's rollback does.
-                if let (Some(consumption), TokenStore::Redis(redis)) = (self.redis.take(), &self.ledger.tokens) {
-                    if !self.token_record_committed().await? {
-                        redis.restore(consumption).await;
-                    }
                 }
                 Ok(replay.map_or(Settled::NaturalKeyTaken, Settled::Replayed))
             }

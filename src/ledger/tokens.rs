@@ -183,6 +183,18 @@ impl RedisTokens {
         }
     }
 
+    /// The merchant `token` was issued to, while Redis still holds it (issued or consumed).
+    ///
+    /// # Errors
+    /// [`Error::TokenStore`] when Redis fails.
+    pub(super) async fn issued_to(&self, token: &OneTimeToken) -> Result<Option<String>, Error> {
+        let mut connection = self.connection.clone();
+        let value: Option<String> =
+            redis::cmd("GET").arg(format!("{REDIS_KEY_PREFIX}{}", token.as_str())).query_async(&mut connection).await?;
+        // `i:<merchant>` issued, `c:<mark>:i:<merchant>` consumed (marks hold no ':').
+        Ok(value.and_then(|value| value.split_once("i:").map(|(_, merchant_id)| merchant_id.to_owned())))
+    }
+
     /// Puts a token back after its business change failed. Best effort: when Redis fails,
     /// the token stays consumed and the caller asks for a new one.
     pub(super) async fn restore(&self, consumption: RedisConsumption) {

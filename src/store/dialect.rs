@@ -45,7 +45,11 @@ impl Dialect {
                 Some(rest) => format!("mysql:{rest}"),
                 None => url.to_owned(),
             },
-            Dialect::Sqlite if !create && url.contains("mode=rwc") => url.replace("mode=rwc", "mode=rw"),
+            // Never create: the URL's own options are dropped and the file opened read-write.
+            Dialect::Sqlite if !create => {
+                let path = url.split_once('?').map_or(url, |(path, _)| path);
+                format!("{path}?mode=rw")
+            }
             Dialect::Sqlite if !url.contains("mode=") => {
                 let separator = if url.contains('?') { '&' } else { '?' };
                 let mode = if create { "rwc" } else { "rw" };
@@ -82,6 +86,9 @@ impl Dialect {
             Dialect::MySql => vec![
                 "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
                 format!("SET SESSION innodb_lock_wait_timeout = {}", millis.div_ceil(1000)),
+                // Table, metadata and backup locks (LOCK TABLES, DDL, FLUSH TABLES WITH READ
+                // LOCK) wait under lock_wait_timeout, a day by default: bound them alike.
+                format!("SET SESSION lock_wait_timeout = {}", millis.div_ceil(1000)),
                 "SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')".to_owned(),
             ],
             Dialect::Sqlite => vec![
@@ -155,6 +162,10 @@ fn classify_postgres(sqlstate: &str) -> Fault {
         "40001" | "40P01" | "72000" => Fault::Transient,
         // lock_not_available (lock_timeout), query_canceled (statement_timeout or a cancel).
         "55P03" | "57014" => Fault::LockTimeout,
+        // object_not_in_prerequisite_state: what a database closed to connections answers
+        // (ALTER DATABASE ... ALLOW_CONNECTIONS false); payledger's statements raise it for
+        // nothing else.
+        "55000" => Fault::Unavailable,
         // read_only_sql_transaction (default_transaction_read_only, a hot standby, a failover
         // under way), idle_in_transaction_session_timeout, statement_completion_unknown (the
         // commit's outcome is unknown: the retry replays it or runs it).
@@ -298,7 +309,7 @@ mod tests {
     #[test]
     fn postgres_states_that_pass_are_retryable_and_bugs_are_not() {
         for sqlstate in
-            ["08006", "08001", "25006", "25P03", "40003", "53100", "53300", "57P01", "57P03", "58030", "28P01"]
+            ["08006", "08001", "25006", "25P03", "40003", "53100", "53300", "55000", "57P01", "57P03", "58030", "28P01"]
         {
             assert_eq!(classify_postgres(sqlstate), Fault::Unavailable, "{sqlstate}");
         }
@@ -394,6 +405,8 @@ mod tests {
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:payledger.db", false), "sqlite:payledger.db?mode=rw");
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=ro", true), "sqlite:x.db?mode=ro");
         assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?mode=rwc", false), "sqlite:x.db?mode=rw");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:x.db?m%6Fde=rwc", false), "sqlite:x.db?mode=rw");
+        assert_eq!(Dialect::Sqlite.driver_url("sqlite:/d/mode=rwc", false), "sqlite:/d/mode=rwc?mode=rw");
         assert_eq!(Dialect::MySql.driver_url("mariadb://root@h/test", true), "mysql://root@h/test");
     }
 }

@@ -106,16 +106,28 @@ impl StormDatabase {
     }
 }
 
-/// The file of a `sqlite:` URL (`sqlite:path` or `sqlite://path`). Options (`?`) and
-/// percent-escapes are refused: a driver would read them, and could open another file than
-/// the one checked here.
+/// The file of a `sqlite:` URL (`sqlite:path` or `sqlite://path`), taken literally: only
+/// `[A-Za-z0-9._/-]`, no `..`, in a directory that exists. Anything else (options, escapes,
+/// `file:` URIs, `:memory:`, white space) is refused, since a driver could open another file
+/// than the one checked here; the path is rebuilt from the directory's canonical form.
 fn sqlite_path(url: &str) -> Result<PathBuf, AnyError> {
+    let refused = || -> AnyError {
+        "--database-url must be sqlite:PATH with PATH of [A-Za-z0-9._/-], no '..', in an existing directory".into()
+    };
     let rest = url.strip_prefix("sqlite:").unwrap_or(url);
     let rest = rest.strip_prefix("//").unwrap_or(rest);
-    if rest.is_empty() || rest.contains(['?', '%']) || rest.starts_with("sqlite:") {
-        return Err("--database-url must be a plain sqlite:PATH (no ?options, no %-escapes) for the storm".into());
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '/' | '-');
+    if rest.is_empty() || !rest.chars().all(plain) || rest.split('/').any(|part| part == "..") {
+        return Err(refused());
     }
-    Ok(PathBuf::from(rest))
+    let path = PathBuf::from(rest);
+    let file_name = path.file_name().ok_or_else(refused)?.to_owned();
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let directory = directory.canonicalize().map_err(|_| refused())?;
+    Ok(directory.join(file_name))
 }
 
 /// The server part (scheme, user, host, port) and the database name of a PostgreSQL or MySQL
@@ -123,8 +135,14 @@ fn sqlite_path(url: &str) -> Result<PathBuf, AnyError> {
 /// so is a name that is not plain lower case (unquoted, a server folds or compares it
 /// otherwise).
 fn split_server_url(url: &str) -> Result<(String, String), AnyError> {
-    if url.contains('?') {
-        return Err("--database-url must carry no ?options for the storm (they could name another database)".into());
+    // Only what a plain URL needs: no ?options (?dbname= names another database), no
+    // #fragment or %-escape (parsed away, they leave the server's default database), no white
+    // space.
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '/' | '@' | '-');
+    if !url.chars().all(plain) {
+        return Err("--database-url must be scheme://user@host:port/name of [A-Za-z0-9._:/@-] for the storm \
+                    (no ?options, #fragment, %-escapes or password characters beyond those)"
+            .into());
     }
     let authority_start = url.find("://").map_or(0, |at| at + 3);
     let (server, name) = match url[authority_start..].find('/') {
@@ -161,6 +179,9 @@ mod tests {
             "mysql://h/a-b",
             "postgres://u@h/storm?dbname=victim",
             "postgres://u@h/Storm_Mixed",
+            "postgres://victim@h:5432#/storm_new",
+            "postgres://u@h/st%6frm",
+            "postgres://u@h/storm\n",
         ] {
             assert!(split_server_url(url).is_err(), "{url}");
         }
@@ -168,10 +189,23 @@ mod tests {
 
     #[test]
     fn sqlite_urls_name_their_file_literally_or_are_refused() {
-        assert_eq!(sqlite_path("sqlite:/tmp/a.db").unwrap(), PathBuf::from("/tmp/a.db"));
-        assert_eq!(sqlite_path("sqlite://data/a.db").unwrap(), PathBuf::from("data/a.db"));
-        for url in ["sqlite:/tmp/a.db?mode=rwc", "sqlite:/tmp/vic%74im.db", "sqlite:sqlite:/tmp/a.db", "sqlite:"] {
-            assert!(sqlite_path(url).is_err(), "{url}");
+        let directory = tempfile::tempdir().unwrap();
+        let canonical = directory.path().canonicalize().unwrap();
+        let url = format!("sqlite:{}/a.db", directory.path().display());
+        assert_eq!(sqlite_path(&url).unwrap(), canonical.join("a.db"));
+        let base = directory.path().display();
+        for url in [
+            format!("sqlite:{base}/a.db?mode=rwc"),
+            format!("sqlite:{base}/vic%74im.db"),
+            format!("sqlite:sqlite:{base}/a.db"),
+            format!("sqlite:file:{base}/a.db"),
+            format!("sqlite:{base}/missing/../a.db"),
+            format!("sqlite:{base}/missing/a.db"),
+            format!("sqlite:{base}/a\t.db"),
+            "sqlite::memory:".to_owned(),
+            "sqlite:".to_owned(),
+        ] {
+            assert!(sqlite_path(&url).is_err(), "{url}");
         }
     }
 }

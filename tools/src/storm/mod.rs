@@ -513,7 +513,13 @@ fn print_summary(summary: &StormSummary) {
 pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     sqlx::any::install_default_drivers();
     let database = StormDatabase::create(&settings.database_url, settings.reuse_database).await?;
-    let summary = match storm_on(settings, &database).await {
+    // Interrupted (SIGINT, SIGTERM), the run is dropped: its instances are killed
+    // (`kill_on_drop`) and the database it created is dropped, as after a failure.
+    let outcome = tokio::select! {
+        outcome = storm_on(settings, &database) => outcome,
+        () = payledger::startup::shutdown_signal() => Err("interrupted".into()),
+    };
+    let summary = match outcome {
         Ok(summary) => summary,
         Err(error) => {
             // A storm that could not run leaves no database of its own behind.
