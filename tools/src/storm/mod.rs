@@ -614,7 +614,9 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     // Besides the random draws, every fault kind is forced a few times, so that a short storm
     // still exercises each of them.
     let load = Duration::from_secs(settings.duration_seconds);
-    let mut forced_at: Vec<Instant> = (1..=3).map(|quarter| Instant::now() + load * quarter / 4).collect();
+    // At seven points, so that a run whose connections are often cut (a forced fault is spent
+    // on the next request, and a connection that dies first loses it) still shows each kind.
+    let mut forced_at: Vec<Instant> = (1..=7).map(|eighth| Instant::now() + load * eighth / 8).collect();
     let started = Instant::now();
     let mut next_progress = started + PROGRESS_INTERVAL;
     while Instant::now() < until {
