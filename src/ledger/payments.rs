@@ -93,12 +93,11 @@ impl Ledger {
         self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await
     }
 
-    /// The answer to a Pay whose transaction found its key taken by a committed payment.
-    async fn pay_replay_after_taken(&self, command: &Pay) -> Result<Replayable<PayReceipt>, Error> {
-        match self.pay_replay(command).await? {
-            Some(receipt) => Ok(self.natural_replay(receipt)),
-            None => Err(Rejection::OrderAlreadyPaid.into()),
-        }
+    /// The receipt of a Pay whose transaction found its key taken by a committed payment: the
+    /// payment of its out_trade_no, or, when the key taken was the order's one payment under
+    /// another out_trade_no, ORDER_ALREADY_PAID.
+    async fn pay_after_taken(&self, command: &Pay) -> Result<PayReceipt, Error> {
+        self.pay_replay(command).await?.ok_or_else(|| Rejection::OrderAlreadyPaid.into())
     }
 
     /// The group-commit queue, started on first use; `None` when group commit is off.
@@ -116,7 +115,7 @@ impl Ledger {
             Decision::Found(payment, order) => {
                 self.replay_of(command, payment, order).map(|receipt| self.natural_replay(receipt))
             }
-            Decision::PaidBefore => self.pay_replay_after_taken(command).await,
+            Decision::PaidBefore => self.pay_after_taken(command).await.map(|receipt| self.natural_replay(receipt)),
             Decision::Rejected(error) => Err(error),
             Decision::Alone => return None,
         })
@@ -391,10 +390,7 @@ impl IdempotentCall for Identified<Pay> {
 
     /// The taken key may be the order's one payment under another out_trade_no.
     async fn replay_after_taken(&self, ledger: &Ledger) -> Result<Option<PayReceipt>, Error> {
-        match ledger.pay_replay(&self.command).await? {
-            Some(receipt) => Ok(Some(receipt)),
-            None => Err(Rejection::OrderAlreadyPaid.into()),
-        }
+        ledger.pay_after_taken(&self.command).await.map(Some)
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<PayReceipt>, Error> {
