@@ -1,6 +1,7 @@
 //! Settings, from flags with environment-variable fallbacks.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::ledger::{GroupCommitSettings, LedgerSettings, ReaperSettings};
@@ -152,12 +153,57 @@ impl IdempotencySettings {
     }
 }
 
+/// Caller authentication (see README, "Security"). Without `--auth-jwks`, calls are
+/// unauthenticated, which `serve` allows only on a loopback address unless
+/// `--insecure-allow-unauthenticated` is given.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AuthSettings {
+    /// JWKS file (RFC 7517) of the public keys that sign callers' JWTs (EdDSA, ES256, RS256;
+    /// each key with a `kid`). Every RPC except health and reflection then needs
+    /// `authorization: Bearer <JWT>`.
+    #[arg(long, env = "PAYLEDGER_AUTH_JWKS")]
+    pub auth_jwks: Option<PathBuf>,
+    /// The `iss` every token must carry (required with --auth-jwks).
+    #[arg(long, env = "PAYLEDGER_AUTH_ISSUER", default_value = "")]
+    pub auth_issuer: String,
+    /// The `aud` every token must carry (required with --auth-jwks).
+    #[arg(long, env = "PAYLEDGER_AUTH_AUDIENCE", default_value = "")]
+    pub auth_audience: String,
+    /// Seconds of clock skew allowed on `exp` and `nbf`.
+    #[arg(long, env = "PAYLEDGER_AUTH_LEEWAY_SECONDS", default_value_t = crate::auth::LEEWAY_SECONDS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(0..=300))]
+    pub auth_leeway_seconds: u64,
+    /// Serve unauthenticated calls on a non-loopback address. Every caller that reaches the
+    /// port may then move any money: for a network that only trusted callers can reach.
+    #[arg(long, env = "PAYLEDGER_INSECURE_ALLOW_UNAUTHENTICATED")]
+    pub insecure_allow_unauthenticated: bool,
+}
+
+/// TLS on the gRPC listener (rustls). With `--tls-client-ca`, mutual TLS: a client without
+/// a certificate signed by that CA is refused at the handshake.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsSettings {
+    /// The server's certificate chain (PEM).
+    #[arg(long, env = "PAYLEDGER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The server certificate's private key (PEM).
+    #[arg(long, env = "PAYLEDGER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM) that client certificates must chain to: mutual TLS.
+    #[arg(long, env = "PAYLEDGER_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
 /// `payledger serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeSettings {
-    /// Address to listen on for gRPC (plaintext HTTP/2).
+    /// Address to listen on for gRPC (HTTP/2; TLS with --tls-cert).
     #[arg(long, env = "PAYLEDGER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    #[command(flatten)]
+    pub tls: TlsSettings,
+    #[command(flatten)]
+    pub auth: AuthSettings,
     #[command(flatten)]
     pub database: DatabaseSettings,
     #[command(flatten)]

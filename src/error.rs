@@ -10,6 +10,7 @@ use std::time::Duration;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::auth::{Denied, Unauthenticated};
 use crate::domain::{FieldViolation, Rejection};
 use crate::store::{classify, Fault};
 
@@ -83,6 +84,14 @@ pub enum Error {
     /// Bad input: fix the request. INVALID_ARGUMENT.
     #[error("invalid argument: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidArgument(Vec<FieldViolation>),
+    /// No usable credential: UNAUTHENTICATED (CREDENTIALS_MISSING, CREDENTIALS_INVALID,
+    /// CREDENTIALS_EXPIRED). The message never echoes the credential.
+    #[error(transparent)]
+    Unauthenticated(#[from] Unauthenticated),
+    /// An authenticated caller outside its grant: PERMISSION_DENIED (MERCHANT_NOT_ALLOWED, or
+    /// SCOPE_MISSING with the scope in the ErrorInfo metadata).
+    #[error(transparent)]
+    PermissionDenied(#[from] Denied),
     /// NOT_FOUND.
     #[error("{} not found", .0.name())]
     NotFound(Resource),
@@ -148,6 +157,14 @@ impl From<Error> for Status {
                     details.add_bad_request_violation(violation.field, violation.description.clone());
                 }
                 (Code::InvalidArgument, "INVALID_ARGUMENT", error.to_string())
+            }
+            Error::Unauthenticated(failure) => (Code::Unauthenticated, failure.reason(), error.to_string()),
+            Error::PermissionDenied(denied) => {
+                if let Denied::ScopeMissing(scope) = denied {
+                    let metadata = HashMap::from([("scope".to_owned(), scope.as_str().to_owned())]);
+                    details.set_error_info(denied.reason(), ERROR_DOMAIN, metadata);
+                }
+                (Code::PermissionDenied, denied.reason(), error.to_string())
             }
             Error::NotFound(resource) => (Code::NotFound, resource.reason(), error.to_string()),
             Error::KeyReused { key, fields } => {

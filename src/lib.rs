@@ -4,6 +4,7 @@
 //! `grpc` (transport) -> `ledger` (use cases, transactions, idempotency) -> `store` (SQL)
 //! and `domain` (pure types and rules).
 
+pub mod auth;
 pub mod config;
 pub mod domain;
 pub mod error;

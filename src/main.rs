@@ -1,7 +1,9 @@
-//! The `payledger` command: `serve` and `audit`. The test tools (demo, bench, storm) are the
-//! separate `payledger-tools` binary.
+//! The `payledger` command: `serve`, `audit` and `auth` (keys and tokens for local use). The
+//! test tools (demo, bench, storm) are the separate `payledger-tools` binary.
 
 use std::process::ExitCode;
+
+use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,49 @@ enum Command {
     Serve(ServeSettings),
     /// Check the ledger invariants; exits 1 on any violation.
     Audit(AuditSettings),
+    /// Development aid: a signing key pair and tokens for local use (production tokens come
+    /// from your identity provider; payledger needs only its JWKS).
+    #[command(subcommand)]
+    Auth(AuthCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum AuthCommand {
+    /// Writes a new Ed25519 signing key (`jwt-signing-key.pem`, owner-only) and its public
+    /// JWKS (`jwks.json`, for `serve --auth-jwks`) into a directory.
+    Keygen {
+        /// Directory to write both files into (created if missing).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// Key type: EdDSA (Ed25519) or ES256 (P-256).
+        #[arg(long, default_value = "EdDSA", value_parser = ["EdDSA", "ES256"])]
+        algorithm: String,
+    },
+    /// Prints a signed JWT for local use.
+    Mint {
+        /// The private key written by `auth keygen` (PKCS #8 PEM; RS256 keys too).
+        #[arg(long, default_value = "jwt-signing-key.pem")]
+        key: PathBuf,
+        /// The caller's identity (`sub`): 1-128 printable ASCII characters, no spaces.
+        #[arg(long)]
+        sub: String,
+        /// merchant_ids the caller may act for, comma-separated, or `*` for all.
+        #[arg(long, value_delimiter = ',', required = true)]
+        merchants: Vec<String>,
+        /// Space-separated scopes: payments:write payments:read accounts:write accounts:read
+        /// accounts:admin.
+        #[arg(long)]
+        scope: String,
+        /// `iss`, as `serve --auth-issuer` expects it.
+        #[arg(long, default_value = "payledger-dev")]
+        issuer: String,
+        /// `aud`, as `serve --auth-audience` expects it.
+        #[arg(long, default_value = "payledger")]
+        audience: String,
+        /// Seconds until the token expires.
+        #[arg(long, default_value_t = 3600)]
+        ttl_seconds: u64,
+    },
 }
 
 #[tokio::main]
@@ -33,6 +78,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(settings) => serve(settings).await,
         Command::Audit(settings) => audit(settings).await,
+        Command::Auth(command) => auth(command),
     };
     match result {
         Ok(code) => code,
@@ -50,9 +96,35 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
     tracing::info!(
         listen = %application.local_addr(),
         backend = application.ledger().store().dialect().name(),
+        authentication = application.authentication(),
+        transport = application.transport_security(),
         "payledger serving"
     );
     application.run_until(shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn auth(command: AuthCommand) -> Result<ExitCode, AnyError> {
+    use payledger::auth::dev::{SigningKey, TokenClaims, JWKS_FILE, PRIVATE_KEY_FILE};
+    match command {
+        AuthCommand::Keygen { dir, algorithm } => {
+            let algorithm =
+                if algorithm == "ES256" { jsonwebtoken::Algorithm::ES256 } else { jsonwebtoken::Algorithm::EdDSA };
+            let key = SigningKey::generate(algorithm)?;
+            key.write(&dir)?;
+            println!(
+                "wrote {} (private, keep it secret) and {} (kid {})",
+                dir.join(PRIVATE_KEY_FILE).display(),
+                dir.join(JWKS_FILE).display(),
+                key.kid()
+            );
+        }
+        AuthCommand::Mint { key, sub, merchants, scope, issuer, audience, ttl_seconds } => {
+            let key = SigningKey::read(&key)?;
+            let claims = TokenClaims { issuer, audience, subject: sub, merchants, scope, ttl_seconds };
+            println!("{}", key.sign(&claims.to_json())?);
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

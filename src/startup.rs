@@ -2,15 +2,19 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::Server;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
-use crate::config::{AuditSettings, DatabaseSettings, IdempotencySettings, ServeSettings};
-use crate::grpc::{capture_guard_headers, AccountApi, PaymentApi};
+use crate::auth::{AuthSettingsError, Authenticator};
+use crate::config::{AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, ServeSettings, TlsSettings};
+use crate::grpc::{capture_guard_headers, AccountApi, Authentication, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
@@ -32,6 +36,10 @@ pub enum StartupError {
     TokenStore(String),
     #[error("invalid settings: {0}")]
     Settings(String),
+    #[error(transparent)]
+    Auth(#[from] AuthSettingsError),
+    #[error("cannot read {path}: {source}")]
+    TlsFile { path: String, source: std::io::Error },
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -63,29 +71,129 @@ pub async fn open_existing_ledger(settings: &AuditSettings) -> Result<Ledger, St
     Ok(Ledger::new(Store::connect_existing(&settings.database_url, &settings.pool()).await?))
 }
 
+/// The verifier of callers' tokens per `settings`: `None` without `--auth-jwks`, which is
+/// allowed only on a loopback `listen` address or with `--insecure-allow-unauthenticated`.
+///
+/// # Errors
+/// [`StartupError::Settings`] for an unauthenticated non-loopback listener;
+/// [`StartupError::Auth`] for a JWKS file or issuer/audience that cannot be used.
+pub fn authenticator(listen: SocketAddr, settings: &AuthSettings) -> Result<Option<Arc<Authenticator>>, StartupError> {
+    let Some(jwks) = &settings.auth_jwks else {
+        if listen.ip().is_loopback() || settings.insecure_allow_unauthenticated {
+            return Ok(None);
+        }
+        return Err(StartupError::Settings(format!(
+            "refusing to serve unauthenticated calls on {listen}, which is not a loopback address: give \
+             --auth-jwks with --auth-issuer and --auth-audience (see README, \"Security\"), or \
+             --insecure-allow-unauthenticated for a network that only trusted callers can reach"
+        )));
+    };
+    let authenticator =
+        Authenticator::from_file(jwks, &settings.auth_issuer, &settings.auth_audience, settings.auth_leeway_seconds)?;
+    Ok(Some(Arc::new(authenticator)))
+}
+
+fn read_pem(path: &Path) -> Result<Vec<u8>, StartupError> {
+    std::fs::read(path).map_err(|source| StartupError::TlsFile { path: path.display().to_string(), source })
+}
+
+/// The TLS configuration of `settings`; `None` without `--tls-cert`.
+///
+/// # Errors
+/// [`StartupError::TlsFile`] for a file that cannot be read; [`StartupError::Settings`] for
+/// a key without a certificate or a client CA without either.
+pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, StartupError> {
+    let (cert, key) = match (&settings.tls_cert, &settings.tls_key) {
+        (Some(cert), Some(key)) => (cert, key),
+        (None, None) if settings.tls_client_ca.is_none() => return Ok(None),
+        _ => {
+            return Err(StartupError::Settings(
+                "--tls-cert and --tls-key go together (and --tls-client-ca needs both)".into(),
+            ))
+        }
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(read_pem(cert)?, read_pem(key)?));
+    if let Some(ca) = &settings.tls_client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read_pem(ca)?));
+    }
+    Ok(Some(config))
+}
+
 /// A ready server: database migrated, port bound.
 pub struct Application {
     listener: TcpListener,
     ledger: Ledger,
     shutdown_grace: Duration,
     reaper: ReaperSettings,
+    authenticator: Option<Arc<Authenticator>>,
+    tls: Option<ServerTlsConfig>,
+    mutual_tls: bool,
 }
 
 impl Application {
     /// # Errors
     /// [`StartupError`] when the database or the port cannot be had.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
-        // The port first: a server that cannot listen creates no database file.
+        // Settings first, then the port: a server that cannot listen creates no database file.
+        let authenticator = authenticator(settings.listen, &settings.auth)?;
+        let tls = server_tls(&settings.tls)?;
         let listener =
             TcpListener::bind(settings.listen).await.map_err(|error| StartupError::Bind(settings.listen, error))?;
         let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
-        let application = Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds));
+        let mut application =
+            Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds))
+                .with_authenticator(authenticator);
+        if let Some(tls) = tls {
+            application = application.with_tls(tls, settings.tls.tls_client_ca.is_some());
+        }
         Ok(application.with_reaper(settings.idempotency.reaper()))
     }
 
-    /// A server on an already bound listener (tests bind port 0).
+    /// A server on an already bound listener (tests bind port 0), without authentication or
+    /// TLS until [`Application::with_authenticator`] and [`Application::with_tls`].
     pub fn with_listener(listener: TcpListener, ledger: Ledger, shutdown_grace: Duration) -> Self {
-        Self { listener, ledger, shutdown_grace, reaper: ReaperSettings::default() }
+        Self {
+            listener,
+            ledger,
+            shutdown_grace,
+            reaper: ReaperSettings::default(),
+            authenticator: None,
+            tls: None,
+            mutual_tls: false,
+        }
+    }
+
+    /// Authenticates every call with `authenticator` (`None`: every call is anonymous).
+    pub fn with_authenticator(mut self, authenticator: Option<Arc<Authenticator>>) -> Self {
+        self.authenticator = authenticator;
+        self
+    }
+
+    /// Serves TLS; `mutual` says the configuration requires client certificates.
+    pub fn with_tls(mut self, tls: ServerTlsConfig, mutual: bool) -> Self {
+        self.tls = Some(tls);
+        self.mutual_tls = mutual;
+        self
+    }
+
+    /// How callers are authenticated, for the start-up log line.
+    pub fn authentication(&self) -> &'static str {
+        if self.authenticator.is_some() {
+            "jwt"
+        } else if self.local_addr().ip().is_loopback() {
+            "none (loopback only)"
+        } else {
+            "none (--insecure-allow-unauthenticated)"
+        }
+    }
+
+    /// The transport security, for the start-up log line: `plaintext`, `tls` or `mtls`.
+    pub fn transport_security(&self) -> &'static str {
+        match (&self.tls, self.mutual_tls) {
+            (None, _) => "plaintext",
+            (Some(_), false) => "tls",
+            (Some(_), true) => "mtls",
+        }
     }
 
     /// Replaces the reaper's schedule (the default sweeps every minute).
@@ -112,7 +220,8 @@ impl Application {
     /// # Errors
     /// [`StartupError`] when the server cannot start or fails.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartupError> {
-        let Self { listener, ledger, shutdown_grace, reaper } = self;
+        let Self { listener, ledger, shutdown_grace, reaper, authenticator, tls, mutual_tls: _ } = self;
+        let authentication = Authentication::new(authenticator);
         let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AccountServiceServer<AccountApi>>().await;
@@ -129,18 +238,24 @@ impl Application {
         // TCP_NODELAY on every accepted connection: without it Nagle's algorithm holds small
         // responses back until the client's delayed ACK, some 40 ms per call.
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-        let server = Server::builder()
+        let mut builder = Server::builder();
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls)?;
+        }
+        let server = builder
             .trace_fn(|request| tracing::info_span!("grpc", path = %request.uri().path()))
             .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(
+            .add_service(InterceptedService::new(
                 AccountServiceServer::new(AccountApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
-            )
-            .add_service(
+                authentication.clone(),
+            ))
+            .add_service(InterceptedService::new(
                 PaymentServiceServer::new(PaymentApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
-            )
+                authentication,
+            ))
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stopped.await;
             });

@@ -44,8 +44,9 @@ mod retry;
 pub use tonic;
 
 pub use retry::{
-    was_replayed, with_idempotency_key, ClientStats, PayledgerClient, RetryLayer, RetryService, RetrySettings,
-    PREVIOUS_ATTEMPTS_HEADER, RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
+    endpoint, was_replayed, with_idempotency_key, BearerToken, ClientSettings, ClientStats, ClientTls, ConnectError,
+    PayledgerClient, RetryLayer, RetryService, RetrySettings, AUTHORIZATION_HEADER, PREVIOUS_ATTEMPTS_HEADER,
+    RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
 };
 
 /// Messages and client stubs of package `payledger.v1`.

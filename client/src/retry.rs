@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use retry_policies::policies::ExponentialBackoffTimed;
 use retry_policies::{Jitter, RetryDecision, RetryPolicy};
 use tonic::body::Body;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Code, Request, Response, Status};
 use tower::{Layer, Service, ServiceExt};
 
@@ -68,16 +68,78 @@ pub struct ClientStats {
     pub retries: AtomicU64,
 }
 
-/// The tower layer that retries calls per [`RetrySettings`].
+/// The request header of the caller's credential (RFC 6750).
+pub const AUTHORIZATION_HEADER: &str = "authorization";
+
+/// A caller's JWT, sent as `authorization: Bearer <JWT>` on every attempt of every call
+/// that does not carry its own `authorization`. Clones share one token: replace it before
+/// it expires with [`BearerToken::set`]. `Debug` never shows it.
+#[derive(Clone, Default)]
+pub struct BearerToken(Arc<RwLock<Option<HeaderValue>>>);
+
+impl BearerToken {
+    /// # Errors
+    /// When `token` holds characters a header value cannot (a JWT never does).
+    pub fn new(token: &str) -> Result<Self, http::header::InvalidHeaderValue> {
+        let bearer = Self::default();
+        bearer.set(token)?;
+        Ok(bearer)
+    }
+
+    /// Replaces the token for every call from now on.
+    ///
+    /// # Errors
+    /// As [`BearerToken::new`]; the previous token stays.
+    pub fn set(&self, token: &str) -> Result<(), http::header::InvalidHeaderValue> {
+        let mut value = HeaderValue::try_from(format!("Bearer {token}"))?;
+        value.set_sensitive(true);
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(value);
+        Ok(())
+    }
+
+    fn header(&self) -> Option<HeaderValue> {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// As a tonic interceptor, for clients built on a plain `Channel`: adds the token to every
+/// request without an `authorization` of its own (nothing when no token is set).
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(value) = self.header() {
+            if !request.metadata().contains_key(AUTHORIZATION_HEADER) {
+                if let Ok(value) = tonic::metadata::MetadataValue::try_from(value.as_bytes()) {
+                    request.metadata_mut().insert(AUTHORIZATION_HEADER, value);
+                }
+            }
+        }
+        Ok(request)
+    }
+}
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BearerToken(..)")
+    }
+}
+
+/// The tower layer that retries calls per [`RetrySettings`] (and sends a [`BearerToken`]).
 #[derive(Debug, Clone)]
 pub struct RetryLayer {
     settings: Arc<RetrySettings>,
     stats: Arc<ClientStats>,
+    bearer: Option<BearerToken>,
 }
 
 impl RetryLayer {
     pub fn new(settings: RetrySettings) -> Self {
-        Self { settings: Arc::new(settings), stats: Arc::default() }
+        Self { settings: Arc::new(settings), stats: Arc::default(), bearer: None }
+    }
+
+    /// Sends `bearer` on every call.
+    pub fn with_bearer_token(mut self, bearer: BearerToken) -> Self {
+        self.bearer = Some(bearer);
+        self
     }
 
     pub fn stats(&self) -> Arc<ClientStats> {
@@ -89,7 +151,7 @@ impl<S> Layer<S> for RetryLayer {
     type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RetryService { inner, settings: self.settings.clone(), stats: self.stats.clone() }
+        RetryService { inner, settings: self.settings.clone(), stats: self.stats.clone(), bearer: self.bearer.clone() }
     }
 }
 
@@ -99,6 +161,7 @@ pub struct RetryService<S> {
     inner: S,
     settings: Arc<RetrySettings>,
     stats: Arc<ClientStats>,
+    bearer: Option<BearerToken>,
 }
 
 /// What the server (or the transport) said about one attempt.
@@ -159,7 +222,12 @@ where
         self.inner.poll_ready(context).map_err(Into::into)
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+        if let Some(value) = self.bearer.as_ref().and_then(BearerToken::header) {
+            if !request.headers().contains_key(AUTHORIZATION_HEADER) {
+                request.headers_mut().insert(AUTHORIZATION_HEADER, value);
+            }
+        }
         // The ready service goes with this call; a clone stays for the next (tower's pattern).
         let ready = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, ready);
@@ -259,14 +327,130 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// HTTP/2 PING interval, and how long a PING may go unanswered.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 
+/// TLS for an `https://` target. The server's certificate must verify against
+/// `ca_certificate_pem` (or, without it, the Mozilla root programme's CAs, as bundled by
+/// `webpki-roots`) and name the target's host (or `domain_name`); a server that cannot be
+/// verified fails the handshake, and the call fails UNAVAILABLE. Nothing falls back to
+/// plaintext.
+#[derive(Clone, Default)]
+pub struct ClientTls {
+    /// CA certificate(s), PEM, that the server's certificate must chain to.
+    pub ca_certificate_pem: Option<Vec<u8>>,
+    /// This client's certificate chain and private key, PEM, for a server that requires
+    /// mutual TLS.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name the server's certificate must carry, when it differs from the target's host.
+    pub domain_name: Option<String>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("ca_certificate_pem", &self.ca_certificate_pem.as_ref().map(Vec::len))
+            .field("identity_pem", &self.identity_pem.as_ref().map(|_| ".."))
+            .field("domain_name", &self.domain_name)
+            .finish()
+    }
+}
+
+/// How [`PayledgerClient::connect`] reaches and authenticates to payledger.
+#[derive(Debug, Clone, Default)]
+pub struct ClientSettings {
+    pub retry: RetrySettings,
+    /// For `https://` targets; refused for `http://` ones.
+    pub tls: Option<ClientTls>,
+    /// Sent on every call; required by a server run with `--auth-jwks`.
+    pub bearer_token: Option<BearerToken>,
+}
+
+/// Why [`PayledgerClient::connect`] could not build a client.
+#[derive(Debug)]
+pub enum ConnectError {
+    /// The endpoint is not a valid URI, or its TLS settings are unusable.
+    Endpoint(tonic::transport::Error),
+    /// TLS settings for an `http://` target: say `https://` to use TLS.
+    TlsForPlaintextTarget,
+    /// The target's scheme is neither `http` nor `https`.
+    UnsupportedScheme,
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectError::Endpoint(error) => write!(f, "invalid endpoint: {error}"),
+            ConnectError::TlsForPlaintextTarget => {
+                f.write_str("TLS settings were given for an http:// target; use https:// for TLS")
+            }
+            ConnectError::UnsupportedScheme => f.write_str("the target must start with http:// or https://"),
+        }
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConnectError::Endpoint(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<tonic::transport::Error> for ConnectError {
+    fn from(error: tonic::transport::Error) -> Self {
+        ConnectError::Endpoint(error)
+    }
+}
+
+/// A tonic `Endpoint` for `target`: `https://` always with TLS (`tls`, or the defaults of
+/// [`ClientTls`]), `http://` plaintext and only without TLS settings. For callers that build
+/// their own stubs on a `Channel` (with [`BearerToken`] as their interceptor).
+///
+/// # Errors
+/// [`ConnectError`].
+pub fn endpoint(target: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ConnectError> {
+    let builder = Endpoint::from_shared(target.to_owned())?;
+    match (builder.uri().scheme_str(), tls) {
+        (Some("https"), tls) => {
+            let tls = tls.cloned().unwrap_or_default();
+            let mut config = ClientTlsConfig::new();
+            config = match &tls.ca_certificate_pem {
+                Some(ca) => config.ca_certificate(Certificate::from_pem(ca)),
+                None => config.with_webpki_roots(),
+            };
+            if let Some((cert, key)) = &tls.identity_pem {
+                config = config.identity(Identity::from_pem(cert, key));
+            }
+            if let Some(domain_name) = &tls.domain_name {
+                config = config.domain_name(domain_name.clone());
+            }
+            Ok(builder.tls_config(config)?)
+        }
+        (Some("http"), None) => Ok(builder),
+        (Some("http"), Some(_)) => Err(ConnectError::TlsForPlaintextTarget),
+        _ => Err(ConnectError::UnsupportedScheme),
+    }
+}
+
 impl PayledgerClient {
     /// A client for `endpoint` (e.g. `http://127.0.0.1:50051`) that connects on first use,
-    /// so a server that is not up yet is simply retried.
+    /// so a server that is not up yet is simply retried. An `https://` endpoint gets TLS
+    /// verified against the bundled public roots (see [`ClientTls`]; for a private CA, a
+    /// client certificate or a bearer token, use [`PayledgerClient::connect`]).
     ///
     /// # Errors
-    /// When `endpoint` is not a valid URI.
-    pub fn connect_lazy(endpoint: &str, settings: RetrySettings) -> Result<Self, tonic::transport::Error> {
-        let channel = Endpoint::from_shared(endpoint.to_owned())?
+    /// When `endpoint` is not a valid `http://` or `https://` URI.
+    pub fn connect_lazy(endpoint: &str, settings: RetrySettings) -> Result<Self, ConnectError> {
+        Self::connect(endpoint, ClientSettings { retry: settings, ..ClientSettings::default() })
+    }
+
+    /// A client for `endpoint` per `settings`, connecting on first use. `https://` targets
+    /// always speak TLS (with `settings.tls`, or the defaults of [`ClientTls`]); `http://`
+    /// targets speak plaintext and refuse TLS settings.
+    ///
+    /// # Errors
+    /// [`ConnectError`].
+    pub fn connect(endpoint: &str, settings: ClientSettings) -> Result<Self, ConnectError> {
+        let channel = self::endpoint(endpoint, settings.tls.as_ref())?
             .connect_timeout(CONNECT_TIMEOUT)
             // A peer that stops answering (a black hole, a dead NAT entry) is noticed within
             // seconds, and the next attempt gets a new connection.
@@ -274,12 +458,19 @@ impl PayledgerClient {
             .keep_alive_timeout(KEEPALIVE_INTERVAL)
             .keep_alive_while_idle(true)
             .connect_lazy();
-        Ok(Self::with_channel(channel, settings))
+        let mut layer = RetryLayer::new(settings.retry);
+        if let Some(bearer) = settings.bearer_token {
+            layer = layer.with_bearer_token(bearer);
+        }
+        Ok(Self::with_layer(channel, layer))
     }
 
     /// A client over an existing channel.
     pub fn with_channel(channel: Channel, settings: RetrySettings) -> Self {
-        let layer = RetryLayer::new(settings);
+        Self::with_layer(channel, RetryLayer::new(settings))
+    }
+
+    fn with_layer(channel: Channel, layer: RetryLayer) -> Self {
         let stats = layer.stats();
         let service = layer.layer(channel);
         Self {

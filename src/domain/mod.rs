@@ -3,10 +3,12 @@
 //! Nothing here does I/O. Raw strings from the wire become these types once, at the edge
 //! (`crate::grpc`), and everything deeper speaks them.
 
+mod actor;
 mod keys;
 mod money;
 mod order;
 
+pub use actor::{Actor, Subject};
 pub use keys::{
     AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
     BUSINESS_NO_LEN_MAX,

@@ -3,11 +3,12 @@
 use tonic::{Request, Response, Status};
 use tracing::info_span;
 
+use crate::auth::Permission;
 use crate::ledger::Ledger;
 use crate::proto;
 use crate::proto::account_service_server::AccountService;
 
-use super::{decode, reply, reply_replayable, run_detached};
+use super::{decode, permitted, reply, reply_replayable, run_detached};
 use crate::ledger::response;
 
 /// The AccountService handlers.
@@ -28,7 +29,8 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::OpenAccountRequest>,
     ) -> Result<Response<proto::OpenAccountResponse>, Status> {
-        let guards = decode::guards(&request)?;
+        let caller = permitted(&request, "OpenAccount", Permission::AccountsAdmin)?;
+        let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::open_account(request.into_inner())?;
         let span = info_span!("OpenAccount", account_id = %command.account_id);
         let ledger = self.ledger.clone();
@@ -40,8 +42,9 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::DepositRequest>,
     ) -> Result<Response<proto::DepositResponse>, Status> {
-        let guards = decode::guards(&request)?;
-        let command = decode::deposit(request.into_inner())?;
+        let caller = permitted(&request, "Deposit", Permission::AccountsAdmin)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::deposit(request.into_inner(), &caller.actor)?;
         let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
@@ -52,6 +55,7 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::GetAccountRequest>,
     ) -> Result<Response<proto::GetAccountResponse>, Status> {
+        permitted(&request, "GetAccount", Permission::AccountsRead)?;
         let account_id = decode::account_id(request.into_inner())?;
         let span = info_span!("GetAccount", account_id = %account_id);
         let ledger = self.ledger.clone();
@@ -63,6 +67,7 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::ListEntriesRequest>,
     ) -> Result<Response<proto::ListEntriesResponse>, Status> {
+        permitted(&request, "ListEntries", Permission::AccountsRead)?;
         let query = decode::list_entries(request.into_inner())?;
         let span = info_span!("ListEntries", account_id = %query.account_id);
         let ledger = self.ledger.clone();
@@ -76,8 +81,9 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::TransferRequest>,
     ) -> Result<Response<proto::TransferResponse>, Status> {
-        let guards = decode::guards(&request)?;
-        let command = decode::transfer(request.into_inner())?;
+        let caller = permitted(&request, "Transfer", Permission::AccountsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::transfer(request.into_inner(), &caller.actor)?;
         let span =
             info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
         let ledger = self.ledger.clone();

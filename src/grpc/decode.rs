@@ -3,7 +3,7 @@
 //! request are reported together.
 
 use crate::domain::{
-    AccountId, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo,
+    AccountId, Actor, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo,
     OutRefundNo, OutTradeNo, RequestId,
 };
 use crate::error::Error;
@@ -53,7 +53,7 @@ pub(super) fn open_account(request: proto::OpenAccountRequest) -> Result<OpenAcc
     }
 }
 
-pub(super) fn deposit(request: proto::DepositRequest) -> Result<Deposit, Error> {
+pub(super) fn deposit(request: proto::DepositRequest, actor: &Actor) -> Result<Deposit, Error> {
     let proto::DepositRequest { request_id, account_id, amount, currency } = request;
     let mut v = Violations::default();
     let request_id = v.check(RequestId::parse("request_id", &request_id));
@@ -61,7 +61,9 @@ pub(super) fn deposit(request: proto::DepositRequest) -> Result<Deposit, Error> 
     let currency = v.check(Currency::parse("currency", &currency));
     let amount = v.amount(&amount, currency);
     match (request_id, account_id, amount) {
-        (Some(request_id), Some(account_id), Some(amount)) => Ok(Deposit { request_id, account_id, amount }),
+        (Some(request_id), Some(account_id), Some(amount)) => {
+            Ok(Deposit { request_id, account_id, amount, created_by: actor.clone() })
+        }
         _ => Err(v.into_error()),
     }
 }
@@ -127,7 +129,7 @@ pub(super) fn close_order(request: proto::CloseOrderRequest) -> Result<(Merchant
     }
 }
 
-pub(super) fn pay(request: proto::PayRequest) -> Result<Pay, Error> {
+pub(super) fn pay(request: proto::PayRequest, actor: &Actor) -> Result<Pay, Error> {
     let proto::PayRequest { merchant_id, out_trade_no, order_no, payer_account_id, amount, currency } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
@@ -138,13 +140,13 @@ pub(super) fn pay(request: proto::PayRequest) -> Result<Pay, Error> {
     let amount = v.amount(&amount, currency);
     match (merchant_id, out_trade_no, order_no, payer_account_id, amount) {
         (Some(merchant_id), Some(out_trade_no), Some(order_no), Some(payer_account_id), Some(amount)) => {
-            Ok(Pay { merchant_id, out_trade_no, order_no, payer_account_id, amount })
+            Ok(Pay { merchant_id, out_trade_no, order_no, payer_account_id, amount, created_by: actor.clone() })
         }
         _ => Err(v.into_error()),
     }
 }
 
-pub(super) fn refund(request: proto::RefundRequest) -> Result<Refund, Error> {
+pub(super) fn refund(request: proto::RefundRequest, actor: &Actor) -> Result<Refund, Error> {
     let proto::RefundRequest { merchant_id, out_trade_no, out_refund_no, amount, currency, reason } = request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
@@ -155,7 +157,7 @@ pub(super) fn refund(request: proto::RefundRequest) -> Result<Refund, Error> {
     let reason = v.check(FreeText::parse("reason", &reason));
     match (merchant_id, out_trade_no, out_refund_no, amount, reason) {
         (Some(merchant_id), Some(out_trade_no), Some(out_refund_no), Some(amount), Some(reason)) => {
-            Ok(Refund { merchant_id, out_trade_no, out_refund_no, amount, reason })
+            Ok(Refund { merchant_id, out_trade_no, out_refund_no, amount, reason, created_by: actor.clone() })
         }
         _ => Err(v.into_error()),
     }
@@ -185,7 +187,8 @@ pub(super) fn query(request: proto::QueryRequest) -> Result<(MerchantId, QueryKe
 /// the header), or sent as its binary twin `idempotency-key-bin` / `idempotency-token-bin`
 /// (a different gRPC metadata key that a caller may believe is the same) is
 /// INVALID_ARGUMENT naming the header, before anything is read or written.
-pub(super) fn guards<T>(request: &tonic::Request<T>) -> Result<Guards, Error> {
+/// The guards belong to `actor`, the authenticated caller.
+pub(super) fn guards<T>(request: &tonic::Request<T>, actor: &Actor) -> Result<Guards, Error> {
     let metadata = request.metadata();
     let mut v = Violations::default();
     if let Some(headers) = request.extensions().get::<GuardHeaders>() {
@@ -211,7 +214,7 @@ pub(super) fn guards<T>(request: &tonic::Request<T>) -> Result<Guards, Error> {
     let token = single_header(metadata, IDEMPOTENCY_TOKEN_HEADER, "idempotency-token-bin", &mut v)
         .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, raw)));
     if v.0.is_empty() {
-        Ok(Guards { idempotency_key, token })
+        Ok(Guards { idempotency_key, token, actor: actor.clone() })
     } else {
         Err(v.into_error())
     }
@@ -241,7 +244,7 @@ fn single_header<'a>(
     v.check(value.to_str().map_err(|_| FieldViolation::new(name, "must be printable ASCII (0x20-0x7E)")))
 }
 
-pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Error> {
+pub(super) fn transfer(request: proto::TransferRequest, actor: &Actor) -> Result<Transfer, Error> {
     let proto::TransferRequest { from_account_id, to_account_id, amount, currency, memo } = request;
     let mut v = Violations::default();
     let from_account_id = v.check(AccountId::parse("from_account_id", &from_account_id));
@@ -256,7 +259,7 @@ pub(super) fn transfer(request: proto::TransferRequest) -> Result<Transfer, Erro
     }
     match (from_account_id, to_account_id, amount, memo) {
         (Some(from_account_id), Some(to_account_id), Some(amount), Some(memo)) if v.0.is_empty() => {
-            Ok(Transfer { from_account_id, to_account_id, amount, memo })
+            Ok(Transfer { from_account_id, to_account_id, amount, memo, created_by: actor.clone() })
         }
         _ => Err(v.into_error()),
     }

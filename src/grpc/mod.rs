@@ -6,6 +6,7 @@ mod decode;
 mod payments;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
@@ -14,6 +15,8 @@ use tracing::{Instrument, Span};
 pub use accounts::AccountApi;
 pub use payments::PaymentApi;
 
+use crate::auth::{Authenticator, Caller, Denied, Permission};
+use crate::domain::MerchantId;
 use crate::error::Error;
 use crate::ledger::{response, Replayable};
 
@@ -33,15 +36,92 @@ pub struct GuardHeaders {
     idempotency_token: Vec<http::HeaderValue>,
 }
 
-/// Records the guard headers of `request` in its extensions (see [`GuardHeaders`]).
+/// The request's path (`/package.Service/Method`), for the log line of a refused call.
+#[derive(Debug, Clone)]
+struct RpcPath(String);
+
+/// Records the guard headers of `request` in its extensions (see [`GuardHeaders`]), and its
+/// path.
 pub fn capture_guard_headers<B>(mut request: http::Request<B>) -> http::Request<B> {
     let values = |name: &str| request.headers().get_all(name).iter().cloned().collect();
     let captured = GuardHeaders {
         idempotency_key: values(crate::ledger::IDEMPOTENCY_KEY_HEADER),
         idempotency_token: values(crate::ledger::IDEMPOTENCY_TOKEN_HEADER),
     };
+    let path = RpcPath(request.uri().path().to_owned());
     request.extensions_mut().insert(captured);
+    request.extensions_mut().insert(path);
     request
+}
+
+/// The request header of the caller's credential: `authorization: Bearer <JWT>` (RFC 6750).
+pub use payledger_client::AUTHORIZATION_HEADER;
+
+/// Authenticates every call of the services it wraps (PaymentService and AccountService;
+/// health and reflection stay open) before its message is decoded, and puts the [`Caller`]
+/// in the request's extensions: the verified caller, or [`Caller::anonymous`] on a server
+/// without authentication. A refused call is UNAUTHENTICATED and logged with its method and
+/// reason, never its credential.
+#[derive(Clone)]
+pub struct Authentication {
+    authenticator: Option<Arc<Authenticator>>,
+}
+
+impl Authentication {
+    /// `None`: no authentication (every call runs as [`Caller::anonymous`]).
+    pub fn new(authenticator: Option<Arc<Authenticator>>) -> Self {
+        Self { authenticator }
+    }
+}
+
+impl tonic::service::Interceptor for Authentication {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        let caller = match &self.authenticator {
+            None => Caller::anonymous(),
+            Some(authenticator) => {
+                let mut values = request.metadata().get_all(AUTHORIZATION_HEADER).iter();
+                let credential = match (values.next(), values.next()) {
+                    (Some(value), None) => authenticator.authenticate(Some(value.as_bytes())),
+                    (None, _) => authenticator.authenticate(None),
+                    // Two credentials: which one would count?
+                    (Some(_), Some(_)) => Err(crate::auth::Unauthenticated::Invalid),
+                };
+                match credential {
+                    Ok(caller) => caller,
+                    Err(failure) => {
+                        let method = request.extensions().get::<RpcPath>().map_or("", |path| path.0.as_str());
+                        tracing::info!(method, reason = failure.reason(), "call refused: unauthenticated");
+                        return Err(Error::from(failure).into());
+                    }
+                }
+            }
+        };
+        request.extensions_mut().insert(caller);
+        Ok(request)
+    }
+}
+
+/// A refused call's status, logged with the caller's `sub`, the method and the reason.
+fn denied(caller: &Caller, method: &'static str, denied: Denied) -> Status {
+    tracing::info!(sub = caller.subject(), method, reason = denied.reason(), %denied, "call refused: permission denied");
+    Error::from(denied).into()
+}
+
+/// The caller of `request`, once it is known to hold `permission`; checked before anything
+/// is decoded, read or written.
+fn permitted<T>(request: &tonic::Request<T>, method: &'static str, permission: Permission) -> Result<Caller, Status> {
+    let caller = request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::from(Error::Internal("a call reached its handler unauthenticated".into())))?;
+    caller.require(permission).map_err(|refusal| denied(&caller, method, refusal))?;
+    Ok(caller)
+}
+
+/// Refuses a caller that may not act for `merchant_id`, before anything is read or written.
+fn for_merchant(caller: &Caller, method: &'static str, merchant_id: &MerchantId) -> Result<(), Status> {
+    caller.require_merchant(merchant_id).map_err(|refusal| denied(caller, method, refusal))
 }
 
 /// Runs a use case on its own task, so that a client that cancels or whose deadline passes

@@ -3,11 +3,12 @@
 use tonic::{Request, Response, Status};
 use tracing::info_span;
 
+use crate::auth::Permission;
 use crate::ledger::{Ledger, QueryKey};
 use crate::proto;
 use crate::proto::payment_service_server::PaymentService;
 
-use super::{decode, reply, reply_replayable, run_detached};
+use super::{decode, for_merchant, permitted, reply, reply_replayable, run_detached};
 use crate::ledger::response;
 
 /// The PaymentService handlers.
@@ -28,8 +29,10 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CreateOrderRequest>,
     ) -> Result<Response<proto::CreateOrderResponse>, Status> {
-        let guards = decode::guards(&request)?;
+        let caller = permitted(&request, "CreateOrder", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::create_order(request.into_inner())?;
+        for_merchant(&caller, "CreateOrder", &command.merchant_id)?;
         let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.create_order(command, &guards).await }).await?;
@@ -40,8 +43,10 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::CloseOrderRequest>,
     ) -> Result<Response<proto::CloseOrderResponse>, Status> {
-        let guards = decode::guards(&request)?;
+        let caller = permitted(&request, "CloseOrder", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
         let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
+        for_merchant(&caller, "CloseOrder", &merchant_id)?;
         let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
         let answer =
@@ -50,8 +55,10 @@ impl PaymentService for PaymentApi {
     }
 
     async fn pay(&self, request: Request<proto::PayRequest>) -> Result<Response<proto::PayResponse>, Status> {
-        let guards = decode::guards(&request)?;
-        let command = decode::pay(request.into_inner())?;
+        let caller = permitted(&request, "Pay", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::pay(request.into_inner(), &caller.actor)?;
+        for_merchant(&caller, "Pay", &command.merchant_id)?;
         let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.pay(command, &guards).await }).await?;
@@ -59,8 +66,10 @@ impl PaymentService for PaymentApi {
     }
 
     async fn refund(&self, request: Request<proto::RefundRequest>) -> Result<Response<proto::RefundResponse>, Status> {
-        let guards = decode::guards(&request)?;
-        let command = decode::refund(request.into_inner())?;
+        let caller = permitted(&request, "Refund", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::refund(request.into_inner(), &caller.actor)?;
+        for_merchant(&caller, "Refund", &command.merchant_id)?;
         let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
@@ -68,7 +77,9 @@ impl PaymentService for PaymentApi {
     }
 
     async fn query(&self, request: Request<proto::QueryRequest>) -> Result<Response<proto::QueryResponse>, Status> {
+        let caller = permitted(&request, "Query", Permission::PaymentsRead)?;
         let (merchant_id, key) = decode::query(request.into_inner())?;
+        for_merchant(&caller, "Query", &merchant_id)?;
         let span = match &key {
             QueryKey::OutTradeNo(no) => {
                 info_span!("Query", merchant_id = %merchant_id, out_trade_no = %no)
@@ -94,10 +105,14 @@ impl PaymentService for PaymentApi {
         &self,
         request: Request<proto::IssueTokenRequest>,
     ) -> Result<Response<proto::IssueTokenResponse>, Status> {
+        let caller = permitted(&request, "IssueToken", Permission::PaymentsWrite)?;
         let (merchant_id, purpose) = decode::issue_token(request.into_inner())?;
+        for_merchant(&caller, "IssueToken", &merchant_id)?;
         let span = info_span!("IssueToken", merchant_id = %merchant_id);
         let ledger = self.ledger.clone();
-        let issued = run_detached(span, async move { ledger.issue_token(&merchant_id, &purpose).await }).await?;
+        let actor = caller.actor;
+        let issued =
+            run_detached(span, async move { ledger.issue_token(&merchant_id, &actor, &purpose).await }).await?;
         Ok(reply(
             proto::IssueTokenResponse { token: issued.token, expires_at: response::timestamp(issued.expires_at) },
             false,

@@ -1,6 +1,6 @@
 //! Accounts: open, deposit, read, list the journal.
 
-use crate::domain::{AccountId, FieldViolation, FreeText, MerchantId};
+use crate::domain::{AccountId, Actor, FieldViolation, FreeText, MerchantId};
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
 use crate::store::{AccountRow, DepositRow, EntryRow, Queries, TransferRow};
@@ -86,12 +86,20 @@ impl Ledger {
         self.run_idempotent(&Identified { command, id: new_id('X') }, guards).await
     }
 
-    /// Issues a one-time token to `merchant_id` for the `idempotency-token` header.
+    /// Issues a one-time token to `merchant_id` and the caller `actor`, for the
+    /// `idempotency-token` header.
     ///
     /// # Errors
     /// [`Error::Database`] or [`Error::TokenStore`].
-    pub async fn issue_token(&self, merchant_id: &MerchantId, purpose: &FreeText) -> Result<IssuedToken, Error> {
-        self.tokens.issue(&self.store, merchant_id, purpose.as_str(), now_micros(), self.settings.token_ttl).await
+    pub async fn issue_token(
+        &self,
+        merchant_id: &MerchantId,
+        actor: &Actor,
+        purpose: &FreeText,
+    ) -> Result<IssuedToken, Error> {
+        let caller_tag = actor.scope_tag();
+        let (store, ttl) = (&self.store, self.settings.token_ttl);
+        self.tokens.issue(store, merchant_id, caller_tag.as_deref(), purpose.as_str(), now_micros(), ttl).await
     }
 
     /// # Errors
@@ -209,7 +217,7 @@ impl IdempotentCall for Identified<Deposit> {
     }
 
     fn fields(&self) -> Fields {
-        let Deposit { request_id, account_id, amount } = &self.command;
+        let Deposit { request_id, account_id, amount, created_by: _ } = &self.command;
         deposit_fields(request_id.as_str(), account_id.as_str(), amount.minor_units(), amount.currency().code())
     }
 
@@ -245,6 +253,7 @@ impl IdempotentCall for Identified<Deposit> {
             amount: command.amount.minor_units(),
             currency: account.currency.clone(),
             created_at: now,
+            created_by: command.created_by.created_by().to_owned(),
         };
         if !queries.insert_deposit(&deposit).await? {
             return Ok(Inserted::KeyTaken);
@@ -258,6 +267,7 @@ impl IdempotentCall for Identified<Deposit> {
             to_account_id: account_id,
             amount: command.amount,
             now,
+            created_by: &deposit.created_by,
         };
         post(queries, &posting, &[]).await?;
         Ok(Inserted::Done(deposit_receipt(queries, account, deposit_id).await?))
@@ -282,7 +292,7 @@ impl IdempotentCall for Identified<Transfer> {
     }
 
     fn fields(&self) -> Fields {
-        let Transfer { from_account_id, to_account_id, amount, memo } = &self.command;
+        let Transfer { from_account_id, to_account_id, amount, memo, created_by: _ } = &self.command;
         vec![
             ("from_account_id", from_account_id.to_string()),
             ("to_account_id", to_account_id.to_string()),
@@ -302,6 +312,7 @@ impl IdempotentCall for Identified<Transfer> {
             currency: command.amount.currency().code().to_owned(),
             memo: command.memo.as_str().to_owned(),
             created_at: now,
+            created_by: command.created_by.created_by().to_owned(),
         };
         let posting = Posting {
             posting_id: transfer_id,
@@ -311,6 +322,7 @@ impl IdempotentCall for Identified<Transfer> {
             to_account_id: &transfer.to_account_id,
             amount: command.amount,
             now,
+            created_by: &transfer.created_by,
         };
         post(queries, &posting, &[]).await?;
         queries.insert_transfer(&transfer).await?;

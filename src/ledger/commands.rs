@@ -1,6 +1,8 @@
 //! Inputs of the use cases, built from domain types only (parsed at the edge).
 
-use crate::domain::{AccountId, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId};
+use crate::domain::{
+    AccountId, Actor, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId,
+};
 
 #[derive(Debug, Clone)]
 pub struct OpenAccount {
@@ -13,6 +15,8 @@ pub struct Deposit {
     pub request_id: RequestId,
     pub account_id: AccountId,
     pub amount: Amount,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
 }
 
 #[derive(Debug, Clone)]
@@ -45,6 +49,8 @@ pub struct Pay {
     pub order_no: OrderNo,
     pub payer_account_id: AccountId,
     pub amount: Amount,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
 }
 
 #[derive(Debug, Clone)]
@@ -54,6 +60,8 @@ pub struct Refund {
     pub out_refund_no: OutRefundNo,
     pub amount: Amount,
     pub reason: FreeText,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
 }
 
 /// Which business number a Query looks an order up by.
@@ -71,4 +79,6 @@ pub struct Transfer {
     pub to_account_id: AccountId,
     pub amount: Amount,
     pub memo: FreeText,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
 }

@@ -353,6 +353,7 @@ async fn write_accepted(
             posting_id: &payment.trade_no,
             counterparty_account_id,
             created_at: now,
+            created_by: &payment.created_by,
         };
         entries.push(leg(
             &payment.payer_account_id,

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::domain::{AccountId, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
+use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
 use crate::store::{IdempotencyRecordRow, Queries};
 
@@ -45,6 +45,8 @@ pub struct Guards {
     pub idempotency_key: Option<IdempotencyKey>,
     /// `idempotency-token`.
     pub token: Option<OneTimeToken>,
+    /// The authenticated caller: its keys and tokens are its own (see [`Actor::scope_tag`]).
+    pub actor: Actor,
 }
 
 impl Guards {
@@ -60,12 +62,32 @@ pub(super) enum Scope<'a> {
     Account(&'a AccountId),
 }
 
+/// The owner of a one-time token as the token stores keep it: the merchant it was issued
+/// to, and `/by:<tag>` when it was issued to an authenticated caller (merchant ids hold no
+/// `/`).
+pub(super) fn token_owner(merchant_id: &str, caller_tag: Option<&str>) -> String {
+    match caller_tag {
+        Some(tag) => format!("{merchant_id}/by:{tag}"),
+        None => merchant_id.to_owned(),
+    }
+}
+
+/// The caller tag of a token owner written by [`token_owner`].
+fn caller_tag_of(owner: &str) -> Option<&str> {
+    owner.split_once("/by:").map(|(_, tag)| tag)
+}
+
 /// One call as idempotency sees it: method, caller scope and business fields.
 pub(super) struct Call {
     method: &'static str,
+    /// Whose keys the call's key lives among: `merchant:<id>` or `account:<id>`, with
+    /// `/by:<tag>` for an authenticated caller.
     scope: String,
-    /// Merchant-scoped calls accept only tokens issued to their merchant.
-    merchant_id: Option<String>,
+    /// On a merchant-scoped call, the only token owner whose tokens it accepts (its merchant
+    /// and caller); `None` on AccountService.
+    token_owner: Option<String>,
+    /// The caller's scope tag; `None` without authentication.
+    caller_tag: Option<String>,
     /// The business fields, normalized (amounts in minor units).
     fields: Fields,
     /// The same as `name=value` lines, as stored with a record.
@@ -75,17 +97,24 @@ pub(super) struct Call {
 }
 
 impl Call {
-    pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: Fields) -> Self {
-        let (scope, merchant_id) = match scope {
-            Scope::Merchant(merchant_id) => (format!("merchant:{merchant_id}"), Some(merchant_id.as_str().to_owned())),
-            Scope::Account(account_id) => (format!("account:{account_id}"), None),
+    pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: Fields, actor: &Actor) -> Self {
+        let caller_tag = actor.scope_tag();
+        let (owner, token_owner) = match scope {
+            Scope::Merchant(merchant_id) => {
+                let owner = token_owner(merchant_id.as_str(), caller_tag.as_deref());
+                (format!("merchant:{owner}"), Some(owner))
+            }
+            Scope::Account(account_id) => {
+                (format!("account:{}", token_owner(account_id.as_str(), caller_tag.as_deref())), None)
+            }
         };
+        let scope = owner;
         let fields_text: String = fields.iter().map(|(name, value)| format!("{name}={value}\n")).collect();
         let fingerprint = Sha256::digest(format!("{method}\n{fields_text}").as_bytes())
             .iter()
             .map(|byte| format!("{byte:02x}"))
             .collect();
-        Self { method, scope, merchant_id, fields, fields_text, fingerprint }
+        Self { method, scope, token_owner, caller_tag, fields, fields_text, fingerprint }
     }
 
     /// The names of what differs from a stored record: `method` and/or field names.
@@ -198,28 +227,32 @@ impl GuardSession<'_> {
         Ok(None)
     }
 
-    /// On a merchant-scoped call (PaymentService), whether the presented token was issued to
-    /// this call's merchant: a token's record is keyed by the token alone, so this is what
-    /// keeps its stored response from another merchant. The issuing merchant comes from the
-    /// token store, or, where the token is gone from it, from the record's caller; a record
-    /// that names neither (written before callers were recorded) is refused. On AccountService
-    /// a token is a bearer secret: always true.
+    /// Whether the presented token was issued to this call's caller: a token's record is
+    /// keyed by the token alone, so this is what keeps its stored response from another
+    /// merchant or caller. The owner comes from the token store, or, where the token is gone
+    /// from it, from the record's caller scope, which must then be this call's scope; a record
+    /// that names no caller (written before callers were recorded) is refused on
+    /// PaymentService. Without authentication, a token on AccountService is a bearer secret.
     async fn token_owned_by_caller(
         &self,
         queries: &mut Queries<'_>,
         record: &IdempotencyRecordRow,
     ) -> Result<bool, Error> {
-        let (Some(merchant_id), Some(token)) = (self.call.merchant_id.as_deref(), self.token) else {
+        let Some(token) = self.token else { return Ok(true) };
+        if self.call.token_owner.is_none() && self.call.caller_tag.is_none() {
             return Ok(true);
-        };
+        }
         let issued_to = match &self.ledger.tokens {
-            TokenStore::Database => queries.find_token(token.as_str()).await?.map(|row| row.merchant_id),
+            TokenStore::Database => queries
+                .find_token(token.as_str())
+                .await?
+                .map(|row| token_owner(&row.merchant_id, row.caller_tag.as_deref())),
             TokenStore::Redis(redis) => redis.issued_to(token).await?,
         };
-        let owner = issued_to.or_else(|| {
-            record.caller_scope.as_deref().and_then(|scope| scope.strip_prefix("merchant:")).map(str::to_owned)
-        });
-        Ok(owner.as_deref() == Some(merchant_id))
+        Ok(match issued_to {
+            Some(owner) => self.may_use(&owner),
+            None => record.caller_scope.as_deref() == Some(self.call.scope.as_str()),
+        })
     }
 
     fn replay(&self, kind: GuardKind, record: IdempotencyRecordRow) -> Result<Replayable<StoredResponse>, Error> {
@@ -246,10 +279,14 @@ impl GuardSession<'_> {
         Ok(record.is_some_and(|record| record.response.is_some()))
     }
 
-    /// Whether a token issued to `issued_to` may guard this call: on a merchant-scoped call
-    /// (PaymentService) only its own merchant's; on AccountService a token is a bearer secret.
-    fn merchant_may_use(&self, issued_to: &str) -> bool {
-        self.call.merchant_id.as_deref().is_none_or(|merchant_id| merchant_id == issued_to)
+    /// Whether a token issued to `owner` (see [`token_owner`]) may guard this call: on a
+    /// merchant-scoped call (PaymentService) only one issued to its merchant and caller; on
+    /// AccountService one issued to its caller, for any merchant.
+    fn may_use(&self, owner: &str) -> bool {
+        match &self.call.token_owner {
+            Some(expected) => owner == expected,
+            None => caller_tag_of(owner) == self.call.caller_tag.as_deref(),
+        }
     }
 
     fn key_expires_at(&self, kind: GuardKind, expires_at: i64) -> Option<i64> {
@@ -271,7 +308,8 @@ impl GuardSession<'_> {
     /// [`Rejection::TokenInvalid`], [`Error::TokenStore`].
     pub(super) async fn reserve_token(&mut self) -> Result<(), Error> {
         if let (Some(token), TokenStore::Redis(redis)) = (self.token, &self.ledger.tokens) {
-            self.redis = redis.consume(token, self.call.merchant_id.as_deref()).await?;
+            self.redis =
+                redis.consume(token, self.call.token_owner.as_deref(), self.call.caller_tag.as_deref()).await?;
         }
         Ok(())
     }
@@ -285,8 +323,8 @@ impl GuardSession<'_> {
         if let (Some(token), TokenStore::Database) = (self.token, &self.ledger.tokens) {
             let consumed_now = queries.consume_token(token.as_str(), now).await?;
             let row = queries.find_token(token.as_str()).await?.ok_or(Rejection::TokenInvalid)?;
-            // A token issued to another merchant is invalid for this one, consumed or not.
-            if !self.merchant_may_use(&row.merchant_id) {
+            // A token issued to another merchant or caller is invalid here, consumed or not.
+            if !self.may_use(&token_owner(&row.merchant_id, row.caller_tag.as_deref())) {
                 return Err(Rejection::TokenInvalid.into());
             }
             if !consumed_now {
@@ -405,6 +443,7 @@ mod tests {
             "Pay",
             Scope::Merchant(&merchant),
             vec![("amount", amount.to_owned()), ("order_no", order_no.to_owned())],
+            &Actor::Anonymous,
         )
     }
 
@@ -449,8 +488,25 @@ mod tests {
     fn scopes_keep_merchants_and_accounts_apart() {
         let merchant = MerchantId::parse("merchant_id", "x").unwrap();
         let account = AccountId::parse("account_id", "x").unwrap();
-        let by_merchant = Call::new("Pay", Scope::Merchant(&merchant), Vec::new());
-        let by_account = Call::new("Pay", Scope::Account(&account), Vec::new());
+        let by_merchant = Call::new("Pay", Scope::Merchant(&merchant), Vec::new(), &Actor::Anonymous);
+        let by_account = Call::new("Pay", Scope::Account(&account), Vec::new(), &Actor::Anonymous);
         assert_ne!(by_merchant.scope, by_account.scope);
+    }
+
+    #[test]
+    fn scopes_keep_callers_apart_and_keep_the_unauthenticated_scope_as_before() {
+        let merchant = MerchantId::parse("merchant_id", "m-1").unwrap();
+        let actor = |sub: &str| Actor::Subject(crate::domain::Subject::parse(sub).unwrap());
+        let scope = |actor: &Actor| Call::new("Pay", Scope::Merchant(&merchant), Vec::new(), actor).scope;
+        assert_eq!(scope(&Actor::Anonymous), "merchant:m-1");
+        assert_ne!(scope(&actor("a")), scope(&actor("b")));
+        assert_ne!(scope(&actor("a")), scope(&Actor::Anonymous));
+        let tagged = scope(&actor(&"z".repeat(crate::domain::Subject::LEN_MAX)));
+        let longest_merchant = MerchantId::parse("merchant_id", &"m".repeat(64)).unwrap();
+        let longest = Call::new("Pay", Scope::Merchant(&longest_merchant), Vec::new(), &actor("a")).scope;
+        assert!(tagged.len() < 160 && longest.len() <= 160, "{}", longest.len());
+        let call = Call::new("Pay", Scope::Merchant(&merchant), Vec::new(), &actor("a"));
+        assert_eq!(call.token_owner.as_deref(), call.scope.strip_prefix("merchant:"));
+        assert_eq!(caller_tag_of(call.token_owner.as_deref().unwrap()), call.caller_tag.as_deref());
     }
 }

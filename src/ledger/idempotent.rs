@@ -138,7 +138,7 @@ impl Ledger {
         call: &C,
         guards: &Guards,
     ) -> Result<Replayable<Reply<C::Answer>>, Error> {
-        let fingerprint = Call::new(C::METHOD, call.scope(), call.fields());
+        let fingerprint = Call::new(C::METHOD, call.scope(), call.fields(), &guards.actor);
         let mut session = match self.open_guards(guards, &fingerprint).await? {
             Opened::Replayed(stored) => return stored.try_map(|stored| Ok(Reply::Stored(stored))),
             Opened::Run(session) => session,

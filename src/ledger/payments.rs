@@ -359,7 +359,7 @@ fn pay_fields(out_trade_no: &str, order_no: &str, payer_account_id: &str, amount
 }
 
 fn pay_command_fields(command: &Pay) -> Fields {
-    let Pay { merchant_id: _, out_trade_no, order_no, payer_account_id, amount } = command;
+    let Pay { merchant_id: _, out_trade_no, order_no, payer_account_id, amount, created_by: _ } = command;
     let currency = amount.currency().code();
     pay_fields(out_trade_no.as_str(), order_no.as_str(), payer_account_id.as_str(), amount.minor_units(), currency)
 }
@@ -426,7 +426,7 @@ impl IdempotentCall for Identified<Refund> {
     }
 
     fn fields(&self) -> Fields {
-        let Refund { merchant_id: _, out_trade_no, out_refund_no, amount, reason } = &self.command;
+        let Refund { merchant_id: _, out_trade_no, out_refund_no, amount, reason, created_by: _ } = &self.command;
         let (minor_units, currency) = (amount.minor_units(), amount.currency().code());
         refund_fields(out_trade_no.as_str(), out_refund_no.as_str(), minor_units, currency, reason.as_str())
     }
@@ -504,6 +504,7 @@ pub(super) fn new_payment(command: &Pay, order: &OrderRow, trade_no: &str, now: 
         currency: order.currency.clone(),
         status: PAYMENT_SUCCEEDED.to_owned(),
         created_at: now,
+        created_by: command.created_by.created_by().to_owned(),
     }
 }
 
@@ -563,6 +564,7 @@ async fn pay_in_transaction(
         to_account_id: &payment.payee_account_id,
         amount: command.amount,
         now,
+        created_by: &payment.created_by,
     };
     post(queries, &posting, &accounts).await?;
     Ok(Inserted::Done(paid_receipt(payment, order, now)))
@@ -595,6 +597,7 @@ async fn refund_in_transaction(
         currency: payment.currency.clone(),
         reason: command.reason.as_str().to_owned(),
         created_at: now,
+        created_by: command.created_by.created_by().to_owned(),
     };
     // The order's row lock orders every refund of this order (see pay_in_transaction).
     let order =
@@ -611,6 +614,7 @@ async fn refund_in_transaction(
         to_account_id: &payment.payer_account_id,
         amount: command.amount,
         now,
+        created_by: &refund.created_by,
     };
     post(queries, &posting, &[]).await?;
     Ok(Inserted::Done(RefundReceipt { refund, order }))

@@ -48,6 +48,8 @@ pub(super) struct Posting<'a> {
     pub to_account_id: &'a str,
     pub amount: Amount,
     pub now: i64,
+    /// The caller that made it (`sub`).
+    pub created_by: &'a str,
 }
 
 /// Applies a posting inside the caller's transaction.
@@ -86,6 +88,7 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known
         posting_id: posting.posting_id,
         counterparty_account_id,
         created_at: posting.now,
+        created_by: posting.created_by,
     };
     let entries = [
         leg(posting.from_account_id, posting.to_account_id, -minor_units, from_balance, from_version),

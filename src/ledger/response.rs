@@ -53,6 +53,7 @@ pub fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
         posting_id: row.posting_id,
         counterparty_account_id: row.counterparty_account_id,
         created_at: timestamp(row.created_at),
+        created_by: row.created_by,
     })
 }
 
@@ -92,6 +93,7 @@ pub fn payment(row: PaymentRow) -> Result<proto::Payment, Error> {
         currency: row.currency,
         status: proto::PaymentStatus::Succeeded.into(),
         created_at: timestamp(row.created_at),
+        created_by: row.created_by,
     })
 }
 
@@ -106,6 +108,7 @@ pub fn refund(row: RefundRow) -> Result<proto::Refund, Error> {
         created_at: timestamp(row.created_at),
         merchant_id: row.merchant_id,
         order_no: row.order_no,
+        created_by: row.created_by,
     })
 }
 
@@ -118,5 +121,6 @@ pub fn transfer(row: TransferRow) -> Result<proto::Transfer, Error> {
         currency: row.currency,
         memo: row.memo,
         created_at: timestamp(row.created_at),
+        created_by: row.created_by,
     })
 }

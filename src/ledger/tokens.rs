@@ -21,15 +21,20 @@ use crate::domain::{MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
 use crate::store::{Store, TokenRow};
 
+use super::guards::token_owner;
+
 /// Random bytes in a token: 192 bits, written as 48 hex characters.
 const TOKEN_RANDOM_BYTES: usize = 24;
 /// Prefix of token keys in Redis.
 const REDIS_KEY_PREFIX: &str = "payledger:token:";
 
 /// Consumes an issued token: 1 consumed now, 2 consumed before, 0 unknown or expired,
-/// -1 issued to another merchant (whether consumed or not). KEYS[1] token key; ARGV[1]
-/// merchant ('' for none); ARGV[2] this consumer's mark. An issued token's value is
-/// `i:<merchant>`; a consumed one's `c:<mark>:i:<merchant>` (marks are hex, without ':').
+/// -1 issued to another merchant or caller (whether consumed or not). KEYS[1] token key;
+/// ARGV[1] the owner a merchant-scoped call requires ('' on AccountService); ARGV[2] this
+/// consumer's mark; ARGV[3] the caller tag an AccountService call requires ('' without
+/// authentication). An issued token's value is `i:<owner>`, the owner being
+/// `<merchant>[/by:<caller tag>]`; a consumed one's `c:<mark>:i:<owner>` (marks are hex,
+/// without ':').
 const CONSUME_SCRIPT: &str = r"
 local value = redis.call('GET', KEYS[1])
 if not value then return 0 end
@@ -39,7 +44,15 @@ if string.sub(value, 1, 2) == 'c:' then
   if not at then return 0 end
   issued = string.sub(value, at + 1)
 end
-if ARGV[1] ~= '' and string.sub(issued, 3) ~= ARGV[1] then return -1 end
+local owner = string.sub(issued, 3)
+if ARGV[1] ~= '' then
+  if owner ~= ARGV[1] then return -1 end
+else
+  local by = string.find(owner, '/by:', 1, true)
+  local tag = ''
+  if by then tag = string.sub(owner, by + 4) end
+  if tag ~= ARGV[3] then return -1 end
+end
 if issued ~= value then return 2 end
 redis.call('SET', KEYS[1], 'c:' .. ARGV[2] .. ':' .. value, 'KEEPTTL')
 return 1
@@ -95,7 +108,8 @@ impl TokenStore {
         }
     }
 
-    /// Issues a token to `merchant_id`, valid for `ttl`.
+    /// Issues a token to `merchant_id` and the caller of `caller_tag` (`None` without
+    /// authentication), valid for `ttl`.
     ///
     /// # Errors
     /// [`Error::Database`] or [`Error::TokenStore`].
@@ -103,6 +117,7 @@ impl TokenStore {
         &self,
         store: &Store,
         merchant_id: &MerchantId,
+        caller_tag: Option<&str>,
         purpose: &str,
         now: i64,
         ttl: Duration,
@@ -119,6 +134,7 @@ impl TokenStore {
                     created_at: now,
                     expires_at,
                     consumed_at: None,
+                    caller_tag: caller_tag.map(str::to_owned),
                 };
                 let mut reader = store.reader().await?;
                 reader.queries().insert_token(&row).await?;
@@ -127,7 +143,7 @@ impl TokenStore {
                 let mut connection = redis.connection.clone();
                 let created: Option<String> = redis::cmd("SET")
                     .arg(format!("{REDIS_KEY_PREFIX}{token}"))
-                    .arg(format!("i:{merchant_id}"))
+                    .arg(format!("i:{}", token_owner(merchant_id.as_str(), caller_tag)))
                     .arg("NX")
                     .arg("EX")
                     .arg(ttl.as_secs().max(1))
@@ -165,15 +181,17 @@ impl RedisTokens {
     pub(super) async fn consume(
         &self,
         token: &OneTimeToken,
-        merchant_id: Option<&str>,
+        owner: Option<&str>,
+        caller_tag: Option<&str>,
     ) -> Result<Option<RedisConsumption>, Error> {
         let key = format!("{REDIS_KEY_PREFIX}{}", token.as_str());
         let mark = uuid::Uuid::new_v4().simple().to_string();
         let mut connection = self.connection.clone();
         let outcome: i64 = Script::new(CONSUME_SCRIPT)
             .key(&key)
-            .arg(merchant_id.unwrap_or(""))
+            .arg(owner.unwrap_or(""))
             .arg(&mark)
+            .arg(caller_tag.unwrap_or(""))
             .invoke_async(&mut connection)
             .await?;
         match outcome {
@@ -183,7 +201,8 @@ impl RedisTokens {
         }
     }
 
-    /// The merchant `token` was issued to, while Redis still holds it (issued or consumed).
+    /// The owner `token` was issued to (`<merchant>[/by:<caller tag>]`), while Redis still
+    /// holds it (issued or consumed).
     ///
     /// # Errors
     /// [`Error::TokenStore`] when Redis fails.
@@ -191,8 +210,8 @@ impl RedisTokens {
         let mut connection = self.connection.clone();
         let value: Option<String> =
             redis::cmd("GET").arg(format!("{REDIS_KEY_PREFIX}{}", token.as_str())).query_async(&mut connection).await?;
-        // `i:<merchant>` issued, `c:<mark>:i:<merchant>` consumed (marks hold no ':').
-        Ok(value.and_then(|value| value.split_once("i:").map(|(_, merchant_id)| merchant_id.to_owned())))
+        // `i:<owner>` issued, `c:<mark>:i:<owner>` consumed (marks hold no ':').
+        Ok(value.and_then(|value| value.split_once("i:").map(|(_, owner)| owner.to_owned())))
     }
 
     /// Puts a token back after its business change failed. Best effort: when Redis fails,

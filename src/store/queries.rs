@@ -20,7 +20,7 @@ macro_rules! account_columns {
 macro_rules! entry_columns {
     () => {
         "entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
-         counterparty_account_id, created_at"
+         counterparty_account_id, created_at, created_by"
     };
 }
 macro_rules! order_columns {
@@ -34,20 +34,20 @@ macro_rules! order_columns {
 macro_rules! insert_payment_into {
     () => {
         "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, \
-         payee_account_id, amount, currency, status, created_at) VALUES "
+         payee_account_id, amount, currency, status, created_at, created_by) VALUES "
     };
 }
 macro_rules! insert_entry_into {
     () => {
         "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
-         posting_id, counterparty_account_id, created_at) VALUES "
+         posting_id, counterparty_account_id, created_at, created_by) VALUES "
     };
 }
-/// The placeholders of one payment or one entry row (both have ten columns).
-const TEN_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+/// The placeholders of one payment or one entry row (both have eleven columns).
+const ELEVEN_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 macro_rules! refund_columns {
     () => {
-        "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at"
+        "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, created_by"
     };
 }
 
@@ -64,7 +64,7 @@ static CAS_BALANCE: Sql = Sql::new(
     "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ?",
 );
 static INSERT_ENTRY_PAIR: Sql =
-    Sql::new(concat!(insert_entry_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+    Sql::new(concat!(insert_entry_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
 static FIND_ENTRY: Sql =
     Sql::new(concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"));
 static LIST_ENTRIES: Sql = Sql::new(concat!(
@@ -91,13 +91,13 @@ static TRANSITION_ORDER: Sql = Sql::new(
 );
 
 static FIND_PAYMENT: Sql = Sql::new(
-    "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at \
-     FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
+    "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at, \
+     created_by FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
 );
 macro_rules! payment_and_order_select {
     () => {
         "SELECT p.trade_no, p.merchant_id, p.out_trade_no, p.order_no, p.payer_account_id, p.payee_account_id, \
-         p.amount, p.currency, p.status, p.created_at, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
+         p.amount, p.currency, p.status, p.created_at, p.created_by, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
          o.currency AS o_currency, o.subject AS o_subject, o.status AS o_status, o.out_trade_no AS o_out_trade_no, \
          o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at \
          FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no"
@@ -106,7 +106,7 @@ macro_rules! payment_and_order_select {
 static FIND_PAYMENT_AND_ORDER: Sql =
     Sql::new(concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"));
 static INSERT_PAYMENT: Sql =
-    Sql::new(concat!(insert_payment_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
+    Sql::new(concat!(insert_payment_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
 static FIND_REFUND: Sql =
     Sql::new(concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"));
@@ -116,16 +116,16 @@ static LIST_REFUNDS: Sql = Sql::new(concat!(
     " FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no"
 ));
 static INSERT_REFUND: Sql = Sql::new(
-    "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+    "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, \
+     created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 
 static FIND_DEPOSIT: Sql = Sql::new(
-    "SELECT request_id, deposit_id, account_id, amount, currency, created_at FROM deposits WHERE request_id = ?",
+    "SELECT request_id, deposit_id, account_id, amount, currency, created_at, created_by FROM deposits WHERE request_id = ?",
 );
 static INSERT_DEPOSIT: Sql = Sql::new(
-    "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at) \
-     VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+    "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by) \
+     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 
 static FIND_RECORD: Sql = Sql::new(
@@ -151,10 +151,12 @@ static REAP_RECORDS: Sql = Sql::with_mysql(
 );
 
 static INSERT_TOKEN: Sql = Sql::new(
-    "INSERT INTO idempotency_token (token, merchant_id, purpose, created_at, expires_at, consumed_at) VALUES (?, ?, ?, ?, ?, NULL)",
+    "INSERT INTO idempotency_token (token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag) \
+     VALUES (?, ?, ?, ?, ?, NULL, ?)",
 );
 static FIND_TOKEN: Sql = Sql::new(
-    "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at FROM idempotency_token WHERE token = ?",
+    "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag FROM idempotency_token \
+     WHERE token = ?",
 );
 static CONSUME_TOKEN: Sql =
     Sql::new("UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?");
@@ -165,8 +167,8 @@ static REAP_TOKENS: Sql = Sql::with_mysql(
 );
 
 static INSERT_TRANSFER: Sql = Sql::new(
-    "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?)",
+    "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at, created_by) \
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
 );
 
 /// Each audit query returns (subject, detail) rows, one per violation.
@@ -547,7 +549,8 @@ impl<'c> Queries<'c> {
             .bind(row.amount)
             .bind(row.currency.clone())
             .bind(row.reason.clone())
-            .bind(row.created_at);
+            .bind(row.created_at)
+            .bind(row.created_by.clone());
         self.insert_if_absent(query).await
     }
 
@@ -563,7 +566,8 @@ impl<'c> Queries<'c> {
             .bind(row.account_id.clone())
             .bind(row.amount)
             .bind(row.currency.clone())
-            .bind(row.created_at);
+            .bind(row.created_at)
+            .bind(row.created_by.clone());
         self.insert_if_absent(query).await
     }
 
@@ -625,7 +629,8 @@ impl<'c> Queries<'c> {
             .bind(row.merchant_id.clone())
             .bind(row.purpose.clone())
             .bind(row.created_at)
-            .bind(row.expires_at);
+            .bind(row.expires_at)
+            .bind(row.caller_tag.clone());
         query.execute(&mut *self.connection).await?;
         Ok(())
     }
@@ -655,7 +660,8 @@ impl<'c> Queries<'c> {
             .bind(row.amount)
             .bind(row.currency.clone())
             .bind(row.memo.clone())
-            .bind(row.created_at);
+            .bind(row.created_at)
+            .bind(row.created_by.clone());
         query.execute(&mut *self.connection).await?;
         Ok(())
     }
@@ -794,7 +800,7 @@ pub struct PaidBatch<'a> {
 }
 
 fn insert_payments_sql(n: usize) -> String {
-    format!(concat!(insert_payment_into!(), "{}"), repeated(TEN_VALUES, n, ", "))
+    format!(concat!(insert_payment_into!(), "{}"), repeated(ELEVEN_VALUES, n, ", "))
 }
 
 fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
@@ -809,6 +815,7 @@ fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
         .bind(row.currency.as_str())
         .bind(row.status.as_str())
         .bind(row.created_at)
+        .bind(row.created_by.as_str())
 }
 
 fn bind_payments<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
@@ -862,7 +869,7 @@ fn bind_balances<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery
 }
 
 fn insert_entries_sql(n: usize) -> String {
-    format!(concat!(insert_entry_into!(), "{}"), repeated(TEN_VALUES, n, ", "))
+    format!(concat!(insert_entry_into!(), "{}"), repeated(ELEVEN_VALUES, n, ", "))
 }
 
 fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
@@ -877,6 +884,7 @@ fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
         .bind(entry.posting_id)
         .bind(entry.counterparty_account_id)
         .bind(entry.created_at)
+        .bind(entry.created_by)
 }
 
 fn bind_entries<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {

@@ -1,5 +1,13 @@
 //! Rows as stored: amounts in minor units, timestamps in microseconds since the Unix epoch.
 
+/// What `created_by` holds in rows written before callers were recorded (and in stored
+/// answers of the previous release, which have no such field).
+pub const CREATED_BY_UNKNOWN: &str = "unknown";
+
+fn created_by_unknown() -> String {
+    CREATED_BY_UNKNOWN.to_owned()
+}
+
 /// `accounts`: one per account; `kind` is `CUSTOMER` or `EXTERNAL` (the per-currency funding
 /// account, the only one allowed below zero).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
@@ -43,6 +51,9 @@ pub struct PaymentRow {
     pub currency: String,
     pub status: String,
     pub created_at: i64,
+    /// The `sub` of the caller that made it; `unknown` in rows older than the column.
+    #[serde(default = "created_by_unknown")]
+    pub created_by: String,
 }
 
 /// `refunds`: one row per successful refund, unique on (merchant_id, out_refund_no).
@@ -57,6 +68,9 @@ pub struct RefundRow {
     pub currency: String,
     pub reason: String,
     pub created_at: i64,
+    /// The `sub` of the caller that made it; `unknown` in rows older than the column.
+    #[serde(default = "created_by_unknown")]
+    pub created_by: String,
 }
 
 /// `deposits`: one row per successful deposit, keyed by request_id.
@@ -68,6 +82,8 @@ pub struct DepositRow {
     pub amount: i64,
     pub currency: String,
     pub created_at: i64,
+    /// The `sub` of the caller that made it; `unknown` in rows older than the column.
+    pub created_by: String,
 }
 
 /// `journal_entries`: one leg of a double-entry posting.
@@ -84,6 +100,9 @@ pub struct EntryRow {
     pub posting_id: String,
     pub counterparty_account_id: String,
     pub created_at: i64,
+    /// The `sub` of the caller that made it; `unknown` in rows older than the column.
+    #[serde(default = "created_by_unknown")]
+    pub created_by: String,
 }
 
 /// A journal entry about to be written (the database assigns `entry_id`).
@@ -99,6 +118,7 @@ pub struct NewEntry<'a> {
     pub posting_id: &'a str,
     pub counterparty_account_id: &'a str,
     pub created_at: i64,
+    pub created_by: &'a str,
 }
 
 /// A new balance for one account, written by version CAS: only if the stored version is
@@ -154,6 +174,9 @@ pub struct TokenRow {
     pub created_at: i64,
     pub expires_at: i64,
     pub consumed_at: Option<i64>,
+    /// The scope tag of the caller it was issued to (see `Actor::scope_tag`); `None` when
+    /// issued without authentication.
+    pub caller_tag: Option<String>,
 }
 
 /// `transfers`: one row per transfer between two accounts.
@@ -166,4 +189,7 @@ pub struct TransferRow {
     pub currency: String,
     pub memo: String,
     pub created_at: i64,
+    /// The `sub` of the caller that made it; `unknown` in rows older than the column.
+    #[serde(default = "created_by_unknown")]
+    pub created_by: String,
 }

@@ -7,6 +7,8 @@ use tonic::Code;
 
 use crate::helpers::{assert_status, replayed, violated_fields, TestApp};
 
+pub use crate::auth_cases::*;
+
 pub async fn open_account_is_replayed_and_a_different_currency_is_already_exists(app: &TestApp) {
     let mut accounts = app.accounts.clone();
     let request = proto::OpenAccountRequest { account_id: "alice".into(), currency: "USD".into() };
@@ -915,6 +917,7 @@ pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &Te
             rate,
             connections: 2,
             json: false,
+            access: payledger_tools::TargetAccess { token: app.admin_token.clone(), ..Default::default() },
         };
         let report = bench(&settings).await.unwrap();
 
@@ -994,6 +997,7 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
 
 // Cases run a second time with group commit off (see `main.rs`).
 pub use concurrent_pays_against_one_balance_never_overdraw_it as concurrent_pays_against_one_balance_one_by_one;
+pub use every_bench_scenario_runs_clean_and_keeps_the_ledger_sound as every_bench_scenario_runs_clean_with_a_token;
 pub use opposite_payments_between_two_accounts_finish_without_deadlock as opposite_payments_between_two_accounts_one_by_one;
 pub use pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing as pay_refusals_one_by_one;
 pub use pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit as pay_without_funds_one_by_one;
@@ -1009,6 +1013,7 @@ fn pay_command(out_trade_no: &str, order_no: &str, payer: &str, amount: &str) ->
         order_no: OrderNo::parse("order_no", order_no).unwrap(),
         payer_account_id: AccountId::parse("payer_account_id", payer).unwrap(),
         amount: Amount::parse("amount", amount, currency).unwrap(),
+        created_by: payledger::domain::Actor::Anonymous,
     }
 }
 
@@ -1538,4 +1543,27 @@ pub async fn concurrent_duplicates_of_a_keyed_pay_are_answered_from_its_key_reco
         responses.into_iter().map(|response| response.into_inner().payment.unwrap().trade_no).collect();
     assert_eq!(trade_nos.len(), 1);
     assert_eq!(app.balance("alice").await, "70.00");
+}
+
+pub async fn created_by_is_anonymous_on_a_server_without_authentication(app: &TestApp) {
+    app.order_ready_to_pay("o-1", "10.00", "10.00").await;
+    let paid = app.pay("m1", "t-1", "o-1", "alice", "10.00").await.unwrap().into_inner();
+    assert_eq!(paid.payment.unwrap().created_by, "anonymous");
+    let refunded = app.refund("m1", "t-1", "r-1", "1.00").await.unwrap().into_inner();
+    assert_eq!(refunded.refund.unwrap().created_by, "anonymous");
+    let request = proto::ListEntriesRequest { account_id: "alice".into(), page_size: 0, page_token: String::new() };
+    let entries = app.accounts.clone().list_entries(request).await.unwrap().into_inner().entries;
+    assert!(entries.iter().all(|entry| entry.created_by == "anonymous"), "{entries:?}");
+}
+
+/// The demo's story against a running server, as `payledger-tools demo --target` plays it
+/// (with `--token` when the server authenticates callers).
+pub async fn the_demo_plays_clean_against_a_running_server(app: &TestApp) {
+    let settings = payledger_tools::demo::DemoSettings {
+        target: Some(format!("http://{}", app.address)),
+        allow_test_data: true,
+        access: payledger_tools::TargetAccess { token: app.admin_token.clone(), ..Default::default() },
+    };
+    let outcome = payledger_tools::demo::run(settings).await.unwrap();
+    assert_eq!(outcome, std::process::ExitCode::SUCCESS);
 }

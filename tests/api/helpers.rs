@@ -1,7 +1,13 @@
 //! A real payledger server on port 0 over a fresh database, and a client to drive it.
 
 use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use payledger::auth::dev::{SigningKey, TokenClaims};
+use payledger::auth::Authenticator;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 
 use payledger::ledger::{GroupCommitSettings, Ledger, LedgerSettings, TokenStore};
 use payledger::proto::account_service_client::AccountServiceClient;
@@ -46,6 +52,9 @@ pub struct TestOptions {
     pub lock_timeout: Duration,
     /// How concurrent Pays are grouped (the default: grouped, as `serve` does).
     pub group_commit: GroupCommitSettings,
+    /// Authenticate callers with JWTs signed by [`test_keys`]; the app's own clients then
+    /// send [`ADMIN_SUB`]'s token (every scope, every merchant).
+    pub authenticated: bool,
 }
 
 impl Default for TestOptions {
@@ -57,6 +66,7 @@ impl Default for TestOptions {
             token_ttl: defaults.token_ttl,
             lock_timeout: Duration::from_secs(10),
             group_commit: defaults.group_commit,
+            authenticated: false,
         }
     }
 }
@@ -73,6 +83,10 @@ impl TestOptions {
     /// Every Pay in its own transaction (group commit off).
     pub fn one_by_one() -> Self {
         Self { group_commit: GroupCommitSettings { max_batch: 1, ..GroupCommitSettings::default() }, ..Self::default() }
+    }
+
+    pub fn authenticated() -> Self {
+        Self { authenticated: true, ..Self::default() }
     }
 
     pub fn short_lock_timeout() -> Self {
@@ -118,11 +132,93 @@ enum TestDatabase {
     },
 }
 
+/// `iss` and `aud` of an authenticated test server.
+pub const TEST_ISSUER: &str = "https://issuer.payledger.test";
+pub const TEST_AUDIENCE: &str = "payledger-test";
+/// The `sub` of the token the app's own clients send to an authenticated server.
+pub const ADMIN_SUB: &str = "test-admin";
+/// Every scope.
+pub const ALL_SCOPES: &str = "payments:write payments:read accounts:write accounts:read accounts:admin";
+
+/// The signing keys of authenticated test servers, one per algorithm, made once per run.
+pub struct TestKeys {
+    pub eddsa: SigningKey,
+    pub es256: SigningKey,
+    pub rs256: SigningKey,
+}
+
+/// RSA-2048 in PKCS #8 PEM (rcgen cannot generate RSA keys with ring).
+fn rsa_pem() -> String {
+    use rsa::pkcs8::{EncodePrivateKey, LineEnding};
+    use rsa::Generate;
+    let key = rsa::PrivateKey::generate();
+    key.to_pkcs8_pem(LineEnding::LF).expect("an RSA key encodes").to_string()
+}
+
+pub fn test_keys() -> &'static TestKeys {
+    static KEYS: OnceLock<TestKeys> = OnceLock::new();
+    KEYS.get_or_init(|| TestKeys {
+        eddsa: SigningKey::generate(jsonwebtoken::Algorithm::EdDSA).expect("an Ed25519 key"),
+        es256: SigningKey::generate(jsonwebtoken::Algorithm::ES256).expect("a P-256 key"),
+        rs256: SigningKey::from_pem(jsonwebtoken::Algorithm::RS256, &rsa_pem()).expect("an RSA key"),
+    })
+}
+
+/// Claims of a valid token for `sub`, acting for `merchants` with `scope`.
+pub fn claims(sub: &str, merchants: &[&str], scope: &str) -> serde_json::Value {
+    TokenClaims {
+        issuer: TEST_ISSUER.into(),
+        audience: TEST_AUDIENCE.into(),
+        subject: sub.into(),
+        merchants: merchants.iter().map(|merchant| (*merchant).to_owned()).collect(),
+        scope: scope.into(),
+        ttl_seconds: 600,
+    }
+    .to_json()
+}
+
+/// A valid EdDSA token for `sub`, acting for `merchants` with `scope`.
+pub fn token(sub: &str, merchants: &[&str], scope: &str) -> String {
+    test_keys().eddsa.sign(&claims(sub, merchants, scope)).expect("a token signs")
+}
+
+/// Sends `authorization` (the whole header value) unless the request has its own.
+#[derive(Clone)]
+pub struct DefaultCredential(Option<MetadataValue<Ascii>>);
+
+impl tonic::service::Interceptor for DefaultCredential {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            if !request.metadata().contains_key("authorization") {
+                request.metadata_mut().insert("authorization", value.clone());
+            }
+        }
+        Ok(request)
+    }
+}
+
+/// A request carrying `authorization: <value>` (a whole header value, for malformed ones).
+pub fn with_authorization<T>(message: T, value: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert("authorization", value.parse().expect("an ASCII header value"));
+    request
+}
+
+/// A request carrying `authorization: Bearer <token>`.
+pub fn as_caller<T>(message: T, token: &str) -> Request<T> {
+    with_authorization(message, &format!("Bearer {token}"))
+}
+
 pub struct TestApp {
     pub backend: Backend,
     pub address: SocketAddr,
-    pub accounts: AccountServiceClient<Channel>,
-    pub payments: PaymentServiceClient<Channel>,
+    pub accounts: AccountServiceClient<InterceptedService<Channel, DefaultCredential>>,
+    pub payments: PaymentServiceClient<InterceptedService<Channel, DefaultCredential>>,
+    /// The token the app's own clients send (`None`: the server does not authenticate).
+    pub admin_token: Option<String>,
+    /// Clients that send no credential of their own.
+    pub bare_accounts: AccountServiceClient<Channel>,
+    pub bare_payments: PaymentServiceClient<Channel>,
     pub ledger: Ledger,
     /// A separate pool for looking at the tables directly.
     pub raw: AnyPool,
@@ -223,7 +319,19 @@ impl TestApp {
             },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
-        let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+        let mut application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+        let mut default_credential = DefaultCredential(None);
+        let mut admin_token = None;
+        if options.authenticated {
+            let keys = test_keys();
+            let jwks = SigningKey::jwks([&keys.eddsa, &keys.es256, &keys.rs256]);
+            let authenticator =
+                Authenticator::from_jwks(&jwks, TEST_ISSUER, TEST_AUDIENCE, 5).expect("the test JWKS loads");
+            application = application.with_authenticator(Some(Arc::new(authenticator)));
+            let admin = token(ADMIN_SUB, &["*"], ALL_SCOPES);
+            default_credential = DefaultCredential(Some(format!("Bearer {admin}").parse().expect("ASCII")));
+            admin_token = Some(admin);
+        }
         let address = application.local_addr();
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {
@@ -240,8 +348,11 @@ impl TestApp {
         Some(Self {
             backend,
             address,
-            accounts: AccountServiceClient::new(channel.clone()),
-            payments: PaymentServiceClient::new(channel),
+            accounts: AccountServiceClient::with_interceptor(channel.clone(), default_credential.clone()),
+            payments: PaymentServiceClient::with_interceptor(channel.clone(), default_credential),
+            admin_token,
+            bare_accounts: AccountServiceClient::new(channel.clone()),
+            bare_payments: PaymentServiceClient::new(channel),
             ledger,
             raw,
             database,

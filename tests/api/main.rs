@@ -7,6 +7,7 @@
 //! configured, except under `CI=true`, where a missing backend fails the run. The cases of the
 //! Redis token store need `PAYLEDGER_TEST_REDIS_URL` in the same way.
 
+mod auth_cases;
 mod cases;
 mod helpers;
 
@@ -99,6 +100,13 @@ backend_suite!(
     a_token_whose_call_changed_nothing_stays_usable_in_the_database_store,
     a_token_whose_call_changed_nothing_stays_usable_in_the_redis_store => redis,
     concurrent_duplicates_of_a_keyed_pay_are_answered_from_its_key_record,
+    // The trust boundary, on a server that authenticates callers.
+    every_rpc_refuses_every_bad_credential_and_caller_outside_its_grant_leaving_nothing => authenticated,
+    tokens_of_each_algorithm_verify_and_ambiguous_credentials_are_refused => authenticated,
+    callers_reach_only_their_merchants_objects_and_their_own_idempotency_records => authenticated,
+    created_by_is_anonymous_on_a_server_without_authentication,
+    every_bench_scenario_runs_clean_with_a_token => authenticated,
+    the_demo_plays_clean_against_a_running_server => authenticated,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,

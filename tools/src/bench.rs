@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::Stub;
 use futures::stream::{self, StreamExt};
 use hdrhistogram::Histogram;
 use rand::Rng;
 use rand_distr::{Distribution, Zipf};
-use tonic::transport::{Channel, Endpoint};
 
 use payledger_client::proto::account_service_client::AccountServiceClient;
 use payledger_client::proto::payment_service_client::PaymentServiceClient;
@@ -89,6 +89,8 @@ pub struct BenchSettings {
     /// Also print the report as one JSON line (prefixed `bench-report: `).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub access: crate::TargetAccess,
 }
 
 /// What one run measured. Latencies are in microseconds.
@@ -109,16 +111,16 @@ pub struct BenchReport {
 
 #[derive(Clone)]
 struct Clients {
-    accounts: Vec<AccountServiceClient<Channel>>,
-    payments: Vec<PaymentServiceClient<Channel>>,
+    accounts: Vec<AccountServiceClient<Stub>>,
+    payments: Vec<PaymentServiceClient<Stub>>,
 }
 
 impl Clients {
-    fn account(&self, n: u64) -> AccountServiceClient<Channel> {
+    fn account(&self, n: u64) -> AccountServiceClient<Stub> {
         self.accounts[usize::try_from(n).unwrap_or(0) % self.accounts.len()].clone()
     }
 
-    fn payment(&self, n: u64) -> PaymentServiceClient<Channel> {
+    fn payment(&self, n: u64) -> PaymentServiceClient<Stub> {
         self.payments[usize::try_from(n).unwrap_or(0) % self.payments.len()].clone()
     }
 }
@@ -343,9 +345,9 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
     let mut accounts = Vec::new();
     let mut payments = Vec::new();
     for _ in 0..settings.connections.max(1) {
-        let channel = Endpoint::from_shared(settings.target.clone())?.connect().await?;
-        accounts.push(AccountServiceClient::new(channel.clone()));
-        payments.push(PaymentServiceClient::new(channel));
+        let (channel, bearer) = settings.access.connect(&settings.target).await?;
+        accounts.push(AccountServiceClient::with_interceptor(channel.clone(), bearer.clone()));
+        payments.push(PaymentServiceClient::with_interceptor(channel, bearer));
     }
     let clients = Clients { accounts, payments };
     eprintln!("preparing {:?} data (untimed)...", settings.scenario);

@@ -15,9 +15,9 @@ use payledger::startup::{open_ledger, Application};
 use payledger_client::proto::account_service_client::AccountServiceClient;
 use payledger_client::proto::payment_service_client::PaymentServiceClient;
 use payledger_client::proto::{self, query_request::Key};
-use payledger_client::REPLAYED_HEADER;
+use payledger_client::{BearerToken, REPLAYED_HEADER};
 
-use crate::AnyError;
+use crate::{AnyError, Stub};
 
 /// `payledger demo` settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -29,6 +29,8 @@ pub struct DemoSettings {
     /// Let `--target` receive the demo's accounts, deposits, orders and payments.
     #[arg(long)]
     pub allow_test_data: bool,
+    #[command(flatten)]
+    pub access: crate::TargetAccess,
 }
 
 /// Runs the demo; `Ok(ExitCode::FAILURE)` when a step did not behave as stated.
@@ -40,8 +42,8 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
         Some(target) => {
             crate::check_test_data_allowed(&target, settings.allow_test_data)?;
             println!("payledger demo against {target}\n");
-            let channel = Channel::from_shared(target)?.connect().await?;
-            let passed = Story::new(channel).play().await?;
+            let (channel, bearer) = settings.access.connect(&target).await?;
+            let passed = Story::new(channel, bearer).play().await?;
             Ok(verdict(passed))
         }
         None => {
@@ -65,7 +67,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 let _ = stopped.await;
             }));
             let channel = Channel::from_shared(format!("http://{address}"))?.connect().await?;
-            let mut passed = Story::new(channel).play().await?;
+            let mut passed = Story::new(channel, BearerToken::default()).play().await?;
             let violations = ledger.audit().await?;
             passed &= check(
                 violations.is_empty(),
@@ -106,19 +108,19 @@ fn reason(status: &Status) -> String {
 }
 
 struct Story {
-    accounts: AccountServiceClient<Channel>,
-    payments: PaymentServiceClient<Channel>,
+    accounts: AccountServiceClient<Stub>,
+    payments: PaymentServiceClient<Stub>,
     /// Makes the ids of this run unique, so the demo can run again against one server.
     run: String,
     passed: bool,
 }
 
 impl Story {
-    fn new(channel: Channel) -> Self {
+    fn new(channel: Channel, bearer: BearerToken) -> Self {
         let run = uuid::Uuid::now_v7().simple().to_string()[20..].to_owned();
         Self {
-            accounts: AccountServiceClient::new(channel.clone()),
-            payments: PaymentServiceClient::new(channel),
+            accounts: AccountServiceClient::with_interceptor(channel.clone(), bearer.clone()),
+            payments: PaymentServiceClient::with_interceptor(channel, bearer),
             run,
             passed: true,
         }

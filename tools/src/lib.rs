@@ -27,3 +27,61 @@ pub fn check_test_data_allowed(target: &str, allowed: bool) -> Result<(), AnyErr
     )
     .into())
 }
+
+/// How a tool reaches a server it did not start: TLS for `https://` targets, and a bearer
+/// token for a server that authenticates callers.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TargetAccess {
+    /// A JWT to send as `authorization: Bearer <JWT>` (for a server run with
+    /// `--auth-jwks`; see `payledger auth mint`). Read from the environment rather than the
+    /// command line where others can see process arguments.
+    #[arg(long = "token", env = "PAYLEDGER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// CA certificate (PEM) that an `https://` target's certificate must chain to (default:
+    /// the public roots).
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// This client's certificate (PEM), for a server that requires mutual TLS.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// This client's private key (PEM), with `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+}
+
+/// The gRPC stubs a tool calls through: a channel, with the bearer token (if any) added to
+/// every call.
+pub type Stub =
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, payledger_client::BearerToken>;
+
+impl TargetAccess {
+    /// A connected channel to `target` and the interceptor that sends the token.
+    ///
+    /// # Errors
+    /// When a PEM file cannot be read, the token is not a header value, or the target
+    /// cannot be reached.
+    pub async fn connect(
+        &self,
+        target: &str,
+    ) -> Result<(tonic::transport::Channel, payledger_client::BearerToken), AnyError> {
+        let read = |path: &std::path::PathBuf| {
+            std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
+        };
+        let tls = if target.starts_with("https://") {
+            let identity = match (&self.tls_cert, &self.tls_key) {
+                (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+                _ => None,
+            };
+            let ca_certificate_pem = self.tls_ca.as_ref().map(read).transpose()?;
+            Some(payledger_client::ClientTls { ca_certificate_pem, identity_pem: identity, domain_name: None })
+        } else {
+            None
+        };
+        let channel = payledger_client::endpoint(target, tls.as_ref())?.connect().await?;
+        let bearer = match &self.token {
+            Some(token) => payledger_client::BearerToken::new(token.trim())?,
+            None => payledger_client::BearerToken::default(),
+        };
+        Ok((channel, bearer))
+    }
+}

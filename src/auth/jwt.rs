@@ -1,0 +1,192 @@
+//! JWT verification against a JWKS file.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet, KeyAlgorithm, PublicKeyUse};
+use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use super::{Caller, MerchantGrant, Permission, Unauthenticated};
+use crate::domain::{Actor, Subject};
+
+/// Seconds of clock skew allowed on `exp` and `nbf` unless set otherwise.
+pub const LEEWAY_SECONDS_DEFAULT: u64 = 30;
+/// The longest `authorization` value read; a longer one is CREDENTIALS_INVALID unread.
+pub const TOKEN_BYTES_MAX: usize = 8 * 1024;
+
+/// A JWKS file or auth setting that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthSettingsError {
+    #[error("cannot read the JWKS file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("the JWKS file {path} is not a JWK set: {detail}")]
+    Parse { path: String, detail: String },
+    #[error("the JWKS file {0} holds no usable signing key (EdDSA Ed25519, ES256 P-256 or RS256, each with a kid)")]
+    NoKeys(String),
+    #[error("{0}")]
+    Missing(&'static str),
+}
+
+/// One verification key of the JWKS.
+struct VerificationKey {
+    algorithm: Algorithm,
+    key: DecodingKey,
+}
+
+/// Verifies bearer tokens. Built once at start from the JWKS file.
+pub struct Authenticator {
+    keys: HashMap<String, VerificationKey>,
+    issuer: String,
+    audience: String,
+    leeway_seconds: u64,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut kids: Vec<&String> = self.keys.keys().collect();
+        kids.sort();
+        f.debug_struct("Authenticator")
+            .field("kids", &kids)
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("leeway_seconds", &self.leeway_seconds)
+            .finish()
+    }
+}
+
+/// The claims payledger reads; `exp`, `nbf`, `iss` and `aud` are checked by the library.
+#[derive(Deserialize)]
+struct Claims {
+    sub: String,
+    #[serde(default)]
+    merchants: Vec<String>,
+    #[serde(default)]
+    scope: String,
+}
+
+/// The one algorithm a JWK verifies: its `alg` when given, else what its key type implies.
+/// `None` for keys payledger never verifies with: symmetric (`oct`) keys, encryption keys,
+/// and other algorithms.
+fn algorithm_of(jwk: &Jwk) -> Option<Algorithm> {
+    if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
+        return None;
+    }
+    let implied = match &jwk.algorithm {
+        AlgorithmParameters::OctetKeyPair(params) if params.curve == EllipticCurve::Ed25519 => Algorithm::EdDSA,
+        AlgorithmParameters::EllipticCurve(params) if params.curve == EllipticCurve::P256 => Algorithm::ES256,
+        AlgorithmParameters::RSA(_) => Algorithm::RS256,
+        _ => return None,
+    };
+    match jwk.common.key_algorithm {
+        None => Some(implied),
+        Some(KeyAlgorithm::EdDSA) if implied == Algorithm::EdDSA => Some(implied),
+        Some(KeyAlgorithm::ES256) if implied == Algorithm::ES256 => Some(implied),
+        Some(KeyAlgorithm::RS256) if implied == Algorithm::RS256 => Some(implied),
+        Some(_) => None,
+    }
+}
+
+impl Authenticator {
+    /// Reads the JWKS file at `path`.
+    ///
+    /// # Errors
+    /// [`AuthSettingsError`] for an unreadable file, one that is not a JWK set, or one
+    /// without a usable key.
+    pub fn from_file(
+        path: &Path,
+        issuer: &str,
+        audience: &str,
+        leeway_seconds: u64,
+    ) -> Result<Self, AuthSettingsError> {
+        let shown = path.display().to_string();
+        let text =
+            std::fs::read_to_string(path).map_err(|source| AuthSettingsError::Read { path: shown.clone(), source })?;
+        Self::from_jwks(&text, issuer, audience, leeway_seconds).map_err(|error| match error {
+            AuthSettingsError::Parse { detail, .. } => AuthSettingsError::Parse { path: shown, detail },
+            AuthSettingsError::NoKeys(_) => AuthSettingsError::NoKeys(shown),
+            other => other,
+        })
+    }
+
+    /// Builds from the text of a JWK set. Keys without a `kid`, symmetric keys, encryption
+    /// keys and algorithms other than EdDSA, ES256 and RS256 are skipped (and logged).
+    ///
+    /// # Errors
+    /// [`AuthSettingsError`] as for [`Authenticator::from_file`].
+    pub fn from_jwks(jwks: &str, issuer: &str, audience: &str, leeway_seconds: u64) -> Result<Self, AuthSettingsError> {
+        if issuer.is_empty() {
+            return Err(AuthSettingsError::Missing("--auth-issuer is required with --auth-jwks"));
+        }
+        if audience.is_empty() {
+            return Err(AuthSettingsError::Missing("--auth-audience is required with --auth-jwks"));
+        }
+        let set: JwkSet = serde_json::from_str(jwks)
+            .map_err(|error| AuthSettingsError::Parse { path: String::new(), detail: error.to_string() })?;
+        let mut keys = HashMap::new();
+        for jwk in &set.keys {
+            let (Some(kid), Some(algorithm)) = (jwk.common.key_id.clone(), algorithm_of(jwk)) else {
+                tracing::warn!(kid = ?jwk.common.key_id, "JWKS key skipped: no kid, or not an EdDSA, ES256 or RS256 signing key");
+                continue;
+            };
+            let key = DecodingKey::from_jwk(jwk).map_err(|error| AuthSettingsError::Parse {
+                path: String::new(),
+                detail: format!("key {kid}: {error}"),
+            })?;
+            keys.insert(kid, VerificationKey { algorithm, key });
+        }
+        if keys.is_empty() {
+            return Err(AuthSettingsError::NoKeys(String::new()));
+        }
+        Ok(Self { keys, issuer: issuer.to_owned(), audience: audience.to_owned(), leeway_seconds })
+    }
+
+    /// The caller of a request, from the value of its `authorization` header (`None`: no
+    /// header).
+    ///
+    /// # Errors
+    /// [`Unauthenticated::Missing`] without a credential; [`Unauthenticated::Expired`] for a
+    /// token past its `exp` (and the leeway); [`Unauthenticated::Invalid`] for anything else
+    /// that does not verify: not `Bearer <JWT>`, alg `none` or an algorithm other than the
+    /// key's (an HMAC token against a public key, say), an unknown or absent `kid`, a bad
+    /// signature, a wrong `iss` or `aud`, `nbf` in the future, no `exp`, or a `sub` that is
+    /// not 1-128 printable ASCII characters.
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Caller, Unauthenticated> {
+        let Some(value) = authorization else { return Err(Unauthenticated::Missing) };
+        if value.len() > TOKEN_BYTES_MAX {
+            return Err(Unauthenticated::Invalid);
+        }
+        let value = std::str::from_utf8(value).map_err(|_| Unauthenticated::Invalid)?;
+        // RFC 6750 section 2.1: `Bearer` (a case-insensitive scheme, RFC 9110), one space, token.
+        let token = match value.split_once(' ') {
+            Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() => token,
+            _ => return Err(Unauthenticated::Invalid),
+        };
+        let header = jsonwebtoken::decode_header(token).map_err(|_| Unauthenticated::Invalid)?;
+        let key = header.kid.as_deref().and_then(|kid| self.keys.get(kid)).ok_or(Unauthenticated::Invalid)?;
+        if header.alg != key.algorithm {
+            return Err(Unauthenticated::Invalid);
+        }
+        let mut validation = Validation::new(key.algorithm);
+        validation.set_issuer(&[&self.issuer]);
+        validation.set_audience(&[&self.audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        validation.validate_nbf = true;
+        validation.leeway = self.leeway_seconds;
+        let claims = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
+            .map_err(|error| match error.kind() {
+                ErrorKind::ExpiredSignature => Unauthenticated::Expired,
+                _ => Unauthenticated::Invalid,
+            })?
+            .claims;
+        let subject = Subject::parse(&claims.sub).ok_or(Unauthenticated::Invalid)?;
+        let merchants = if claims.merchants.iter().any(|merchant| merchant == "*") {
+            MerchantGrant::All
+        } else {
+            MerchantGrant::Only(claims.merchants.into_iter().collect())
+        };
+        // Scopes of other services in the same token are ignored.
+        let permissions: BTreeSet<Permission> = claims.scope.split(' ').filter_map(Permission::parse).collect();
+        Ok(Caller::new(Actor::Subject(subject), merchants, permissions))
+    }
+}

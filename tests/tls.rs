@@ -1,0 +1,241 @@
+//! TLS and mutual TLS between the Rust client and a real server, with certificates made by
+//! the test (rcgen); and the start-up rules of an unauthenticated server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use payledger::auth::dev::{SigningKey, TokenClaims};
+use payledger::auth::Authenticator;
+use payledger::client::{BearerToken, ClientSettings, ClientTls, ConnectError, PayledgerClient, RetrySettings};
+use payledger::ledger::Ledger;
+use payledger::proto;
+use payledger::startup::Application;
+use payledger::store::{PoolSettings, Store};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tonic::Code;
+
+/// A CA and the PEMs of a certificate it signed for `names`.
+struct Pki {
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+struct Issued {
+    cert_pem: String,
+    key_pem: String,
+}
+
+impl Pki {
+    fn new(name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        Self { ca: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
+    }
+
+    fn ca_pem(&self) -> String {
+        self.ca.pem()
+    }
+
+    fn issue(&self, names: &[&str]) -> Issued {
+        let key = KeyPair::generate().unwrap();
+        let params = CertificateParams::new(names.iter().map(|name| (*name).to_owned()).collect::<Vec<_>>()).unwrap();
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+    }
+}
+
+/// A server with TLS (mutual when `client_ca` is given) and, when `authenticator` is
+/// given, JWT authentication, over a fresh SQLite ledger.
+struct Server {
+    address: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    _directory: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(identity: &Issued, client_ca: Option<&str>, authenticator: Option<Authenticator>) -> Self {
+        sqlx::any::install_default_drivers();
+        let directory = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+        let pool = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+        };
+        let store = Store::connect(&url, &pool).await.unwrap();
+        store.migrate().await.unwrap();
+        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem));
+        if let Some(ca) = client_ca {
+            tls = tls.client_ca_root(Certificate::from_pem(ca));
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(2))
+            .with_tls(tls, client_ca.is_some())
+            .with_authenticator(authenticator.map(Arc::new));
+        let address = application.local_addr();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            application
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+        Self { address, stop: Some(stop), task, _directory: directory }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().map(|stop| stop.send(()));
+        let _ = self.task.await;
+    }
+}
+
+/// Retries that give up fast: a refused handshake is UNAVAILABLE on every attempt.
+fn quick() -> RetrySettings {
+    RetrySettings { max_attempts: 2, overall_deadline: Duration::from_secs(5), ..RetrySettings::default() }
+}
+
+fn trusting(pki: &Pki) -> ClientTls {
+    ClientTls { ca_certificate_pem: Some(pki.ca_pem().into_bytes()), ..ClientTls::default() }
+}
+
+async fn open(client: &PayledgerClient, account_id: &str) -> Result<(), tonic::Status> {
+    let request = proto::OpenAccountRequest { account_id: account_id.into(), currency: "USD".into() };
+    client.open_account(request).await.map(drop)
+}
+
+#[tokio::test]
+async fn the_client_speaks_tls_to_a_tls_server_and_refuses_one_it_cannot_verify() {
+    let pki = Pki::new("payledger test CA");
+    let server = Server::start(&pki.issue(&["localhost"]), None, None).await;
+    let target = format!("https://localhost:{}", server.address.port());
+
+    let settings = ClientSettings { retry: quick(), tls: Some(trusting(&pki)), ..ClientSettings::default() };
+    let client = PayledgerClient::connect(&target, settings).unwrap();
+    open(&client, "alice").await.expect("a verified TLS server answers");
+
+    // Not signed by a CA the client trusts: the public roots by default, or another CA.
+    for tls in [None, Some(trusting(&Pki::new("another CA")))] {
+        let settings = ClientSettings { retry: quick(), tls, ..ClientSettings::default() };
+        let client = PayledgerClient::connect(&target, settings).unwrap();
+        let status = open(&client, "bob").await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    // A certificate for another name.
+    let settings = ClientSettings {
+        retry: quick(),
+        tls: Some(ClientTls { domain_name: Some("payledger.example".into()), ..trusting(&pki) }),
+        ..ClientSettings::default()
+    };
+    let status = open(&PayledgerClient::connect(&target, settings).unwrap(), "bob").await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    // Plaintext to the TLS port gets nowhere, and TLS settings never go with http://.
+    let plaintext = PayledgerClient::connect_lazy(&format!("http://localhost:{}", server.address.port()), quick());
+    assert!(open(&plaintext.unwrap(), "bob").await.is_err());
+    let settings = ClientSettings { tls: Some(trusting(&pki)), ..ClientSettings::default() };
+    let mixed = PayledgerClient::connect(&format!("http://localhost:{}", server.address.port()), settings);
+    assert!(matches!(mixed, Err(ConnectError::TlsForPlaintextTarget)));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_mutual_tls_server_refuses_a_client_without_a_certificate_from_its_ca() {
+    let (server_pki, client_pki, stranger_pki) = (Pki::new("server CA"), Pki::new("client CA"), Pki::new("other"));
+    let server = Server::start(&server_pki.issue(&["localhost"]), Some(&client_pki.ca_pem()), None).await;
+    let target = format!("https://localhost:{}", server.address.port());
+    let client_with = |identity: Option<Issued>| {
+        let tls = ClientTls {
+            identity_pem: identity.map(|issued| (issued.cert_pem.into_bytes(), issued.key_pem.into_bytes())),
+            ..trusting(&server_pki)
+        };
+        PayledgerClient::connect(
+            &target,
+            ClientSettings { retry: quick(), tls: Some(tls), ..ClientSettings::default() },
+        )
+        .unwrap()
+    };
+
+    open(&client_with(Some(client_pki.issue(&["checkout"]))), "alice").await.expect("a client certificate of the CA");
+    for identity in [None, Some(stranger_pki.issue(&["checkout"]))] {
+        let status = open(&client_with(identity), "bob").await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "refused at the handshake: {status:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_client_sends_its_bearer_token_on_every_call_and_can_replace_it() {
+    let pki = Pki::new("payledger test CA");
+    let key = SigningKey::generate(jsonwebtoken::Algorithm::EdDSA).unwrap();
+    let authenticator = Authenticator::from_jwks(&SigningKey::jwks([&key]), "iss", "aud", 5).unwrap();
+    let server = Server::start(&pki.issue(&["localhost"]), None, Some(authenticator)).await;
+    let mint = |scope: &str| {
+        let claims = TokenClaims {
+            issuer: "iss".into(),
+            audience: "aud".into(),
+            subject: "ops".into(),
+            merchants: vec!["*".into()],
+            scope: scope.into(),
+            ttl_seconds: 60,
+        };
+        key.sign(&claims.to_json()).unwrap()
+    };
+    let target = format!("https://localhost:{}", server.address.port());
+
+    let anonymous = PayledgerClient::connect(
+        &target,
+        ClientSettings { retry: quick(), tls: Some(trusting(&pki)), ..ClientSettings::default() },
+    )
+    .unwrap();
+    assert_eq!(open(&anonymous, "alice").await.unwrap_err().code(), Code::Unauthenticated);
+
+    let bearer = BearerToken::new(&mint("accounts:read")).unwrap();
+    assert_eq!(format!("{bearer:?}"), "BearerToken(..)", "Debug never shows the token");
+    let settings = ClientSettings { retry: quick(), tls: Some(trusting(&pki)), bearer_token: Some(bearer.clone()) };
+    let client = PayledgerClient::connect(&target, settings).unwrap();
+    assert_eq!(open(&client, "alice").await.unwrap_err().code(), Code::PermissionDenied);
+    bearer.set(&mint("accounts:admin accounts:read")).unwrap();
+    open(&client, "alice").await.expect("the replaced token is sent");
+    server.stop().await;
+}
+
+/// `serve` with no auth settings: one command on loopback, refused anywhere else.
+#[test]
+fn serve_without_auth_starts_only_on_loopback_unless_told_otherwise() {
+    use payledger::config::AuthSettings;
+    use payledger::startup::authenticator;
+    let loopback: SocketAddr = "127.0.0.1:50051".parse().unwrap();
+    let any: SocketAddr = "0.0.0.0:50051".parse().unwrap();
+    let v6_loopback: SocketAddr = "[::1]:50051".parse().unwrap();
+    assert!(authenticator(loopback, &AuthSettings::default()).unwrap().is_none());
+    assert!(authenticator(v6_loopback, &AuthSettings::default()).unwrap().is_none());
+    let refused = authenticator(any, &AuthSettings::default()).unwrap_err().to_string();
+    assert!(refused.contains("not a loopback address") && refused.contains("--auth-jwks"), "{refused}");
+    let insecure = AuthSettings { insecure_allow_unauthenticated: true, ..AuthSettings::default() };
+    assert!(authenticator(any, &insecure).unwrap().is_none());
+}
+
+/// The binary itself: a non-loopback listen without auth exits at once with the reason,
+/// before touching the database.
+#[test]
+fn the_serve_command_refuses_a_non_loopback_listener_without_auth() {
+    let directory = tempfile::tempdir().unwrap();
+    let database = directory.path().join("ledger.db");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--database-url"])
+        .arg(format!("sqlite:{}", database.display()))
+        .env_remove("PAYLEDGER_AUTH_JWKS")
+        .env_remove("PAYLEDGER_INSECURE_ALLOW_UNAUTHENTICATED")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("refusing to serve unauthenticated calls on 0.0.0.0:0"), "{stderr}");
+    assert!(!database.exists(), "no database file is created");
+}
