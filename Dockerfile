@@ -36,6 +36,10 @@ RUN apt-get update \
 COPY --from=builder /src/target/release/payledger /usr/local/bin/payledger
 USER payledger
 WORKDIR /var/lib/payledger
+# Listening beyond loopback, `serve` refuses to start without caller authentication: mount the
+# JWKS (and TLS files) under /etc/payledger and set PAYLEDGER_AUTH_JWKS, PAYLEDGER_AUTH_ISSUER,
+# PAYLEDGER_AUTH_AUDIENCE (and PAYLEDGER_TLS_CERT, PAYLEDGER_TLS_KEY), or
+# PAYLEDGER_INSECURE_ALLOW_UNAUTHENTICATED=true behind a mesh that authenticates callers.
 ENV PAYLEDGER_LISTEN=0.0.0.0:50051 \
     PAYLEDGER_LOG_FORMAT=json \
     DATABASE_URL=sqlite:/var/lib/payledger/payledger.db

@@ -147,7 +147,7 @@ impl SigningKey {
         std::fs::create_dir_all(directory)
             .map_err(|source| DevKeyError::Write { path: directory.display().to_string(), source })?;
         write(PRIVATE_KEY_FILE, &self.pem, true)?;
-        write(JWKS_FILE, &Self::jwks([self]), false)
+        write(JWKS_FILE, &(Self::jwks([self]) + "\n"), false)
     }
 
     /// Signs `claims` (a JSON object) with this key, `kid` in the header.

@@ -89,6 +89,10 @@ impl TestOptions {
         Self { authenticated: true, ..Self::default() }
     }
 
+    pub fn authenticated_redis() -> Self {
+        Self { authenticated: true, redis_tokens: true, ..Self::default() }
+    }
+
     pub fn short_lock_timeout() -> Self {
         Self { lock_timeout: Duration::from_millis(1_000), ..Self::default() }
     }

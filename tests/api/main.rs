@@ -106,6 +106,7 @@ backend_suite!(
     callers_reach_only_their_merchants_objects_and_their_own_idempotency_records => authenticated,
     created_by_is_anonymous_on_a_server_without_authentication,
     every_bench_scenario_runs_clean_with_a_token => authenticated,
+    callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
