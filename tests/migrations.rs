@@ -3,8 +3,10 @@
 
 use std::time::Duration;
 
+use payledger::ledger::Ledger;
 use payledger::store::{PoolSettings, Store};
-use sqlx::AnyPool;
+use sqlx::migrate::Migrator;
+use sqlx::{AnyPool, Row};
 
 fn admin_url(variable: &str) -> Option<String> {
     match std::env::var(variable) {
@@ -90,4 +92,118 @@ async fn an_instance_starts_on_a_database_migrated_by_a_newer_release() {
     raw.close().await;
     store.close().await;
     again.expect("a migration of a newer release is ignored");
+}
+
+/// A ledger as the release before `created_by` wrote it: a deposit, a transfer, and a paid,
+/// partly refunded order, with their journal entries.
+const LEGACY_ROWS: [&str; 14] = [
+    "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) VALUES \
+     ('@external:USD', 'USD', 'EXTERNAL', -500, 1, 1, 1), ('alice', 'USD', 'CUSTOMER', 360, 4, 1, 4), \
+     ('bob', 'USD', 'CUSTOMER', 140, 3, 1, 4)",
+    "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at) \
+     VALUES ('d-1', 'D1', 'alice', 500, 'USD', 1)",
+    "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at) \
+     VALUES ('X1', 'alice', 'bob', 100, 'USD', 'rent', 2)",
+    "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, \
+     refunded_amount, created_at, updated_at) VALUES ('m1', 'o-1', 'bob', 50, 'USD', 'tea', 'PARTIALLY_REFUNDED', \
+     't-1', 10, 3, 4)",
+    "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, \
+     amount, currency, status, created_at) VALUES ('T1', 'm1', 't-1', 'o-1', 'alice', 'bob', 50, 'USD', 'SUCCEEDED', 3)",
+    "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, \
+     created_at) VALUES ('R1', 'm1', 'r-1', 't-1', 'o-1', 10, 'USD', 'late', 4)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('@external:USD', 'USD', -500, -500, 1, 'DEPOSIT', \
+     'd-1', 'D1', 'alice', 1)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('alice', 'USD', 500, 500, 1, 'DEPOSIT', 'd-1', 'D1', \
+     '@external:USD', 1)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('alice', 'USD', -100, 400, 2, 'TRANSFER', 'X1', 'X1', \
+     'bob', 2)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('bob', 'USD', 100, 100, 1, 'TRANSFER', 'X1', 'X1', \
+     'alice', 2)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('alice', 'USD', -50, 350, 3, 'PAY', 't-1', 'T1', 'bob', 3)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('bob', 'USD', 50, 150, 2, 'PAY', 't-1', 'T1', 'alice', 3)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('bob', 'USD', -10, 140, 3, 'REFUND', 'r-1', 'R1', \
+     'alice', 4)",
+    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+     posting_id, counterparty_account_id, created_at) VALUES ('alice', 'USD', 10, 360, 4, 'REFUND', 'r-1', 'R1', \
+     'bob', 4)",
+];
+
+/// The tables that gained `created_by`, with their row counts in [`LEGACY_ROWS`].
+const CREATED_BY_TABLES: [(&str, i64); 5] =
+    [("payment_flow", 1), ("refunds", 1), ("deposits", 1), ("transfers", 1), ("journal_entries", 8)];
+
+/// Migrates a database written by the release before `created_by` (schema up to 0003, with
+/// rows) to this release's schema: nothing is lost, older rows say `unknown`, and the audit
+/// still holds.
+async fn upgrade_keeps_rows_and_marks_their_creator_unknown(url: &str, directory: &str) {
+    sqlx::any::install_default_drivers();
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(10),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let raw = AnyPool::connect(url).await.unwrap();
+    let mut previous = Migrator::new(std::path::Path::new(directory)).await.unwrap();
+    previous.migrations = previous.migrations.iter().filter(|migration| migration.version <= 3).cloned().collect();
+    assert_eq!(previous.migrations.len(), 3);
+    previous.run(&raw).await.unwrap();
+    for statement in LEGACY_ROWS {
+        sqlx::query(statement).execute(&raw).await.unwrap_or_else(|error| panic!("{statement}: {error}"));
+    }
+
+    let store = Store::connect(url, &settings).await.unwrap();
+    store.migrate().await.expect("the release with created_by migrates the older database");
+
+    for (table, rows) in CREATED_BY_TABLES {
+        let count = |filter: &str| {
+            let sql = format!("SELECT COUNT(*) FROM {table}{filter}");
+            let raw = raw.clone();
+            async move { sqlx::query(&sql).fetch_one(&raw).await.unwrap().get::<i64, _>(0) }
+        };
+        let (all, unknown) = (count("").await, count(" WHERE created_by = 'unknown'").await);
+        assert_eq!((all, unknown), (rows, rows), "{table}");
+    }
+    let ledger = Ledger::new(store);
+    assert_eq!(ledger.audit().await.unwrap(), Vec::new(), "the upgraded ledger is consistent");
+    ledger.store().close().await;
+    raw.close().await;
+}
+
+#[tokio::test]
+async fn an_upgrade_to_created_by_keeps_every_row_on_sqlite() {
+    let directory = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}?mode=rwc", directory.path().join("ledger.db").display());
+    upgrade_keeps_rows_and_marks_their_creator_unknown(&url, "migrations/sqlite").await;
+}
+
+async fn on_server(variable: &str, directory: &'static str) {
+    let Some(admin_url) = admin_url(variable) else { return };
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_upgrade_{}", uuid::Uuid::new_v4().simple());
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
+    let url = format!("{base}/{name}");
+    let outcome = tokio::spawn(async move { upgrade_keeps_rows_and_marks_their_creator_unknown(&url, directory).await }).await;
+    let force = if variable.contains("POSTGRES") { " WITH (FORCE)" } else { "" };
+    let _ = sqlx::query(&format!("DROP DATABASE {name}{force}")).execute(&admin).await;
+    admin.close().await;
+    outcome.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_to_created_by_keeps_every_row_on_postgres() {
+    on_server("PAYLEDGER_TEST_POSTGRES_URL", "migrations/postgres").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_to_created_by_keeps_every_row_on_mysql() {
+    on_server("PAYLEDGER_TEST_MYSQL_URL", "migrations/mysql").await;
 }

@@ -89,7 +89,9 @@ impl tonic::service::Interceptor for Authentication {
                 match credential {
                     Ok(caller) => caller,
                     Err(failure) => {
-                        let method = request.extensions().get::<RpcPath>().map_or("", |path| path.0.as_str());
+                        // The method's name, as the other refusals log it (`Pay`, not the path).
+                        let path = request.extensions().get::<RpcPath>().map_or("", |path| path.0.as_str());
+                        let method = path.rsplit('/').next().unwrap_or(path);
                         tracing::info!(method, reason = failure.reason(), "call refused: unauthenticated");
                         return Err(Error::from(failure).into());
                     }

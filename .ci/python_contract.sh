@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The trust boundary as an independent caller sees it: Python grpcio (PyPI) against a real
+# `payledger serve` with mutual TLS and JWT authentication, with stubs generated from the
+# .proto and certificates made for the run. The venv is kept in target/ between runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=target/contract-venv
+if [ ! -x "$venv/bin/python" ] || ! cmp -s .ci/contract/requirements.txt "$venv/requirements.txt"; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -r .ci/contract/requirements.txt
+  cp .ci/contract/requirements.txt "$venv/requirements.txt"
+fi
+cargo build --locked --quiet --bin payledger
+work=$(mktemp -d)
+server=""
+trap '[ -n "$server" ] && { kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }; rm -rf "$work"' EXIT
+"$venv/bin/python" -m grpc_tools.protoc -I proto --python_out="$work" --grpc_python_out="$work" \
+  proto/payledger/v1/payledger.proto
+cp "$work/payledger/v1/payledger_pb2.py" "$work/payledger/v1/payledger_pb2_grpc.py" "$work/"
+sed -i 's/^from payledger.v1 import payledger_pb2/import payledger_pb2/' "$work/payledger_pb2_grpc.py"
+"$venv/bin/python" .ci/contract/make_certs.py "$work"
+target/debug/payledger auth keygen --dir "$work/auth" >/dev/null
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+target/debug/payledger serve --listen "127.0.0.1:$port" --database-url "sqlite:$work/ledger.db" \
+  --tls-cert "$work/server.pem" --tls-key "$work/server-key.pem" --tls-client-ca "$work/ca.pem" \
+  --auth-jwks "$work/auth/jwks.json" --auth-issuer payledger-dev --auth-audience payledger --auth-leeway-seconds 0 \
+  >"$work/server.log" 2>&1 &
+server=$!
+for _ in $(seq 1 100); do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
+  sleep 0.1
+done
+# GRPC_VERBOSITY=NONE: gRPC C-core would print the refused mTLS handshake the check provokes.
+if ! GRPC_VERBOSITY=NONE PYTHONPATH="$work" "$venv/bin/python" .ci/contract/auth_contract.py "127.0.0.1:$port" "$work" \
+  target/debug/payledger "$work/auth/jwt-signing-key.pem"; then
+  echo "the Python contract check failed; server log:" >&2
+  cat "$work/server.log" >&2
+  exit 1
+fi
+grep -q 'authentication="jwt" transport="mtls"' "$work/server.log" || { echo "start-up line:" >&2; cat "$work/server.log" >&2; exit 1; }
+# No token reaches the log: a JWT's header and claims both start with `eyJ` ('{"').
+if grep -Eq 'eyJ[A-Za-z0-9_-]+\.eyJ[A-Za-z0-9_-]+\.' "$work/server.log"; then
+  echo "the server log holds a JWT" >&2
+  exit 1
+fi
