@@ -191,7 +191,8 @@ async fn on_server(variable: &str, directory: &'static str) {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
     let url = format!("{base}/{name}");
-    let outcome = tokio::spawn(async move { upgrade_keeps_rows_and_marks_their_creator_unknown(&url, directory).await }).await;
+    let outcome =
+        tokio::spawn(async move { upgrade_keeps_rows_and_marks_their_creator_unknown(&url, directory).await }).await;
     let force = if variable.contains("POSTGRES") { " WITH (FORCE)" } else { "" };
     let _ = sqlx::query(&format!("DROP DATABASE {name}{force}")).execute(&admin).await;
     admin.close().await;
