@@ -7,7 +7,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use jsonwebtoken::jwk::{Jwk, JwkSet, ThumbprintHash};
-use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use jsonwebtoken::{EncodingKey, Header};
+
+/// The signing algorithms (the `jsonwebtoken` crate's), for [`SigningKey::generate`].
+pub use jsonwebtoken::Algorithm;
 
 /// The private key file written by keygen (PKCS #8 PEM).
 pub const PRIVATE_KEY_FILE: &str = "jwt-signing-key.pem";

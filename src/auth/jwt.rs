@@ -133,7 +133,12 @@ impl Authenticator {
                 path: String::new(),
                 detail: format!("key {kid}: {error}"),
             })?;
-            keys.insert(kid, VerificationKey { algorithm, key });
+            if keys.insert(kid.clone(), VerificationKey { algorithm, key }).is_some() {
+                return Err(AuthSettingsError::Parse {
+                    path: String::new(),
+                    detail: format!("two keys have the kid {kid:?}: which one would verify?"),
+                });
+            }
         }
         if keys.is_empty() {
             return Err(AuthSettingsError::NoKeys(String::new()));
@@ -188,5 +193,26 @@ impl Authenticator {
         // Scopes of other services in the same token are ignored.
         let permissions: BTreeSet<Permission> = claims.scope.split(' ').filter_map(Permission::parse).collect();
         Ok(Caller::new(Actor::Subject(subject), merchants, permissions))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::dev::SigningKey;
+
+    #[test]
+    fn a_jwks_without_usable_keys_or_with_one_kid_twice_is_refused() {
+        let key = SigningKey::generate(Algorithm::EdDSA).unwrap();
+        let twice = SigningKey::jwks([&key, &key]);
+        let error = Authenticator::from_jwks(&twice, "iss", "aud", 5).unwrap_err();
+        assert!(error.to_string().contains("two keys have the kid"), "{error}");
+        let symmetric = r#"{"keys":[{"kty":"oct","kid":"h","k":"c2VjcmV0"}]}"#;
+        assert!(matches!(Authenticator::from_jwks(symmetric, "iss", "aud", 5), Err(AuthSettingsError::NoKeys(_))));
+        assert!(matches!(Authenticator::from_jwks("{}", "iss", "aud", 5), Err(AuthSettingsError::Parse { .. })));
+        let one = SigningKey::jwks([&key]);
+        assert!(matches!(Authenticator::from_jwks(&one, "", "aud", 5), Err(AuthSettingsError::Missing(_))));
+        assert!(matches!(Authenticator::from_jwks(&one, "iss", "", 5), Err(AuthSettingsError::Missing(_))));
+        assert!(Authenticator::from_jwks(&one, "iss", "aud", 5).is_ok());
     }
 }

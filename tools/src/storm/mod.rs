@@ -30,7 +30,7 @@ use tonic::{Code, Response, Status};
 use payledger::ledger::Ledger;
 use payledger::store::{Dialect, PoolSettings, Store};
 use payledger_client::proto::{self, query_request::Key};
-use payledger_client::{was_replayed, PayledgerClient, RetrySettings};
+use payledger_client::{was_replayed, BearerToken, ClientSettings, PayledgerClient, RetrySettings};
 
 pub use database::StormDatabase;
 pub use proxy::{Fault, FaultCount, FaultProxy, FaultSettings};
@@ -152,11 +152,48 @@ fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// The storm's own signing key: its instances authenticate callers as a production server
+/// does, and its clients present a token minted with this key.
+struct StormAuth {
+    directory: tempfile::TempDir,
+    token: String,
+}
+
+const STORM_ISSUER: &str = "payledger-storm";
+const STORM_AUDIENCE: &str = "payledger";
+
+impl StormAuth {
+    /// A fresh key pair, its JWKS in a temporary directory, and a token with every scope for
+    /// every merchant, valid for `lifetime`.
+    fn new(lifetime: Duration) -> Result<Self, AnyError> {
+        use payledger::auth::dev::{Algorithm, SigningKey, TokenClaims};
+        let key = SigningKey::generate(Algorithm::EdDSA)?;
+        let directory = tempfile::tempdir()?;
+        key.write(directory.path())?;
+        let claims = TokenClaims {
+            issuer: STORM_ISSUER.into(),
+            audience: STORM_AUDIENCE.into(),
+            subject: "payledger-storm".into(),
+            merchants: vec!["*".into()],
+            scope: "payments:write payments:read accounts:write accounts:read accounts:admin".into(),
+            ttl_seconds: lifetime.as_secs(),
+        };
+        Ok(Self { token: key.sign(&claims.to_json())?, directory })
+    }
+
+    fn jwks(&self) -> std::path::PathBuf {
+        self.directory.path().join(payledger::auth::dev::JWKS_FILE)
+    }
+}
+
 /// Starts one server instance: this binary's hidden `storm-instance` command, which serves
-/// exactly as `payledger serve` does.
-async fn spawn_instance(database_url: &str, port: u16) -> Result<Instance, AnyError> {
+/// exactly as `payledger serve` does, with JWT authentication.
+async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Result<Instance, AnyError> {
     let child = Command::new(std::env::current_exe()?)
         .args(["storm-instance", "--listen", &format!("127.0.0.1:{port}"), "--database-url", database_url])
+        .arg("--auth-jwks")
+        .arg(auth.jwks())
+        .args(["--auth-issuer", STORM_ISSUER, "--auth-audience", STORM_AUDIENCE])
         .args(["--pool-size", "8", "--shutdown-grace-seconds", "1", "--log-filter", "error"])
         .kill_on_drop(true)
         .stdin(std::process::Stdio::null())
@@ -540,9 +577,12 @@ pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
 async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<StormSummary, AnyError> {
     let dialect = database.dialect;
     let instance_count = settings.instances.max(1);
+    // The token outlives the run with room to spare (the run's own bound is its duration).
+    let auth =
+        StormAuth::new(Duration::from_secs(settings.duration_seconds).saturating_add(Duration::from_secs(3600)))?;
     let mut instances = Vec::new();
     for _ in 0..instance_count {
-        instances.push(spawn_instance(&database.url, free_port()?).await?);
+        instances.push(spawn_instance(&database.url, free_port()?, &auth).await?);
     }
     let mut proxies = Vec::new();
     for instance in &instances {
@@ -558,7 +598,14 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     };
     let clients = proxies
         .iter()
-        .map(|proxy| PayledgerClient::connect_lazy(&format!("http://{}", proxy.address()), retry.clone()))
+        .map(|proxy| {
+            let settings = ClientSettings {
+                retry: retry.clone(),
+                bearer_token: Some(BearerToken::new(&auth.token)?),
+                ..ClientSettings::default()
+            };
+            Ok::<_, AnyError>(PayledgerClient::connect(&format!("http://{}", proxy.address()), settings)?)
+        })
         .collect::<Result<Vec<_>, _>>()?;
 
     let run = uuid::Uuid::now_v7().simple().to_string()[20..].to_owned();
@@ -654,7 +701,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
             let _ = instances[victim].child.wait().await;
             kills += 1;
             tokio::time::sleep(Duration::from_millis(300)).await;
-            instances[victim] = spawn_instance(&database.url, port).await?;
+            instances[victim] = spawn_instance(&database.url, port, &auth).await?;
         }
         if Instant::now() >= next_cut && dialect != Dialect::Sqlite {
             next_cut += cut_every;
