@@ -43,6 +43,9 @@ enum AuthCommand {
         /// Key type: EdDSA (Ed25519) or ES256 (P-256).
         #[arg(long, default_value = "EdDSA", value_parser = ["EdDSA", "ES256"])]
         algorithm: String,
+        /// Replace a signing key already in the directory (tokens it signed stop verifying).
+        #[arg(long)]
+        force: bool,
     },
     /// Prints a signed JWT for local use.
     Mint {
@@ -107,7 +110,13 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
 fn auth(command: AuthCommand) -> Result<ExitCode, AnyError> {
     use payledger::auth::dev::{SigningKey, TokenClaims, JWKS_FILE, PRIVATE_KEY_FILE};
     match command {
-        AuthCommand::Keygen { dir, algorithm } => {
+        AuthCommand::Keygen { dir, algorithm, force } => {
+            if !force && dir.join(PRIVATE_KEY_FILE).exists() {
+                let shown = dir.join(PRIVATE_KEY_FILE).display().to_string();
+                return Err(
+                    format!("{shown} exists; pass --force to replace it (tokens it signed stop verifying)").into()
+                );
+            }
             let algorithm =
                 if algorithm == "ES256" { jsonwebtoken::Algorithm::ES256 } else { jsonwebtoken::Algorithm::EdDSA };
             let key = SigningKey::generate(algorithm)?;
@@ -120,12 +129,38 @@ fn auth(command: AuthCommand) -> Result<ExitCode, AnyError> {
             );
         }
         AuthCommand::Mint { key, sub, merchants, scope, issuer, audience, ttl_seconds } => {
+            check_claims(&sub, &merchants, &scope)?;
             let key = SigningKey::read(&key)?;
             let claims = TokenClaims { issuer, audience, subject: sub, merchants, scope, ttl_seconds };
             println!("{}", key.sign(&claims.to_json())?);
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses to mint a token that `serve` would refuse or that grants nothing it says.
+fn check_claims(sub: &str, merchants: &[String], scope: &str) -> Result<(), AnyError> {
+    use payledger::auth::Permission;
+    use payledger::domain::{MerchantId, Subject};
+    if Subject::parse(sub).is_none() {
+        return Err(format!(
+            "--sub must be 1-{} printable ASCII characters without spaces, not `anonymous` or `unknown`",
+            Subject::LEN_MAX
+        )
+        .into());
+    }
+    for merchant in merchants {
+        if merchant != "*" && MerchantId::parse("merchants", merchant).is_err() {
+            return Err(format!("--merchants: {merchant:?} is not a merchant_id ([A-Za-z0-9._:-], 1-64) or *").into());
+        }
+    }
+    for name in scope.split(' ') {
+        if Permission::parse(name).is_none() {
+            let known: Vec<&str> = Permission::ALL.iter().map(|permission| permission.as_str()).collect();
+            return Err(format!("--scope: {name:?} is not one of {} (space-separated)", known.join(" ")).into());
+        }
+    }
+    Ok(())
 }
 
 async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {

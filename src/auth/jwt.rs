@@ -58,6 +58,10 @@ impl std::fmt::Debug for Authenticator {
 /// The claims payledger reads; `exp`, `nbf`, `iss` and `aud` are checked by the library.
 #[derive(Deserialize)]
 struct Claims {
+    /// Read only so that a list is refused: RFC 7519 makes `iss` one StringOrURI (the library
+    /// would accept a list that holds the issuer).
+    #[allow(dead_code)]
+    iss: String,
     sub: String,
     #[serde(default)]
     merchants: Vec<String>,

@@ -2,6 +2,13 @@
 
 use sha2::{Digest, Sha256};
 
+/// What `created_by` holds in rows written before callers were recorded (the migrations'
+/// default), and in stored answers of the release before, which have no such field.
+pub const CREATED_BY_UNKNOWN: &str = "unknown";
+
+/// What `created_by` records for a call without authentication.
+const ANONYMOUS: &str = "anonymous";
+
 /// The caller a call runs for.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub enum Actor {
@@ -15,17 +22,19 @@ pub enum Actor {
 
 /// A JWT `sub` as payledger accepts it: 1-[`Subject::LEN_MAX`] printable ASCII characters
 /// without spaces (RFC 7519 allows any StringOrURI; identity providers issue ids, e-mail
-/// addresses, URIs and SPIFFE ids, all of which fit).
+/// addresses, URIs and SPIFFE ids, all of which fit), other than the two values `created_by`
+/// reserves: `anonymous` and `unknown`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Subject(String);
 
 impl Subject {
     pub const LEN_MAX: usize = 128;
 
-    /// `None` for an empty, too long or non-printable `sub`.
+    /// `None` for an empty, too long, non-printable or reserved `sub`.
     pub fn parse(raw: &str) -> Option<Self> {
         let printable = raw.bytes().all(|b| b.is_ascii_graphic());
-        (!raw.is_empty() && raw.len() <= Self::LEN_MAX && printable).then(|| Self(raw.to_owned()))
+        let reserved = matches!(raw, ANONYMOUS | CREATED_BY_UNKNOWN);
+        (!raw.is_empty() && raw.len() <= Self::LEN_MAX && printable && !reserved).then(|| Self(raw.to_owned()))
     }
 
     pub fn as_str(&self) -> &str {
@@ -37,7 +46,7 @@ impl Actor {
     /// What `created_by` records.
     pub fn created_by(&self) -> &str {
         match self {
-            Actor::Anonymous => "anonymous",
+            Actor::Anonymous => ANONYMOUS,
             Actor::Subject(subject) => subject.as_str(),
         }
     }
@@ -70,6 +79,7 @@ mod tests {
         assert!(Subject::parse("caf\u{e9}").is_none());
         assert!(Subject::parse(&"a".repeat(Subject::LEN_MAX)).is_some());
         assert!(Subject::parse(&"a".repeat(Subject::LEN_MAX + 1)).is_none());
+        assert!(Subject::parse("anonymous").is_none() && Subject::parse("unknown").is_none());
     }
 
     #[test]

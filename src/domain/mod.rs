@@ -8,7 +8,7 @@ mod keys;
 mod money;
 mod order;
 
-pub use actor::{Actor, Subject};
+pub use actor::{Actor, Subject, CREATED_BY_UNKNOWN};
 pub use keys::{
     AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
     BUSINESS_NO_LEN_MAX,
@@ -59,7 +59,7 @@ pub enum Rejection {
     PayerIsPayee,
     #[error("the balance would exceed the largest balance the ledger holds")]
     BalanceLimitExceeded,
-    #[error("the idempotency token is unknown, expired or issued to another merchant")]
+    #[error("the idempotency token is unknown, expired or issued to another merchant or caller")]
     TokenInvalid,
 }
 

@@ -32,7 +32,7 @@ impl AccountService for AccountApi {
         let caller = permitted(&request, "OpenAccount", Permission::AccountsAdmin)?;
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::open_account(request.into_inner())?;
-        let span = info_span!("OpenAccount", account_id = %command.account_id);
+        let span = info_span!("OpenAccount", sub = %caller.subject(), account_id = %command.account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.open_account(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
@@ -45,7 +45,7 @@ impl AccountService for AccountApi {
         let caller = permitted(&request, "Deposit", Permission::AccountsAdmin)?;
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::deposit(request.into_inner(), &caller.actor)?;
-        let span = info_span!("Deposit", request_id = %command.request_id, account_id = %command.account_id);
+        let span = info_span!("Deposit", sub = %caller.subject(), request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
@@ -55,9 +55,9 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::GetAccountRequest>,
     ) -> Result<Response<proto::GetAccountResponse>, Status> {
-        permitted(&request, "GetAccount", Permission::AccountsRead)?;
+        let caller = permitted(&request, "GetAccount", Permission::AccountsRead)?;
         let account_id = decode::account_id(request.into_inner())?;
-        let span = info_span!("GetAccount", account_id = %account_id);
+        let span = info_span!("GetAccount", sub = %caller.subject(), account_id = %account_id);
         let ledger = self.ledger.clone();
         let account = run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
         Ok(reply(proto::GetAccountResponse { account: Some(response::account(account)?) }, false))
@@ -67,9 +67,9 @@ impl AccountService for AccountApi {
         &self,
         request: Request<proto::ListEntriesRequest>,
     ) -> Result<Response<proto::ListEntriesResponse>, Status> {
-        permitted(&request, "ListEntries", Permission::AccountsRead)?;
+        let caller = permitted(&request, "ListEntries", Permission::AccountsRead)?;
         let query = decode::list_entries(request.into_inner())?;
-        let span = info_span!("ListEntries", account_id = %query.account_id);
+        let span = info_span!("ListEntries", sub = %caller.subject(), account_id = %query.account_id);
         let ledger = self.ledger.clone();
         let page = run_detached(span, async move { ledger.list_entries(query).await }).await?;
         let entries = page.entries.into_iter().map(response::entry).collect::<Result<Vec<_>, _>>()?;
@@ -84,8 +84,7 @@ impl AccountService for AccountApi {
         let caller = permitted(&request, "Transfer", Permission::AccountsWrite)?;
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::transfer(request.into_inner(), &caller.actor)?;
-        let span =
-            info_span!("Transfer", from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
+        let span = info_span!("Transfer", sub = %caller.subject(), from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
         Ok(reply_replayable(answer))

@@ -33,7 +33,7 @@ impl PaymentService for PaymentApi {
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::create_order(request.into_inner())?;
         for_merchant(&caller, "CreateOrder", &command.merchant_id)?;
-        let span = info_span!("CreateOrder", merchant_id = %command.merchant_id, order_no = %command.order_no);
+        let span = info_span!("CreateOrder", sub = %caller.subject(), merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.create_order(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
@@ -47,7 +47,7 @@ impl PaymentService for PaymentApi {
         let guards = decode::guards(&request, &caller.actor)?;
         let (merchant_id, order_no) = decode::close_order(request.into_inner())?;
         for_merchant(&caller, "CloseOrder", &merchant_id)?;
-        let span = info_span!("CloseOrder", merchant_id = %merchant_id, order_no = %order_no);
+        let span = info_span!("CloseOrder", sub = %caller.subject(), merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
         let answer =
             run_detached(span, async move { ledger.close_order(&merchant_id, &order_no, &guards).await }).await?;
@@ -59,7 +59,7 @@ impl PaymentService for PaymentApi {
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::pay(request.into_inner(), &caller.actor)?;
         for_merchant(&caller, "Pay", &command.merchant_id)?;
-        let span = info_span!("Pay", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
+        let span = info_span!("Pay", sub = %caller.subject(), merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.pay(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
@@ -70,7 +70,7 @@ impl PaymentService for PaymentApi {
         let guards = decode::guards(&request, &caller.actor)?;
         let command = decode::refund(request.into_inner(), &caller.actor)?;
         for_merchant(&caller, "Refund", &command.merchant_id)?;
-        let span = info_span!("Refund", merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
+        let span = info_span!("Refund", sub = %caller.subject(), merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
         let answer = run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
@@ -82,13 +82,13 @@ impl PaymentService for PaymentApi {
         for_merchant(&caller, "Query", &merchant_id)?;
         let span = match &key {
             QueryKey::OutTradeNo(no) => {
-                info_span!("Query", merchant_id = %merchant_id, out_trade_no = %no)
+                info_span!("Query", sub = %caller.subject(), merchant_id = %merchant_id, out_trade_no = %no)
             }
             QueryKey::OrderNo(no) => {
-                info_span!("Query", merchant_id = %merchant_id, order_no = %no)
+                info_span!("Query", sub = %caller.subject(), merchant_id = %merchant_id, order_no = %no)
             }
             QueryKey::OutRefundNo(no) => {
-                info_span!("Query", merchant_id = %merchant_id, out_refund_no = %no)
+                info_span!("Query", sub = %caller.subject(), merchant_id = %merchant_id, out_refund_no = %no)
             }
         };
         let ledger = self.ledger.clone();
@@ -108,7 +108,7 @@ impl PaymentService for PaymentApi {
         let caller = permitted(&request, "IssueToken", Permission::PaymentsWrite)?;
         let (merchant_id, purpose) = decode::issue_token(request.into_inner())?;
         for_merchant(&caller, "IssueToken", &merchant_id)?;
-        let span = info_span!("IssueToken", merchant_id = %merchant_id);
+        let span = info_span!("IssueToken", sub = %caller.subject(), merchant_id = %merchant_id);
         let ledger = self.ledger.clone();
         let actor = caller.actor;
         let issued =

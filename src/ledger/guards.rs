@@ -88,6 +88,9 @@ pub(super) struct Call {
     token_owner: Option<String>,
     /// The caller's scope tag; `None` without authentication.
     caller_tag: Option<String>,
+    /// For an authenticated caller, the scope its key had before authentication was turned
+    /// on (see [`GuardSession::committed_replay`]).
+    unauthenticated_scope: Option<String>,
     /// The business fields, normalized (amounts in minor units).
     fields: Fields,
     /// The same as `name=value` lines, as stored with a record.
@@ -99,6 +102,10 @@ pub(super) struct Call {
 impl Call {
     pub(super) fn new(method: &'static str, scope: Scope<'_>, fields: Fields, actor: &Actor) -> Self {
         let caller_tag = actor.scope_tag();
+        let unauthenticated_scope = caller_tag.as_ref().map(|_| match scope {
+            Scope::Merchant(merchant_id) => format!("merchant:{merchant_id}"),
+            Scope::Account(account_id) => format!("account:{account_id}"),
+        });
         let (owner, token_owner) = match scope {
             Scope::Merchant(merchant_id) => {
                 let owner = token_owner(merchant_id.as_str(), caller_tag.as_deref());
@@ -114,7 +121,7 @@ impl Call {
             .iter()
             .map(|byte| format!("{byte:02x}"))
             .collect();
-        Self { method, scope, token_owner, caller_tag, fields, fields_text, fingerprint }
+        Self { method, scope, token_owner, caller_tag, unauthenticated_scope, fields, fields_text, fingerprint }
     }
 
     /// The names of what differs from a stored record: `method` and/or field names.
@@ -204,6 +211,11 @@ impl Ledger {
 
 impl GuardSession<'_> {
     /// The first committed, unexpired record of this call's guards, as a replay.
+    ///
+    /// An authenticated caller's key with no record of its own is also looked up where the
+    /// same key lived before authentication was turned on: a record there with this very
+    /// method and request is the original of a call retried across the switch, and answers it
+    /// (anything else there is another call, and is neither answered nor reported).
     pub(super) async fn committed_replay(&mut self) -> Result<Option<Replayable<StoredResponse>>, Error> {
         if self.claims.is_empty() {
             return Ok(None);
@@ -223,6 +235,16 @@ impl GuardSession<'_> {
                 return Err(Rejection::TokenInvalid.into());
             }
             return self.replay(*kind, record).map(Some);
+        }
+        let key = self.claims.iter().find(|(kind, _, _)| *kind == GuardKind::Key).map(|(_, _, key)| key.clone());
+        if let (Some(scope), Some(key)) = (&self.call.unauthenticated_scope, key) {
+            if let Some(record) = queries.find_record(scope, &key).await? {
+                let original = record.expires_at > now && record.response.is_some();
+                if original && self.call.differences(&record).is_empty() {
+                    self.seen_absent = false;
+                    return self.replay(GuardKind::Key, record).map(Some);
+                }
+            }
         }
         Ok(None)
     }
@@ -249,9 +271,13 @@ impl GuardSession<'_> {
                 .map(|row| token_owner(&row.merchant_id, row.caller_tag.as_deref())),
             TokenStore::Redis(redis) => redis.issued_to(token).await?,
         };
-        Ok(match issued_to {
-            Some(owner) => self.may_use(&owner),
-            None => record.caller_scope.as_deref() == Some(self.call.scope.as_str()),
+        Ok(match (issued_to, record.caller_scope.as_deref()) {
+            (Some(owner), _) => self.may_use(&owner),
+            (None, None) => false,
+            // On PaymentService the whole scope (merchant and caller); on AccountService the
+            // caller (its token may guard a call from any account).
+            (None, Some(scope)) if self.call.token_owner.is_some() => scope == self.call.scope,
+            (None, Some(scope)) => caller_tag_of(scope) == self.call.caller_tag.as_deref(),
         })
     }
 

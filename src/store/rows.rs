@@ -1,8 +1,6 @@
 //! Rows as stored: amounts in minor units, timestamps in microseconds since the Unix epoch.
 
-/// What `created_by` holds in rows written before callers were recorded (and in stored
-/// answers of the previous release, which have no such field).
-pub const CREATED_BY_UNKNOWN: &str = "unknown";
+use crate::domain::CREATED_BY_UNKNOWN;
 
 fn created_by_unknown() -> String {
     CREATED_BY_UNKNOWN.to_owned()

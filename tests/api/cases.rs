@@ -1568,3 +1568,41 @@ pub async fn the_demo_plays_clean_against_a_running_server(app: &TestApp) {
     let outcome = payledger_tools::demo::run(settings).await.unwrap();
     assert_eq!(outcome, std::process::ExitCode::SUCCESS);
 }
+
+/// A call sent before authentication was turned on and retried after it, with the caller's
+/// token now, still runs once: the authenticated retry is answered from the record its key
+/// left without authentication (same method and request), while another request under that
+/// key, and the same key of another caller, run as their own.
+pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_after(app: &TestApp) {
+    use payledger::domain::{AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, Subject};
+    use payledger::ledger::{Guards, Transfer};
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    let transfer = |amount: &str, actor: &Actor| Transfer {
+        from_account_id: AccountId::parse("from_account_id", "alice").unwrap(),
+        to_account_id: AccountId::parse("to_account_id", "bob").unwrap(),
+        amount: Amount::parse("amount", amount, Currency::parse("currency", "USD").unwrap()).unwrap(),
+        memo: FreeText::parse("memo", "rent").unwrap(),
+        created_by: actor.clone(),
+    };
+    let guards = |actor: &Actor| Guards {
+        idempotency_key: Some(IdempotencyKey::parse("idempotency-key", "rent-2026-11").unwrap()),
+        token: None,
+        actor: actor.clone(),
+    };
+    let (anonymous, checkout) = (Actor::Anonymous, Actor::Subject(Subject::parse("checkout").unwrap()));
+
+    let before = app.ledger.transfer(transfer("10.00", &anonymous), &guards(&anonymous)).await.unwrap();
+    let retried_after = app.ledger.transfer(transfer("10.00", &checkout), &guards(&checkout)).await.unwrap();
+    assert!(!before.replayed && retried_after.replayed);
+    assert_eq!(retried_after.value, before.value, "the original transfer, as first answered");
+    assert_eq!(app.balance("bob").await, "10.00");
+
+    let other_request = app.ledger.transfer(transfer("5.00", &checkout), &guards(&checkout)).await.unwrap();
+    assert!(!other_request.replayed, "another request under the key is the caller's own call");
+    assert_eq!(app.balance("bob").await, "15.00");
+    let again = app.ledger.transfer(transfer("5.00", &checkout), &guards(&checkout)).await.unwrap();
+    assert!(again.replayed);
+    assert_eq!(again.value, other_request.value, "from then on the caller's own record answers");
+    assert_eq!(app.balance("bob").await, "15.00");
+}

@@ -105,6 +105,7 @@ backend_suite!(
     tokens_of_each_algorithm_verify_and_ambiguous_credentials_are_refused => authenticated,
     callers_reach_only_their_merchants_objects_and_their_own_idempotency_records => authenticated,
     created_by_is_anonymous_on_a_server_without_authentication,
+    a_key_used_before_authentication_was_turned_on_answers_its_retry_after,
     every_bench_scenario_runs_clean_with_a_token => authenticated,
     callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
