@@ -239,3 +239,27 @@ fn the_serve_command_refuses_a_non_loopback_listener_without_auth() {
     assert!(stderr.contains("refusing to serve unauthenticated calls on 0.0.0.0:0"), "{stderr}");
     assert!(!database.exists(), "no database file is created");
 }
+
+/// The zero-setup `serve` (no auth settings, a loopback address) starts, and its start-up
+/// line says that it serves unauthenticated calls on loopback only.
+#[test]
+fn the_serve_command_starts_without_auth_on_loopback_and_says_so() {
+    use std::io::{BufRead, BufReader};
+    let directory = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
+        .arg(format!("sqlite:{}", directory.path().join("ledger.db").display()))
+        .env_remove("PAYLEDGER_AUTH_JWKS")
+        .env_remove("PAYLEDGER_INSECURE_ALLOW_UNAUTHENTICATED")
+        .env_remove("PAYLEDGER_LISTEN")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let line = stderr.lines().map_while(Result::ok).find(|line| line.contains("payledger serving"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("a start-up line");
+    assert!(line.contains(r#"authentication="none (loopback only)""#), "{line}");
+    assert!(line.contains(r#"transport="plaintext""#), "{line}");
+}
