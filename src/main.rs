@@ -55,8 +55,9 @@ enum AuthCommand {
         /// The caller's identity (`sub`): 1-128 printable ASCII characters, no spaces.
         #[arg(long)]
         sub: String,
-        /// merchant_ids the caller may act for, comma-separated, or `*` for all.
-        #[arg(long, value_delimiter = ',', required = true)]
+        /// merchant_ids the caller may act for, comma-separated, or `*` for all (none: a token
+        /// for AccountService scopes only).
+        #[arg(long, value_delimiter = ',')]
         merchants: Vec<String>,
         /// Space-separated scopes: payments:write payments:read accounts:write accounts:read
         /// accounts:admin.

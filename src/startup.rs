@@ -40,6 +40,8 @@ pub enum StartupError {
     Auth(#[from] AuthSettingsError),
     #[error("cannot read {path}: {source}")]
     TlsFile { path: String, source: std::io::Error },
+    #[error("the TLS certificate, key or client CA cannot be used")]
+    Tls(#[source] tonic::transport::Error),
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -101,7 +103,8 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, StartupError> {
 ///
 /// # Errors
 /// [`StartupError::TlsFile`] for a file that cannot be read; [`StartupError::Settings`] for
-/// a key without a certificate or a client CA without either.
+/// a key without a certificate or a client CA without either; [`StartupError::Tls`] for
+/// PEMs rustls cannot use.
 pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, StartupError> {
     let (cert, key) = match (&settings.tls_cert, &settings.tls_key) {
         (Some(cert), Some(key)) => (cert, key),
@@ -116,6 +119,9 @@ pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, Sta
     if let Some(ca) = &settings.tls_client_ca {
         config = config.client_ca_root(Certificate::from_pem(read_pem(ca)?));
     }
+    // Parsed now (rustls reads the PEMs here), so that a bad file stops the start, not the
+    // first connection.
+    Server::builder().tls_config(config.clone()).map_err(StartupError::Tls)?;
     Ok(Some(config))
 }
 

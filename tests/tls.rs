@@ -263,3 +263,37 @@ fn the_serve_command_starts_without_auth_on_loopback_and_says_so() {
     assert!(line.contains(r#"authentication="none (loopback only)""#), "{line}");
     assert!(line.contains(r#"transport="plaintext""#), "{line}");
 }
+
+/// A certificate and key that rustls cannot use stop the start with the reason, before the
+/// server says it is serving.
+#[test]
+fn unusable_tls_files_are_refused_at_start() {
+    use payledger::config::TlsSettings;
+    use payledger::startup::{server_tls, StartupError};
+    let directory = tempfile::tempdir().unwrap();
+    let issued = Pki::new("CA").issue(&["localhost"]);
+    let (cert, key) = (directory.path().join("cert.pem"), directory.path().join("key.pem"));
+    std::fs::write(&cert, &issued.cert_pem).unwrap();
+    std::fs::write(&key, &issued.key_pem).unwrap();
+    let settings = |cert: &std::path::Path, key: &std::path::Path| TlsSettings {
+        tls_cert: Some(cert.to_owned()),
+        tls_key: Some(key.to_owned()),
+        tls_client_ca: None,
+    };
+    assert!(server_tls(&settings(&cert, &key)).unwrap().is_some());
+    let swapped = server_tls(&settings(&key, &cert)).unwrap_err();
+    assert!(matches!(swapped, StartupError::Tls(_)), "{swapped}");
+    let missing = server_tls(&settings(&cert, &directory.path().join("absent.pem"))).unwrap_err();
+    assert!(missing.to_string().contains("absent.pem"), "{missing}");
+}
+
+/// The test tools refuse TLS settings for an `http://` target instead of dropping them.
+#[tokio::test]
+async fn the_tools_refuse_tls_settings_for_a_plaintext_target() {
+    let access = payledger_tools::TargetAccess { tls_ca: Some("ca.pem".into()), ..Default::default() };
+    let directory = tempfile::tempdir().unwrap();
+    std::fs::write(directory.path().join("ca.pem"), Pki::new("CA").ca_pem()).unwrap();
+    let access = payledger_tools::TargetAccess { tls_ca: Some(directory.path().join("ca.pem")), ..access };
+    let error = access.connect("http://127.0.0.1:1").await.unwrap_err();
+    assert!(error.to_string().contains("http://"), "{error}");
+}

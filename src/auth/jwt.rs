@@ -2,6 +2,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet, KeyAlgorithm, PublicKeyUse};
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
@@ -14,6 +16,12 @@ use crate::domain::{Actor, Subject};
 pub const LEEWAY_SECONDS_DEFAULT: u64 = 30;
 /// The longest `authorization` value read; a longer one is CREDENTIALS_INVALID unread.
 pub const TOKEN_BYTES_MAX: usize = 8 * 1024;
+/// Most verified tokens remembered (a caller sends the same token on call after call, and a
+/// signature check costs more than the rest of the call's CPU on a fast path). When full,
+/// the expired ones go, and if that frees nothing, all of them.
+const VERIFIED_TOKENS_MAX: usize = 10_000;
+/// Longest a verified token is remembered, in seconds, however long it is valid.
+const VERIFIED_TOKEN_SECONDS_MAX: u64 = 300;
 
 /// A JWKS file or auth setting that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +48,10 @@ pub struct Authenticator {
     issuer: String,
     audience: String,
     leeway_seconds: u64,
+    /// Tokens verified before: the caller each one names, until when (Unix seconds) it may
+    /// be taken from here: never past its `exp` (with the leeway), at most
+    /// [`VERIFIED_TOKEN_SECONDS_MAX`] after its check.
+    verified: Mutex<HashMap<String, (Caller, u64)>>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -63,6 +75,7 @@ struct Claims {
     #[allow(dead_code)]
     iss: String,
     sub: String,
+    exp: u64,
     #[serde(default)]
     merchants: Vec<String>,
     #[serde(default)]
@@ -147,7 +160,13 @@ impl Authenticator {
         if keys.is_empty() {
             return Err(AuthSettingsError::NoKeys(String::new()));
         }
-        Ok(Self { keys, issuer: issuer.to_owned(), audience: audience.to_owned(), leeway_seconds })
+        Ok(Self {
+            keys,
+            issuer: issuer.to_owned(),
+            audience: audience.to_owned(),
+            leeway_seconds,
+            verified: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The caller of a request, from the value of its `authorization` header (`None`: no
@@ -171,6 +190,34 @@ impl Authenticator {
             Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() => token,
             _ => return Err(Unauthenticated::Invalid),
         };
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
+        if let Some(caller) = self.remembered(token, now) {
+            return Ok(caller);
+        }
+        let (caller, exp) = self.verify(token)?;
+        self.remember(token, &caller, exp.saturating_add(self.leeway_seconds).min(now + VERIFIED_TOKEN_SECONDS_MAX));
+        Ok(caller)
+    }
+
+    fn remembered(&self, token: &str, now: u64) -> Option<Caller> {
+        let verified = self.verified.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        verified.get(token).filter(|(_, until)| *until > now).map(|(caller, _)| caller.clone())
+    }
+
+    fn remember(&self, token: &str, caller: &Caller, until: u64) {
+        let mut verified = self.verified.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if verified.len() >= VERIFIED_TOKENS_MAX {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
+            verified.retain(|_, (_, valid_until)| *valid_until > now);
+            if verified.len() >= VERIFIED_TOKENS_MAX {
+                verified.clear();
+            }
+        }
+        verified.insert(token.to_owned(), (caller.clone(), until));
+    }
+
+    /// The signature and claims check of `token`: its caller and its `exp`.
+    fn verify(&self, token: &str) -> Result<(Caller, u64), Unauthenticated> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| Unauthenticated::Invalid)?;
         let key = header.kid.as_deref().and_then(|kid| self.keys.get(kid)).ok_or(Unauthenticated::Invalid)?;
         if header.alg != key.algorithm {
@@ -196,7 +243,7 @@ impl Authenticator {
         };
         // Scopes of other services in the same token are ignored.
         let permissions: BTreeSet<Permission> = claims.scope.split(' ').filter_map(Permission::parse).collect();
-        Ok(Caller::new(Actor::Subject(subject), merchants, permissions))
+        Ok((Caller::new(Actor::Subject(subject), merchants, permissions), claims.exp))
     }
 }
 
@@ -218,5 +265,28 @@ mod tests {
         assert!(matches!(Authenticator::from_jwks(&one, "", "aud", 5), Err(AuthSettingsError::Missing(_))));
         assert!(matches!(Authenticator::from_jwks(&one, "iss", "", 5), Err(AuthSettingsError::Missing(_))));
         assert!(Authenticator::from_jwks(&one, "iss", "aud", 5).is_ok());
+    }
+
+    #[test]
+    fn a_remembered_token_is_answered_only_until_it_expires() {
+        let key = SigningKey::generate(Algorithm::EdDSA).unwrap();
+        let authenticator = Authenticator::from_jwks(&SigningKey::jwks([&key]), "iss", "aud", 0).unwrap();
+        let claims = crate::auth::dev::TokenClaims {
+            issuer: "iss".into(),
+            audience: "aud".into(),
+            subject: "checkout".into(),
+            merchants: vec!["m1".into()],
+            scope: "payments:read".into(),
+            ttl_seconds: 1,
+        };
+        let header = format!("Bearer {}", key.sign(&claims.to_json()).unwrap());
+        let first = authenticator.authenticate(Some(header.as_bytes())).unwrap();
+        assert_eq!(authenticator.authenticate(Some(header.as_bytes())).unwrap(), first);
+        assert_eq!(authenticator.verified.lock().unwrap().len(), 1);
+        std::thread::sleep(std::time::Duration::from_millis(2_100));
+        assert_eq!(authenticator.authenticate(Some(header.as_bytes())), Err(Unauthenticated::Expired));
+        // Another token is another entry, however alike.
+        let other = format!("Bearer {}x", key.sign(&claims.to_json()).unwrap());
+        assert_eq!(authenticator.authenticate(Some(other.as_bytes())), Err(Unauthenticated::Invalid));
     }
 }

@@ -67,7 +67,9 @@ impl TargetAccess {
         let read = |path: &std::path::PathBuf| {
             std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
         };
-        let tls = if target.starts_with("https://") {
+        // TLS settings for an http:// target are refused by `endpoint`, never dropped.
+        let tls_flags = self.tls_ca.is_some() || self.tls_cert.is_some();
+        let tls = if target.starts_with("https://") || tls_flags {
             let identity = match (&self.tls_cert, &self.tls_key) {
                 (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
                 _ => None,
