@@ -290,10 +290,9 @@ fn unusable_tls_files_are_refused_at_start() {
 /// The test tools refuse TLS settings for an `http://` target instead of dropping them.
 #[tokio::test]
 async fn the_tools_refuse_tls_settings_for_a_plaintext_target() {
-    let access = payledger_tools::TargetAccess { tls_ca: Some("ca.pem".into()), ..Default::default() };
     let directory = tempfile::tempdir().unwrap();
     std::fs::write(directory.path().join("ca.pem"), Pki::new("CA").ca_pem()).unwrap();
-    let access = payledger_tools::TargetAccess { tls_ca: Some(directory.path().join("ca.pem")), ..access };
+    let access = payledger_tools::TargetAccess { tls_ca: Some(directory.path().join("ca.pem")), ..Default::default() };
     let error = access.connect("http://127.0.0.1:1").await.unwrap_err();
     assert!(error.to_string().contains("http://"), "{error}");
 }
