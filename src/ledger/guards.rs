@@ -106,7 +106,7 @@ impl Call {
             Scope::Merchant(merchant_id) => format!("merchant:{merchant_id}"),
             Scope::Account(account_id) => format!("account:{account_id}"),
         });
-        let (owner, token_owner) = match scope {
+        let (scope, token_owner) = match scope {
             Scope::Merchant(merchant_id) => {
                 let owner = token_owner(merchant_id.as_str(), caller_tag.as_deref());
                 (format!("merchant:{owner}"), Some(owner))
@@ -115,7 +115,6 @@ impl Call {
                 (format!("account:{}", token_owner(account_id.as_str(), caller_tag.as_deref())), None)
             }
         };
-        let scope = owner;
         let fields_text: String = fields.iter().map(|(name, value)| format!("{name}={value}\n")).collect();
         let fingerprint = Sha256::digest(format!("{method}\n{fields_text}").as_bytes())
             .iter()
@@ -252,9 +251,10 @@ impl GuardSession<'_> {
     /// Whether the presented token was issued to this call's caller: a token's record is
     /// keyed by the token alone, so this is what keeps its stored response from another
     /// merchant or caller. The owner comes from the token store, or, where the token is gone
-    /// from it, from the record's caller scope, which must then be this call's scope; a record
-    /// that names no caller (written before callers were recorded) is refused on
-    /// PaymentService. Without authentication, a token on AccountService is a bearer secret.
+    /// from it, from the record's caller scope: on PaymentService it must be this call's scope
+    /// (merchant and caller), on AccountService name this call's caller; a record that names
+    /// no caller (written before callers were recorded) is refused. Without authentication, a
+    /// token on AccountService is a bearer secret.
     async fn token_owned_by_caller(
         &self,
         queries: &mut Queries<'_>,
