@@ -45,6 +45,19 @@ impl std::fmt::Debug for SigningKey {
     }
 }
 
+/// The PEM of a PKCS #8 private key without its optional public key: ring (behind rcgen)
+/// writes RFC 5958 "v2" keys that carry it, which OpenSSL 3.0 and Python's `cryptography`
+/// cannot read for Ed25519; RFC 5208 "v1", which every tool reads, leaves it out.
+fn pkcs8_v1_pem(der: &[u8]) -> Result<String, DevKeyError> {
+    use pkcs8::der::Decode as _;
+    let failed = |error: &dyn std::fmt::Display| DevKeyError::Generate(error.to_string());
+    let info = pkcs8::PrivateKeyInfoRef::from_der(der).map_err(|error| failed(&error))?;
+    let v1 = pkcs8::PrivateKeyInfoRef { public_key: None, ..info };
+    let document = pkcs8::SecretDocument::try_from(&v1).map_err(|error| failed(&error))?;
+    let pem = document.to_pem("PRIVATE KEY", pkcs8::LineEnding::LF).map_err(|error| failed(&error))?;
+    Ok(pem.to_string())
+}
+
 impl SigningKey {
     /// A fresh key: `Algorithm::EdDSA` (Ed25519) or `Algorithm::ES256` (P-256).
     ///
@@ -58,7 +71,7 @@ impl SigningKey {
             other => return Err(DevKeyError::Generate(format!("{other:?} keys are not generated here"))),
         };
         let pair = rcgen::KeyPair::generate_for(kind).map_err(|error| DevKeyError::Generate(error.to_string()))?;
-        Self::from_pem(algorithm, &pair.serialize_pem())
+        Self::from_pem(algorithm, &pkcs8_v1_pem(&pair.serialize_der())?)
     }
 
     /// A private key in PKCS #8 PEM (PKCS #1 also for RS256).
