@@ -112,8 +112,13 @@ fn auth(command: AuthCommand) -> Result<ExitCode, AnyError> {
     use payledger::auth::dev::{SigningKey, TokenClaims, JWKS_FILE, PRIVATE_KEY_FILE};
     match command {
         AuthCommand::Keygen { dir, algorithm, force } => {
-            if !force && dir.join(PRIVATE_KEY_FILE).exists() {
-                let shown = dir.join(PRIVATE_KEY_FILE).display().to_string();
+            if let Some(existing) = [PRIVATE_KEY_FILE, JWKS_FILE]
+                .iter()
+                .map(|name| dir.join(name))
+                .find(|path| path.exists())
+                .filter(|_| !force)
+            {
+                let shown = existing.display().to_string();
                 return Err(
                     format!("{shown} exists; pass --force to replace it (tokens it signed stop verifying)").into()
                 );
@@ -131,6 +136,9 @@ fn auth(command: AuthCommand) -> Result<ExitCode, AnyError> {
         }
         AuthCommand::Mint { key, sub, merchants, scope, issuer, audience, ttl_seconds } => {
             check_claims(&sub, &merchants, &scope)?;
+            if issuer.is_empty() || audience.is_empty() || ttl_seconds == 0 {
+                return Err("--issuer and --audience must not be empty, and --ttl-seconds must be at least 1".into());
+            }
             let key = SigningKey::read(&key)?;
             let claims = TokenClaims { issuer, audience, subject: sub, merchants, scope, ttl_seconds };
             println!("{}", key.sign(&claims.to_json())?);

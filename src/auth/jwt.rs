@@ -75,7 +75,8 @@ struct Claims {
     #[allow(dead_code)]
     iss: String,
     sub: String,
-    exp: u64,
+    /// A NumericDate: seconds, a fraction allowed (RFC 7519, section 2).
+    exp: f64,
     #[serde(default)]
     merchants: Vec<String>,
     #[serde(default)]
@@ -243,7 +244,10 @@ impl Authenticator {
         };
         // Scopes of other services in the same token are ignored.
         let permissions: BTreeSet<Permission> = claims.scope.split(' ').filter_map(Permission::parse).collect();
-        Ok((Caller::new(Actor::Subject(subject), merchants, permissions), claims.exp))
+        // Whole seconds, down: a cached token is never taken past its `exp` (`as` saturates).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let exp = claims.exp.floor() as u64;
+        Ok((Caller::new(Actor::Subject(subject), merchants, permissions), exp))
     }
 }
 
@@ -284,6 +288,14 @@ mod tests {
         assert_eq!(authenticator.authenticate(Some(header.as_bytes())).unwrap(), first);
         assert_eq!(authenticator.verified.lock().unwrap().len(), 1);
         std::thread::sleep(std::time::Duration::from_millis(2_100));
+        assert_eq!(authenticator.authenticate(Some(header.as_bytes())), Err(Unauthenticated::Expired));
+        // A NumericDate may hold a fraction (RFC 7519, section 2).
+        let mut fractional = claims.to_json();
+        fractional["exp"] = serde_json::json!(fractional["exp"].as_f64().unwrap() + 600.5);
+        let header = format!("Bearer {}", key.sign(&fractional).unwrap());
+        assert!(authenticator.authenticate(Some(header.as_bytes())).is_ok());
+        fractional["exp"] = serde_json::json!(fractional["exp"].as_f64().unwrap() - 3600.0);
+        let header = format!("Bearer {}", key.sign(&fractional).unwrap());
         assert_eq!(authenticator.authenticate(Some(header.as_bytes())), Err(Unauthenticated::Expired));
         // Another token is another entry, however alike.
         let other = format!("Bearer {}x", key.sign(&claims.to_json()).unwrap());

@@ -231,21 +231,34 @@ impl GuardSession<'_> {
             }
             self.seen_absent = false;
             if *kind == GuardKind::Token && !self.token_owned_by_caller(&mut queries, &record).await? {
+                // A token used before authentication was turned on belongs to no caller now;
+                // presented with the key and request of that very call, it is its retry.
+                if let Some(replayed) = self.unauthenticated_original(&mut queries, now).await? {
+                    return Ok(Some(replayed));
+                }
                 return Err(Rejection::TokenInvalid.into());
             }
             return self.replay(*kind, record).map(Some);
         }
+        self.unauthenticated_original(&mut queries, now).await
+    }
+
+    /// For an authenticated caller, the replay of the record its key left before
+    /// authentication was turned on, when that record holds this very method and request.
+    async fn unauthenticated_original(
+        &mut self,
+        queries: &mut Queries<'_>,
+        now: i64,
+    ) -> Result<Option<Replayable<StoredResponse>>, Error> {
         let key = self.claims.iter().find(|(kind, _, _)| *kind == GuardKind::Key).map(|(_, _, key)| key.clone());
-        if let (Some(scope), Some(key)) = (&self.call.unauthenticated_scope, key) {
-            if let Some(record) = queries.find_record(scope, &key).await? {
-                let original = record.expires_at > now && record.response.is_some();
-                if original && self.call.differences(&record).is_empty() {
-                    self.seen_absent = false;
-                    return self.replay(GuardKind::Key, record).map(Some);
-                }
-            }
+        let (Some(scope), Some(key)) = (&self.call.unauthenticated_scope, key) else { return Ok(None) };
+        let Some(record) = queries.find_record(scope, &key).await? else { return Ok(None) };
+        let original = record.expires_at > now && record.response.is_some();
+        if !(original && self.call.differences(&record).is_empty()) {
+            return Ok(None);
         }
-        Ok(None)
+        self.seen_absent = false;
+        self.replay(GuardKind::Key, record).map(Some)
     }
 
     /// Whether the presented token was issued to this call's caller: a token's record is

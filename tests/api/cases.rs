@@ -1605,4 +1605,22 @@ pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_af
     assert!(again.replayed);
     assert_eq!(again.value, other_request.value, "from then on the caller's own record answers");
     assert_eq!(app.balance("bob").await, "15.00");
+
+    // The same with a one-time token issued before the switch: its retry, token and all, is
+    // answered; the token guards nothing else for the authenticated caller.
+    let merchant = payledger::domain::MerchantId::parse("merchant_id", "m1").unwrap();
+    let purpose = FreeText::parse("purpose", "checkout").unwrap();
+    let issued = app.ledger.issue_token(&merchant, &anonymous, &purpose).await.unwrap();
+    let with_token = |actor: &Actor| Guards {
+        idempotency_key: Some(IdempotencyKey::parse("idempotency-key", "rent-2026-12").unwrap()),
+        token: Some(payledger::domain::OneTimeToken::parse("idempotency-token", &issued.token).unwrap()),
+        actor: actor.clone(),
+    };
+    let before = app.ledger.transfer(transfer("1.00", &anonymous), &with_token(&anonymous)).await.unwrap();
+    let retried_after = app.ledger.transfer(transfer("1.00", &checkout), &with_token(&checkout)).await.unwrap();
+    assert!(retried_after.replayed);
+    assert_eq!(retried_after.value, before.value);
+    let error = app.ledger.transfer(transfer("2.00", &checkout), &with_token(&checkout)).await.unwrap_err();
+    assert_eq!(tonic::Status::from(error).code(), Code::FailedPrecondition, "TOKEN_INVALID");
+    assert_eq!(app.balance("bob").await, "16.00");
 }
