@@ -30,7 +30,7 @@ pub fn check_test_data_allowed(target: &str, allowed: bool) -> Result<(), AnyErr
 
 /// How a tool reaches a server it did not start: TLS for `https://` targets, and a bearer
 /// token for a server that authenticates callers.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Clone, Default, clap::Args)]
 pub struct TargetAccess {
     /// A JWT to send as `authorization: Bearer <JWT>` (for a server run with
     /// `--auth-jwks`; see `payledger auth mint`). Read from the environment rather than the
@@ -47,6 +47,18 @@ pub struct TargetAccess {
     /// This client's private key (PEM), with `--tls-cert`.
     #[arg(long, requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+}
+
+/// Never shows the token.
+impl std::fmt::Debug for TargetAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TargetAccess")
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .finish()
+    }
 }
 
 /// The gRPC stubs a tool calls through: a channel, with the bearer token (if any) added to
