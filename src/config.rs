@@ -38,6 +38,12 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
+    /// Seconds `serve` waits at start for a PostgreSQL or MySQL database to accept
+    /// connections (it may come up after payledger, or be created later), retrying with
+    /// backoff, before it exits with the last error; 0 tries once. SQLite is never waited for.
+    #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub database_wait_seconds: u64,
 }
 
 impl DatabaseSettings {
@@ -47,6 +53,10 @@ impl DatabaseSettings {
             acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
             lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
         }
+    }
+
+    pub fn database_wait(&self) -> Duration {
+        Duration::from_secs(self.database_wait_seconds)
     }
 
     pub fn group_commit(&self) -> GroupCommitSettings {
@@ -211,6 +221,12 @@ pub struct ServeSettings {
     /// Seconds that calls in flight get to finish after SIGTERM or SIGINT.
     #[arg(long, env = "PAYLEDGER_SHUTDOWN_GRACE_SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Milliseconds between two health checks of the database (on a connection of their
+    /// own): a check that fails or takes over 2 s turns gRPC health NOT_SERVING, the next one
+    /// that passes SERVING again.
+    #[arg(long, env = "PAYLEDGER_HEALTH_CHECK_INTERVAL_MS", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub health_check_interval_ms: u64,
 }
 
 /// Log output format.

@@ -55,13 +55,38 @@ pub async fn open_ledger(
     idempotency: &IdempotencySettings,
 ) -> Result<Ledger, StartupError> {
     idempotency.validate().map_err(StartupError::Settings)?;
-    let store = Store::connect(&database.database_url, &database.pool()).await?;
+    let store = connect_waiting(&database.database_url, &database.pool(), database.database_wait()).await?;
     store.migrate().await?;
     let tokens = TokenStore::connect(&idempotency.token_store)
         .await
         .map_err(|error| StartupError::TokenStore(error.to_string()))?;
     let settings = LedgerSettings { group_commit: database.group_commit(), ..idempotency.ledger() };
     Ok(Ledger::with_settings(store, tokens, settings))
+}
+
+/// Connects to the database, trying again with backoff (0.25 s doubling up to 5 s) until
+/// `wait` has passed: the database may start after payledger, or be created by a job that
+/// runs beside it. A URL with an unknown scheme, and SQLite (a local file, not a server),
+/// fail at once.
+///
+/// # Errors
+/// The last [`ConnectError`] when `wait` is over.
+async fn connect_waiting(url: &str, pool: &crate::store::PoolSettings, wait: Duration) -> Result<Store, StartupError> {
+    let wait =
+        if crate::store::Dialect::from_url(url) == Some(crate::store::Dialect::Sqlite) { Duration::ZERO } else { wait };
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        match Store::connect(url, pool).await {
+            Ok(store) => return Ok(store),
+            Err(error @ ConnectError::Connect(..)) if tokio::time::Instant::now() + backoff < deadline => {
+                tracing::warn!(error = %error_chain(&error), retry_in_ms = backoff.as_millis(), "database not reachable yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
 }
 
 /// Opens an existing ledger read as it is, for `payledger audit`: no migrations, nothing
@@ -134,6 +159,7 @@ pub struct Application {
     authenticator: Option<Arc<Authenticator>>,
     tls: Option<ServerTlsConfig>,
     mutual_tls: bool,
+    health_check_interval: Duration,
 }
 
 impl Application {
@@ -152,7 +178,9 @@ impl Application {
         if let Some(tls) = tls {
             application = application.with_tls(tls, settings.tls.tls_client_ca.is_some());
         }
-        Ok(application.with_reaper(settings.idempotency.reaper()))
+        Ok(application
+            .with_reaper(settings.idempotency.reaper())
+            .with_health_check_interval(Duration::from_millis(settings.health_check_interval_ms)))
     }
 
     /// A server on an already bound listener (tests bind port 0), without authentication or
@@ -166,7 +194,14 @@ impl Application {
             authenticator: None,
             tls: None,
             mutual_tls: false,
+            health_check_interval: Duration::from_secs(2),
         }
+    }
+
+    /// How often health checks the database (default every 2 s).
+    pub fn with_health_check_interval(mut self, interval: Duration) -> Self {
+        self.health_check_interval = interval;
+        self
     }
 
     /// Authenticates every call with `authenticator` (`None`: every call is anonymous).
@@ -226,12 +261,14 @@ impl Application {
     /// # Errors
     /// [`StartupError`] when the server cannot start or fails.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartupError> {
-        let Self { listener, ledger, shutdown_grace, reaper, authenticator, tls, mutual_tls: _ } = self;
+        let Self { listener, ledger, shutdown_grace, reaper, authenticator, tls, mutual_tls: _, health_check_interval } =
+            self;
         let authentication = Authentication::new(authenticator);
         let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AccountServiceServer<AccountApi>>().await;
         health.set_serving::<PaymentServiceServer<PaymentApi>>().await;
+        let health_check = tokio::spawn(check_health(ledger.clone(), health.clone(), health_check_interval));
         let reflection_v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -269,12 +306,14 @@ impl Application {
         tokio::select! {
             result = &mut server => {
                 reaper.abort();
+                health_check.abort();
                 return Ok(result?);
             }
             () = shutdown => {}
         }
         tracing::info!(grace_seconds = shutdown_grace.as_secs(), "shutting down: health NOT_SERVING, draining calls");
-        for service in ["", "payledger.v1.AccountService", "payledger.v1.PaymentService"] {
+        health_check.abort();
+        for service in SERVICES {
             health.set_service_status(service, ServingStatus::NotServing).await;
         }
         let _ = stop_accepting.send(());
@@ -300,6 +339,38 @@ impl Application {
             "stopped"
         );
         Ok(())
+    }
+}
+
+/// The names gRPC health answers for: the server as a whole and each service.
+const SERVICES: [&str; 3] = ["", "payledger.v1.AccountService", "payledger.v1.PaymentService"];
+
+/// Checks the database every `interval` (see [`Store::check_health`]) and says what it
+/// found through gRPC health: NOT_SERVING while it does not answer, so that a load balancer
+/// sends calls elsewhere, SERVING again once it does. Each change is logged.
+async fn check_health(ledger: Ledger, health: tonic_health::server::HealthReporter, interval: Duration) {
+    let mut serving = true;
+    loop {
+        tokio::time::sleep(interval).await;
+        let answered = match ledger.store().check_health().await {
+            Ok(()) => true,
+            Err(error) => {
+                if serving {
+                    tracing::warn!(%error, "database health check failed: health NOT_SERVING");
+                }
+                false
+            }
+        };
+        if answered != serving {
+            if answered {
+                tracing::info!("database answers again: health SERVING");
+            }
+            let status = if answered { ServingStatus::Serving } else { ServingStatus::NotServing };
+            for service in SERVICES {
+                health.set_service_status(service, status).await;
+            }
+            serving = answered;
+        }
     }
 }
 

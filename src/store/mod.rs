@@ -57,7 +57,13 @@ pub struct Store {
     /// writers in other processes.
     write_gate: Option<Arc<Semaphore>>,
     lock_timeout: Duration,
+    /// One connection of its own for health checks, opened on first use, so that a check
+    /// never waits behind the load for a pooled connection, nor takes one from it.
+    probe: AnyPool,
 }
+
+/// How long a health check may take to get its connection; longer is unhealthy.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Errors of [`Store::connect`].
 #[derive(Debug, thiserror::Error)]
@@ -122,8 +128,15 @@ impl Store {
             .connect(&dialect.driver_url(url, create))
             .await
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+        let probe = AnyPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(PROBE_TIMEOUT)
+            // A connection the database dropped is found out here, and replaced.
+            .test_before_acquire(true)
+            .connect_lazy(&dialect.driver_url(url, false))
+            .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
-        Ok(Self { pool, dialect, write_gate, lock_timeout: settings.lock_timeout })
+        Ok(Self { pool, dialect, write_gate, lock_timeout: settings.lock_timeout, probe })
     }
 
     /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
@@ -197,6 +210,17 @@ impl Store {
     /// Closes the pool, waiting for connections in use to come back.
     pub async fn close(&self) {
         self.pool.close().await;
+        self.probe.close().await;
+    }
+
+    /// Whether the database answers now, on the health check's own connection (reconnected
+    /// when the database dropped it).
+    ///
+    /// # Errors
+    /// The driver error, or a pool timeout after 2 s.
+    pub async fn check_health(&self) -> Result<(), sqlx::Error> {
+        let mut connection = self.probe.acquire().await?;
+        connection.ping().await
     }
 }
 

@@ -57,6 +57,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 lock_timeout_ms: 5_000,
                 pay_batch_max: 64,
                 pay_batch_workers: 2,
+                database_wait_seconds: 0,
             };
             let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;

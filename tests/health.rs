@@ -1,0 +1,143 @@
+//! Honest health: gRPC health follows the database while payledger runs, and `serve` waits
+//! at start for a database that is not there yet. On databases created by the test on the
+//! shared servers (PostgreSQL for the health flip, both servers for the wait at start).
+
+use std::time::{Duration, Instant};
+
+use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::ledger::Ledger;
+use payledger::startup::{open_ledger, Application};
+use payledger::store::{PoolSettings, Store};
+use sqlx::AnyPool;
+use tokio::net::TcpListener;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+fn admin_url(variable: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(url) => Some(url),
+        Err(_) => {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
+            eprintln!("{variable} not set: skipped");
+            None
+        }
+    }
+}
+
+fn database_url(admin_url: &str, name: &str) -> String {
+    let base = admin_url.rsplit_once('/').map_or(admin_url, |(base, _)| base);
+    format!("{base}/{name}")
+}
+
+/// The health status of `service` as a client sees it.
+async fn status(address: std::net::SocketAddr, service: &str) -> Option<ServingStatus> {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}")).ok()?.connect().await.ok()?;
+    let request = HealthCheckRequest { service: service.to_owned() };
+    let answer = HealthClient::new(channel).check(request).await.ok()?;
+    ServingStatus::try_from(answer.into_inner().status).ok()
+}
+
+/// Waits (at most 15 s) until every name gRPC health answers for says `expected`.
+async fn until_health_is(address: std::net::SocketAddr, expected: ServingStatus) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut all = true;
+        for service in ["", "payledger.v1.PaymentService", "payledger.v1.AccountService"] {
+            all &= status(address, service).await == Some(expected);
+        }
+        if all {
+            return;
+        }
+        assert!(Instant::now() < deadline, "health did not turn {expected:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_not_serving_while_postgres_refuses_connections_and_back_without_a_restart() {
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_health_{}", uuid::Uuid::new_v4().simple());
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(2),
+        lock_timeout: Duration::from_secs(2),
+    };
+    let store = Store::connect(&database_url(&admin_url, &name), &settings).await.unwrap();
+    store.migrate().await.unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(1))
+        .with_health_check_interval(Duration::from_millis(100));
+    let address = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(application.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    until_health_is(address, ServingStatus::Serving).await;
+    sqlx::query(&format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false")).execute(&admin).await.unwrap();
+    sqlx::query(&format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    until_health_is(address, ServingStatus::NotServing).await;
+    sqlx::query(&format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true")).execute(&admin).await.unwrap();
+    until_health_is(address, ServingStatus::Serving).await;
+
+    let _ = stop.send(());
+    let _ = server.await;
+    let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await;
+    admin.close().await;
+}
+
+/// A ledger opened before its database exists opens once the database is created; with no
+/// time to wait, it fails at once.
+async fn opens_once_the_database_exists(admin_url: &str, force: &str) {
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_later_{}", uuid::Uuid::new_v4().simple());
+    let settings = |wait: u64| DatabaseSettings {
+        database_url: database_url(admin_url, &name),
+        pool_size: 2,
+        pool_acquire_timeout_ms: 2_000,
+        lock_timeout_ms: 2_000,
+        pay_batch_max: 64,
+        pay_batch_workers: 1,
+        database_wait_seconds: wait,
+    };
+    let started = Instant::now();
+    assert!(open_ledger(&settings(0), &IdempotencySettings::default()).await.is_err());
+    assert!(started.elapsed() < Duration::from_secs(5), "no wait: one try");
+
+    let waiting = settings(60);
+    let opening = tokio::spawn(async move { open_ledger(&waiting, &IdempotencySettings::default()).await });
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(!opening.is_finished(), "it waits for the database");
+    let admin = AnyPool::connect(admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let opened = tokio::time::timeout(Duration::from_secs(30), opening).await;
+    let outcome = opened.map(|joined| joined.unwrap());
+    if let Ok(Ok(ledger)) = &outcome {
+        assert_eq!(ledger.audit().await.unwrap(), Vec::new(), "a fresh, migrated ledger");
+        ledger.store().close().await;
+    }
+    let _ = sqlx::query(&format!("DROP DATABASE {name}{force}")).execute(&admin).await;
+    admin.close().await;
+    assert!(matches!(outcome, Ok(Ok(_))), "the ledger opens once its database exists");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_for_a_postgres_database_created_after_it_starts() {
+    if let Some(url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") {
+        opens_once_the_database_exists(&url, " WITH (FORCE)").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_for_a_mysql_database_created_after_it_starts() {
+    if let Some(url) = admin_url("PAYLEDGER_TEST_MYSQL_URL") {
+        opens_once_the_database_exists(&url, "").await;
+    }
+}
