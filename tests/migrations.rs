@@ -196,3 +196,43 @@ async fn an_upgrade_to_created_by_keeps_every_row_on_postgres() {
 async fn an_upgrade_to_created_by_keeps_every_row_on_mysql() {
     on_server("PAYLEDGER_TEST_MYSQL_URL", "migrations/mysql").await;
 }
+
+/// A ledger that has every migration of this release starts on a read-only PostgreSQL
+/// database (a standby, or one closed to writes during an incident) and serves reads; sqlx's
+/// migrator alone would first try to create its history table, which read-only refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_ledger_starts_on_a_read_only_postgres_database() {
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_readonly_{}", uuid::Uuid::new_v4().simple());
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
+    let url = format!("{base}/{name}");
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(10),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let migrated = Store::connect(&url, &settings).await.unwrap();
+    migrated.migrate().await.unwrap();
+    migrated.close().await;
+    sqlx::query(&format!("ALTER DATABASE {name} SET default_transaction_read_only = on"))
+        .execute(&admin)
+        .await
+        .unwrap();
+
+    let started = async {
+        let store = Store::connect(&url, &settings).await?;
+        store.migrate().await?;
+        let ledger = Ledger::new(store);
+        let audit = ledger.audit().await;
+        ledger.store().close().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(audit?)
+    }
+    .await;
+    let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await;
+    admin.close().await;
+    let audit = started.expect("a migrated ledger starts on a read-only database");
+    assert_eq!(audit, Vec::new(), "and serves reads");
+}

@@ -151,6 +151,12 @@ impl Store {
             Dialect::Sqlite => &SQLITE_MIGRATIONS,
         };
         let failed = |error| ConnectError::Migrate(self.dialect.name(), error);
+        // sqlx's migrator writes before it reads (it creates its table if it is missing),
+        // which a read-only database refuses; a ledger that has every migration of this
+        // release needs none of that, and so starts on a read-only database too.
+        if self.has_every_migration(migrator).await {
+            return Ok(());
+        }
         if self.dialect != Dialect::MySql {
             return migrator.run(&self.pool).await.map_err(failed);
         }
@@ -205,6 +211,20 @@ impl Store {
     /// The driver error when no connection is free in time.
     pub async fn reader(&self) -> Result<Reader, sqlx::Error> {
         Ok(Reader { connection: self.pool.acquire().await?, dialect: self.dialect })
+    }
+
+    /// True when the database records every migration of `migrator` as applied, with the
+    /// same checksum. False when it cannot tell (no history table yet, say): the migrator
+    /// then runs and says what is wrong.
+    async fn has_every_migration(&self, migrator: &Migrator) -> bool {
+        let applied: Result<Vec<(i64, Vec<u8>)>, _> =
+            sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
+                .fetch_all(&self.pool)
+                .await;
+        let Ok(applied) = applied else { return false };
+        migrator.iter().all(|migration| {
+            applied.iter().any(|(version, checksum)| *version == migration.version && *checksum == *migration.checksum)
+        })
     }
 
     /// Closes the pool, waiting for connections in use to come back.
