@@ -2,8 +2,11 @@
 //! at start for a database that is not there yet. On databases created by the test on the
 //! shared servers (PostgreSQL for the health flip, both servers for the wait at start).
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{admin_url, database_url};
 use payledger::config::{DatabaseSettings, IdempotencySettings};
 use payledger::ledger::Ledger;
 use payledger::startup::{open_ledger, Application};
@@ -13,22 +16,6 @@ use tokio::net::TcpListener;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-fn admin_url(variable: &str) -> Option<String> {
-    match std::env::var(variable) {
-        Ok(url) => Some(url),
-        Err(_) => {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
-            eprintln!("{variable} not set: skipped");
-            None
-        }
-    }
-}
-
-fn database_url(admin_url: &str, name: &str) -> String {
-    let base = admin_url.rsplit_once('/').map_or(admin_url, |(base, _)| base);
-    format!("{base}/{name}")
-}
 
 /// The health status of `service` as a client sees it.
 async fn status(address: std::net::SocketAddr, service: &str) -> Option<ServingStatus> {

@@ -1,36 +1,24 @@
 //! Several instances starting at once over one empty database all come up: the migrations
 //! run once, under a lock that really waits (on MariaDB too).
 
+mod common;
+
 use std::time::Duration;
 
+use common::{admin_url, database_url, small_pool};
+
 use payledger::ledger::Ledger;
-use payledger::store::{PoolSettings, Store};
+use payledger::store::Store;
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
-
-fn admin_url(variable: &str) -> Option<String> {
-    match std::env::var(variable) {
-        Ok(url) => Some(url),
-        Err(_) => {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
-            eprintln!("{variable} not set: skipped");
-            None
-        }
-    }
-}
 
 async fn instances_start_together(admin_url: &str) {
     sqlx::any::install_default_drivers();
     let name = format!("payledger_migrate_{}", uuid::Uuid::new_v4().simple());
     let admin = AnyPool::connect(admin_url).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let base = admin_url.rsplit_once('/').map_or(admin_url, |(base, _)| base);
-    let url = format!("{base}/{name}");
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(30),
-        lock_timeout: Duration::from_secs(5),
-    };
+    let url = database_url(admin_url, &name);
+    let settings = small_pool(Duration::from_secs(30));
 
     let starts = (0..4).map(|_| {
         let (url, settings) = (url.clone(), settings.clone());
@@ -71,11 +59,7 @@ async fn an_instance_starts_on_a_database_migrated_by_a_newer_release() {
     sqlx::any::install_default_drivers();
     let directory = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(5),
-        lock_timeout: Duration::from_secs(5),
-    };
+    let settings = small_pool(Duration::from_secs(5));
     let store = Store::connect(&url, &settings).await.unwrap();
     store.migrate().await.unwrap();
     let raw = AnyPool::connect(&url).await.unwrap();
@@ -132,11 +116,7 @@ const CREATED_BY_TABLES: [(&str, i64); 5] =
 /// still holds.
 async fn upgrade_keeps_rows_and_marks_their_creator_unknown(url: &str, directory: &str) {
     sqlx::any::install_default_drivers();
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(10),
-        lock_timeout: Duration::from_secs(5),
-    };
+    let settings = small_pool(Duration::from_secs(10));
     let raw = AnyPool::connect(url).await.unwrap();
     let mut previous = Migrator::new(std::path::Path::new(directory)).await.unwrap();
     previous.migrations = previous.migrations.iter().filter(|migration| migration.version <= 3).cloned().collect();
@@ -177,8 +157,7 @@ async fn on_server(variable: &str, directory: &'static str) {
     let name = format!("payledger_upgrade_{}", uuid::Uuid::new_v4().simple());
     let admin = AnyPool::connect(&admin_url).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
-    let url = format!("{base}/{name}");
+    let url = database_url(&admin_url, &name);
     let outcome =
         tokio::spawn(async move { upgrade_keeps_rows_and_marks_their_creator_unknown(&url, directory).await }).await;
     let force = if variable.contains("POSTGRES") { " WITH (FORCE)" } else { "" };
@@ -207,13 +186,8 @@ async fn a_migrated_ledger_starts_on_a_read_only_postgres_database() {
     let name = format!("payledger_readonly_{}", uuid::Uuid::new_v4().simple());
     let admin = AnyPool::connect(&admin_url).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
-    let url = format!("{base}/{name}");
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(10),
-        lock_timeout: Duration::from_secs(5),
-    };
+    let url = database_url(&admin_url, &name);
+    let settings = small_pool(Duration::from_secs(10));
     let migrated = Store::connect(&url, &settings).await.unwrap();
     migrated.migrate().await.unwrap();
     migrated.close().await;

@@ -14,6 +14,8 @@
 //! Its read-only, full-disk and I/O error codes are covered by the classification tests in
 //! `src/store/dialect.rs`.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,17 +43,6 @@ const CALLERS: usize = 6;
 const PHASE_WAIT_MAX: Duration = Duration::from_secs(20);
 /// Calls that must be seen in a phase before it ends.
 const CALLS_PER_PHASE: usize = 10;
-
-fn required(variable: &str) -> Option<String> {
-    match std::env::var(variable) {
-        Ok(value) => Some(value),
-        Err(_) => {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
-            eprintln!("{variable} not set: skipped");
-            None
-        }
-    }
-}
 
 /// A payledger server in this process over `database_url`.
 struct Served {
@@ -224,13 +215,12 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_postgres_database_turned_read_only_under_load_gets_only_retryable_codes_then_recovers() {
-    let Some(admin_url) = required("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    let Some(admin_url) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
     sqlx::any::install_default_drivers();
     let name = format!("payledger_read_only_{}", uuid::Uuid::new_v4().simple());
     let admin = AnyPool::connect(&admin_url).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(base, _)| base);
-    let database_url = format!("{base}/{name}");
+    let database_url = common::database_url(&admin_url, &name);
 
     let switch = |on: bool| {
         let (admin, name) = (admin.clone(), name.clone());

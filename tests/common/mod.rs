@@ -1,0 +1,32 @@
+//! Helpers shared by the integration tests that create their own databases on the shared
+//! PostgreSQL and MariaDB servers (each test file includes this module; not every file uses
+//! every helper).
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use payledger::store::PoolSettings;
+
+/// The admin URL in `variable`, or `None` when it is unset outside CI (the test skips).
+/// Under `CI=true` a missing variable fails the test: no backend may be skipped silently.
+pub fn admin_url(variable: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(url) => Some(url),
+        Err(_) => {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
+            eprintln!("{variable} not set: skipped");
+            None
+        }
+    }
+}
+
+/// `admin_url` with its database replaced by `name`.
+pub fn database_url(admin_url: &str, name: &str) -> String {
+    let base = admin_url.rsplit_once('/').map_or(admin_url, |(base, _)| base);
+    format!("{base}/{name}")
+}
+
+/// A pool of two connections that waits `acquire_timeout` for one, and 5 s for a lock.
+pub fn small_pool(acquire_timeout: Duration) -> PoolSettings {
+    PoolSettings { max_connections: 2, acquire_timeout, lock_timeout: Duration::from_secs(5) }
+}
