@@ -7,8 +7,8 @@ use std::time::Duration;
 use crate::ledger::{GroupCommitSettings, LedgerSettings, ReaperSettings};
 use crate::store::PoolSettings;
 
-/// Where the ledger keeps its data.
-#[derive(Debug, Clone, clap::Args)]
+/// Where the ledger keeps its data. `Debug` hides the URL's password.
+#[derive(Clone, clap::Args)]
 pub struct DatabaseSettings {
     /// Database URL; its scheme picks the backend: `postgres://user@host:5432/db`,
     /// `mysql://root@host:3306/db` (also `mariadb://`), or `sqlite:path/to/file.db` (`serve`
@@ -38,10 +38,15 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
+    /// Most Pays waiting in one group-commit worker's queue; a Pay that finds it full is
+    /// refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
+    #[arg(long, env = "PAYLEDGER_PAY_QUEUE_MAX", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub pay_queue_max: u32,
     /// Seconds `serve` waits at start for a PostgreSQL or MySQL database to accept
     /// connections (it may come up after payledger, or be created later), retrying with
     /// backoff, before it exits with the last error; 0 tries once. SQLite is never waited for.
-    #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 60,
+    #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub database_wait_seconds: u64,
 }
@@ -63,18 +68,41 @@ impl DatabaseSettings {
         GroupCommitSettings {
             max_batch: usize::from(self.pay_batch_max.max(1)),
             workers: usize::from(self.pay_batch_workers.max(1)),
+            queue_max: self.pay_queue_max.max(1) as usize,
         }
     }
 }
 
-/// `payledger audit`: only where the ledger is; it reads and changes nothing.
-#[derive(Debug, Clone, clap::Args)]
+impl std::fmt::Debug for DatabaseSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseSettings")
+            .field("database_url", &crate::store::redacted(&self.database_url))
+            .field("pool_size", &self.pool_size)
+            .field("pool_acquire_timeout_ms", &self.pool_acquire_timeout_ms)
+            .field("lock_timeout_ms", &self.lock_timeout_ms)
+            .field("pay_batch_max", &self.pay_batch_max)
+            .field("pay_batch_workers", &self.pay_batch_workers)
+            .field("pay_queue_max", &self.pay_queue_max)
+            .field("database_wait_seconds", &self.database_wait_seconds)
+            .finish()
+    }
+}
+
+/// `payledger audit`: only where the ledger is; it reads and changes nothing. `Debug` hides
+/// the URL's password.
+#[derive(Clone, clap::Args)]
 pub struct AuditSettings {
     /// Database URL of an existing ledger: `postgres://user@host:5432/db`,
     /// `mysql://root@host:3306/db` (also `mariadb://`) or `sqlite:path/to/file.db`. Nothing
     /// is created or migrated.
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:payledger.db")]
     pub database_url: String,
+}
+
+impl std::fmt::Debug for AuditSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditSettings").field("database_url", &crate::store::redacted(&self.database_url)).finish()
+    }
 }
 
 impl AuditSettings {
@@ -88,8 +116,9 @@ impl AuditSettings {
     }
 }
 
-/// Idempotency keys, one-time tokens and the reaper that deletes them once expired.
-#[derive(Debug, Clone, clap::Args)]
+/// Idempotency keys, one-time tokens and the reaper that deletes them once expired. `Debug`
+/// hides a password in the token store's URL.
+#[derive(Clone, clap::Args)]
 pub struct IdempotencySettings {
     /// Where one-time tokens live: `database` (consumed in the business transaction) or a
     /// Redis URL such as `redis://127.0.0.1:6379` (see README, "One-time tokens").
@@ -126,6 +155,19 @@ impl Default for IdempotencySettings {
             reaper_batch_size: 500,
             reaper_pause_ms: 50,
         }
+    }
+}
+
+impl std::fmt::Debug for IdempotencySettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencySettings")
+            .field("token_store", &crate::store::redacted(&self.token_store))
+            .field("idempotency_key_ttl_seconds", &self.idempotency_key_ttl_seconds)
+            .field("token_ttl_seconds", &self.token_ttl_seconds)
+            .field("reaper_interval_seconds", &self.reaper_interval_seconds)
+            .field("reaper_batch_size", &self.reaper_batch_size)
+            .field("reaper_pause_ms", &self.reaper_pause_ms)
+            .finish()
     }
 }
 
@@ -227,6 +269,41 @@ pub struct ServeSettings {
     #[arg(long, env = "PAYLEDGER_HEALTH_CHECK_INTERVAL_MS", default_value_t = 2_000,
           value_parser = clap::value_parser!(u64).range(100..=60_000))]
     pub health_check_interval_ms: u64,
+    /// Most PaymentService and AccountService calls handled at once; one more is refused
+    /// RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before it is decoded. Health
+    /// and reflection are not counted. 0: no limit.
+    #[arg(long, env = "PAYLEDGER_MAX_CONCURRENT_CALLS", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub max_concurrent_calls: u32,
+    /// Address of the Prometheus `/metrics` listener (plain HTTP/1.1; none by default). Put
+    /// it where only the scraper reaches: it needs no credential.
+    #[arg(long, env = "PAYLEDGER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// `payledger health`: asks a running server's gRPC health service (for container
+/// HEALTHCHECKs and probes that cannot speak gRPC).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HealthSettings {
+    /// The server: `http://host:port`, or `https://host:port` for TLS.
+    #[arg(long, env = "PAYLEDGER_HEALTH_TARGET", default_value = "http://127.0.0.1:50051")]
+    pub target: String,
+    /// The service to ask about (`payledger.v1.PaymentService`...); empty: the server as a
+    /// whole.
+    #[arg(long, default_value = "")]
+    pub service: String,
+    /// Milliseconds to wait for the answer (connection included).
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub timeout_ms: u64,
+    /// CA certificate (PEM) that an `https://` target's certificate must chain to.
+    #[arg(long, env = "PAYLEDGER_HEALTH_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), for a server that requires mutual TLS.
+    #[arg(long, env = "PAYLEDGER_HEALTH_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Client certificate's private key (PEM).
+    #[arg(long, env = "PAYLEDGER_HEALTH_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Log output format.

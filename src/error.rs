@@ -57,7 +57,7 @@ pub enum ReusedKey {
 }
 
 impl ReusedKey {
-    fn reason(self) -> &'static str {
+    pub(crate) fn reason(self) -> &'static str {
         match self {
             ReusedKey::AccountId => "ACCOUNT_ALREADY_EXISTS",
             ReusedKey::RequestId => "REQUEST_ID_REUSED",
@@ -119,6 +119,14 @@ pub enum Error {
     /// The database failed; `classify` tells whether it is unreachable, transient or a bug.
     #[error("database error")]
     Database(#[from] sqlx::Error),
+    /// A bound was reached (the concurrency limit, a full group-commit queue): refused before
+    /// any work, RESOURCE_EXHAUSTED (OVERLOADED, ErrorInfo metadata `bound`), with pushback.
+    #[error("the server is at its {0} bound; retry later")]
+    Overloaded(&'static str),
+    /// The caller had gone (cancelled, or past its deadline) before its queued call started:
+    /// nothing was done. DEADLINE_EXCEEDED or CANCELLED (CALLER_GONE); nobody reads it.
+    #[error("the caller had gone before the call started; nothing was done")]
+    CallerGone { deadline_passed: bool },
     /// The Redis token store failed. UNAVAILABLE.
     #[error("token store error")]
     TokenStore(#[from] redis::RedisError),
@@ -133,6 +141,10 @@ impl From<FieldViolation> for Error {
     }
 }
 
+/// The wait asked of a call refused OVERLOADED: long enough for the queue in front of it to
+/// drain a batch or two.
+const OVERLOADED_PUSHBACK: Duration = Duration::from_millis(100);
+
 /// Response header of gRFC A6 retry pushback.
 const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 
@@ -144,6 +156,7 @@ fn retry_pushback(reason: &str) -> Option<Duration> {
         "CONTENTION" | "KEY_NOT_YET_VISIBLE" => Some(Duration::from_millis(20)),
         "LOCK_TIMEOUT" => Some(Duration::from_millis(200)),
         "DATABASE_UNAVAILABLE" | "TOKEN_STORE_UNAVAILABLE" => Some(Duration::from_millis(250)),
+        "OVERLOADED" => Some(OVERLOADED_PUSHBACK),
         _ => None,
     }
 }
@@ -188,6 +201,15 @@ impl From<Error> for Status {
             }
             Error::Rejected(rejection) => (Code::FailedPrecondition, rejection.reason(), error.to_string()),
             Error::Contention => (Code::Aborted, "CONTENTION", error.to_string()),
+            Error::Overloaded(bound) => {
+                let metadata = HashMap::from([("bound".to_owned(), (*bound).to_owned())]);
+                details.set_error_info("OVERLOADED", ERROR_DOMAIN, metadata);
+                (Code::ResourceExhausted, "OVERLOADED", error.to_string())
+            }
+            Error::CallerGone { deadline_passed } => {
+                let code = if *deadline_passed { Code::DeadlineExceeded } else { Code::Cancelled };
+                (code, "CALLER_GONE", error.to_string())
+            }
             Error::NotYetVisible => {
                 tracing::info!("a taken key's original is not visible yet after re-reads");
                 (Code::Aborted, "KEY_NOT_YET_VISIBLE", error.to_string())

@@ -10,6 +10,7 @@ pub mod domain;
 pub mod error;
 pub mod grpc;
 pub mod ledger;
+pub mod metrics;
 pub mod startup;
 pub mod store;
 pub mod telemetry;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use payledger::config::{AuditSettings, LogSettings, ServeSettings};
+use payledger::config::{AuditSettings, HealthSettings, LogSettings, ServeSettings};
 use payledger::startup::{error_chain, open_existing_ledger, shutdown_signal, Application};
 use payledger::telemetry;
 
@@ -23,9 +23,11 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve PaymentService, AccountService, gRPC health and reflection.
-    Serve(ServeSettings),
+    Serve(Box<ServeSettings>),
     /// Check the ledger invariants; exits 1 on any violation.
     Audit(AuditSettings),
+    /// Ask a running server's gRPC health service; exits 0 when SERVING, 1 otherwise.
+    Health(HealthSettings),
     /// Development aid: a signing key pair and tokens for local use (production tokens come
     /// from your identity provider; payledger needs only its JWKS).
     #[command(subcommand)]
@@ -78,10 +80,11 @@ enum AuthCommand {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init(&cli.log);
+    let _telemetry = telemetry::init(&cli.log);
     let result = match cli.command {
-        Command::Serve(settings) => serve(settings).await,
+        Command::Serve(settings) => serve(*settings).await,
         Command::Audit(settings) => audit(settings).await,
+        Command::Health(settings) => health(settings).await,
         Command::Auth(command) => auth(command),
     };
     match result {
@@ -170,6 +173,32 @@ fn check_claims(sub: &str, merchants: &[String], scope: &str) -> Result<(), AnyE
         }
     }
     Ok(())
+}
+
+async fn health(settings: HealthSettings) -> Result<ExitCode, AnyError> {
+    use payledger::client::{endpoint, ClientTls};
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let tls = if settings.tls_ca.is_some() || settings.tls_cert.is_some() {
+        let identity_pem = match (&settings.tls_cert, &settings.tls_key) {
+            (Some(cert), Some(key)) => Some((std::fs::read(cert)?, std::fs::read(key)?)),
+            _ => None,
+        };
+        let ca_certificate_pem = settings.tls_ca.as_ref().map(std::fs::read).transpose()?;
+        Some(ClientTls { ca_certificate_pem, identity_pem, ..ClientTls::default() })
+    } else {
+        None
+    };
+    let wait = std::time::Duration::from_millis(settings.timeout_ms);
+    let channel = endpoint(&settings.target, tls.as_ref())?.connect_timeout(wait).timeout(wait);
+    let asked = async {
+        let mut client = HealthClient::new(channel.connect().await?);
+        let answer = client.check(HealthCheckRequest { service: settings.service.clone() }).await?;
+        Ok::<_, AnyError>(answer.into_inner().status())
+    };
+    let status = tokio::time::timeout(wait, asked).await.map_err(|_| "no answer in time")??;
+    println!("{}", status.as_str_name());
+    Ok(if status == ServingStatus::Serving { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {

@@ -14,8 +14,9 @@ use tonic_health::ServingStatus;
 
 use crate::auth::{AuthSettingsError, Authenticator};
 use crate::config::{AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, ServeSettings, TlsSettings};
-use crate::grpc::{capture_guard_headers, AccountApi, Authentication, PaymentApi};
+use crate::grpc::{capture_guard_headers, AccountApi, Authentication, Observe, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
+use crate::metrics::{Metrics, RpcMetrics};
 use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
 use crate::proto::payment_service_server::PaymentServiceServer;
@@ -30,6 +31,8 @@ pub enum StartupError {
     Database(#[from] ConnectError),
     #[error("cannot listen on {0}")]
     Bind(SocketAddr, #[source] std::io::Error),
+    #[error("cannot listen for metrics on {0}")]
+    BindMetrics(SocketAddr, #[source] std::io::Error),
     #[error("cannot build the reflection service")]
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("cannot reach the token store: {0}")]
@@ -160,6 +163,9 @@ pub struct Application {
     tls: Option<ServerTlsConfig>,
     mutual_tls: bool,
     health_check_interval: Duration,
+    max_concurrent_calls: Option<usize>,
+    metrics_listener: Option<TcpListener>,
+    rpc_metrics: RpcMetrics,
 }
 
 impl Application {
@@ -171,6 +177,12 @@ impl Application {
         let tls = server_tls(&settings.tls)?;
         let listener =
             TcpListener::bind(settings.listen).await.map_err(|error| StartupError::Bind(settings.listen, error))?;
+        let metrics_listener = match settings.metrics_listen {
+            Some(address) => {
+                Some(TcpListener::bind(address).await.map_err(|error| StartupError::BindMetrics(address, error))?)
+            }
+            None => None,
+        };
         let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
         let mut application =
             Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds))
@@ -180,7 +192,11 @@ impl Application {
         }
         Ok(application
             .with_reaper(settings.idempotency.reaper())
-            .with_health_check_interval(Duration::from_millis(settings.health_check_interval_ms)))
+            .with_health_check_interval(Duration::from_millis(settings.health_check_interval_ms))
+            .with_max_concurrent_calls(
+                (settings.max_concurrent_calls > 0).then_some(settings.max_concurrent_calls as usize),
+            )
+            .with_metrics_listener(metrics_listener))
     }
 
     /// A server on an already bound listener (tests bind port 0), without authentication or
@@ -195,7 +211,28 @@ impl Application {
             tls: None,
             mutual_tls: false,
             health_check_interval: Duration::from_secs(2),
+            max_concurrent_calls: Some(512),
+            metrics_listener: None,
+            rpc_metrics: RpcMetrics::default(),
         }
+    }
+
+    /// The most PaymentService and AccountService calls handled at once (default 512;
+    /// `None`: no limit); one more is refused RESOURCE_EXHAUSTED (OVERLOADED).
+    pub fn with_max_concurrent_calls(mut self, limit: Option<usize>) -> Self {
+        self.max_concurrent_calls = limit;
+        self
+    }
+
+    /// Serves Prometheus `/metrics` on `listener` (none by default).
+    pub fn with_metrics_listener(mut self, listener: Option<TcpListener>) -> Self {
+        self.metrics_listener = listener;
+        self
+    }
+
+    /// The bound address of the metrics listener, if there is one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener.as_ref().and_then(|listener| listener.local_addr().ok())
     }
 
     /// How often health checks the database (default every 2 s).
@@ -261,22 +298,38 @@ impl Application {
     /// # Errors
     /// [`StartupError`] when the server cannot start or fails.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartupError> {
-        let Self { listener, ledger, shutdown_grace, reaper, authenticator, tls, mutual_tls: _, health_check_interval } =
-            self;
+        let Self {
+            listener,
+            ledger,
+            shutdown_grace,
+            reaper,
+            authenticator,
+            tls,
+            mutual_tls: _,
+            health_check_interval,
+            max_concurrent_calls,
+            metrics_listener,
+            rpc_metrics,
+        } = self;
         let authentication = Authentication::new(authenticator);
+        let metrics_server = metrics_listener
+            .map(|listener| crate::metrics::serve(listener, Arc::new(Metrics::new(&ledger, &rpc_metrics))));
+        let observe = Observe::new(rpc_metrics, ledger.metrics().clone(), max_concurrent_calls);
         let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AccountServiceServer<AccountApi>>().await;
         health.set_serving::<PaymentServiceServer<PaymentApi>>().await;
         let health_check = tokio::spawn(check_health(ledger.clone(), health.clone(), health_check_interval));
-        let reflection_v1 = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
-        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1alpha()?;
+        // The API, health, and the google.rpc error details (ErrorInfo, BadRequest,
+        // RetryInfo), so that reflection clients decode every status's details.
+        let descriptors = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = descriptors().build_v1()?;
+        let reflection_v1alpha = descriptors().build_v1alpha()?;
         let (stop_accepting, stopped) = tokio::sync::oneshot::channel::<()>();
         // TCP_NODELAY on every accepted connection: without it Nagle's algorithm holds small
         // responses back until the client's delayed ACK, some 40 ms per call.
@@ -286,7 +339,7 @@ impl Application {
             builder = builder.tls_config(tls)?;
         }
         let server = builder
-            .trace_fn(|request| tracing::info_span!("grpc", path = %request.uri().path()))
+            .layer(observe)
             .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
             .add_service(health_service)
             .add_service(reflection_v1)
@@ -307,6 +360,9 @@ impl Application {
             result = &mut server => {
                 reaper.abort();
                 health_check.abort();
+                if let Some(metrics_server) = &metrics_server {
+                    metrics_server.abort();
+                }
                 return Ok(result?);
             }
             () = shutdown => {}
@@ -323,6 +379,9 @@ impl Application {
         match tokio::time::timeout_at(deadline, server).await {
             Ok(result) => result?,
             Err(_) => tracing::warn!("grace period over with calls in flight; their transactions roll back"),
+        }
+        if let Some(metrics_server) = &metrics_server {
+            metrics_server.abort();
         }
         if tokio::time::timeout_at(deadline, ledger.store().close()).await.is_err() {
             tracing::warn!("database connections still busy at exit");

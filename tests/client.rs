@@ -162,6 +162,7 @@ fn settings() -> RetrySettings {
         max_backoff: Duration::from_millis(50),
         per_attempt_timeout: Duration::from_millis(500),
         overall_deadline: Duration::from_secs(10),
+        ..RetrySettings::default()
     }
 }
 

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -47,6 +47,62 @@ pub struct RetrySettings {
     pub per_attempt_timeout: Duration,
     /// Deadline of the whole call, across attempts and backoffs.
     pub overall_deadline: Duration,
+    /// Retry throttling (gRFC A6) across every call of one client; `None`: off.
+    pub throttling: Option<RetryThrottling>,
+}
+
+/// gRFC A6 retry throttling, as `retryThrottling` in `client/service_config.json`: the
+/// client keeps `max_tokens` tokens; each attempt answered with a retried code takes one,
+/// each other answer gives `token_ratio` back (up to `max_tokens`); while `max_tokens / 2`
+/// or fewer remain, no call is retried. During an outage every caller then sends about one
+/// attempt per call instead of `max_attempts`, so retries cannot multiply the load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryThrottling {
+    /// Tokens when full (1 to 1000 in A6).
+    pub max_tokens: u32,
+    /// Tokens given back per answer that is not retried (A6 keeps 3 decimals).
+    pub token_ratio: f64,
+}
+
+impl Default for RetryThrottling {
+    /// `client/service_config.json`'s `retryThrottling`: 100 tokens, ratio 0.1.
+    fn default() -> Self {
+        Self { max_tokens: 100, token_ratio: 0.1 }
+    }
+}
+
+/// The token bucket of [`RetryThrottling`], shared by every call of one layer.
+#[derive(Debug)]
+struct Throttle {
+    settings: RetryThrottling,
+    /// Thousandths of a token, so that the arithmetic is exact (A6's 3 decimals).
+    milli_tokens: Mutex<u64>,
+}
+
+impl Throttle {
+    fn new(settings: RetryThrottling) -> Self {
+        let full = u64::from(settings.max_tokens) * 1000;
+        Self { settings, milli_tokens: Mutex::new(full) }
+    }
+
+    fn tokens(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.milli_tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An answer with a retried code: one token less. Returns whether a retry is allowed.
+    fn failed(&self) -> bool {
+        let mut tokens = self.tokens();
+        *tokens = tokens.saturating_sub(1000);
+        *tokens > u64::from(self.settings.max_tokens) * 1000 / 2
+    }
+
+    /// Any other answer: `token_ratio` back.
+    fn succeeded(&self) {
+        let full = u64::from(self.settings.max_tokens) * 1000;
+        let ratio = (self.settings.token_ratio.clamp(0.0, 1000.0) * 1000.0).round() as u64;
+        let mut tokens = self.tokens();
+        *tokens = (*tokens + ratio).min(full);
+    }
 }
 
 impl Default for RetrySettings {
@@ -57,6 +113,7 @@ impl Default for RetrySettings {
             max_backoff: Duration::from_secs(2),
             per_attempt_timeout: Duration::from_secs(3),
             overall_deadline: Duration::from_secs(15),
+            throttling: Some(RetryThrottling::default()),
         }
     }
 }
@@ -66,6 +123,8 @@ impl Default for RetrySettings {
 pub struct ClientStats {
     pub attempts: AtomicU64,
     pub retries: AtomicU64,
+    /// Retries not made because retry throttling was holding them back.
+    pub throttled: AtomicU64,
 }
 
 /// The request header of the caller's credential (RFC 6750).
@@ -129,11 +188,13 @@ pub struct RetryLayer {
     settings: Arc<RetrySettings>,
     stats: Arc<ClientStats>,
     bearer: Option<BearerToken>,
+    throttle: Option<Arc<Throttle>>,
 }
 
 impl RetryLayer {
     pub fn new(settings: RetrySettings) -> Self {
-        Self { settings: Arc::new(settings), stats: Arc::default(), bearer: None }
+        let throttle = settings.throttling.map(|throttling| Arc::new(Throttle::new(throttling)));
+        Self { settings: Arc::new(settings), stats: Arc::default(), bearer: None, throttle }
     }
 
     /// Sends `bearer` on every call.
@@ -151,7 +212,13 @@ impl<S> Layer<S> for RetryLayer {
     type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RetryService { inner, settings: self.settings.clone(), stats: self.stats.clone(), bearer: self.bearer.clone() }
+        RetryService {
+            inner,
+            settings: self.settings.clone(),
+            stats: self.stats.clone(),
+            bearer: self.bearer.clone(),
+            throttle: self.throttle.clone(),
+        }
     }
 }
 
@@ -162,6 +229,7 @@ pub struct RetryService<S> {
     settings: Arc<RetrySettings>,
     stats: Arc<ClientStats>,
     bearer: Option<BearerToken>,
+    throttle: Option<Arc<Throttle>>,
 }
 
 /// What the server (or the transport) said about one attempt.
@@ -228,11 +296,12 @@ where
                 request.headers_mut().insert(AUTHORIZATION_HEADER, value);
             }
         }
+        inject_trace_context(request.headers_mut());
         // The ready service goes with this call; a clone stays for the next (tower's pattern).
         let ready = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, ready);
-        let (settings, stats) = (self.settings.clone(), self.stats.clone());
-        Box::pin(retry_call(inner, settings, stats, request))
+        let (settings, stats, throttle) = (self.settings.clone(), self.stats.clone(), self.throttle.clone());
+        Box::pin(retry_call(inner, settings, stats, throttle, request))
     }
 }
 
@@ -240,6 +309,7 @@ async fn retry_call<S>(
     mut inner: S,
     settings: Arc<RetrySettings>,
     stats: Arc<ClientStats>,
+    throttle: Option<Arc<Throttle>>,
     request: http::Request<Body>,
 ) -> Result<http::Response<Body>, BoxError>
 where
@@ -292,9 +362,18 @@ where
             },
         };
         let (result, pushback) = match outcome {
-            AttemptOutcome::Final(response) => return Ok(response),
+            AttemptOutcome::Final(response) => {
+                if let Some(throttle) = &throttle {
+                    throttle.succeeded();
+                }
+                return Ok(response);
+            }
             AttemptOutcome::Retryable { result, pushback } => (result, pushback),
         };
+        if throttle.as_ref().is_some_and(|throttle| !throttle.failed()) {
+            stats.throttled.fetch_add(1, Ordering::Relaxed);
+            return result;
+        }
         let delay = match pushback {
             Pushback::Stop => return result,
             Pushback::Wait(delay) if previous_attempts + 1 < settings.max_attempts => delay,
@@ -311,6 +390,29 @@ where
         stats.retries.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(delay).await;
         previous_attempts += 1;
+    }
+}
+
+/// Adds the caller's current OpenTelemetry context to a request that carries none, with the
+/// global propagator (W3C `traceparent` once the application installs
+/// `TraceContextPropagator`, as payledger's tools do; nothing with the default no-op one).
+fn inject_trace_context(headers: &mut HeaderMap) {
+    if headers.contains_key("traceparent") {
+        return;
+    }
+    let context = opentelemetry::Context::current();
+    opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.inject_context(&context, &mut HeaderInjector(headers));
+    });
+}
+
+struct HeaderInjector<'a>(&'a mut HeaderMap);
+
+impl opentelemetry::propagation::Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (http::HeaderName::try_from(key), HeaderValue::try_from(value)) {
+            self.0.insert(name, value);
+        }
     }
 }
 
@@ -631,5 +733,84 @@ mod tests {
             }
         }
         assert!(matches!(policy.should_retry(started_at, 2), RetryDecision::DoNotRetry));
+    }
+
+    #[test]
+    fn the_default_throttling_is_the_service_configs() {
+        let config: serde_json::Value = serde_json::from_str(crate::SERVICE_CONFIG_JSON).unwrap();
+        let throttling = &config["retryThrottling"];
+        let default = RetryThrottling::default();
+        assert_eq!(throttling["maxTokens"].as_u64(), Some(u64::from(default.max_tokens)));
+        assert_eq!(throttling["tokenRatio"].as_f64(), Some(default.token_ratio));
+        assert_eq!(RetrySettings::default().throttling, Some(default));
+    }
+
+    #[test]
+    fn throttling_stops_retries_at_half_the_tokens_and_successes_earn_them_back() {
+        let throttle = Throttle::new(RetryThrottling { max_tokens: 10, token_ratio: 0.5 });
+        // 10 tokens: failures take them down to 6 with retries allowed, the 5th leaves 5.
+        for failure in 1..=4 {
+            assert!(throttle.failed(), "failure {failure}");
+        }
+        assert!(!throttle.failed(), "5 tokens of 10 is the threshold: no retry");
+        assert!(!throttle.failed());
+        // 4 tokens; four successes give 2 back (6), the next failure takes 1 (5).
+        for _ in 0..4 {
+            throttle.succeeded();
+        }
+        assert!(!throttle.failed(), "6 - 1 = 5 tokens: still held back");
+        for _ in 0..4 {
+            throttle.succeeded();
+        }
+        assert!(throttle.failed(), "5 + 2 - 1 = 6 tokens: retries again");
+        for _ in 0..100 {
+            throttle.succeeded();
+        }
+        assert_eq!(*throttle.tokens(), 10_000, "never above max_tokens");
+    }
+
+    /// A channel stand-in that answers every call UNAVAILABLE and counts the attempts.
+    #[derive(Clone)]
+    struct AlwaysUnavailable(Arc<AtomicU64>);
+
+    impl Service<http::Request<Body>> for AlwaysUnavailable {
+        type Response = http::Response<Body>;
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Box::pin(async { Ok(Status::unavailable("down").into_http()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn during_an_outage_throttling_caps_the_attempts_near_one_per_call() {
+        let quick = RetrySettings {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(1),
+            ..RetrySettings::default()
+        };
+        let calls = 100;
+        let mut attempts = Vec::new();
+        for throttling in [None, Some(RetryThrottling::default())] {
+            let counter = Arc::new(AtomicU64::new(0));
+            let layer = RetryLayer::new(RetrySettings { throttling, ..quick.clone() });
+            let mut service = layer.layer(AlwaysUnavailable(counter.clone()));
+            for _ in 0..calls {
+                let request = http::Request::new(Body::empty());
+                let response = service.ready().await.unwrap().call(request).await.unwrap();
+                assert_eq!(grpc_code(response.headers()), Some(Code::Unavailable));
+            }
+            attempts.push(counter.load(Ordering::Relaxed));
+        }
+        assert_eq!(attempts[0], calls * 5, "without throttling every call makes all its attempts");
+        // 100 tokens: 50 failures reach the threshold; every later call is tried once.
+        assert_eq!(attempts[1], 50 + (calls - 10), "{attempts:?}");
     }
 }

@@ -8,8 +8,8 @@ use crate::domain::{
 };
 use crate::error::Error;
 use crate::ledger::{
-    CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, IDEMPOTENCY_KEY_HEADER,
-    IDEMPOTENCY_TOKEN_HEADER,
+    CallerPresence, CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
+    IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
 };
 use crate::proto;
 
@@ -214,7 +214,9 @@ pub(super) fn guards<T>(request: &tonic::Request<T>, actor: &Actor) -> Result<Gu
     let token = single_header(metadata, IDEMPOTENCY_TOKEN_HEADER, "idempotency-token-bin", &mut v)
         .and_then(|raw| v.check(OneTimeToken::parse(IDEMPOTENCY_TOKEN_HEADER, raw)));
     if v.0.is_empty() {
-        Ok(Guards { idempotency_key, token, actor: actor.clone() })
+        // The call's deadline and liveness, as the server's outer layer recorded them.
+        let presence = request.extensions().get::<CallerPresence>().cloned().unwrap_or_default();
+        Ok(Guards { idempotency_key, token, actor: actor.clone(), presence })
     } else {
         Err(v.into_error())
     }

@@ -3,6 +3,7 @@
 mod accounts;
 pub mod codec;
 mod decode;
+mod observe;
 mod payments;
 
 use std::future::Future;
@@ -13,6 +14,7 @@ use tonic::{Response, Status};
 use tracing::{Instrument, Span};
 
 pub use accounts::AccountApi;
+pub use observe::{code_name, Observe, ACCESS_LOG_TARGET};
 pub use payments::PaymentApi;
 
 use crate::auth::{Authenticator, Caller, Denied, Permission};
@@ -98,6 +100,7 @@ impl tonic::service::Interceptor for Authentication {
                 }
             }
         };
+        observe::record_caller(caller.subject());
         request.extensions_mut().insert(caller);
         Ok(request)
     }
@@ -123,6 +126,7 @@ fn permitted<T>(request: &tonic::Request<T>, method: &'static str, permission: P
 
 /// Refuses a caller that may not act for `merchant_id`, before anything is read or written.
 fn for_merchant(caller: &Caller, method: &'static str, merchant_id: &MerchantId) -> Result<(), Status> {
+    observe::record_merchant(merchant_id.as_str());
     caller.require_merchant(merchant_id).map_err(|refusal| denied(caller, method, refusal))
 }
 

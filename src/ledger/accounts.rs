@@ -99,7 +99,10 @@ impl Ledger {
     ) -> Result<IssuedToken, Error> {
         let caller_tag = actor.scope_tag();
         let (store, ttl) = (&self.store, self.settings.token_ttl);
-        self.tokens.issue(store, merchant_id, caller_tag.as_deref(), purpose.as_str(), now_micros(), ttl).await
+        let issued =
+            self.tokens.issue(store, merchant_id, caller_tag.as_deref(), purpose.as_str(), now_micros(), ttl).await?;
+        self.metrics.tokens_issued.inc();
+        Ok(issued)
     }
 
     /// # Errors

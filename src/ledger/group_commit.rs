@@ -24,13 +24,22 @@
 //! while the workers before it are busy; under light load a batch holds one Pay. Calls with an
 //! `idempotency-key` or `idempotency-token` are not batched: their records are written by
 //! their own transaction.
+//!
+//! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a Pay that finds it
+//! full is refused RESOURCE_EXHAUSTED (OVERLOADED) before anything is read or written. A
+//! queued Pay whose caller has gone (cancelled, or past its deadline) when its batch is
+//! formed is dropped unstarted; one already in a batch completes with it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
+use opentelemetry::trace::TraceContextExt as _;
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument as _;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::error::{Error, Resource};
 use crate::store::{AccountRow, BalanceUpdate, NewEntry, OrderRow, PaidBatch, PaymentRow, Queries, Store};
@@ -39,7 +48,8 @@ use super::commands::Pay;
 use super::payments::{check_pay, new_payment, paid_receipt, PayCheck, PayReceipt};
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
-use super::{new_id, now_micros, Counters, Inserted};
+use super::{new_id, now_micros, Inserted};
+use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
 /// How Pays are grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,11 +58,51 @@ pub struct GroupCommitSettings {
     pub max_batch: usize,
     /// Batches in flight at once (each holds one pooled connection while it runs).
     pub workers: usize,
+    /// Most Pays waiting in one worker's queue; a Pay that finds it full is refused
+    /// RESOURCE_EXHAUSTED (OVERLOADED).
+    pub queue_max: usize,
 }
 
 impl Default for GroupCommitSettings {
     fn default() -> Self {
-        Self { max_batch: 64, workers: 1 }
+        Self { max_batch: 64, workers: 1, queue_max: 1024 }
+    }
+}
+
+/// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
+/// whether the transport dropped the call (cancelled by the client, or the connection
+/// closed). A queued Pay whose caller has gone is not started.
+#[derive(Debug, Clone, Default)]
+pub struct CallerPresence {
+    deadline: Option<Instant>,
+    dropped: Arc<AtomicBool>,
+}
+
+impl CallerPresence {
+    /// The presence of a call with `deadline`, and the guard that marks it dropped when the
+    /// handler that holds it is dropped (tonic drops a cancelled call's handler).
+    pub fn new(deadline: Option<Instant>) -> (Self, CallGuard) {
+        let presence = Self { deadline, dropped: Arc::default() };
+        let guard = CallGuard(presence.dropped.clone());
+        (presence, guard)
+    }
+
+    /// `Some` once the caller has gone: whether its deadline passed (else it was dropped).
+    fn gone(&self) -> Option<bool> {
+        if self.deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            return Some(true);
+        }
+        self.dropped.load(Ordering::Relaxed).then_some(false)
+    }
+}
+
+/// Marks its [`CallerPresence`] dropped when dropped.
+#[derive(Debug)]
+pub struct CallGuard(Arc<AtomicBool>);
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -70,10 +120,15 @@ pub(super) enum Decision {
     Rejected(Error),
     /// The batch could not decide it: run it in its own transaction.
     Alone,
+    /// Refused before it was queued or started: the queue was full, or the caller had gone.
+    NotStarted(Error),
 }
 
 struct Job {
     command: Pay,
+    presence: CallerPresence,
+    /// The Pay's span, which the batch's span links to.
+    link: opentelemetry::trace::SpanContext,
     reply: oneshot::Sender<Decision>,
 }
 
@@ -82,48 +137,79 @@ struct Job {
 /// account) different payee accounts, and do not queue on each other's row locks. Dropping
 /// the last clone ends the workers.
 pub(super) struct PayBatcher {
-    queues: Vec<mpsc::UnboundedSender<Job>>,
+    queues: Vec<mpsc::Sender<Job>>,
+    metrics: LedgerMetrics,
 }
 
 impl PayBatcher {
     /// Starts `settings.workers` workers on the current tokio runtime.
-    pub(super) fn start(store: Store, settings: GroupCommitSettings, counters: Arc<Counters>) -> Self {
+    pub(super) fn start(store: Store, settings: GroupCommitSettings, metrics: LedgerMetrics) -> Self {
         let queues = (0..settings.workers.max(1))
             .map(|_| {
-                let (jobs, queue) = mpsc::unbounded_channel();
-                tokio::spawn(work(store.clone(), queue, settings.max_batch.max(1), counters.clone()));
+                let (jobs, queue) = mpsc::channel(settings.queue_max.max(1));
+                tokio::spawn(work(store.clone(), queue, settings.max_batch.max(1), metrics.clone()));
                 jobs
             })
             .collect();
-        Self { queues }
+        Self { queues, metrics }
     }
 
-    /// Queues a Pay and waits for its batch. [`Decision::Alone`] when the workers are gone.
-    pub(super) async fn submit(&self, command: Pay) -> Decision {
+    /// Queues a Pay and waits for its batch. [`Decision::NotStarted`] (OVERLOADED) when its
+    /// queue is full; [`Decision::Alone`] when the workers are gone.
+    pub(super) async fn submit(&self, command: Pay, presence: CallerPresence) -> Decision {
         let mut hasher = std::hash::DefaultHasher::new();
         command.merchant_id.as_str().hash(&mut hasher);
         let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
         let (reply, decision) = oneshot::channel();
-        if queue.send(Job { command, reply }).is_err() {
-            return Decision::Alone;
+        let link = tracing::Span::current().context().span().span_context().clone();
+        match queue.try_send(Job { command, presence, link, reply }) {
+            Ok(()) => {
+                self.metrics.group_commit_queue_depth.inc();
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.metrics.shed(SHED_QUEUE_FULL);
+                return Decision::NotStarted(Error::Overloaded(SHED_QUEUE_FULL));
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Decision::Alone,
         }
         decision.await.unwrap_or(Decision::Alone)
     }
 }
 
 /// A worker: takes whatever has queued up (at most `max_batch`) while its last batch ran, and
-/// runs it as one batch. Under light load a batch holds one Pay and starts at once.
-async fn work(store: Store, mut queue: mpsc::UnboundedReceiver<Job>, max_batch: usize, counters: Arc<Counters>) {
+/// runs it as one batch. Under light load a batch holds one Pay and starts at once. A Pay
+/// whose caller has gone by then is answered [`Decision::NotStarted`] and left out.
+async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, metrics: LedgerMetrics) {
     while let Some(first) = queue.recv().await {
-        let mut jobs = vec![first];
-        while jobs.len() < max_batch {
+        let mut taken = vec![first];
+        while taken.len() < max_batch {
             match queue.try_recv() {
-                Ok(job) => jobs.push(job),
+                Ok(job) => taken.push(job),
                 Err(_) => break,
             }
         }
+        metrics.group_commit_queue_depth.dec_by(taken.len() as i64);
+        let mut jobs = Vec::with_capacity(taken.len());
+        for job in taken {
+            match job.presence.gone() {
+                Some(deadline_passed) => {
+                    metrics.group_commit_not_started.inc();
+                    let _ = job.reply.send(Decision::NotStarted(Error::CallerGone { deadline_passed }));
+                }
+                None => jobs.push(job),
+            }
+        }
+        if jobs.is_empty() {
+            continue;
+        }
+        let span = tracing::info_span!("group_commit", pays = jobs.len());
+        for job in &jobs {
+            if job.link.is_valid() {
+                span.add_link(job.link.clone());
+            }
+        }
         let (commands, replies): (Vec<Pay>, Vec<_>) = jobs.into_iter().map(|job| (job.command, job.reply)).unzip();
-        let decisions = pay_together(&store, &commands, &counters).await;
+        let decisions = pay_together(&store, &commands, &metrics).instrument(span).await;
         for (reply, decision) in replies.into_iter().zip(decisions) {
             // The caller may be gone (client cancelled); the batch is committed regardless.
             let _ = reply.send(decision);
@@ -134,7 +220,7 @@ async fn work(store: Store, mut queue: mpsc::UnboundedReceiver<Job>, max_batch: 
 /// Runs `commands` as one group commit and returns one decision per command, in order:
 /// first one read (no transaction, no locks) finds the out_trade_nos already paid, then one
 /// transaction writes the rest.
-pub(super) async fn pay_together(store: &Store, commands: &[Pay], counters: &Counters) -> Vec<Decision> {
+pub(super) async fn pay_together(store: &Store, commands: &[Pay], metrics: &LedgerMetrics) -> Vec<Decision> {
     let mut decisions: Vec<Option<Decision>> = match find_paid(store, commands).await {
         Ok(found) => found,
         Err(error) => {
@@ -149,7 +235,7 @@ pub(super) async fn pay_together(store: &Store, commands: &[Pay], counters: &Cou
     let batch: Vec<&Pay> = open.iter().map(|index| &commands[*index]).collect();
     let now = now_micros();
     let trade_nos: Vec<String> = batch.iter().map(|_| new_id('T')).collect();
-    let outcome = in_transaction!(store, tx => {
+    let outcome = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
         write_batch(&mut queries, &batch, &trade_nos, now).await
     });
@@ -163,8 +249,9 @@ pub(super) async fn pay_together(store: &Store, commands: &[Pay], counters: &Cou
     };
     let paid = written.iter().filter(|decision| matches!(decision, Decision::Paid(_))).count();
     if paid > 0 {
-        counters.group_commits.fetch_add(1, Ordering::Relaxed);
-        counters.group_committed_pays.fetch_add(paid as u64, Ordering::Relaxed);
+        metrics.group_commits.inc();
+        metrics.group_committed_pays.inc_by(paid as u64);
+        metrics.group_commit_batch.observe(paid as f64);
     }
     for (index, decision) in open.into_iter().zip(written) {
         decisions[index] = Some(decision);

@@ -16,8 +16,6 @@
 //! A business change that fails rolls the claim back with it: nothing is recorded and a retry
 //! runs afresh.
 
-use std::sync::atomic::Ordering;
-
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -25,9 +23,11 @@ use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, 
 use crate::error::Error;
 use crate::store::{IdempotencyRecordRow, Queries};
 
+use super::group_commit::CallerPresence;
 use super::idempotent::{differing, Fields};
 use super::tokens::{RedisConsumption, TokenStore};
 use super::{now_micros, Inserted, Ledger, Replayable};
+use crate::metrics::Mechanism;
 
 /// The request metadata headers of a client-supplied idempotency key and a one-time token
 /// (the wire contract, defined once in the client crate).
@@ -47,6 +47,8 @@ pub struct Guards {
     pub token: Option<OneTimeToken>,
     /// The authenticated caller: its keys and tokens are its own (see [`Actor::scope_tag`]).
     pub actor: Actor,
+    /// Whether the caller still waits (a queued Pay whose caller has gone is not started).
+    pub presence: CallerPresence,
 }
 
 impl Guards {
@@ -295,18 +297,26 @@ impl GuardSession<'_> {
     }
 
     fn replay(&self, kind: GuardKind, record: IdempotencyRecordRow) -> Result<Replayable<StoredResponse>, Error> {
-        let counters = &self.ledger.counters;
+        let metrics = &self.ledger.metrics;
         let fields = self.call.differences(&record);
         if !fields.is_empty() {
-            counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
             return Err(match kind {
-                GuardKind::Key => Error::IdempotencyKeyReused { fields },
-                GuardKind::Token => Error::TokenReused { fields },
+                GuardKind::Key => {
+                    metrics.key_conflict("IDEMPOTENCY_KEY_REUSED");
+                    Error::IdempotencyKeyReused { fields }
+                }
+                GuardKind::Token => {
+                    metrics.key_conflict("TOKEN_REUSED");
+                    Error::TokenReused { fields }
+                }
             });
         }
         let json = record.response.ok_or_else(|| Error::Internal("a completed record has no response".into()))?;
         let value = StoredResponse { message: record.response_message, json };
-        counters.replays.fetch_add(1, Ordering::Relaxed);
+        metrics.replay(match kind {
+            GuardKind::Key => Mechanism::IdempotencyKey,
+            GuardKind::Token => Mechanism::Token,
+        });
         Ok(Replayable { value, replayed: true, key_expires_at: self.key_expires_at(kind, record.expires_at) })
     }
 
@@ -431,11 +441,11 @@ impl GuardSession<'_> {
         outcome: Result<Inserted<T>, Error>,
         now: i64,
     ) -> Result<Settled<T>, Error> {
-        let counters = &self.ledger.counters;
+        let metrics = &self.ledger.metrics;
         match outcome {
             Ok(Inserted::Done(value)) => {
                 if self.token.is_some() {
-                    counters.token_consumptions.fetch_add(1, Ordering::Relaxed);
+                    metrics.tokens_consumed.inc();
                 }
                 Ok(Settled::Fresh(Replayable {
                     value,
@@ -458,7 +468,7 @@ impl GuardSession<'_> {
                 let was_absent = self.seen_absent;
                 let replay = self.committed_replay().await?;
                 if was_absent && replay.is_some() {
-                    counters.in_flight_waits.fetch_add(1, Ordering::Relaxed);
+                    metrics.in_flight_waits.inc();
                 }
                 Ok(replay.map_or(Settled::NaturalKeyTaken, Settled::Replayed))
             }

@@ -153,7 +153,7 @@ impl Ledger {
         }
         session.reserve_token().await?;
         let now = now_micros();
-        let outcome = in_transaction!(self.store, tx => {
+        let outcome = in_transaction!(self.store, &self.metrics, tx => {
             let mut queries = tx.queries();
             if !session.claim(&mut queries, now).await? {
                 return Ok(Inserted::KeyTaken);

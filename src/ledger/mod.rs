@@ -32,19 +32,19 @@ pub mod response;
 mod tokens;
 mod transaction;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use accounts::{DepositReceipt, EntryPage, TransferReceipt};
 pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer};
-pub use group_commit::GroupCommitSettings;
+pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
 pub use reaper::{spawn_reaper, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
+use crate::metrics::{LedgerMetrics, Mechanism};
 use crate::store::{AuditViolation, Store};
 
 /// Stored records, as the use cases return them.
@@ -97,27 +97,7 @@ impl LedgerSettings {
     }
 }
 
-/// Counters of the idempotency machinery, ready for a metrics exporter.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Calls answered with an earlier call's result (any mechanism).
-    pub replays: AtomicU64,
-    /// Keys or tokens reused for a different request (ALREADY_EXISTS).
-    pub key_conflicts: AtomicU64,
-    /// Calls whose idempotency key or token was taken by a duplicate still in flight when
-    /// they arrived: they waited for its outcome.
-    pub in_flight_waits: AtomicU64,
-    /// One-time tokens consumed by a committed call.
-    pub token_consumptions: AtomicU64,
-    /// Expired idempotency records and tokens deleted by the reaper.
-    pub reaper_deletions: AtomicU64,
-    /// Group-commit transactions that committed at least one Pay.
-    pub group_commits: AtomicU64,
-    /// Pays committed by group commits (divided by `group_commits`: the mean batch size).
-    pub group_committed_pays: AtomicU64,
-}
-
-/// A copy of the [`Counters`] at one moment.
+/// The shutdown line's summary of the ledger's counters (read from [`LedgerMetrics`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CountersSnapshot {
     pub replays: u64,
@@ -135,7 +115,7 @@ pub struct Ledger {
     store: Store,
     tokens: TokenStore,
     settings: LedgerSettings,
-    counters: Arc<Counters>,
+    metrics: LedgerMetrics,
     /// Started on the first Pay that can be batched.
     batcher: Arc<OnceLock<group_commit::PayBatcher>>,
 }
@@ -147,21 +127,25 @@ impl Ledger {
     }
 
     pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
-        Self { store, tokens, settings, counters: Arc::default(), batcher: Arc::default() }
+        Self { store, tokens, settings, metrics: LedgerMetrics::default(), batcher: Arc::default() }
     }
 
-    /// The idempotency counters now.
+    /// The counters of the ledger (registered by `crate::metrics::Metrics`).
+    pub fn metrics(&self) -> &LedgerMetrics {
+        &self.metrics
+    }
+
+    /// A summary of the ledger's counters now, for the shutdown line.
     pub fn counters(&self) -> CountersSnapshot {
-        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        let counters = &self.counters;
+        let metrics = &self.metrics;
         CountersSnapshot {
-            replays: read(&counters.replays),
-            key_conflicts: read(&counters.key_conflicts),
-            in_flight_waits: read(&counters.in_flight_waits),
-            token_consumptions: read(&counters.token_consumptions),
-            reaper_deletions: read(&counters.reaper_deletions),
-            group_commits: read(&counters.group_commits),
-            group_committed_pays: read(&counters.group_committed_pays),
+            replays: metrics.replays_total(),
+            key_conflicts: metrics.key_conflicts_total(),
+            in_flight_waits: metrics.in_flight_waits.get(),
+            token_consumptions: metrics.tokens_consumed.get(),
+            reaper_deletions: metrics.reaper_deletions.get(),
+            group_commits: metrics.group_commits.get(),
+            group_committed_pays: metrics.group_committed_pays.get(),
         }
     }
 
@@ -171,13 +155,15 @@ impl Ledger {
 
     /// Counts and marks a replay answered by a natural key (out_trade_no, request_id...).
     fn natural_replay<T>(&self, value: T) -> Replayable<T> {
-        self.counters.replays.fetch_add(1, Ordering::Relaxed);
+        self.metrics.replay(Mechanism::NaturalKey);
         Replayable { value, replayed: true, key_expires_at: None }
     }
 
     /// Counts a natural key reused with other parameters.
     fn natural_conflict(&self, error: Error) -> Error {
-        self.counters.key_conflicts.fetch_add(1, Ordering::Relaxed);
+        if let Error::KeyReused { key, .. } = &error {
+            self.metrics.key_conflict(key.reason());
+        }
         error
     }
 

@@ -84,7 +84,7 @@ impl Ledger {
     pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<proto::PayResponse>, Error> {
         if guards.is_empty() {
             if let Some(batcher) = self.pay_batcher() {
-                let decision = batcher.submit(command.clone()).await;
+                let decision = batcher.submit(command.clone(), guards.presence.clone()).await;
                 if let Some(answer) = self.answer_decided(&command, decision).await {
                     return answer?.try_map(<Identified<Pay>>::message);
                 }
@@ -103,9 +103,8 @@ impl Ledger {
     /// The group-commit queue, started on first use; `None` when group commit is off.
     fn pay_batcher(&self) -> Option<&PayBatcher> {
         let settings = self.settings.group_commit;
-        (settings.max_batch > 1).then(|| {
-            self.batcher.get_or_init(|| PayBatcher::start(self.store.clone(), settings, self.counters.clone()))
-        })
+        (settings.max_batch > 1)
+            .then(|| self.batcher.get_or_init(|| PayBatcher::start(self.store.clone(), settings, self.metrics.clone())))
     }
 
     /// The answer a group commit gave a Pay; `None` when the Pay must run alone.
@@ -116,8 +115,11 @@ impl Ledger {
                 self.replay_of(command, payment, order).map(|receipt| self.natural_replay(receipt))
             }
             Decision::PaidBefore => self.pay_after_taken(command).await.map(|receipt| self.natural_replay(receipt)),
-            Decision::Rejected(error) => Err(error),
-            Decision::Alone => return None,
+            Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
+            Decision::Alone => {
+                self.metrics.group_commit_alone.inc();
+                return None;
+            }
         })
     }
 
@@ -129,7 +131,7 @@ impl Ledger {
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
-        let decisions = pay_together(&self.store, &commands, &self.counters).await;
+        let decisions = pay_together(&self.store, &commands, &self.metrics).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
@@ -658,6 +660,7 @@ async fn refund_order(queries: &mut Queries<'_>, read: OrderRow, amount: i64, no
             });
         }
         tracing::debug!(merchant_id, order_no, attempt, "order CAS lost; re-reading the order under a row lock");
+        queries.count_cas_retry();
     }
     Err(Error::Contention)
 }

@@ -149,6 +149,7 @@ async fn change_balance(
             return Ok((balance, account.version + 1));
         }
         tracing::debug!(account_id, attempt, "version CAS lost; re-reading the balance under a row lock");
+        queries.count_cas_retry();
     }
     Err(Error::Contention)
 }

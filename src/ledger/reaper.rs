@@ -1,7 +1,6 @@
 //! The reaper: deletes expired idempotency records and tokens in small batches, with a pause
 //! between batches, so it never holds locks long against live traffic.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
@@ -64,7 +63,7 @@ impl Ledger {
                     Table::Records => report.records_deleted += deleted,
                     Table::Tokens => report.tokens_deleted += deleted,
                 }
-                self.counters.reaper_deletions.fetch_add(deleted, Ordering::Relaxed);
+                self.metrics.reaper_deletions.inc_by(deleted);
                 if deleted < limit.unsigned_abs() {
                     break;
                 }

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use crate::error::Error;
-use crate::store::{classify, Fault, Tx};
+use crate::metrics::{CauseLabel, LedgerMetrics};
+use crate::store::{classify, conflict_cause, Dialect, Fault, Tx};
 
 use super::Inserted;
 
@@ -19,20 +20,34 @@ const BACKOFF_BASE_MS: u64 = 2;
 /// 1213), serialization failure (40001), lock timeout or busy database rolls the whole
 /// transaction back, so the body runs again from BEGIN, never a single statement.
 ///
-/// `in_transaction!(store, tx => { ...; Ok(value) })`: the body is an async block over the
-/// [`Tx`] named `tx`, so `?` inside it ends the attempt, not the caller.
+/// `in_transaction!(store, metrics, tx => { ...; Ok(value) })`: the body is an async block
+/// over the [`Tx`] named `tx`, so `?` inside it ends the attempt, not the caller. Each
+/// attempt is a `db.transaction` span; CAS retries, whole-transaction retries (by cause) and
+/// CAS aborts are counted in the [`LedgerMetrics`].
 macro_rules! in_transaction {
-    ($store:expr, $tx:ident => $body:block) => {{
+    ($store:expr, $metrics:expr, $tx:ident => $body:block) => {{
+        let metrics: &$crate::metrics::LedgerMetrics = $metrics;
         let mut attempt = 1;
         loop {
-            let outcome = match $store.begin().await {
-                Ok(mut $tx) => {
-                    let result = async { $body }.await;
-                    $crate::ledger::transaction::finish($tx, result).await
+            let span = $crate::ledger::transaction::attempt_span($store.dialect(), attempt);
+            let outcome = tracing::Instrument::instrument(
+                async {
+                    match $store.begin().await {
+                        Ok(mut $tx) => {
+                            let result = async { $body }.await;
+                            metrics.cas_retries.inc_by(u64::from($tx.cas_retries()));
+                            $crate::ledger::transaction::finish($tx, result).await
+                        }
+                        Err(error) => Err($crate::error::Error::from(error)),
+                    }
+                },
+                span,
+            )
+            .await;
+            if !$crate::ledger::transaction::should_retry(&outcome, &mut attempt, metrics).await {
+                if matches!(outcome, Err($crate::error::Error::Contention)) {
+                    metrics.cas_aborts.inc();
                 }
-                Err(error) => Err($crate::error::Error::from(error)),
-            };
-            if !$crate::ledger::transaction::should_retry(&outcome, &mut attempt).await {
                 break outcome;
             }
         }
@@ -55,11 +70,17 @@ pub(crate) async fn finish<T>(tx: Tx, result: Result<Inserted<T>, Error>) -> Res
     result
 }
 
+/// The span of one run of a transaction (OpenTelemetry database conventions).
+pub(crate) fn attempt_span(dialect: Dialect, attempt: u32) -> tracing::Span {
+    tracing::info_span!("db.transaction", otel.kind = "client", db.system.name = dialect.system_name(), attempt)
+}
+
 /// True (after a backoff) when the attempt failed transiently and attempts remain.
-pub(crate) async fn should_retry<T>(outcome: &Result<T, Error>, attempt: &mut u32) -> bool {
+pub(crate) async fn should_retry<T>(outcome: &Result<T, Error>, attempt: &mut u32, metrics: &LedgerMetrics) -> bool {
     match outcome {
         Err(Error::Database(error)) if classify(error) == Fault::Transient && *attempt < TRANSACTION_ATTEMPTS_MAX => {
             tracing::debug!(%error, attempt = *attempt, "transient conflict; running the transaction again");
+            metrics.transaction_retries.get_or_create(&CauseLabel { cause: conflict_cause(error) }).inc();
             backoff(*attempt).await;
             *attempt += 1;
             true

@@ -100,6 +100,15 @@ impl Dialect {
         }
     }
 
+    /// The OpenTelemetry `db.system.name` of the backend.
+    pub fn system_name(self) -> &'static str {
+        match self {
+            Dialect::Postgres => "postgresql",
+            Dialect::MySql => "mysql",
+            Dialect::Sqlite => "sqlite",
+        }
+    }
+
     /// How a write transaction begins. SQLite's plain BEGIN is deferred: a transaction
     /// that reads first and writes later must upgrade its lock, and two such writers fail
     /// with SQLITE_BUSY instead of waiting. BEGIN IMMEDIATE takes the write lock up front.
@@ -153,6 +162,29 @@ fn classify_database_error(error: &dyn DatabaseError) -> Fault {
         return code.parse().map_or(Fault::Other, classify_sqlite);
     }
     classify_postgres(&code)
+}
+
+/// The kind of a transient conflict ([`Fault::Transient`]), for metrics: `deadlock`,
+/// `serialization`, `busy` (SQLite), `interrupted` (MySQL) or `other`.
+pub fn conflict_cause(error: &sqlx::Error) -> &'static str {
+    let sqlx::Error::Database(database_error) = error else { return "other" };
+    if let Some(mysql) = database_error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return match mysql.number() {
+            1213 => "deadlock",
+            1317 => "interrupted",
+            _ if mysql.code() == Some("40001") => "serialization",
+            _ => "other",
+        };
+    }
+    let code = database_error.code().unwrap_or_default();
+    if database_error.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        return "busy";
+    }
+    match code.as_ref() {
+        "40P01" => "deadlock",
+        "40001" | "72000" => "serialization",
+        _ => "other",
+    }
 }
 
 /// PostgreSQL, by SQLSTATE (PostgreSQL manual, Appendix A "PostgreSQL Error Codes").
@@ -294,11 +326,31 @@ pub(super) fn render(portable: &str, dialect: Dialect) -> String {
 
 /// The URL without its password, for messages and logs.
 pub fn redacted(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_owned() };
-    let rest = &url[scheme_end..];
-    match (rest.find('@'), rest.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..]),
-        _ => url.to_owned(),
+    let without_user_password = match url.find("://").map(|i| i + 3) {
+        Some(scheme_end) => {
+            let rest = &url[scheme_end..];
+            match (rest.find('@'), rest.find(':')) {
+                (Some(at), Some(colon)) if colon < at => {
+                    format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..])
+                }
+                _ => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    };
+    // A password may also come as a query parameter (`?password=...`, libpq and sqlx).
+    match without_user_password.split_once('?') {
+        Some((base, query)) => {
+            let parameters: Vec<String> = query
+                .split('&')
+                .map(|parameter| match parameter.split_once('=') {
+                    Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+                    _ => parameter.to_owned(),
+                })
+                .collect();
+            format!("{base}?{}", parameters.join("&"))
+        }
+        None => without_user_password,
     }
 }
 
@@ -363,6 +415,11 @@ mod tests {
         assert_eq!(redacted("postgres://app:secret@db:5432/ledger"), "postgres://app:***@db:5432/ledger");
         assert_eq!(redacted("mysql://root@db/test"), "mysql://root@db/test");
         assert_eq!(redacted("sqlite:payledger.db"), "sqlite:payledger.db");
+        assert_eq!(
+            redacted("postgres://db/ledger?sslmode=require&password=secret"),
+            "postgres://db/ledger?sslmode=require&password=***"
+        );
+        assert_eq!(redacted("redis://:secret@cache:6379"), "redis://:***@cache:6379");
     }
 
     #[test]

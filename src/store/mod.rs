@@ -11,7 +11,10 @@ mod queries;
 mod rows;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 
 use sqlx::any::AnyPoolOptions;
 use sqlx::migrate::Migrator;
@@ -19,7 +22,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-pub use dialect::{classify, redacted, Dialect, Fault};
+pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
 pub use queries::{PaidBatch, Queries};
 pub use rows::{
     AccountRow, AuditViolation, BalanceUpdate, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
@@ -60,6 +63,11 @@ pub struct Store {
     /// One connection of its own for health checks, opened on first use, so that a check
     /// never waits behind the load for a pooled connection, nor takes one from it.
     probe: AnyPool,
+    max_connections: u32,
+    /// Seconds each transaction and read waited for a pooled connection.
+    acquire_duration: Histogram,
+    /// 1 after a health check that reached the database, 0 after one that did not.
+    up: Gauge,
 }
 
 /// How long a health check may take to get its connection; longer is unhealthy.
@@ -136,7 +144,18 @@ impl Store {
             .connect_lazy(&dialect.driver_url(url, false))
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
-        Ok(Self { pool, dialect, write_gate, lock_timeout: settings.lock_timeout, probe })
+        let up = Gauge::default();
+        up.set(1);
+        Ok(Self {
+            pool,
+            dialect,
+            write_gate,
+            lock_timeout: settings.lock_timeout,
+            probe,
+            max_connections: settings.max_connections,
+            acquire_duration: crate::metrics::duration_buckets(),
+            up,
+        })
     }
 
     /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
@@ -200,8 +219,10 @@ impl Store {
             ),
             None => None,
         };
-        let transaction = self.pool.begin_with(self.dialect.begin_statement()).await?;
-        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit })
+        let connection = self.acquire().await?;
+        // What `Pool::begin_with` does, after the acquire is timed.
+        let transaction = Transaction::begin(connection, Some(self.dialect.begin_statement().into())).await?;
+        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit, cas_retries: 0 })
     }
 
     /// Takes a pooled connection for reads outside a write transaction (each statement sees
@@ -210,7 +231,30 @@ impl Store {
     /// # Errors
     /// The driver error when no connection is free in time.
     pub async fn reader(&self) -> Result<Reader, sqlx::Error> {
-        Ok(Reader { connection: self.pool.acquire().await?, dialect: self.dialect })
+        Ok(Reader { connection: self.acquire().await?, dialect: self.dialect })
+    }
+
+    async fn acquire(&self) -> Result<PoolConnection<Any>, sqlx::Error> {
+        let started = Instant::now();
+        let connection = self.pool.acquire().await;
+        self.acquire_duration.observe(started.elapsed().as_secs_f64());
+        connection
+    }
+
+    /// Seconds each transaction and read waited for a pooled connection.
+    pub fn acquire_duration(&self) -> &Histogram {
+        &self.acquire_duration
+    }
+
+    /// 1 while the last health check reached the database (see [`Store::check_health`]).
+    pub fn up(&self) -> &Gauge {
+        &self.up
+    }
+
+    /// The pool now: connections open, of those idle, and the most it opens.
+    pub fn pool_state(&self) -> (u32, u32, u32) {
+        let idle = u32::try_from(self.pool.num_idle()).unwrap_or(u32::MAX);
+        (self.pool.size(), idle, self.max_connections)
     }
 
     /// True when the database records every migration of `migrator` as applied, with the
@@ -239,8 +283,9 @@ impl Store {
     /// # Errors
     /// The driver error, or a pool timeout after 2 s.
     pub async fn check_health(&self) -> Result<(), sqlx::Error> {
-        let mut connection = self.probe.acquire().await?;
-        connection.ping().await
+        let outcome = async { self.probe.acquire().await?.ping().await }.await;
+        self.up.set(i64::from(outcome.is_ok()));
+        outcome
     }
 }
 
@@ -249,11 +294,18 @@ pub struct Tx {
     transaction: Transaction<'static, Any>,
     dialect: Dialect,
     _write_permit: Option<OwnedSemaphorePermit>,
+    /// Version CAS or conditional UPDATEs of this transaction that lost and were tried again.
+    cas_retries: u32,
 }
 
 impl Tx {
     pub fn queries(&mut self) -> Queries<'_> {
-        Queries::new(&mut self.transaction, self.dialect)
+        Queries::new(&mut self.transaction, self.dialect).counting(&mut self.cas_retries)
+    }
+
+    /// How many times [`Queries::count_cas_retry`] was called in this transaction.
+    pub fn cas_retries(&self) -> u32 {
+        self.cas_retries
     }
 
     /// # Errors

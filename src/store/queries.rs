@@ -261,13 +261,28 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
 pub struct Queries<'c> {
     connection: &'c mut AnyConnection,
     dialect: Dialect,
+    cas_retries: Option<&'c mut u32>,
 }
 
 type AnyQuery<'q> = Query<'q, Any, AnyArguments<'q>>;
 
 impl<'c> Queries<'c> {
     pub(super) fn new(connection: &'c mut AnyConnection, dialect: Dialect) -> Self {
-        Self { connection, dialect }
+        Self { connection, dialect, cas_retries: None }
+    }
+
+    /// Counts [`Queries::count_cas_retry`] calls into `retries`.
+    pub(super) fn counting(mut self, retries: &'c mut u32) -> Self {
+        self.cas_retries = Some(retries);
+        self
+    }
+
+    /// Records that a version CAS or conditional UPDATE lost and is tried again (the
+    /// transaction's count becomes the `payledger_cas_retries_total` metric).
+    pub fn count_cas_retry(&mut self) {
+        if let Some(retries) = self.cas_retries.as_deref_mut() {
+            *retries += 1;
+        }
     }
 
     fn query(&self, sql: &'static Sql) -> AnyQuery<'static> {

@@ -6,6 +6,8 @@ use payledger::proto::{self, query_request::Key, EntryKind, OrderStatus};
 use tonic::Code;
 
 use crate::helpers::{assert_status, replayed, violated_fields, TestApp};
+use tonic::transport::Channel;
+use tonic_types::StatusExt as _;
 
 pub use crate::auth_cases::*;
 
@@ -515,6 +517,19 @@ pub async fn health_is_serving_and_reflection_lists_both_services(app: &TestApp)
     let names: Vec<_> = list.service.into_iter().map(|service| service.name).collect();
     assert!(names.contains(&"payledger.v1.PaymentService".to_owned()), "{names:?}");
     assert!(names.contains(&"payledger.v1.AccountService".to_owned()), "{names:?}");
+
+    // The error details every status carries resolve too, so that reflection clients
+    // (grpcurl) decode ErrorInfo, BadRequest and RetryInfo.
+    for symbol in ["google.rpc.ErrorInfo", "google.rpc.BadRequest", "google.rpc.RetryInfo"] {
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::FileContainingSymbol(symbol.into())),
+        };
+        let mut stream =
+            reflection.server_reflection_info(futures::stream::iter([request])).await.unwrap().into_inner();
+        let answer = stream.message().await.unwrap().unwrap().message_response;
+        assert!(matches!(answer, Some(MessageResponse::FileDescriptorResponse(_))), "{symbol}: {answer:?}");
+    }
 }
 
 pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestApp) {
@@ -1589,6 +1604,7 @@ pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_af
         idempotency_key: Some(IdempotencyKey::parse("idempotency-key", "rent-2026-11").unwrap()),
         token: None,
         actor: actor.clone(),
+        presence: Default::default(),
     };
     let (anonymous, checkout) = (Actor::Anonymous, Actor::Subject(Subject::parse("checkout").unwrap()));
 
@@ -1615,6 +1631,7 @@ pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_af
         idempotency_key: Some(IdempotencyKey::parse("idempotency-key", "rent-2026-12").unwrap()),
         token: Some(payledger::domain::OneTimeToken::parse("idempotency-token", &issued.token).unwrap()),
         actor: actor.clone(),
+        presence: Default::default(),
     };
     let before = app.ledger.transfer(transfer("1.00", &anonymous), &with_token(&anonymous)).await.unwrap();
     let retried_after = app.ledger.transfer(transfer("1.00", &checkout), &with_token(&checkout)).await.unwrap();
@@ -1623,4 +1640,192 @@ pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_af
     let error = app.ledger.transfer(transfer("2.00", &checkout), &with_token(&checkout)).await.unwrap_err();
     assert_eq!(tonic::Status::from(error).code(), Code::FailedPrecondition, "TOKEN_INVALID");
     assert_eq!(app.balance("bob").await, "16.00");
+}
+
+// ---- Operability: metrics and bounds under overload ---------------------------------------
+
+/// The sample of `name` with exactly `labels` (OpenMetrics text, labels in their order).
+fn sample(metrics: &std::collections::HashMap<String, f64>, name: &str, labels: &str) -> f64 {
+    let key = if labels.is_empty() { name.to_owned() } else { format!("{name}{{{labels}}}") };
+    *metrics.get(&key).unwrap_or_else(|| {
+        let mut known: Vec<_> = metrics.keys().filter(|known| known.starts_with(name)).collect();
+        known.sort();
+        panic!("no sample {key}; samples of {name}: {known:#?}")
+    })
+}
+
+pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("shop", "USD").await;
+    for order_no in ["o1", "o2", "o3"] {
+        app.create_order("m1", order_no, "shop", "1.00").await.unwrap();
+    }
+    // Two fresh Pays, one replay, one out_trade_no reused for another order, one bad input.
+    app.pay("m1", "t1", "o1", "alice", "1.00").await.unwrap();
+    app.pay("m1", "t2", "o2", "alice", "1.00").await.unwrap();
+    assert!(replayed(&app.pay("m1", "t1", "o1", "alice", "1.00").await.unwrap()));
+    let reused = app.pay("m1", "t1", "o3", "alice", "1.00").await.unwrap_err();
+    assert_status(&reused, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
+    let bad = app.pay("m1", "t3", "o3", "alice", "one dollar").await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    // An idempotency key replayed once and reused once.
+    app.funded("bob", "5.00").await;
+    let transfer = transfer_request("bob", "alice", "1.00");
+    app.accounts.clone().transfer(with_key(transfer.clone(), "k-1")).await.unwrap();
+    assert!(replayed(&app.accounts.clone().transfer(with_key(transfer, "k-1")).await.unwrap()));
+    let other = transfer_request("bob", "alice", "2.00");
+    let conflict = app.accounts.clone().transfer(with_key(other, "k-1")).await.unwrap_err();
+    assert_status(&conflict, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+
+    let metrics = app.metrics().await;
+    let pay = |code: &str| {
+        sample(
+            &metrics,
+            "payledger_rpc_calls_total",
+            &format!(r#"service="payledger.v1.PaymentService",method="Pay",code="{code}""#),
+        )
+    };
+    assert_eq!(pay("OK"), 3.0);
+    assert_eq!(pay("ALREADY_EXISTS"), 1.0);
+    assert_eq!(pay("INVALID_ARGUMENT"), 1.0);
+    let transfers = r#"service="payledger.v1.AccountService",method="Transfer",code="OK""#;
+    assert_eq!(sample(&metrics, "payledger_rpc_calls_total", transfers), 2.0);
+    let pay_method = r#"service="payledger.v1.PaymentService",method="Pay""#;
+    assert_eq!(sample(&metrics, "payledger_rpc_duration_seconds_count", pay_method), 5.0);
+    assert_eq!(sample(&metrics, "payledger_rpc_in_flight", pay_method), 0.0);
+    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="NaturalKey""#), 1.0);
+    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="IdempotencyKey""#), 1.0);
+    assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="OUT_TRADE_NO_REUSED""#), 1.0);
+    assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
+    // The two fresh Pays were written by group commits (one each, or one together).
+    assert_eq!(sample(&metrics, "payledger_group_committed_pays_total", ""), 2.0);
+    let batches = sample(&metrics, "payledger_group_commit_batch_pays_count", "");
+    assert!((1.0..=2.0).contains(&batches), "{batches}");
+    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 2.0);
+    assert_eq!(sample(&metrics, "payledger_group_commit_queue_depth", ""), 0.0);
+    assert_eq!(sample(&metrics, "payledger_db_up", ""), 1.0);
+    assert_eq!(sample(&metrics, "payledger_db_pool_max_connections", ""), 8.0);
+    assert!(sample(&metrics, "payledger_db_pool_acquire_duration_seconds_count", "") > 0.0);
+    assert!(sample(&metrics, "payledger_db_pool_connections", r#"state="idle""#) >= 1.0);
+    // The shutdown line reads the same counters.
+    let counters = app.ledger.counters();
+    assert_eq!((counters.replays, counters.key_conflicts, counters.group_committed_pays), (2, 2, 2));
+}
+
+/// Takes every pooled connection of the app's ledger, so that its calls wait for one.
+async fn hold_the_pool(app: &TestApp) -> Vec<payledger::store::Reader> {
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(app.ledger.store().reader().await.expect("a pooled connection"));
+    }
+    held
+}
+
+/// Polls until `check` holds (at most 10 s).
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work(app: &TestApp) {
+    app.order_ready_to_pay("o1", "5.00", "1.00").await;
+    app.create_order("m1", "o2", "shop", "1.00").await.unwrap();
+    let held = hold_the_pool(app).await;
+    // The one call the limit allows waits for a connection.
+    let first = tokio::spawn({
+        let payments = app.payments.clone();
+        let request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
+        async move { payments.clone().pay(request).await }
+    });
+    let in_flight = r#"service="payledger.v1.PaymentService",method="Pay""#;
+    eventually("the first Pay is in flight", async || {
+        app.metrics().await.get(&format!("payledger_rpc_in_flight{{{in_flight}}}")) == Some(&1.0)
+    })
+    .await;
+
+    let refused = app.pay("m1", "t2", "o2", "alice", "1.00").await.unwrap_err();
+    assert_status(&refused, Code::ResourceExhausted, "OVERLOADED");
+    let details = refused.get_error_details();
+    assert_eq!(details.error_info().unwrap().metadata.get("bound").map(String::as_str), Some("concurrency_limit"));
+    let retry_delay = details.retry_info().and_then(|info| info.retry_delay).expect("RetryInfo");
+    let pushback = refused.metadata().get("grpc-retry-pushback-ms").expect("the pushback header");
+    assert_eq!(pushback.to_str().unwrap(), retry_delay.as_millis().to_string(), "one wait, said twice");
+    // Health and reflection are not counted against the limit.
+    let channel = Channel::from_shared(format!("http://{}", app.address)).unwrap().connect().await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.expect("health answers");
+
+    drop(held);
+    let paid = first.await.unwrap().expect("the call within the limit completes");
+    assert_eq!(paid.into_inner().order.unwrap().status(), OrderStatus::Paid);
+    let query = app.query("m1", Key::OrderNo("o2".into())).await.unwrap();
+    assert_eq!(query.order.unwrap().status(), OrderStatus::Pending, "the refused Pay did nothing");
+    assert_eq!(app.rows("payment_flow").await, 1);
+    let metrics = app.metrics().await;
+    assert_eq!(sample(&metrics, "payledger_load_shed_total", r#"reason="concurrency_limit""#), 1.0);
+    let exhausted = r#"service="payledger.v1.PaymentService",method="Pay",code="RESOURCE_EXHAUSTED""#;
+    assert_eq!(sample(&metrics, "payledger_rpc_calls_total", exhausted), 1.0);
+}
+
+pub async fn a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_starts(app: &TestApp) {
+    use payledger::ledger::{CallerPresence, Guards};
+    app.funded("alice", "5.00").await;
+    app.open("shop", "USD").await;
+    for order_no in ["o1", "o2", "o3"] {
+        app.create_order("m1", order_no, "shop", "1.00").await.unwrap();
+    }
+    let held = hold_the_pool(app).await;
+    let depth = || app.ledger.metrics().group_commit_queue_depth.get();
+    // The worker takes o1's Pay and waits for a connection.
+    let first = tokio::spawn({
+        let payments = app.payments.clone();
+        let request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
+        async move { payments.clone().pay(request).await }
+    });
+    let in_flight = r#"payledger_rpc_in_flight{service="payledger.v1.PaymentService",method="Pay"}"#;
+    eventually("the first Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(depth(), 0, "the worker took the first Pay");
+    // o2's Pay fills the queue of one; its caller then goes away (cancelled).
+    let (presence, call) = CallerPresence::new(None);
+    let gone = tokio::spawn({
+        let ledger = app.ledger.clone();
+        let guards = Guards { presence, ..Guards::default() };
+        async move { ledger.pay(pay_command("t2", "o2", "alice", "1.00"), &guards).await }
+    });
+    eventually("the second Pay is queued", async || depth() == 1).await;
+    drop(call);
+    // o3's Pay finds the queue full.
+    let full = app.ledger.pay(pay_command("t3", "o3", "alice", "1.00"), &Guards::default()).await.unwrap_err();
+    let full = tonic::Status::from(full);
+    assert_status(&full, Code::ResourceExhausted, "OVERLOADED");
+    let info = full.get_error_details().error_info().cloned().unwrap();
+    assert_eq!(info.metadata.get("bound").map(String::as_str), Some("group_commit_queue_full"));
+
+    drop(held);
+    assert!(first.await.unwrap().is_ok(), "the Pay its batch took completes");
+    let not_started = tonic::Status::from(gone.await.unwrap().unwrap_err());
+    assert_status(&not_started, Code::Cancelled, "CALLER_GONE");
+    for (order_no, status) in [("o1", OrderStatus::Paid), ("o2", OrderStatus::Pending), ("o3", OrderStatus::Pending)] {
+        let query = app.query("m1", Key::OrderNo(order_no.into())).await.unwrap();
+        assert_eq!(query.order.unwrap().status(), status, "{order_no}");
+    }
+    assert_eq!(app.rows("payment_flow").await, 1);
+    assert_eq!(app.balance("alice").await, "4.00");
+    let metrics = app.ledger.metrics();
+    assert_eq!(metrics.group_commit_not_started.get(), 1);
+    assert_eq!(depth(), 0);
+}
+
+pub async fn a_request_over_the_size_limit_is_resource_exhausted(app: &TestApp) {
+    app.order_ready_to_pay("o1", "5.00", "1.00").await;
+    let before = app.all_rows().await;
+    let mut request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
+    request.out_trade_no = "x".repeat(100 * 1024);
+    let status = app.payments.clone().pay(request).await.unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "MESSAGE_TOO_LARGE");
+    assert_eq!(app.all_rows().await, before);
 }

@@ -55,6 +55,8 @@ pub struct TestOptions {
     /// Authenticate callers with JWTs signed by [`test_keys`]; the app's own clients then
     /// send [`ADMIN_SUB`]'s token (every scope, every merchant).
     pub authenticated: bool,
+    /// The server's concurrency limit (`serve --max-concurrent-calls`).
+    pub max_concurrent_calls: Option<usize>,
 }
 
 impl Default for TestOptions {
@@ -67,6 +69,7 @@ impl Default for TestOptions {
             lock_timeout: Duration::from_secs(10),
             group_commit: defaults.group_commit,
             authenticated: false,
+            max_concurrent_calls: Some(512),
         }
     }
 }
@@ -91,6 +94,15 @@ impl TestOptions {
 
     pub fn authenticated_redis() -> Self {
         Self { authenticated: true, redis_tokens: true, ..Self::default() }
+    }
+
+    /// One ledger call at a time; a group-commit queue of one Pay.
+    pub fn tightly_bounded() -> Self {
+        Self {
+            max_concurrent_calls: Some(1),
+            group_commit: GroupCommitSettings { queue_max: 1, ..GroupCommitSettings::default() },
+            ..Self::default()
+        }
     }
 
     pub fn short_lock_timeout() -> Self {
@@ -216,6 +228,8 @@ pub fn as_caller<T>(message: T, token: &str) -> Request<T> {
 pub struct TestApp {
     pub backend: Backend,
     pub address: SocketAddr,
+    /// The Prometheus listener (`GET /metrics`).
+    pub metrics_address: SocketAddr,
     pub accounts: AccountServiceClient<InterceptedService<Channel, DefaultCredential>>,
     pub payments: PaymentServiceClient<InterceptedService<Channel, DefaultCredential>>,
     /// The token the app's own clients send (`None`: the server does not authenticate).
@@ -323,7 +337,11 @@ impl TestApp {
             },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
-        let mut application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
+        let metrics_address = metrics_listener.local_addr().expect("a bound address");
+        let mut application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5))
+            .with_max_concurrent_calls(options.max_concurrent_calls)
+            .with_metrics_listener(Some(metrics_listener));
         let mut default_credential = DefaultCredential(None);
         let mut admin_token = None;
         if options.authenticated {
@@ -352,6 +370,7 @@ impl TestApp {
         Some(Self {
             backend,
             address,
+            metrics_address,
             accounts: AccountServiceClient::with_interceptor(channel.clone(), default_credential.clone()),
             payments: PaymentServiceClient::with_interceptor(channel.clone(), default_credential),
             admin_token,
@@ -381,6 +400,29 @@ impl TestApp {
             drop_database(self.backend, admin_url, name).await;
         }
         self.database = TestDatabase::Dropped;
+    }
+
+    /// `GET /metrics`: every sample line as `name{labels}` -> value.
+    pub async fn metrics(&self) -> std::collections::HashMap<String, f64> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics_address).await.expect("the metrics listener");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("a request");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.expect("a response");
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        assert!(text.contains("application/openmetrics-text"), "{text}");
+        let body = &text[text.find("\r\n\r\n").expect("a header end") + 4..];
+        assert!(body.trim_end().ends_with("# EOF"), "an OpenMetrics exposition ends with # EOF: {body}");
+        body.lines()
+            .filter(|line| !line.starts_with('#') && !line.is_empty())
+            .filter_map(|line| {
+                let (name, value) = line.rsplit_once(' ')?;
+                Some((name.to_owned(), value.parse().ok()?))
+            })
+            .collect()
     }
 
     /// Rows in a table, read directly.

@@ -109,6 +109,11 @@ backend_suite!(
     every_bench_scenario_runs_clean_with_a_token => authenticated,
     callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
+    // Operability.
+    metrics_count_calls_replays_key_conflicts_and_refusals,
+    a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work => tightly_bounded,
+    a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_starts => tightly_bounded,
+    a_request_over_the_size_limit_is_resource_exhausted,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,

@@ -1,0 +1,352 @@
+//! Prometheus metrics (prometheus-client): what the ledger, the gRPC layer and the pool count,
+//! and the `/metrics` listener (`serve --metrics-listen`) that exposes them in the
+//! OpenMetrics text format. Names follow Prometheus conventions: base units (seconds),
+//! `_total` on counters (added by the encoder). The README's "Metrics" table lists them all.
+//!
+//! The counters live in the objects that count (the [`Ledger`]'s [`LedgerMetrics`], the
+//! store's acquire histogram, the gRPC layer's [`RpcMetrics`]) and are registered into one
+//! [`Registry`] per server; the shutdown log line reads the same counters.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+use tokio::net::TcpListener;
+
+use crate::ledger::Ledger;
+use crate::store::Store;
+
+/// How a replayed answer was found.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Mechanism {
+    /// A business number: out_trade_no, out_refund_no, request_id, order_no, account_id.
+    NaturalKey,
+    /// The `idempotency-key` header.
+    IdempotencyKey,
+    /// The `idempotency-token` header.
+    Token,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MechanismLabel {
+    pub mechanism: Mechanism,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// An ErrorInfo reason (`IDEMPOTENCY_KEY_REUSED`, `OUT_TRADE_NO_REUSED`...) or a load
+    /// shedding cause.
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabel {
+    /// `deadlock`, `serialization`, `busy` (SQLite) or `interrupted`.
+    pub cause: &'static str,
+}
+
+/// Every reason of `payledger_key_conflicts_total`: the ALREADY_EXISTS reasons.
+pub const KEY_CONFLICT_REASONS: [&str; 7] = [
+    "IDEMPOTENCY_KEY_REUSED",
+    "TOKEN_REUSED",
+    "ACCOUNT_ALREADY_EXISTS",
+    "REQUEST_ID_REUSED",
+    "ORDER_NO_REUSED",
+    "OUT_TRADE_NO_REUSED",
+    "OUT_REFUND_NO_REUSED",
+];
+
+/// Load shedding causes (label `reason` of `payledger_load_shed_total`).
+pub const SHED_CONCURRENCY: &str = "concurrency_limit";
+pub const SHED_QUEUE_FULL: &str = "group_commit_queue_full";
+
+/// Buckets of the group-commit batch size: 1, 2, 4 ... 512 Pays.
+fn batch_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 2.0, 10))
+}
+
+/// Buckets of durations: 0.5 ms to about 16 s, doubling.
+pub(crate) fn duration_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// What the use cases count. Cheap to clone (every metric is shared).
+#[derive(Debug, Clone)]
+pub struct LedgerMetrics {
+    pub replays: Family<MechanismLabel, Counter>,
+    pub key_conflicts: Family<ReasonLabel, Counter>,
+    pub in_flight_waits: Counter,
+    pub tokens_issued: Counter,
+    pub tokens_consumed: Counter,
+    pub cas_retries: Counter,
+    pub cas_aborts: Counter,
+    pub transaction_retries: Family<CauseLabel, Counter>,
+    pub reaper_deletions: Counter,
+    pub group_commits: Counter,
+    pub group_committed_pays: Counter,
+    pub group_commit_batch: Histogram,
+    pub group_commit_queue_depth: Gauge,
+    pub group_commit_alone: Counter,
+    pub group_commit_not_started: Counter,
+    pub load_shed: Family<ReasonLabel, Counter>,
+}
+
+impl Default for LedgerMetrics {
+    fn default() -> Self {
+        Self {
+            replays: Family::default(),
+            key_conflicts: Family::default(),
+            in_flight_waits: Counter::default(),
+            tokens_issued: Counter::default(),
+            tokens_consumed: Counter::default(),
+            cas_retries: Counter::default(),
+            cas_aborts: Counter::default(),
+            transaction_retries: Family::default(),
+            reaper_deletions: Counter::default(),
+            group_commits: Counter::default(),
+            group_committed_pays: Counter::default(),
+            group_commit_batch: batch_buckets(),
+            group_commit_queue_depth: Gauge::default(),
+            group_commit_alone: Counter::default(),
+            group_commit_not_started: Counter::default(),
+            load_shed: Family::default(),
+        }
+    }
+}
+
+impl LedgerMetrics {
+    pub fn replay(&self, mechanism: Mechanism) {
+        self.replays.get_or_create(&MechanismLabel { mechanism }).inc();
+    }
+
+    pub fn key_conflict(&self, reason: &'static str) {
+        self.key_conflicts.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    pub fn shed(&self, reason: &'static str) {
+        self.load_shed.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Replays of every mechanism.
+    pub fn replays_total(&self) -> u64 {
+        [Mechanism::NaturalKey, Mechanism::IdempotencyKey, Mechanism::Token]
+            .into_iter()
+            .filter_map(|mechanism| self.replays.get(&MechanismLabel { mechanism }).map(|counter| counter.get()))
+            .sum()
+    }
+
+    /// Key conflicts of every reason.
+    pub fn key_conflicts_total(&self) -> u64 {
+        KEY_CONFLICT_REASONS
+            .into_iter()
+            .filter_map(|reason| self.key_conflicts.get(&ReasonLabel { reason }).map(|counter| counter.get()))
+            .sum()
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "payledger_replays",
+            "Calls answered with an earlier call's result, by how the original was found",
+            self.replays.clone(),
+        );
+        registry.register(
+            "payledger_key_conflicts",
+            "Keys, tokens or business numbers reused for a different request (ALREADY_EXISTS), by reason",
+            self.key_conflicts.clone(),
+        );
+        registry.register(
+            "payledger_in_flight_waits",
+            "Calls that waited for a duplicate still in flight holding their key or token",
+            self.in_flight_waits.clone(),
+        );
+        registry.register("payledger_tokens_issued", "One-time tokens issued", self.tokens_issued.clone());
+        registry.register(
+            "payledger_tokens_consumed",
+            "One-time tokens consumed by a committed call",
+            self.tokens_consumed.clone(),
+        );
+        registry.register(
+            "payledger_cas_retries",
+            "Version CAS or conditional UPDATEs that lost and were tried again inside their transaction",
+            self.cas_retries.clone(),
+        );
+        registry.register(
+            "payledger_cas_aborts",
+            "Calls answered ABORTED CONTENTION after their CAS attempts ran out",
+            self.cas_aborts.clone(),
+        );
+        registry.register(
+            "payledger_transaction_retries",
+            "Whole transactions run again from BEGIN, by cause",
+            self.transaction_retries.clone(),
+        );
+        registry.register(
+            "payledger_reaper_deletions",
+            "Expired idempotency records and tokens deleted by the reaper",
+            self.reaper_deletions.clone(),
+        );
+        registry.register(
+            "payledger_group_commits",
+            "Group-commit transactions that committed at least one Pay",
+            self.group_commits.clone(),
+        );
+        registry.register(
+            "payledger_group_committed_pays",
+            "Pays committed by group commits",
+            self.group_committed_pays.clone(),
+        );
+        registry.register(
+            "payledger_group_commit_batch_pays",
+            "Pays committed per group commit",
+            self.group_commit_batch.clone(),
+        );
+        registry.register(
+            "payledger_group_commit_queue_depth",
+            "Pays queued for group commit, not yet taken by a batch",
+            self.group_commit_queue_depth.clone(),
+        );
+        registry.register(
+            "payledger_group_commit_alone",
+            "Pays run in a transaction of their own after their batch could not decide them",
+            self.group_commit_alone.clone(),
+        );
+        registry.register(
+            "payledger_group_commit_not_started",
+            "Queued Pays dropped before their batch because their caller had gone (cancelled or past its deadline)",
+            self.group_commit_not_started.clone(),
+        );
+        registry.register(
+            "payledger_load_shed",
+            "Calls refused RESOURCE_EXHAUSTED before any work, by bound",
+            self.load_shed.clone(),
+        );
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabels {
+    pub service: &'static str,
+    pub method: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabels {
+    pub service: &'static str,
+    pub method: &'static str,
+    /// The gRPC status code's name (`OK`, `INVALID_ARGUMENT`...).
+    pub code: &'static str,
+}
+
+/// Per-RPC metrics of the gRPC layer.
+#[derive(Debug, Clone)]
+pub struct RpcMetrics {
+    pub calls: Family<CallLabels, Counter>,
+    pub duration: Family<MethodLabels, Histogram, fn() -> Histogram>,
+    pub in_flight: Family<MethodLabels, Gauge>,
+}
+
+impl Default for RpcMetrics {
+    fn default() -> Self {
+        Self {
+            calls: Family::default(),
+            duration: Family::new_with_constructor(duration_buckets),
+            in_flight: Family::default(),
+        }
+    }
+}
+
+impl RpcMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register("payledger_rpc_calls", "Completed RPCs by service, method and gRPC code", self.calls.clone());
+        registry.register_with_unit(
+            "payledger_rpc_duration",
+            "Handling time of RPCs, from the request's headers to the response's",
+            Unit::Seconds,
+            self.duration.clone(),
+        );
+        registry.register("payledger_rpc_in_flight", "RPCs being handled now", self.in_flight.clone());
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+/// Everything one server exposes.
+pub struct Metrics {
+    registry: Registry,
+    store: Store,
+    connections: Family<StateLabel, Gauge>,
+    max_connections: Gauge,
+}
+
+impl Metrics {
+    /// The registry of one server: the ledger's, the store's and the RPC layer's metrics.
+    pub fn new(ledger: &Ledger, rpc: &RpcMetrics) -> Self {
+        let mut registry = Registry::default();
+        ledger.metrics().register(&mut registry);
+        rpc.register(&mut registry);
+        let store = ledger.store().clone();
+        let connections = Family::<StateLabel, Gauge>::default();
+        let max_connections = Gauge::default();
+        registry.register(
+            "payledger_db_pool_connections",
+            "Pooled database connections, by state (in_use, idle)",
+            connections.clone(),
+        );
+        registry.register(
+            "payledger_db_pool_max_connections",
+            "Most connections the pool opens (--database-max-connections)",
+            max_connections.clone(),
+        );
+        registry.register_with_unit(
+            "payledger_db_pool_acquire_duration",
+            "Time a transaction or read waited for a pooled connection",
+            Unit::Seconds,
+            store.acquire_duration().clone(),
+        );
+        registry.register(
+            "payledger_db_up",
+            "1 while the last health check reached the database, 0 after one failed",
+            store.up().clone(),
+        );
+        Self { registry, store, connections, max_connections }
+    }
+
+    /// The OpenMetrics text exposition, with the pool's gauges read now.
+    pub fn encode(&self) -> String {
+        let (size, idle, max) = self.store.pool_state();
+        self.connections.get_or_create(&StateLabel { state: "in_use" }).set(i64::from(size.saturating_sub(idle)));
+        self.connections.get_or_create(&StateLabel { state: "idle" }).set(i64::from(idle));
+        self.max_connections.set(i64::from(max));
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// The content type of [`Metrics::encode`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Serves `GET /metrics` on `listener` (HTTP/1.1, plain text: put it on an address only the
+/// scraper reaches) until the returned task is aborted. Every other path is 404.
+pub fn serve(listener: TcpListener, metrics: Arc<Metrics>) -> tokio::task::JoinHandle<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = metrics.clone();
+            async move { ([(http::header::CONTENT_TYPE, CONTENT_TYPE)], metrics.encode()) }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the metrics listener failed");
+        }
+    })
+}
