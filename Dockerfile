@@ -24,9 +24,10 @@ COPY src ./src
 COPY migrations ./migrations
 # Touch the sources so cargo rebuilds the crate itself over the cached stand-in. The image
 # carries the server binary only: the test tools (payledger-tools) are not built into it.
+# Not stripped: the release profile keeps line tables (`debug = "line-tables-only"`) so that
+# a panic's backtrace names files and lines.
 RUN touch src/main.rs src/lib.rs \
- && cargo build --release --locked -p payledger --bin payledger \
- && strip target/release/payledger
+ && cargo build --release --locked -p payledger --bin payledger
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
@@ -34,7 +35,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/payledger --create-home payledger
 COPY --from=builder /src/target/release/payledger /usr/local/bin/payledger
-USER payledger
+# Numeric, so that a runtime that forbids root (Kubernetes runAsNonRoot) can verify it.
+USER 10001:10001
 WORKDIR /var/lib/payledger
 # Listening beyond loopback, `serve` refuses to start without caller authentication: mount the
 # JWKS (and TLS files) under /etc/payledger and set PAYLEDGER_AUTH_JWKS, PAYLEDGER_AUTH_ISSUER,
@@ -44,7 +46,13 @@ ENV PAYLEDGER_LISTEN=0.0.0.0:50051 \
     PAYLEDGER_LOG_FORMAT=json \
     DATABASE_URL=sqlite:/var/lib/payledger/payledger.db
 VOLUME ["/var/lib/payledger"]
-EXPOSE 50051
+# gRPC; and Prometheus /metrics when PAYLEDGER_METRICS_LISTEN=0.0.0.0:9464 is set.
+EXPOSE 50051 9464
+# Readiness through gRPC health: NOT_SERVING (exit 1) while the database does not answer.
+# With TLS, also set PAYLEDGER_HEALTH_TARGET=https://localhost:50051 and
+# PAYLEDGER_HEALTH_TLS_CA (and PAYLEDGER_HEALTH_TLS_CERT / _KEY for mutual TLS).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=40s --retries=3 \
+  CMD ["/usr/local/bin/payledger", "health", "--timeout-ms", "3000"]
 # SIGTERM: health turns NOT_SERVING, calls in flight get PAYLEDGER_SHUTDOWN_GRACE_SECONDS.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/payledger"]

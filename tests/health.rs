@@ -129,3 +129,46 @@ async fn serve_waits_for_a_mysql_database_created_after_it_starts() {
         opens_once_the_database_exists(&url, "").await;
     }
 }
+
+/// `payledger health`, as a container HEALTHCHECK runs it: SERVING exits 0, a server that is
+/// not there exits 1 within the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_command_exits_zero_only_for_a_serving_server() {
+    let directory = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+    let pool = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let store = Store::connect(&url, &pool).await.unwrap();
+    store.migrate().await.unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(2));
+    let address = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(application.run_until(async {
+        let _ = stopped.await;
+    }));
+    let health = |target: String, service: &str| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"));
+        command.args(["health", "--target", &target, "--service", service, "--timeout-ms", "2000"]);
+        command.env_remove("PAYLEDGER_HEALTH_TARGET").kill_on_drop(true);
+        async move { command.output().await.expect("payledger health runs") }
+    };
+    let target = format!("http://{address}");
+    for service in ["", "payledger.v1.PaymentService"] {
+        let output = health(target.clone(), service).await;
+        assert!(output.status.success(), "{service:?}: {output:?}");
+        assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "SERVING");
+    }
+    let unknown = health(target.clone(), "no.such.Service").await;
+    assert!(!unknown.status.success(), "an unknown service is not healthy: {unknown:?}");
+
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+    let started = Instant::now();
+    let down = health(target, "").await;
+    assert_eq!(down.status.code(), Some(1), "{down:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "refused or timed out within --timeout-ms");
+}

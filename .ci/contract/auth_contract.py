@@ -123,6 +123,19 @@ def main():
     balance = accounts.GetAccount(pb.GetAccountRequest(account_id=payer), metadata=auth(admin)).account.balance
     assert balance == "30.00", balance
 
+    # A message over the size limit: RESOURCE_EXHAUSTED with its reason, nothing written.
+    huge = pb.PayRequest(merchant_id="m1", out_trade_no="x" * (100 * 1024), order_no=f"o-{run}",
+                         payer_account_id=payer, amount="20.00", currency="USD")
+    refused(lambda: payments.Pay(huge, metadata=auth(shop_a)), grpc.StatusCode.RESOURCE_EXHAUSTED, "MESSAGE_TOO_LARGE")
+
+    # `payledger health`, as a container HEALTHCHECK runs it, over mutual TLS.
+    probe = subprocess.run(
+        [BINARY, "health", "--target", f"https://{ADDRESS}", "--tls-ca", f"{CERTS}/ca.pem",
+         "--tls-cert", f"{CERTS}/client.pem", "--tls-key", f"{CERTS}/client-key.pem"],
+        capture_output=True, text=True,
+    )
+    assert probe.returncode == 0 and probe.stdout.strip() == "SERVING", probe
+
     # Mutual TLS: no client certificate, no connection.
     try:
         rpc.AccountServiceStub(channel(with_client_cert=False)).GetAccount(
@@ -130,7 +143,8 @@ def main():
         raise AssertionError("a client without a certificate was served")
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-    print("python contract: TLS, mTLS, JWT refusals and reasons, merchant isolation, created_by, replay: all as documented")
+    print("python contract: TLS, mTLS, JWT refusals and reasons, merchant isolation, created_by, replay, "
+          "message size, health command: all as documented")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@
 //! replaces the backoff (a negative or malformed value stops retrying, as A6 says); every retry
 //! carries `grpc-previous-rpc-attempts`. Every attempt re-sends the identical request bytes and
 //! headers, so the business keys and the `idempotency-key` are the same on every attempt.
+//!
+//! Retry throttling (gRFC A6, [`RetryThrottling`], on by default as `retryThrottling` in
+//! `client/service_config.json`): each attempt answered with a retried code takes a token from
+//! the client's 100, every other answer gives 0.1 back, and at 50 or fewer no call is
+//! retried, so an outage does not multiply the load by `max_attempts`.
+//!
+//! Tracing: each call carries the caller's current OpenTelemetry context, injected by the
+//! global propagator (W3C `traceparent` once the application installs
+//! `TraceContextPropagator`; nothing with the default no-op propagator).
 
 mod retry;
 
@@ -45,8 +54,8 @@ pub use tonic;
 
 pub use retry::{
     endpoint, was_replayed, with_idempotency_key, BearerToken, ClientSettings, ClientStats, ClientTls, ConnectError,
-    PayledgerClient, RetryLayer, RetryService, RetrySettings, AUTHORIZATION_HEADER, PREVIOUS_ATTEMPTS_HEADER,
-    RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
+    PayledgerClient, RetryLayer, RetryService, RetrySettings, RetryThrottling, AUTHORIZATION_HEADER,
+    PREVIOUS_ATTEMPTS_HEADER, RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
 };
 
 /// Messages and client stubs of package `payledger.v1`.
