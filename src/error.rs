@@ -121,7 +121,7 @@ pub enum Error {
     Database(#[from] sqlx::Error),
     /// A bound was reached (the concurrency limit, a full group-commit queue): refused before
     /// any work, RESOURCE_EXHAUSTED (OVERLOADED, ErrorInfo metadata `bound`), with pushback.
-    #[error("the server is at its {0} bound; retry later")]
+    #[error("overloaded ({0}); retry later with the same key")]
     Overloaded(&'static str),
     /// The caller had gone (cancelled, or past its deadline) before its queued call started:
     /// nothing was done. DEADLINE_EXCEEDED or CANCELLED (CALLER_GONE); nobody reads it.

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -20,8 +20,9 @@ use tokio::net::TcpListener;
 use crate::ledger::Ledger;
 use crate::store::Store;
 
-/// How a replayed answer was found.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+/// How a replayed answer was found (label `mechanism`: `natural_key`, `idempotency_key`,
+/// `token`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Mechanism {
     /// A business number: out_trade_no, out_refund_no, request_id, order_no, account_id.
     NaturalKey,
@@ -31,9 +32,19 @@ pub enum Mechanism {
     Token,
 }
 
+impl Mechanism {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mechanism::NaturalKey => "natural_key",
+            Mechanism::IdempotencyKey => "idempotency_key",
+            Mechanism::Token => "token",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MechanismLabel {
-    pub mechanism: Mechanism,
+    pub mechanism: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -120,7 +131,7 @@ impl Default for LedgerMetrics {
 
 impl LedgerMetrics {
     pub fn replay(&self, mechanism: Mechanism) {
-        self.replays.get_or_create(&MechanismLabel { mechanism }).inc();
+        self.replays.get_or_create(&MechanismLabel { mechanism: mechanism.as_str() }).inc();
     }
 
     pub fn key_conflict(&self, reason: &'static str) {
@@ -135,7 +146,9 @@ impl LedgerMetrics {
     pub fn replays_total(&self) -> u64 {
         [Mechanism::NaturalKey, Mechanism::IdempotencyKey, Mechanism::Token]
             .into_iter()
-            .filter_map(|mechanism| self.replays.get(&MechanismLabel { mechanism }).map(|counter| counter.get()))
+            .filter_map(|mechanism| {
+                self.replays.get(&MechanismLabel { mechanism: mechanism.as_str() }).map(|counter| counter.get())
+            })
             .sum()
     }
 

@@ -135,16 +135,9 @@ async fn serve_waits_for_a_mysql_database_created_after_it_starts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_health_command_exits_zero_only_for_a_serving_server() {
     let directory = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-    let pool = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(5),
-        lock_timeout: Duration::from_secs(5),
-    };
-    let store = Store::connect(&url, &pool).await.unwrap();
-    store.migrate().await.unwrap();
+    let ledger = common::sqlite_ledger(directory.path()).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(2));
+    let application = Application::with_listener(listener, ledger, Duration::from_secs(2));
     let address = application.local_addr();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(application.run_until(async {
@@ -171,4 +164,63 @@ async fn the_health_command_exits_zero_only_for_a_serving_server() {
     let down = health(target, "").await;
     assert_eq!(down.status.code(), Some(1), "{down:?}");
     assert!(started.elapsed() < Duration::from_secs(10), "refused or timed out within --timeout-ms");
+}
+
+/// The same on MariaDB, which has no per-database switch: the ledger connects as a user of
+/// its own, which is locked (and its sessions killed), then unlocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_not_serving_while_mariadb_refuses_its_user_and_back_without_a_restart() {
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+    let (name, user) = (format!("payledger_health_{suffix}"), format!("health_{suffix}"));
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    for statement in [
+        format!("CREATE DATABASE {name}"),
+        format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'health-pw'"),
+        format!("GRANT ALL ON {name}.* TO '{user}'@'%'"),
+    ] {
+        sqlx::query(&statement).execute(&admin).await.unwrap();
+    }
+    let host = admin_url.split_once('@').map_or("127.0.0.1:3306/test", |(_, host)| host);
+    let host = host.split_once('/').map_or(host, |(host, _)| host);
+    let url = format!("mysql://{user}:health-pw@{host}/{name}");
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(2),
+        lock_timeout: Duration::from_secs(2),
+    };
+    let store = Store::connect(&url, &settings).await.unwrap();
+    store.migrate().await.unwrap();
+    let ledger = Ledger::new(store);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(1))
+        .with_health_check_interval(Duration::from_millis(100));
+    let address = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(application.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    until_health_is(address, ServingStatus::Serving).await;
+    sqlx::query(&format!("ALTER USER '{user}'@'%' ACCOUNT LOCK")).execute(&admin).await.unwrap();
+    let sessions: Vec<(i64,)> =
+        sqlx::query_as(&format!("SELECT CAST(id AS SIGNED) FROM information_schema.processlist WHERE user = '{user}'"))
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+    for (id,) in sessions {
+        let _ = sqlx::query(&format!("KILL {id}")).execute(&admin).await;
+    }
+    until_health_is(address, ServingStatus::NotServing).await;
+    assert_eq!(ledger.store().up().get(), 0, "payledger_db_up follows health");
+    sqlx::query(&format!("ALTER USER '{user}'@'%' ACCOUNT UNLOCK")).execute(&admin).await.unwrap();
+    until_health_is(address, ServingStatus::Serving).await;
+    assert_eq!(ledger.store().up().get(), 1);
+
+    let _ = stop.send(());
+    let _ = server.await;
+    let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
+    let _ = sqlx::query(&format!("DROP USER '{user}'@'%'")).execute(&admin).await;
+    admin.close().await;
 }

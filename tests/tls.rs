@@ -1,6 +1,8 @@
 //! TLS and mutual TLS between the Rust client and a real server, with certificates made by
 //! the test (rcgen); and the start-up rules of an unauthenticated server.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,10 +10,8 @@ use std::time::Duration;
 use payledger::auth::dev::{SigningKey, TokenClaims};
 use payledger::auth::Authenticator;
 use payledger::client::{BearerToken, ClientSettings, ClientTls, ConnectError, PayledgerClient, RetrySettings};
-use payledger::ledger::Ledger;
 use payledger::proto;
 use payledger::startup::Application;
-use payledger::store::{PoolSettings, Store};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -59,22 +59,14 @@ struct Server {
 
 impl Server {
     async fn start(identity: &Issued, client_ca: Option<&str>, authenticator: Option<Authenticator>) -> Self {
-        sqlx::any::install_default_drivers();
         let directory = tempfile::tempdir().unwrap();
-        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-        let pool = PoolSettings {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(5),
-            lock_timeout: Duration::from_secs(5),
-        };
-        let store = Store::connect(&url, &pool).await.unwrap();
-        store.migrate().await.unwrap();
+        let ledger = common::sqlite_ledger(directory.path()).await;
         let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem));
         if let Some(ca) = client_ca {
             tls = tls.client_ca_root(Certificate::from_pem(ca));
         }
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(2))
+        let application = Application::with_listener(listener, ledger, Duration::from_secs(2))
             .with_tls(tls, client_ca.is_some())
             .with_authenticator(authenticator.map(Arc::new));
         let address = application.local_addr();

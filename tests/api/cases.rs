@@ -1693,8 +1693,8 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     let pay_method = r#"service="payledger.v1.PaymentService",method="Pay""#;
     assert_eq!(sample(&metrics, "payledger_rpc_duration_seconds_count", pay_method), 5.0);
     assert_eq!(sample(&metrics, "payledger_rpc_in_flight", pay_method), 0.0);
-    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="NaturalKey""#), 1.0);
-    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="IdempotencyKey""#), 1.0);
+    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="natural_key""#), 1.0);
+    assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="idempotency_key""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="OUT_TRADE_NO_REUSED""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
     // The two fresh Pays were written by group commits (one each, or one together).

@@ -30,3 +30,12 @@ pub fn database_url(admin_url: &str, name: &str) -> String {
 pub fn small_pool(acquire_timeout: Duration) -> PoolSettings {
     PoolSettings { max_connections: 2, acquire_timeout, lock_timeout: Duration::from_secs(5) }
 }
+
+/// A migrated ledger on a new SQLite file in `directory`, over [`small_pool`].
+pub async fn sqlite_ledger(directory: &std::path::Path) -> payledger::ledger::Ledger {
+    sqlx::any::install_default_drivers();
+    let url = format!("sqlite:{}", directory.join("ledger.db").display());
+    let store = payledger::store::Store::connect(&url, &small_pool(Duration::from_secs(5))).await.unwrap();
+    store.migrate().await.unwrap();
+    payledger::ledger::Ledger::new(store)
+}
