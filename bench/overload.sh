@@ -53,7 +53,8 @@ echo "== overload: open loop at $rate calls/s (4 x $peak), 20 s, up to 1536 in f
 ( while kill -0 "$server" 2>/dev/null; do rss_kib >>"$work/rss.txt"; sleep 0.2; done ) &
 sampler=$!
 "$bench_bin" bench --target "$target" --allow-test-data --scenario pay -c 1536 --connections 16 \
-  -n "$total" --rate "$rate" --duration-seconds 20 --json | tee "$work/overload.txt"
+  -n "$total" --rate "$rate" --duration-seconds 20 --json | tee "$work/overload.txt" || true
+# (bench exits 1 when any call was refused; the checks below decide which refusals are right)
 kill "$sampler" 2>/dev/null || true
 
 echo "== checks"
