@@ -33,7 +33,8 @@ FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --home-dir /var/lib/payledger --create-home payledger
+ && groupadd --system --gid 10001 payledger \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/payledger --create-home payledger
 COPY --from=builder /src/target/release/payledger /usr/local/bin/payledger
 # Numeric, so that a runtime that forbids root (Kubernetes runAsNonRoot) can verify it.
 USER 10001:10001
@@ -49,8 +50,10 @@ VOLUME ["/var/lib/payledger"]
 # gRPC; and Prometheus /metrics when PAYLEDGER_METRICS_LISTEN=0.0.0.0:9464 is set.
 EXPOSE 50051 9464
 # Readiness through gRPC health: NOT_SERVING (exit 1) while the database does not answer.
-# With TLS, also set PAYLEDGER_HEALTH_TARGET=https://localhost:50051 and
-# PAYLEDGER_HEALTH_TLS_CA (and PAYLEDGER_HEALTH_TLS_CERT / _KEY for mutual TLS).
+# It asks 127.0.0.1 at PAYLEDGER_LISTEN's port, over TLS when PAYLEDGER_TLS_CERT is set; then
+# also set PAYLEDGER_HEALTH_TLS_CA (the CA of the server's certificate) and
+# PAYLEDGER_HEALTH_TLS_DOMAIN (a name the certificate carries), and for mutual TLS
+# PAYLEDGER_HEALTH_TLS_CERT / PAYLEDGER_HEALTH_TLS_KEY.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=40s --retries=3 \
   CMD ["/usr/local/bin/payledger", "health", "--timeout-ms", "3000"]
 # SIGTERM: health turns NOT_SERVING, calls in flight get PAYLEDGER_SHUTDOWN_GRACE_SECONDS.

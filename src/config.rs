@@ -269,9 +269,11 @@ pub struct ServeSettings {
     #[arg(long, env = "PAYLEDGER_HEALTH_CHECK_INTERVAL_MS", default_value_t = 2_000,
           value_parser = clap::value_parser!(u64).range(100..=60_000))]
     pub health_check_interval_ms: u64,
-    /// Most PaymentService and AccountService calls handled at once; one more is refused
-    /// RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before it is decoded. Health
-    /// and reflection are not counted. 0: no limit.
+    /// Most PaymentService and AccountService use cases running at once. A call past it is
+    /// refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) once its message is
+    /// decoded and its caller checked, before anything is read or written; a use case holds
+    /// its place until it commits or rolls back, even if its caller has gone. Health and
+    /// reflection are not counted. 0: no limit.
     #[arg(long, env = "PAYLEDGER_MAX_CONCURRENT_CALLS", default_value_t = 512,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub max_concurrent_calls: u32,
@@ -285,25 +287,48 @@ pub struct ServeSettings {
 /// HEALTHCHECKs and probes that cannot speak gRPC).
 #[derive(Debug, Clone, clap::Args)]
 pub struct HealthSettings {
-    /// The server: `http://host:port`, or `https://host:port` for TLS.
-    #[arg(long, env = "PAYLEDGER_HEALTH_TARGET", default_value = "http://127.0.0.1:50051")]
-    pub target: String,
+    /// The server: `http://host:port`, or `https://host:port` for TLS. Default: this
+    /// container's own server, `127.0.0.1` at the port of `PAYLEDGER_LISTEN` (else 50051),
+    /// over `https://` when `PAYLEDGER_TLS_CERT` is set.
+    #[arg(long, env = "PAYLEDGER_HEALTH_TARGET")]
+    pub target: Option<String>,
     /// The service to ask about (`payledger.v1.PaymentService`...); empty: the server as a
     /// whole.
     #[arg(long, default_value = "")]
     pub service: String,
-    /// Milliseconds to wait for the answer (connection included).
-    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    /// Milliseconds to wait for the answer (connection included), 1 to 60000.
+    #[arg(long, env = "PAYLEDGER_HEALTH_TIMEOUT_MS", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub timeout_ms: u64,
     /// CA certificate (PEM) that an `https://` target's certificate must chain to.
     #[arg(long, env = "PAYLEDGER_HEALTH_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// The name the server's certificate must carry, when it is not the target's host (a
+    /// probe inside the container asks `127.0.0.1`; the certificate names the service).
+    #[arg(long, env = "PAYLEDGER_HEALTH_TLS_DOMAIN")]
+    pub tls_domain: Option<String>,
     /// Client certificate (PEM), for a server that requires mutual TLS.
     #[arg(long, env = "PAYLEDGER_HEALTH_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// Client certificate's private key (PEM).
     #[arg(long, env = "PAYLEDGER_HEALTH_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+}
+
+impl HealthSettings {
+    /// `--target`, or this host's server as `PAYLEDGER_LISTEN` and `PAYLEDGER_TLS_CERT`
+    /// describe it.
+    pub fn target(&self) -> String {
+        if let Some(target) = self.target.as_ref().filter(|target| !target.is_empty()) {
+            return target.clone();
+        }
+        let port = std::env::var("PAYLEDGER_LISTEN")
+            .ok()
+            .and_then(|listen| listen.parse::<SocketAddr>().ok())
+            .map_or(50051, |listen| listen.port());
+        let tls = std::env::var("PAYLEDGER_TLS_CERT").is_ok_and(|cert| !cert.is_empty());
+        format!("{}://127.0.0.1:{port}", if tls { "https" } else { "http" })
+    }
 }
 
 /// Log output format.

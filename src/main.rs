@@ -80,7 +80,13 @@ enum AuthCommand {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let _telemetry = telemetry::init(&cli.log);
+    let _telemetry = match telemetry::init(&cli.log) {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("payledger: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Serve(settings) => serve(*settings).await,
         Command::Audit(settings) => audit(settings).await,
@@ -105,6 +111,8 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
         backend = application.ledger().store().dialect().name(),
         authentication = application.authentication(),
         transport = application.transport_security(),
+        metrics = %application.metrics_addr().map_or_else(|| "off".to_owned(), |address| format!("http://{address}/metrics")),
+        traces = if telemetry::traces_on() { "otlp" } else { "off" },
         "payledger serving"
     );
     application.run_until(shutdown_signal()).await?;
@@ -179,18 +187,19 @@ async fn health(settings: HealthSettings) -> Result<ExitCode, AnyError> {
     use payledger::client::{endpoint, ClientTls};
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let tls = if settings.tls_ca.is_some() || settings.tls_cert.is_some() {
+    let target = settings.target();
+    let tls = if target.starts_with("https://") {
         let identity_pem = match (&settings.tls_cert, &settings.tls_key) {
             (Some(cert), Some(key)) => Some((std::fs::read(cert)?, std::fs::read(key)?)),
             _ => None,
         };
         let ca_certificate_pem = settings.tls_ca.as_ref().map(std::fs::read).transpose()?;
-        Some(ClientTls { ca_certificate_pem, identity_pem, ..ClientTls::default() })
+        Some(ClientTls { ca_certificate_pem, identity_pem, domain_name: settings.tls_domain.clone() })
     } else {
         None
     };
     let wait = std::time::Duration::from_millis(settings.timeout_ms);
-    let channel = endpoint(&settings.target, tls.as_ref())?.connect_timeout(wait).timeout(wait);
+    let channel = endpoint(&target, tls.as_ref())?.connect_timeout(wait).timeout(wait);
     let asked = async {
         let mut client = HealthClient::new(channel.connect().await?);
         let answer = client.check(HealthCheckRequest { service: settings.service.clone() }).await?;

@@ -107,8 +107,10 @@ pub struct LedgerMetrics {
 }
 
 impl Default for LedgerMetrics {
+    /// Every labelled counter starts with its known label values at 0, so that a query or
+    /// an alert over it sees 0 rather than no data.
     fn default() -> Self {
-        Self {
+        let metrics = Self {
             replays: Family::default(),
             key_conflicts: Family::default(),
             in_flight_waits: Counter::default(),
@@ -125,9 +127,25 @@ impl Default for LedgerMetrics {
             group_commit_alone: Counter::default(),
             group_commit_not_started: Counter::default(),
             load_shed: Family::default(),
+        };
+        for mechanism in [Mechanism::NaturalKey, Mechanism::IdempotencyKey, Mechanism::Token] {
+            metrics.replays.get_or_create_owned(&MechanismLabel { mechanism: mechanism.as_str() });
         }
+        for reason in KEY_CONFLICT_REASONS {
+            metrics.key_conflicts.get_or_create_owned(&ReasonLabel { reason });
+        }
+        for reason in [SHED_CONCURRENCY, SHED_QUEUE_FULL] {
+            metrics.load_shed.get_or_create_owned(&ReasonLabel { reason });
+        }
+        for cause in RETRY_CAUSES {
+            metrics.transaction_retries.get_or_create_owned(&CauseLabel { cause });
+        }
+        metrics
     }
 }
+
+/// Every cause of `payledger_transaction_retries_total` (see `crate::store::conflict_cause`).
+const RETRY_CAUSES: [&str; 5] = ["deadlock", "serialization", "busy", "interrupted", "other"];
 
 impl LedgerMetrics {
     pub fn replay(&self, mechanism: Mechanism) {
@@ -273,6 +291,13 @@ impl Default for RpcMetrics {
 }
 
 impl RpcMetrics {
+    /// Starts the families of `method` at 0 (calls with code OK, duration, in flight).
+    pub fn know(&self, service: &'static str, method: &'static str) {
+        self.calls.get_or_create_owned(&CallLabels { service, method, code: "OK" });
+        self.duration.get_or_create_owned(&MethodLabels { service, method });
+        self.in_flight.get_or_create_owned(&MethodLabels { service, method });
+    }
+
     fn register(&self, registry: &mut Registry) {
         registry.register("payledger_rpc_calls", "Completed RPCs by service, method and gRPC code", self.calls.clone());
         registry.register_with_unit(
@@ -314,7 +339,7 @@ impl Metrics {
         );
         registry.register(
             "payledger_db_pool_max_connections",
-            "Most connections the pool opens (--database-max-connections)",
+            "Most connections the pool opens (--pool-size)",
             max_connections.clone(),
         );
         registry.register_with_unit(

@@ -14,7 +14,7 @@ use tonic_health::ServingStatus;
 
 use crate::auth::{AuthSettingsError, Authenticator};
 use crate::config::{AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, ServeSettings, TlsSettings};
-use crate::grpc::{capture_guard_headers, AccountApi, Authentication, Observe, PaymentApi};
+use crate::grpc::{capture_guard_headers, AccountApi, Admission, Authentication, Observe, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::metrics::{Metrics, RpcMetrics};
 use crate::proto;
@@ -217,8 +217,9 @@ impl Application {
         }
     }
 
-    /// The most PaymentService and AccountService calls handled at once (default 512;
-    /// `None`: no limit); one more is refused RESOURCE_EXHAUSTED (OVERLOADED).
+    /// The most PaymentService and AccountService use cases running at once (default 512;
+    /// `None`: no limit); a call past it is refused RESOURCE_EXHAUSTED (OVERLOADED) before
+    /// anything is read or written.
     pub fn with_max_concurrent_calls(mut self, limit: Option<usize>) -> Self {
         self.max_concurrent_calls = limit;
         self
@@ -314,7 +315,8 @@ impl Application {
         let authentication = Authentication::new(authenticator);
         let metrics_server = metrics_listener
             .map(|listener| crate::metrics::serve(listener, Arc::new(Metrics::new(&ledger, &rpc_metrics))));
-        let observe = Observe::new(rpc_metrics, ledger.metrics().clone(), max_concurrent_calls);
+        let observe = Observe::new(rpc_metrics);
+        let admission = Admission::new(max_concurrent_calls, ledger.metrics().clone());
         let reaper = spawn_reaper(ledger.clone(), reaper);
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<AccountServiceServer<AccountApi>>().await;
@@ -345,11 +347,13 @@ impl Application {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(InterceptedService::new(
-                AccountServiceServer::new(AccountApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
+                AccountServiceServer::new(AccountApi::new(ledger.clone()).with_admission(admission.clone()))
+                    .max_decoding_message_size(REQUEST_BYTES_MAX),
                 authentication.clone(),
             ))
             .add_service(InterceptedService::new(
-                PaymentServiceServer::new(PaymentApi::new(ledger.clone())).max_decoding_message_size(REQUEST_BYTES_MAX),
+                PaymentServiceServer::new(PaymentApi::new(ledger.clone()).with_admission(admission))
+                    .max_decoding_message_size(REQUEST_BYTES_MAX),
                 authentication,
             ))
             .serve_with_incoming_shutdown(incoming, async {

@@ -140,7 +140,7 @@ impl SigningKey {
     }
 
     /// Writes the private key (`jwt-signing-key.pem`, readable by the owner only) and the JWK
-    /// set of its public key (`jwks.json`) into `directory`.
+    /// set of its public key (`jwks.json`, readable by all) into `directory`.
     ///
     /// # Errors
     /// [`DevKeyError::Write`].
@@ -158,6 +158,13 @@ impl SigningKey {
             #[cfg(not(unix))]
             let _ = private;
             let mut file = options.open(&path).map_err(failed)?;
+            // The public JWKS readable by all whatever the umask (a container that runs as
+            // another user mounts it); the private key stays the owner's.
+            #[cfg(unix)]
+            if !private {
+                use std::os::unix::fs::PermissionsExt;
+                file.set_permissions(std::fs::Permissions::from_mode(0o644)).map_err(failed)?;
+            }
             std::io::Write::write_all(&mut file, text.as_bytes()).map_err(failed)
         };
         std::fs::create_dir_all(directory)

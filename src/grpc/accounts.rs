@@ -8,18 +8,26 @@ use crate::ledger::Ledger;
 use crate::proto;
 use crate::proto::account_service_server::AccountService;
 
-use super::{decode, permitted, reply, reply_replayable, run_detached};
+use super::{decode, permitted, reply, reply_replayable, run_detached, Admission};
 use crate::ledger::response;
 
 /// The AccountService handlers.
 #[derive(Clone)]
 pub struct AccountApi {
     ledger: Ledger,
+    admission: Admission,
 }
 
 impl AccountApi {
+    /// Handlers without a concurrency limit until [`AccountApi::with_admission`].
     pub fn new(ledger: Ledger) -> Self {
-        Self { ledger }
+        Self { ledger, admission: Admission::default() }
+    }
+
+    /// Admits calls through `admission` (the server's `--max-concurrent-calls`).
+    pub fn with_admission(mut self, admission: Admission) -> Self {
+        self.admission = admission;
+        self
     }
 }
 
@@ -34,7 +42,8 @@ impl AccountService for AccountApi {
         let command = decode::open_account(request.into_inner())?;
         let span = info_span!("OpenAccount", sub = %caller.subject(), account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.open_account(command, &guards).await }).await?;
+        let answer =
+            run_detached(&self.admission, span, async move { ledger.open_account(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 
@@ -47,7 +56,7 @@ impl AccountService for AccountApi {
         let command = decode::deposit(request.into_inner(), &caller.actor)?;
         let span = info_span!("Deposit", sub = %caller.subject(), request_id = %command.request_id, account_id = %command.account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.deposit(command, &guards).await }).await?;
+        let answer = run_detached(&self.admission, span, async move { ledger.deposit(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 
@@ -59,7 +68,7 @@ impl AccountService for AccountApi {
         let account_id = decode::account_id(request.into_inner())?;
         let span = info_span!("GetAccount", sub = %caller.subject(), account_id = %account_id);
         let ledger = self.ledger.clone();
-        let account = run_detached(span, async move { ledger.get_account(&account_id).await }).await?;
+        let account = run_detached(&self.admission, span, async move { ledger.get_account(&account_id).await }).await?;
         Ok(reply(proto::GetAccountResponse { account: Some(response::account(account)?) }, false))
     }
 
@@ -71,7 +80,7 @@ impl AccountService for AccountApi {
         let query = decode::list_entries(request.into_inner())?;
         let span = info_span!("ListEntries", sub = %caller.subject(), account_id = %query.account_id);
         let ledger = self.ledger.clone();
-        let page = run_detached(span, async move { ledger.list_entries(query).await }).await?;
+        let page = run_detached(&self.admission, span, async move { ledger.list_entries(query).await }).await?;
         let entries = page.entries.into_iter().map(response::entry).collect::<Result<Vec<_>, _>>()?;
         let next_page_token = page.next_before_entry_id.map(|id| id.to_string()).unwrap_or_default();
         Ok(reply(proto::ListEntriesResponse { entries, next_page_token }, false))
@@ -86,7 +95,8 @@ impl AccountService for AccountApi {
         let command = decode::transfer(request.into_inner(), &caller.actor)?;
         let span = info_span!("Transfer", sub = %caller.subject(), from_account_id = %command.from_account_id, to_account_id = %command.to_account_id);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.transfer(command, &guards).await }).await?;
+        let answer =
+            run_detached(&self.admission, span, async move { ledger.transfer(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 }

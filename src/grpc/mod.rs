@@ -9,6 +9,7 @@ mod payments;
 use std::future::Future;
 use std::sync::Arc;
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 use tracing::{Instrument, Span};
@@ -21,6 +22,7 @@ use crate::auth::{Authenticator, Caller, Denied, Permission};
 use crate::domain::MerchantId;
 use crate::error::Error;
 use crate::ledger::{response, Replayable};
+use crate::metrics::{LedgerMetrics, SHED_CONCURRENCY};
 
 /// Response metadata headers: `idempotent-replayed: true` on an answer replayed from an
 /// earlier call; `idempotency-expires-at`, until when the call's `idempotency-key` is kept
@@ -130,17 +132,47 @@ fn for_merchant(caller: &Caller, method: &'static str, merchant_id: &MerchantId)
     caller.require_merchant(merchant_id).map_err(|refusal| denied(caller, method, refusal))
 }
 
+/// The concurrency limit of the ledger's use cases (`--max-concurrent-calls`). A call takes
+/// its permit once its message is decoded and its caller checked, before anything is read or
+/// written, and its use case's task holds it until it commits or rolls back, whether or not
+/// the caller still waits: so the limit bounds the work in flight, and neither a caller slow
+/// to send its message nor one that cancels can make it count less than the work.
+#[derive(Clone, Default)]
+pub struct Admission {
+    limit: Option<Arc<Semaphore>>,
+    metrics: LedgerMetrics,
+}
+
+impl Admission {
+    /// At most `limit` use cases at once (`None`: no limit); refusals are counted in
+    /// `metrics`.
+    pub fn new(limit: Option<usize>, metrics: LedgerMetrics) -> Self {
+        Self { limit: limit.map(|limit| Arc::new(Semaphore::new(limit.max(1)))), metrics }
+    }
+
+    /// A permit, or RESOURCE_EXHAUSTED (OVERLOADED, `bound` = `concurrency_limit`).
+    fn admit(&self) -> Result<Option<OwnedSemaphorePermit>, Status> {
+        let Some(limit) = &self.limit else { return Ok(None) };
+        limit.clone().try_acquire_owned().map(Some).map_err(|_| {
+            self.metrics.shed(SHED_CONCURRENCY);
+            Error::Overloaded(SHED_CONCURRENCY).into()
+        })
+    }
+}
+
 /// Runs a use case on its own task, so that a client that cancels or whose deadline passes
 /// (tonic then drops the handler future) cannot cut a transaction in half: the task runs to
 /// commit or rollback whatever happens to the call, and its connection returns to the pool
-/// clean.
-async fn run_detached<T, F>(span: Span, use_case: F) -> Result<T, Status>
+/// clean. The task holds the call's [`Admission`] permit until then.
+async fn run_detached<T, F>(admission: &Admission, span: Span, use_case: F) -> Result<T, Status>
 where
     T: Send + 'static,
     F: Future<Output = Result<T, Error>> + Send + 'static,
 {
+    let permit = admission.admit()?;
     let task = tokio::spawn(
         async move {
+            let _permit = permit;
             let outcome = use_case.await;
             if let Err(error) = &outcome {
                 tracing::info!(%error, "call refused");

@@ -1,19 +1,18 @@
 //! The server's outermost layer, around every service: one span per RPC (OpenTelemetry RPC
 //! conventions, child of the caller's W3C `traceparent`), the per-RPC metrics, one log line
-//! per completed call, the concurrency limit of the ledger's services, and the statuses
-//! tonic itself answers in its own words (a message over the size limit).
+//! per call (a call the client cancelled too), the caller's deadline and presence for the
+//! use case, and the statuses tonic itself answers in its own words (a message over the size
+//! limit, a malformed frame).
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use opentelemetry::propagation::TextMapPropagator as _;
 use opentelemetry::trace::TraceContextExt as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use tokio::sync::Semaphore;
 use tonic::body::Body;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt as _};
@@ -21,32 +20,27 @@ use tower::{Layer, Service};
 use tracing::field::Empty;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::error::{Error, ERROR_DOMAIN};
+use crate::error::ERROR_DOMAIN;
 use crate::ledger::CallerPresence;
-use crate::metrics::{CallLabels, LedgerMetrics, MethodLabels, RpcMetrics, SHED_CONCURRENCY};
+use crate::metrics::{CallLabels, MethodLabels, RpcMetrics};
 
 /// The log target of the per-call line: `--log-filter info,payledger::access=off` turns it
 /// off.
 pub const ACCESS_LOG_TARGET: &str = "payledger::access";
 
-/// The package whose services the concurrency limit covers (health and reflection stay
-/// open, so that a load balancer still sees an overloaded server as alive).
-const LEDGER_PACKAGE: &str = "/payledger.v1.";
-
 /// The outermost layer of the server (see the module docs).
 #[derive(Clone)]
 pub struct Observe {
     rpc: RpcMetrics,
-    ledger: LedgerMetrics,
-    /// Calls of the ledger's services in flight at once; `None`: no limit.
-    limit: Option<Arc<Semaphore>>,
 }
 
 impl Observe {
-    /// `max_concurrent_calls`: the most PaymentService and AccountService calls handled at
-    /// once; one more is refused RESOURCE_EXHAUSTED (OVERLOADED) before it is decoded.
-    pub fn new(rpc: RpcMetrics, ledger: LedgerMetrics, max_concurrent_calls: Option<usize>) -> Self {
-        Self { rpc, ledger, limit: max_concurrent_calls.map(|limit| Arc::new(Semaphore::new(limit.max(1)))) }
+    /// Starts the metrics of every ledger RPC at 0.
+    pub fn new(rpc: RpcMetrics) -> Self {
+        for (service, method) in KNOWN_METHODS.iter().filter(|(service, _)| service.starts_with("payledger.")) {
+            rpc.know(service, method);
+        }
+        Self { rpc }
     }
 }
 
@@ -89,47 +83,74 @@ where
         let deadline = request.headers().get("grpc-timeout").and_then(grpc_timeout).map(|timeout| started + timeout);
         let (presence, call_guard) = CallerPresence::new(deadline);
         request.extensions_mut().insert(presence);
-        let rpc = self.observe.rpc.clone();
-
-        let permit = match &self.observe.limit {
-            Some(limit) if request.uri().path().starts_with(LEDGER_PACKAGE) => {
-                match limit.clone().try_acquire_owned() {
-                    Ok(permit) => Some(permit),
-                    Err(_) => {
-                        self.observe.ledger.shed(SHED_CONCURRENCY);
-                        let response = Status::from(Error::Overloaded(SHED_CONCURRENCY)).into_http();
-                        finish(&rpc, &span, &labels, started, &response);
-                        return Box::pin(async move { Ok(response) });
-                    }
-                }
-            }
-            _ => None,
-        };
-        rpc.in_flight.get_or_create(&labels).inc();
-        let in_flight = InFlight { rpc: rpc.clone(), labels: labels.clone() };
         let future = span.in_scope(|| self.inner.call(request));
+        let mut call = Call::start(self.observe.rpc.clone(), span, labels, started);
         Box::pin(async move {
-            let _held = (permit, call_guard, in_flight);
-            let result = tracing::Instrument::instrument(future, span.clone()).await;
+            let _presence = call_guard;
+            let result = tracing::Instrument::instrument(future, call.span.clone()).await;
             result.map(|response| {
                 let response = reword(response);
-                finish(&rpc, &span, &labels, started, &response);
+                call.finish(response_code(&response), is_replayed(&response));
                 response
             })
         })
     }
 }
 
-/// Counts a call in flight until dropped (a cancelled call too).
-struct InFlight {
+/// One call between its request's headers and its response's: in flight until then; counted
+/// and logged once, with its code, or as CANCELLED when hyper drops it first (the client
+/// cancelled, its deadline passed, or the connection closed).
+struct Call {
     rpc: RpcMetrics,
+    span: tracing::Span,
     labels: MethodLabels,
+    started: Instant,
+    finished: bool,
 }
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.rpc.in_flight.get_or_create(&self.labels).dec();
+impl Call {
+    fn start(rpc: RpcMetrics, span: tracing::Span, labels: MethodLabels, started: Instant) -> Self {
+        rpc.in_flight.get_or_create(&labels).inc();
+        Self { rpc, span, labels, started, finished: false }
     }
+
+    /// Counts the call and writes its log line.
+    fn finish(&mut self, code: Code, replayed: bool) {
+        self.finished = true;
+        self.rpc.in_flight.get_or_create(&self.labels).dec();
+        let elapsed = self.started.elapsed();
+        let code_name = code_name(code);
+        let labels = &self.labels;
+        let call = CallLabels { service: labels.service, method: labels.method, code: code_name };
+        self.rpc.calls.get_or_create(&call).inc();
+        self.rpc.duration.get_or_create(labels).observe(elapsed.as_secs_f64());
+        self.span.record("rpc.grpc.status_code", code as i32);
+        if is_server_error(code) {
+            self.span.record("otel.status_code", "ERROR");
+        }
+        self.span.in_scope(|| {
+            tracing::info!(
+                target: ACCESS_LOG_TARGET,
+                method = labels.method,
+                code = code_name,
+                duration_ms = elapsed.as_secs_f64() * 1000.0,
+                replayed,
+                "call"
+            );
+        });
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.finish(Code::Cancelled, false);
+        }
+    }
+}
+
+fn is_replayed(response: &http::Response<Body>) -> bool {
+    response.headers().get(payledger_client::REPLAYED_HEADER).is_some_and(|value| value == "true")
 }
 
 /// `/payledger.v1.PaymentService/Pay` as (`payledger.v1.PaymentService`, `Pay`). The names
@@ -168,19 +189,32 @@ const KNOWN_METHODS: [(&str, &str); 16] = [
 /// The server span of one RPC, a child of the caller's `traceparent` when it sent one.
 /// `merchant_id` and `sub` are recorded by the handler once known.
 fn rpc_span(request: &http::Request<Body>, service: &'static str, method: &'static str) -> tracing::Span {
-    let span = tracing::info_span!(
-        "rpc",
-        // From the known names only: the path is the caller's to choose.
-        otel.name = %format_args!("{service}/{method}"),
-        otel.kind = "server",
-        rpc.system = "grpc",
-        rpc.service = service,
-        rpc.method = method,
-        rpc.grpc.status_code = Empty,
-        merchant_id = Empty,
-        sub = Empty,
-        trace_id = Empty,
-    );
+    // The ledger's RPCs at info (exported as traces); health probes, reflection and unknown
+    // paths at debug, so that a load balancer's probe every few seconds is no trace.
+    macro_rules! rpc_span {
+        ($level:expr) => {
+            tracing::span!(
+                $level,
+                "rpc",
+                // From the known names only: the path is the caller's to choose.
+                otel.name = %format_args!("{service}/{method}"),
+                otel.kind = "server",
+                otel.status_code = Empty,
+                rpc.system = "grpc",
+                rpc.service = service,
+                rpc.method = method,
+                rpc.grpc.status_code = Empty,
+                merchant_id = Empty,
+                sub = Empty,
+                trace_id = Empty,
+            )
+        };
+    }
+    let span = if service.starts_with("payledger.") {
+        rpc_span!(tracing::Level::INFO)
+    } else {
+        rpc_span!(tracing::Level::DEBUG)
+    };
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(request.headers()));
     let remote = parent.span().span_context().clone();
     if remote.is_valid() {
@@ -215,49 +249,41 @@ fn response_code(response: &http::Response<Body>) -> Code {
     response.headers().get("grpc-status").map_or(Code::Ok, |value| Code::from_bytes(value.as_bytes()))
 }
 
-/// tonic answers a request message over the size limit OUT_OF_RANGE, in its own words; the
-/// gRPC convention for it is RESOURCE_EXHAUSTED, with ErrorInfo reason MESSAGE_TOO_LARGE.
-/// payledger's own errors are never OUT_OF_RANGE.
+/// The statuses tonic answers itself, before a handler runs, in gRPC's own terms:
+/// - a request message over the size limit (tonic: OUT_OF_RANGE) is RESOURCE_EXHAUSTED,
+///   ErrorInfo reason MESSAGE_TOO_LARGE;
+/// - a request whose framing is broken (no message, a truncated frame, a compressed frame
+///   without `grpc-encoding`; tonic: INTERNAL) is INVALID_ARGUMENT, MALFORMED_REQUEST.
+///
+/// payledger's own errors are never OUT_OF_RANGE, and every one carries its ErrorInfo in
+/// `grpc-status-details-bin`: an INTERNAL without details is tonic's.
 fn reword(response: http::Response<Body>) -> http::Response<Body> {
-    if response_code(&response) != Code::OutOfRange {
-        return response;
-    }
+    let (code, reason) = match response_code(&response) {
+        Code::OutOfRange => (Code::ResourceExhausted, "MESSAGE_TOO_LARGE"),
+        Code::Internal if !response.headers().contains_key("grpc-status-details-bin") => {
+            (Code::InvalidArgument, "MALFORMED_REQUEST")
+        }
+        _ => return response,
+    };
     let mut details = ErrorDetails::new();
-    details.set_error_info("MESSAGE_TOO_LARGE", ERROR_DOMAIN, HashMap::new());
+    details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
     let message = Status::from_header_map(response.headers()).map(|status| status.message().to_owned());
-    Status::with_error_details(
-        Code::ResourceExhausted,
-        message.unwrap_or_else(|| "the request message is over the size limit".to_owned()),
-        details,
-    )
-    .into_http()
+    Status::with_error_details(code, message.unwrap_or_else(|| "the request cannot be read".to_owned()), details)
+        .into_http()
 }
 
-/// Counts a completed call and writes its log line.
-fn finish(
-    rpc: &RpcMetrics,
-    span: &tracing::Span,
-    labels: &MethodLabels,
-    started: Instant,
-    response: &http::Response<Body>,
-) {
-    let elapsed = started.elapsed();
-    let code = response_code(response);
-    let code_name = code_name(code);
-    rpc.calls.get_or_create(&CallLabels { service: labels.service, method: labels.method, code: code_name }).inc();
-    rpc.duration.get_or_create(labels).observe(elapsed.as_secs_f64());
-    span.record("rpc.grpc.status_code", code as i32);
-    let replayed = response.headers().get(payledger_client::REPLAYED_HEADER).is_some_and(|value| value == "true");
-    span.in_scope(|| {
-        tracing::info!(
-            target: ACCESS_LOG_TARGET,
-            method = labels.method,
-            code = code_name,
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
-            replayed,
-            "call"
-        );
-    });
+/// The codes the OpenTelemetry gRPC conventions mark as a server span's error (the rest are
+/// the caller's: bad input, not found, refused...).
+fn is_server_error(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Unimplemented
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DataLoss
+    )
 }
 
 /// The canonical name of a gRPC status code (gRPC's `doc/statuscodes.md`).

@@ -8,18 +8,26 @@ use crate::ledger::{Ledger, QueryKey};
 use crate::proto;
 use crate::proto::payment_service_server::PaymentService;
 
-use super::{decode, for_merchant, permitted, reply, reply_replayable, run_detached};
+use super::{decode, for_merchant, permitted, reply, reply_replayable, run_detached, Admission};
 use crate::ledger::response;
 
 /// The PaymentService handlers.
 #[derive(Clone)]
 pub struct PaymentApi {
     ledger: Ledger,
+    admission: Admission,
 }
 
 impl PaymentApi {
+    /// Handlers without a concurrency limit until [`PaymentApi::with_admission`].
     pub fn new(ledger: Ledger) -> Self {
-        Self { ledger }
+        Self { ledger, admission: Admission::default() }
+    }
+
+    /// Admits calls through `admission` (the server's `--max-concurrent-calls`).
+    pub fn with_admission(mut self, admission: Admission) -> Self {
+        self.admission = admission;
+        self
     }
 }
 
@@ -35,7 +43,8 @@ impl PaymentService for PaymentApi {
         for_merchant(&caller, "CreateOrder", &command.merchant_id)?;
         let span = info_span!("CreateOrder", sub = %caller.subject(), merchant_id = %command.merchant_id, order_no = %command.order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.create_order(command, &guards).await }).await?;
+        let answer =
+            run_detached(&self.admission, span, async move { ledger.create_order(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 
@@ -50,7 +59,12 @@ impl PaymentService for PaymentApi {
         let span = info_span!("CloseOrder", sub = %caller.subject(), merchant_id = %merchant_id, order_no = %order_no);
         let ledger = self.ledger.clone();
         let answer =
-            run_detached(span, async move { ledger.close_order(&merchant_id, &order_no, &guards).await }).await?;
+            run_detached(
+                &self.admission,
+                span,
+                async move { ledger.close_order(&merchant_id, &order_no, &guards).await },
+            )
+            .await?;
         Ok(reply_replayable(answer))
     }
 
@@ -61,7 +75,7 @@ impl PaymentService for PaymentApi {
         for_merchant(&caller, "Pay", &command.merchant_id)?;
         let span = info_span!("Pay", sub = %caller.subject(), merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, order_no = %command.order_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.pay(command, &guards).await }).await?;
+        let answer = run_detached(&self.admission, span, async move { ledger.pay(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 
@@ -72,7 +86,7 @@ impl PaymentService for PaymentApi {
         for_merchant(&caller, "Refund", &command.merchant_id)?;
         let span = info_span!("Refund", sub = %caller.subject(), merchant_id = %command.merchant_id, out_trade_no = %command.out_trade_no, out_refund_no = %command.out_refund_no);
         let ledger = self.ledger.clone();
-        let answer = run_detached(span, async move { ledger.refund(command, &guards).await }).await?;
+        let answer = run_detached(&self.admission, span, async move { ledger.refund(command, &guards).await }).await?;
         Ok(reply_replayable(answer))
     }
 
@@ -92,7 +106,8 @@ impl PaymentService for PaymentApi {
             }
         };
         let ledger = self.ledger.clone();
-        let details = run_detached(span, async move { ledger.query(&merchant_id, &key).await }).await?;
+        let details =
+            run_detached(&self.admission, span, async move { ledger.query(&merchant_id, &key).await }).await?;
         let response = proto::QueryResponse {
             order: Some(response::order(details.order)?),
             payment: details.payment.map(response::payment).transpose()?,
@@ -112,7 +127,12 @@ impl PaymentService for PaymentApi {
         let ledger = self.ledger.clone();
         let actor = caller.actor;
         let issued =
-            run_detached(span, async move { ledger.issue_token(&merchant_id, &actor, &purpose).await }).await?;
+            run_detached(
+                &self.admission,
+                span,
+                async move { ledger.issue_token(&merchant_id, &actor, &purpose).await },
+            )
+            .await?;
         Ok(reply(
             proto::IssueTokenResponse { token: issued.token, expires_at: response::timestamp(issued.expires_at) },
             false,

@@ -324,34 +324,41 @@ pub(super) fn render(portable: &str, dialect: Dialect) -> String {
     }
 }
 
-/// The URL without its password, for messages and logs.
+/// The URL without its secrets, for messages and logs: the userinfo's password, and every
+/// query parameter whose name holds `password` (`password`, libpq's `sslpassword`, any case).
+/// The authority ends at the first `/`, `?` or `#` after the scheme, and the userinfo at its
+/// last `@` (as the WHATWG URL standard parses it), so a password holding `@` is hidden
+/// whole.
 pub fn redacted(url: &str) -> String {
-    let without_user_password = match url.find("://").map(|i| i + 3) {
-        Some(scheme_end) => {
-            let rest = &url[scheme_end..];
-            match (rest.find('@'), rest.find(':')) {
-                (Some(at), Some(colon)) if colon < at => {
-                    format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..])
-                }
-                _ => url.to_owned(),
-            }
-        }
-        None => url.to_owned(),
+    let Some(scheme_end) = url.find("://").map(|index| index + 3) else { return redact_query(url) };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let authority = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{user}:***@{host}"),
+            None => authority.to_owned(),
+        },
+        None => authority.to_owned(),
     };
-    // A password may also come as a query parameter (`?password=...`, libpq and sqlx).
-    match without_user_password.split_once('?') {
-        Some((base, query)) => {
-            let parameters: Vec<String> = query
-                .split('&')
-                .map(|parameter| match parameter.split_once('=') {
-                    Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
-                    _ => parameter.to_owned(),
-                })
-                .collect();
-            format!("{base}?{}", parameters.join("&"))
-        }
-        None => without_user_password,
-    }
+    redact_query(&format!("{}{authority}{tail}", &url[..scheme_end]))
+}
+
+fn redact_query(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, Some(fragment)),
+        None => (query, None),
+    };
+    let parameters: Vec<String> = query
+        .split('&')
+        .map(|parameter| match parameter.split_once('=') {
+            Some((name, _)) if name.to_ascii_lowercase().contains("password") => format!("{name}=***"),
+            _ => parameter.to_owned(),
+        })
+        .collect();
+    let fragment = fragment.map(|fragment| format!("#{fragment}")).unwrap_or_default();
+    format!("{base}?{}{fragment}", parameters.join("&"))
 }
 
 #[cfg(test)]
@@ -420,6 +427,15 @@ mod tests {
             "postgres://db/ledger?sslmode=require&password=***"
         );
         assert_eq!(redacted("redis://:secret@cache:6379"), "redis://:***@cache:6379");
+        assert_eq!(redacted("postgres://app:SEC@RET@db:5432/x"), "postgres://app:***@db:5432/x");
+        assert_eq!(
+            redacted("postgres://db/x?sslmode=disable&PASSWORD=secret&sslpassword=secret#f"),
+            "postgres://db/x?sslmode=disable&PASSWORD=***&sslpassword=***#f"
+        );
+        assert_eq!(redacted("mysql://root@db/test?ssl-mode=required"), "mysql://root@db/test?ssl-mode=required");
+        for url in ["postgres://a:SEC@RET@h/x?password=SEC@RET", "postgres://a:S%40C@h/x?sslpassword=SECRET"] {
+            assert!(!redacted(url).contains("SEC"), "{url} -> {}", redacted(url));
+        }
     }
 
     #[test]

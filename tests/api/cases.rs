@@ -1732,19 +1732,33 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
 
 pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work(app: &TestApp) {
     app.order_ready_to_pay("o1", "5.00", "1.00").await;
-    app.create_order("m1", "o2", "shop", "1.00").await.unwrap();
+    for order_no in ["o2", "o3"] {
+        app.create_order("m1", order_no, "shop", "1.00").await.unwrap();
+    }
+    // A caller that sends its headers and never its message holds no place.
+    let stalled = {
+        let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
+        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+        let request = http::Request::post(format!("http://{}/payledger.v1.PaymentService/Pay", app.address))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let (_response, stream) = client.send_request(request, false).unwrap();
+        (client, stream)
+    };
+    let in_flight = r#"payledger_rpc_in_flight{service="payledger.v1.PaymentService",method="Pay"}"#;
+    eventually("the stalled Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
+
+    // The one use case the limit allows waits for a connection; its caller gives up after
+    // 300 ms, but the use case keeps its place until it commits.
     let held = hold_the_pool(app).await;
-    // The one call the limit allows waits for a connection.
-    let first = tokio::spawn({
-        let payments = app.payments.clone();
-        let request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
-        async move { payments.clone().pay(request).await }
-    });
-    let in_flight = r#"service="payledger.v1.PaymentService",method="Pay""#;
-    eventually("the first Pay is in flight", async || {
-        app.metrics().await.get(&format!("payledger_rpc_in_flight{{{in_flight}}}")) == Some(&1.0)
-    })
-    .await;
+    let mut first = tonic::Request::new(app.pay_request("m1", "t1", "o1", "alice", "1.00"));
+    first.set_timeout(Duration::from_millis(300));
+    let gave_up = app.payments.clone().pay(first).await.unwrap_err();
+    assert!(matches!(gave_up.code(), Code::DeadlineExceeded | Code::Cancelled), "{gave_up:?}");
 
     let refused = app.pay("m1", "t2", "o2", "alice", "1.00").await.unwrap_err();
     assert_status(&refused, Code::ResourceExhausted, "OVERLOADED");
@@ -1759,15 +1773,29 @@ pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_
     health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.expect("health answers");
 
     drop(held);
-    let paid = first.await.unwrap().expect("the call within the limit completes");
-    assert_eq!(paid.into_inner().order.unwrap().status(), OrderStatus::Paid);
+    // (A Query is refused too while the use case still holds the one place.)
+    eventually("the first Pay's use case committed", async || {
+        let query = app.query("m1", Key::OrderNo("o1".into())).await;
+        query.ok().and_then(|query| query.order).is_some_and(|order| order.status() == OrderStatus::Paid)
+    })
+    .await;
     let query = app.query("m1", Key::OrderNo("o2".into())).await.unwrap();
     assert_eq!(query.order.unwrap().status(), OrderStatus::Pending, "the refused Pay did nothing");
-    assert_eq!(app.rows("payment_flow").await, 1);
+    // Its place is free again.
+    eventually("the place is free", async || app.pay("m1", "t3", "o3", "alice", "1.00").await.is_ok()).await;
+    assert_eq!(app.rows("payment_flow").await, 2);
+    drop(stalled);
+
     let metrics = app.metrics().await;
-    assert_eq!(sample(&metrics, "payledger_load_shed_total", r#"reason="concurrency_limit""#), 1.0);
-    let exhausted = r#"service="payledger.v1.PaymentService",method="Pay",code="RESOURCE_EXHAUSTED""#;
-    assert_eq!(sample(&metrics, "payledger_rpc_calls_total", exhausted), 1.0);
+    // Every refusal, of Pays and of the Queries that polled, is counted as shed.
+    let calls = |method: &str, code: &str| {
+        let labels = format!(r#"service="payledger.v1.PaymentService",method="{method}",code="{code}""#);
+        metrics.get(&format!("payledger_rpc_calls_total{{{labels}}}")).copied().unwrap_or(0.0)
+    };
+    let refused = calls("Pay", "RESOURCE_EXHAUSTED") + calls("Query", "RESOURCE_EXHAUSTED");
+    assert!(calls("Pay", "RESOURCE_EXHAUSTED") >= 1.0);
+    assert_eq!(sample(&metrics, "payledger_load_shed_total", r#"reason="concurrency_limit""#), refused);
+    assert_eq!(calls("Pay", "CANCELLED"), 1.0, "the caller that gave up is counted as it ended");
 }
 
 pub async fn a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_starts(app: &TestApp) {
@@ -1827,5 +1855,35 @@ pub async fn a_request_over_the_size_limit_is_resource_exhausted(app: &TestApp) 
     request.out_trade_no = "x".repeat(100 * 1024);
     let status = app.payments.clone().pay(request).await.unwrap_err();
     assert_status(&status, Code::ResourceExhausted, "MESSAGE_TOO_LARGE");
+    assert_eq!(app.all_rows().await, before);
+}
+
+/// A Pay whose gRPC framing is `body`, sent over raw HTTP/2: the trailers-only status.
+async fn raw_framed_call(app: &TestApp, body: &'static [u8]) -> tonic::Status {
+    let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    let request = http::Request::post(format!("http://{}/payledger.v1.PaymentService/Pay", app.address))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut stream) = client.send_request(request, body.is_empty()).unwrap();
+    if !body.is_empty() {
+        stream.send_data(bytes::Bytes::from_static(body), true).unwrap();
+    }
+    let response = response.await.unwrap();
+    tonic::Status::from_header_map(response.headers()).expect("a trailers-only status")
+}
+
+pub async fn a_request_with_broken_framing_is_invalid_argument(app: &TestApp) {
+    app.order_ready_to_pay("o1", "5.00", "1.00").await;
+    let before = app.all_rows().await;
+    // No message at all; a frame cut short; a compressed frame without grpc-encoding.
+    for body in [&b""[..], b"\x00\x00\x00\x00\x10abc", b"\x01\x00\x00\x00\x00"] {
+        let status = raw_framed_call(app, body).await;
+        assert_status(&status, Code::InvalidArgument, "MALFORMED_REQUEST");
+    }
     assert_eq!(app.all_rows().await, before);
 }

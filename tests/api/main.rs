@@ -114,6 +114,7 @@ backend_suite!(
     a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work => tightly_bounded,
     a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_starts => tightly_bounded,
     a_request_over_the_size_limit_is_resource_exhausted,
+    a_request_with_broken_framing_is_invalid_argument,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,

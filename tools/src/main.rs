@@ -48,7 +48,13 @@ async fn main() -> ExitCode {
         // in-process server only speaks up on problems.
         cli.log.log_filter = "warn".into();
     }
-    telemetry::init(&cli.log);
+    let _telemetry = match telemetry::init(&cli.log) {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("payledger-tools: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Demo(settings) => demo::run(settings).await,
         Command::Bench(settings) => bench::run(settings).await,
