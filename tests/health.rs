@@ -41,6 +41,41 @@ async fn until_health_is(address: std::net::SocketAddr, expected: ServingStatus)
     }
 }
 
+/// A server on the database at `url` (migrated) that checks its health every 100 ms.
+struct HealthServer {
+    ledger: Ledger,
+    address: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), payledger::startup::StartupError>>,
+}
+
+impl HealthServer {
+    async fn start(url: &str) -> Self {
+        let settings = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(2),
+            lock_timeout: Duration::from_secs(2),
+        };
+        let store = Store::connect(url, &settings).await.unwrap();
+        store.migrate().await.unwrap();
+        let ledger = Ledger::new(store);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(1))
+            .with_health_check_interval(Duration::from_millis(100));
+        let address = application.local_addr();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(application.run_until(async {
+            let _ = stopped.await;
+        }));
+        Self { ledger, address, stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_turns_not_serving_while_postgres_refuses_connections_and_back_without_a_restart() {
     let Some(admin_url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
@@ -48,21 +83,8 @@ async fn health_turns_not_serving_while_postgres_refuses_connections_and_back_wi
     let name = format!("payledger_health_{}", uuid::Uuid::new_v4().simple());
     let admin = AnyPool::connect(&admin_url).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(2),
-        lock_timeout: Duration::from_secs(2),
-    };
-    let store = Store::connect(&database_url(&admin_url, &name), &settings).await.unwrap();
-    store.migrate().await.unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let application = Application::with_listener(listener, Ledger::new(store), Duration::from_secs(1))
-        .with_health_check_interval(Duration::from_millis(100));
-    let address = application.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(application.run_until(async {
-        let _ = stopped.await;
-    }));
+    let server = HealthServer::start(&database_url(&admin_url, &name)).await;
+    let address = server.address;
 
     until_health_is(address, ServingStatus::Serving).await;
     sqlx::query(&format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false")).execute(&admin).await.unwrap();
@@ -74,8 +96,7 @@ async fn health_turns_not_serving_while_postgres_refuses_connections_and_back_wi
     sqlx::query(&format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true")).execute(&admin).await.unwrap();
     until_health_is(address, ServingStatus::Serving).await;
 
-    let _ = stop.send(());
-    let _ = server.await;
+    server.stop().await;
     let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await;
     admin.close().await;
 }
@@ -185,22 +206,8 @@ async fn health_turns_not_serving_while_mariadb_refuses_its_user_and_back_withou
     let host = admin_url.split_once('@').map_or("127.0.0.1:3306/test", |(_, host)| host);
     let host = host.split_once('/').map_or(host, |(host, _)| host);
     let url = format!("mysql://{user}:health-pw@{host}/{name}");
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(2),
-        lock_timeout: Duration::from_secs(2),
-    };
-    let store = Store::connect(&url, &settings).await.unwrap();
-    store.migrate().await.unwrap();
-    let ledger = Ledger::new(store);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(1))
-        .with_health_check_interval(Duration::from_millis(100));
-    let address = application.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(application.run_until(async {
-        let _ = stopped.await;
-    }));
+    let server = HealthServer::start(&url).await;
+    let (address, ledger) = (server.address, server.ledger.clone());
 
     until_health_is(address, ServingStatus::Serving).await;
     sqlx::query(&format!("ALTER USER '{user}'@'%' ACCOUNT LOCK")).execute(&admin).await.unwrap();
@@ -218,8 +225,7 @@ async fn health_turns_not_serving_while_mariadb_refuses_its_user_and_back_withou
     until_health_is(address, ServingStatus::Serving).await;
     assert_eq!(ledger.store().up().get(), 1);
 
-    let _ = stop.send(());
-    let _ = server.await;
+    server.stop().await;
     let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
     let _ = sqlx::query(&format!("DROP USER '{user}'@'%'")).execute(&admin).await;
     admin.close().await;

@@ -3,6 +3,8 @@
 //! group commit's span links the Pays it carried. One test per binary: the tracing
 //! subscriber is process-wide.
 
+mod common;
+
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -10,10 +12,8 @@ use opentelemetry::trace::{FutureExt as _, SpanId, TraceContextExt as _, Tracer 
 use opentelemetry::Context;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use payledger::client::{PayledgerClient, RetrySettings};
-use payledger::ledger::Ledger;
 use payledger::proto;
 use payledger::startup::Application;
-use payledger::store::{PoolSettings, Store};
 use tokio::net::TcpListener;
 use tracing_subscriber::layer::SubscriberExt as _;
 
@@ -27,15 +27,7 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
     opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
 
     let directory = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-    let pool = PoolSettings {
-        max_connections: 4,
-        acquire_timeout: Duration::from_secs(10),
-        lock_timeout: Duration::from_secs(10),
-    };
-    let store = Store::connect(&url, &pool).await.unwrap();
-    store.migrate().await.unwrap();
-    let ledger = Ledger::new(store);
+    let ledger = common::sqlite_ledger(directory.path()).await;
     let application =
         Application::with_listener(TcpListener::bind("127.0.0.1:0").await.unwrap(), ledger, Duration::from_secs(5));
     let address = application.local_addr();

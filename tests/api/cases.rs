@@ -1736,19 +1736,7 @@ pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_
         app.create_order("m1", order_no, "shop", "1.00").await.unwrap();
     }
     // A caller that sends its headers and never its message holds no place.
-    let stalled = {
-        let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
-        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(connection);
-        let mut client = client.ready().await.unwrap();
-        let request = http::Request::post(format!("http://{}/payledger.v1.PaymentService/Pay", app.address))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .unwrap();
-        let (_response, stream) = client.send_request(request, false).unwrap();
-        (client, stream)
-    };
+    let stalled = raw_pay_stream(app, false).await;
     let in_flight = r#"payledger_rpc_in_flight{service="payledger.v1.PaymentService",method="Pay"}"#;
     eventually("the stalled Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
 
@@ -1859,8 +1847,9 @@ pub async fn a_request_over_the_size_limit_is_resource_exhausted(app: &TestApp) 
     assert_eq!(app.all_rows().await, before);
 }
 
-/// A Pay whose gRPC framing is `body`, sent over raw HTTP/2: the trailers-only status.
-async fn raw_framed_call(app: &TestApp, body: &'static [u8]) -> tonic::Status {
+/// A Pay's HEADERS sent over raw HTTP/2 (ending the stream when `end`): the response to
+/// come and the request stream, open for whatever framing a case sends.
+async fn raw_pay_stream(app: &TestApp, end: bool) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
     let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
     let (client, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
@@ -1870,7 +1859,12 @@ async fn raw_framed_call(app: &TestApp, body: &'static [u8]) -> tonic::Status {
         .header("te", "trailers")
         .body(())
         .unwrap();
-    let (response, mut stream) = client.send_request(request, body.is_empty()).unwrap();
+    client.send_request(request, end).unwrap()
+}
+
+/// A Pay whose gRPC framing is `body`, sent over raw HTTP/2: the trailers-only status.
+async fn raw_framed_call(app: &TestApp, body: &'static [u8]) -> tonic::Status {
+    let (response, mut stream) = raw_pay_stream(app, body.is_empty()).await;
     if !body.is_empty() {
         stream.send_data(bytes::Bytes::from_static(body), true).unwrap();
     }
