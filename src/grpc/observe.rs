@@ -133,7 +133,7 @@ impl Call {
                 target: ACCESS_LOG_TARGET,
                 method = labels.method,
                 code = code_name,
-                duration_ms = elapsed.as_secs_f64() * 1000.0,
+                duration_ms = elapsed.as_micros() as f64 / 1000.0,
                 replayed,
                 "call"
             );
