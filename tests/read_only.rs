@@ -17,7 +17,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,14 +24,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use payledger::ledger::Ledger;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use payledger::proto::{self};
-use payledger::startup::Application;
-use payledger::store::{PoolSettings, Store};
 use sqlx::{AnyPool, Row};
-use tokio::net::TcpListener;
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -43,38 +38,6 @@ const CALLERS: usize = 6;
 const PHASE_WAIT_MAX: Duration = Duration::from_secs(20);
 /// Calls that must be seen in a phase before it ends.
 const CALLS_PER_PHASE: usize = 10;
-
-/// A payledger server in this process over `database_url`.
-struct Served {
-    ledger: Ledger,
-    address: SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-async fn serve(database_url: &str) -> Served {
-    let settings = PoolSettings {
-        max_connections: 4,
-        acquire_timeout: Duration::from_secs(5),
-        lock_timeout: Duration::from_secs(5),
-    };
-    let store = Store::connect(database_url, &settings).await.expect("the database connects");
-    store.migrate().await.expect("migrations apply");
-    let ledger = Ledger::new(store);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(2));
-    let address = application.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        application
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("the server runs");
-    });
-    Served { ledger, address, stop, server }
-}
 
 /// What the callers saw.
 #[derive(Default)]
@@ -153,7 +116,7 @@ where
     F: Fn(bool) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let served = serve(database_url).await;
+    let served = common::serve(database_url, 4).await;
     let channel = Channel::from_shared(format!("http://{}", served.address)).unwrap().connect().await.unwrap();
     let mut accounts = AccountServiceClient::new(channel.clone());
     for account_id in ["payer", "shop"] {
@@ -208,9 +171,9 @@ where
     raw.close().await;
     let violations = served.ledger.audit().await.unwrap();
     assert!(violations.is_empty(), "{violations:#?}");
-    let _ = served.stop.send(());
-    let _ = served.server.await;
-    served.ledger.store().close().await;
+    let store = served.ledger.store().clone();
+    served.shut_down().await;
+    store.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -39,7 +39,7 @@ impl Dialect {
     /// The URL handed to sqlx: `mariadb://` becomes `mysql://`; a SQLite file is created
     /// when `create` (on `serve`'s first start) unless the URL chooses a `mode` itself, and
     /// never otherwise (`audit`), whatever mode the URL asks for.
-    pub(super) fn driver_url(self, url: &str, create: bool) -> String {
+    pub fn driver_url(self, url: &str, create: bool) -> String {
         match self {
             Dialect::MySql => match url.strip_prefix("mariadb:") {
                 Some(rest) => format!("mysql:{rest}"),
@@ -82,6 +82,14 @@ impl Dialect {
                 "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
                 "SET idle_in_transaction_session_timeout = '60s'".to_owned(),
                 format!("SET lock_timeout = '{millis}ms'"),
+                // A prepared statement's generic plan is made once, from the statistics of the
+                // moment, and kept until those statistics change: one made while a table was
+                // small scans it sequentially for good once the table has grown and nobody
+                // has run ANALYZE since (autovacuum off or behind, a restore, a bulk import).
+                // Custom plans are made at each execution from the table's size now, and
+                // every hot statement has an index lookup as its plan at any real size; they
+                // cost a few microseconds of planning each (BENCHMARKS.md, "Ledger size").
+                "SET plan_cache_mode = force_custom_plan".to_owned(),
             ],
             Dialect::MySql => vec![
                 "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),

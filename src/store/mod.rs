@@ -271,6 +271,19 @@ impl Store {
         })
     }
 
+    /// Runs `sql` on one pooled connection and returns its rows. For tests and diagnosis of
+    /// what lives in a database session (MariaDB's session status counters, PostgreSQL's
+    /// not yet flushed statistics): with a pool of one connection it is the pool's session.
+    /// The service never calls it.
+    ///
+    /// # Errors
+    /// The driver error.
+    #[doc(hidden)]
+    pub async fn on_pooled_session(&self, sql: &str) -> Result<Vec<sqlx::any::AnyRow>, sqlx::Error> {
+        let mut connection = self.acquire().await?;
+        sqlx::query(sql).fetch_all(&mut *connection).await
+    }
+
     /// Closes the pool, waiting for connections in use to come back.
     pub async fn close(&self) {
         self.pool.close().await;

@@ -39,3 +39,46 @@ pub async fn sqlite_ledger(directory: &std::path::Path) -> payledger::ledger::Le
     store.migrate().await.unwrap();
     payledger::ledger::Ledger::new(store)
 }
+
+/// A payledger server in this process (see [`serve`]).
+pub struct Served {
+    pub ledger: payledger::ledger::Ledger,
+    pub address: std::net::SocketAddr,
+    pub stop: tokio::sync::oneshot::Sender<()>,
+    pub server: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    /// Stops the server and waits for it.
+    pub async fn shut_down(self) {
+        let _ = self.stop.send(());
+        let _ = self.server.await;
+    }
+}
+
+/// A payledger server on a free loopback port over `database_url` (migrated first), with a
+/// pool of `connections` that waits 5 s for a connection and for a lock.
+pub async fn serve(database_url: &str, connections: u32) -> Served {
+    use payledger::store::Store;
+    let settings = PoolSettings {
+        max_connections: connections,
+        acquire_timeout: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let store = Store::connect(database_url, &settings).await.expect("the database connects");
+    store.migrate().await.expect("migrations apply");
+    let ledger = payledger::ledger::Ledger::new(store);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
+    let application = payledger::startup::Application::with_listener(listener, ledger.clone(), Duration::from_secs(2));
+    let address = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        application
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("the server runs");
+    });
+    Served { ledger, address, stop, server }
+}

@@ -1,5 +1,5 @@
 //! payledger's test tools, on top of the client crate (and the server library, for the
-//! in-process servers they start): `demo`, `bench` and `storm` with its fault proxy.
+//! in-process servers they start): `demo`, `bench`, `seed` (a ledger filled in bulk) and `storm` with its fault proxy.
 //!
 //! They write test data (funded accounts, orders, payments), so they refuse a server or a
 //! database they did not start themselves unless told explicitly: `--allow-test-data` for
@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod seed;
 pub mod storm;
 
 /// The error of a tool run: printed with its causes, then exit code 1.

@@ -9,10 +9,14 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use payledger::config::{LogSettings, ServeSettings};
 use payledger::startup::{shutdown_signal, Application};
 use payledger::telemetry;
-use payledger_tools::{bench, demo, storm, AnyError};
+use payledger_tools::{bench, demo, seed, storm, AnyError};
 
 #[derive(Debug, Parser)]
-#[command(name = "payledger-tools", version, about = "payledger's test tools: demo, load (bench) and duplicate storm")]
+#[command(
+    name = "payledger-tools",
+    version,
+    about = "payledger's test tools: demo, load (bench), bulk fill (seed) and duplicate storm"
+)]
 struct Cli {
     #[command(flatten)]
     log: LogSettings,
@@ -26,6 +30,8 @@ enum Command {
     Demo(demo::DemoSettings),
     /// Load a server with one scenario and print a ghz-like report.
     Bench(bench::BenchSettings),
+    /// Fill a ledger in bulk with paid and refunded orders, consistent for `payledger audit`.
+    Seed(seed::SeedSettings),
     /// Run a duplicate storm under faults against several instances over a database it
     /// creates, and check that money moved exactly once; exits 1 on any violation.
     Storm(storm::StormSettings),
@@ -58,6 +64,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(settings) => demo::run(settings).await,
         Command::Bench(settings) => bench::run(settings).await,
+        Command::Seed(settings) => seed::run(settings).await,
         Command::Storm(settings) => storm::run(settings).await,
         Command::StormInstance(settings) => storm_instance(&settings).await,
     };

@@ -1,0 +1,295 @@
+//! Query plans on a grown ledger whose statistics are stale: no hot-path statement may scan a
+//! hot table (`orders`, `payment_flow`, `refunds`, `accounts`, `journal_entries`,
+//! `idempotency_record`) however the tables grew since the statistics were taken.
+//!
+//! Each backend's test:
+//! 1. seeds a small ledger and analyzes it, so the statistics say every table is small;
+//! 2. starts a server over a pool of one connection and runs every bench scenario (Pay,
+//!    replay, hot account, Refund, and the mix with Query, Deposit and keyed Transfer), so
+//!    that connection has prepared, and PostgreSQL has planned, every hot statement;
+//! 3. grows the tables in bulk (`payledger-tools seed`), without analyzing them;
+//! 4. runs the same scenarios again, on the same connection, and reads the database's own
+//!    counters of what those statements did:
+//!    - PostgreSQL: `pg_stat_user_tables.seq_scan` of each hot table, after the server's
+//!      session has flushed its statistics (`pg_stat_force_next_flush()`);
+//!    - MariaDB: the server session's `Handler_read_rnd_next` (rows read by table scans) and
+//!      `Handler_read_first` (full index scans);
+//!    - SQLite (plans are fixed when a statement is prepared, from `sqlite_stat1`): `EXPLAIN
+//!      QUERY PLAN` of every statement the server ran, taken from sqlx's statement log.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use payledger::store::Dialect;
+use payledger_tools::bench::{bench, BenchSettings, Scenario};
+use payledger_tools::seed::{seed, SeedSettings};
+use sqlx::{AnyPool, Connection, Row};
+
+const HOT_TABLES: [&str; 6] =
+    ["orders", "payment_flow", "refunds", "accounts", "journal_entries", "idempotency_record"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
+    let Some(admin) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    let database = ServerDatabase::create(&admin).await;
+    let served = prepared_server(&database.url).await;
+    let raw = AnyPool::connect(&database.url).await.unwrap();
+
+    let flush =
+        || async { served.ledger.store().on_pooled_session("SELECT 1 FROM pg_stat_force_next_flush()").await.unwrap() };
+    let counters = || async {
+        let rows =
+            sqlx::query("SELECT CAST(relname AS TEXT), seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables")
+                .fetch_all(&raw)
+                .await
+                .unwrap();
+        rows.iter()
+            .map(|row| (row.get::<String, _>(0), (row.get::<i64, _>(1), row.get::<i64, _>(2))))
+            .collect::<BTreeMap<_, _>>()
+    };
+    flush().await;
+    let before = counters().await;
+    run_workload(&served).await;
+    flush().await;
+    let after = counters().await;
+
+    let mut scanned = Vec::new();
+    for table in HOT_TABLES {
+        let (seq_before, _) = before[table];
+        let (seq_after, _) = after[table];
+        if seq_after != seq_before {
+            scanned.push(format!("{table}: {} sequential scans", seq_after - seq_before));
+        }
+    }
+    // The counters moved: these are the server session's statistics, flushed.
+    assert!(after["orders"].1 > before["orders"].1, "no index scans of orders counted: {before:?} {after:?}");
+    assert!(scanned.is_empty(), "hot statements scanned grown tables: {scanned:?}");
+    raw.close().await;
+    finish(served).await;
+    database.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
+    let Some(admin) = common::admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
+    let database = ServerDatabase::create(&admin).await;
+    let served = prepared_server(&database.url).await;
+
+    // Reading the counters reads rows too: what one reading adds is measured and taken off.
+    let counters = || async {
+        let rows = served.ledger.store().on_pooled_session("SHOW SESSION STATUS LIKE 'Handler_read%'").await.unwrap();
+        rows.iter()
+            .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1).parse::<i64>().unwrap()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let first = counters().await;
+    let before = counters().await;
+    run_workload(&served).await;
+    let after = counters().await;
+
+    let moved = |name: &str| (after[name] - before[name]) - (before[name] - first[name]);
+    assert!(moved("Handler_read_key") > 0, "no index lookups counted: the counters are not the server's session");
+    assert_eq!(moved("Handler_read_rnd_next"), 0, "rows read by table scans: {before:?} -> {after:?}");
+    assert_eq!(moved("Handler_read_first"), 0, "full index scans: {before:?} -> {after:?}");
+    finish(served).await;
+    database.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
+    let directory = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+    let log = statement_log();
+    let served = prepared_server(&url).await;
+
+    log.statements.lock().unwrap().clear();
+    log.capturing.store(true, Ordering::SeqCst);
+    run_workload(&served).await;
+    log.capturing.store(false, Ordering::SeqCst);
+    let statements = std::mem::take(&mut *log.statements.lock().unwrap());
+
+    let mut connection = sqlx::AnyConnection::connect(&format!("{url}?mode=ro")).await.unwrap();
+    let mut scans = Vec::new();
+    let mut searched = BTreeSet::new();
+    for statement in &statements {
+        let plan = sqlx::raw_sql(&format!("EXPLAIN QUERY PLAN {statement}")).fetch_all(&mut connection).await.unwrap();
+        for row in plan {
+            let detail: String = row.get(3);
+            let mut words = detail.split_whitespace();
+            match (words.next(), words.next()) {
+                (Some("SCAN"), Some(table)) if HOT_TABLES.contains(&table) => {
+                    scans.push(format!("{detail}: {statement}"))
+                }
+                (Some("SEARCH"), Some(table)) => {
+                    searched.insert(table.to_owned());
+                }
+                _ => {}
+            }
+        }
+    }
+    connection.close().await.unwrap();
+    assert!(
+        ["orders", "payment_flow", "refunds", "accounts"].iter().all(|table| searched.contains(*table)),
+        "the log holds the workload's lookups ({} statements, searched {searched:?})",
+        statements.len()
+    );
+    assert!(scans.is_empty(), "hot statements scan hot tables: {scans:#?}");
+    finish(served).await;
+}
+
+/// Steps 1 to 3 of the module docs: a small analyzed ledger, a server over one connection
+/// that has run every statement on it, then the tables grown behind that server's back.
+async fn prepared_server(url: &str) -> common::Served {
+    seed_ledger(url, 200).await;
+    let dialect = Dialect::from_url(url).unwrap();
+    let mut connection = sqlx::AnyConnection::connect(url).await.unwrap();
+    match dialect {
+        Dialect::Postgres | Dialect::Sqlite => {
+            sqlx::raw_sql("ANALYZE").execute(&mut connection).await.unwrap();
+        }
+        Dialect::MySql => {
+            let tables = HOT_TABLES.join(", ");
+            sqlx::raw_sql(&format!("ANALYZE TABLE {tables}")).fetch_all(&mut connection).await.unwrap();
+        }
+    }
+    connection.close().await.unwrap();
+
+    let served = common::serve(url, 1).await;
+    run_workload(&served).await;
+    seed_ledger(url, 30_000).await;
+    served
+}
+
+/// Adds `orders` paid orders (a tenth refunded), each by a payer of its own, and as many
+/// idempotency records as refunds. Grown this way, `accounts` is as big as `orders`: a scan
+/// of a table of a few thousand rows can be the planner's right choice for a statement that
+/// locks a dozen of them.
+async fn seed_ledger(url: &str, orders: u64) {
+    let settings = SeedSettings {
+        database_url: url.to_owned(),
+        allow_test_data: true,
+        orders,
+        payers: orders,
+        merchants: 20,
+        refunded_percent: 10,
+        idempotency_records: None,
+        batch_rows: 10_000,
+    };
+    seed(&settings).await.unwrap();
+}
+
+/// Every bench scenario, a few dozen calls each.
+async fn run_workload(served: &common::Served) {
+    for scenario in [Scenario::Pay, Scenario::Replay, Scenario::Hot, Scenario::Refund, Scenario::Mixed] {
+        let settings = BenchSettings {
+            target: format!("http://{}", served.address),
+            allow_test_data: true,
+            scenario,
+            concurrency: 4,
+            total: 60,
+            duration_seconds: None,
+            payers: 10,
+            merchants: 3,
+            zipf: None,
+            duplicate_ratio: 0.2,
+            rate: None,
+            connections: 1,
+            json: false,
+            access: payledger_tools::TargetAccess::default(),
+        };
+        let report = bench(&settings).await.unwrap();
+        assert_eq!(report.status_codes.keys().collect::<Vec<_>>(), ["Ok"], "{scenario:?}: {:?}", report.status_codes);
+    }
+}
+
+async fn finish(served: common::Served) {
+    let violations = served.ledger.audit().await.unwrap();
+    assert!(violations.is_empty(), "{violations:#?}");
+    let store = served.ledger.store().clone();
+    served.shut_down().await;
+    store.close().await;
+}
+
+/// A database of its own on a shared server, dropped at the end.
+struct ServerDatabase {
+    admin: String,
+    name: String,
+    url: String,
+}
+
+impl ServerDatabase {
+    async fn create(admin: &str) -> Self {
+        sqlx::any::install_default_drivers();
+        let name = format!("payledger_plans_{}", uuid::Uuid::new_v4().simple());
+        let pool = AnyPool::connect(admin).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&pool).await.unwrap();
+        pool.close().await;
+        Self { admin: admin.to_owned(), url: common::database_url(admin, &name), name }
+    }
+
+    async fn drop(self) {
+        let pool = AnyPool::connect(&self.admin).await.unwrap();
+        let force = if self.admin.starts_with("postgres") { " WITH (FORCE)" } else { "" };
+        sqlx::query(&format!("DROP DATABASE {}{force}", self.name)).execute(&pool).await.unwrap();
+        pool.close().await;
+    }
+}
+
+/// The statements SQLite ran while `capturing`: sqlx logs each one (target `sqlx::query`)
+/// on the SQLite worker thread of its connection.
+struct StatementLog {
+    capturing: AtomicBool,
+    statements: Mutex<BTreeSet<String>>,
+}
+
+fn statement_log() -> &'static StatementLog {
+    static LOG: OnceLock<&'static StatementLog> = OnceLock::new();
+    LOG.get_or_init(|| {
+        use tracing_subscriber::layer::SubscriberExt;
+        let log: &'static StatementLog =
+            Box::leak(Box::new(StatementLog { capturing: AtomicBool::new(false), statements: Mutex::default() }));
+        let subscriber = tracing_subscriber::registry().with(StatementLayer(log));
+        tracing::subscriber::set_global_default(subscriber).expect("no other subscriber in this test binary");
+        log
+    })
+}
+
+struct StatementLayer(&'static StatementLog);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for StatementLayer {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let on_sqlite_worker = std::thread::current().name().is_some_and(|name| name.starts_with("sqlx-sqlite-worker"));
+        if event.metadata().target() != "sqlx::query" || !on_sqlite_worker || !self.0.capturing.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut fields = StatementFields::default();
+        event.record(&mut fields);
+        // sqlx logs the whole statement as `db.statement` unless `summary` already is all of it.
+        let statement = if fields.statement.trim().is_empty() { fields.summary } else { fields.statement };
+        let statement = statement.trim().to_owned();
+        if !statement.is_empty() {
+            self.0.statements.lock().unwrap().insert(statement);
+        }
+    }
+}
+
+#[derive(Default)]
+struct StatementFields {
+    summary: String,
+    statement: String,
+}
+
+impl tracing::field::Visit for StatementFields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        match field.name() {
+            "summary" => self.summary = value.to_owned(),
+            "db.statement" => self.statement = value.to_owned(),
+            _ => {}
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
