@@ -5,7 +5,7 @@
 //! Each backend's test:
 //! 1. seeds a small ledger and analyzes it, so the statistics say every table is small;
 //! 2. starts a server over a pool of one connection and runs every bench scenario (Pay,
-//!    replay, hot account, Refund, and the mix with Query, Deposit and keyed Transfer), so
+//!    replay, hot account, Refund, Query, and the mix with Deposit and keyed Transfer), so
 //!    that connection has prepared, and PostgreSQL has planned, every hot statement;
 //! 3. grows the tables in bulk (`payledger-tools seed`), without analyzing them;
 //! 4. runs the same scenarios again, on the same connection, and reads the database's own
@@ -183,7 +183,8 @@ async fn seed_ledger(url: &str, orders: u64) {
 
 /// Every bench scenario, a few dozen calls each.
 async fn run_workload(served: &common::Served) {
-    for scenario in [Scenario::Pay, Scenario::Replay, Scenario::Hot, Scenario::Refund, Scenario::Mixed] {
+    for scenario in [Scenario::Pay, Scenario::Replay, Scenario::Hot, Scenario::Refund, Scenario::Query, Scenario::Mixed]
+    {
         let settings = BenchSettings {
             target: format!("http://{}", served.address),
             allow_test_data: true,

@@ -200,29 +200,33 @@ impl Ledger {
         let mut reader = self.store.reader().await?;
         let mut queries = reader.queries();
         let merchant_id = merchant_id.as_str();
-        let order_no = match key {
-            QueryKey::OrderNo(order_no) => order_no.as_str().to_owned(),
+        // The payment a lookup by out_trade_no found is the order's (one payment per order),
+        // and an order nothing was refunded from has no refunds: neither is read twice.
+        let (order_no, mut payment) = match key {
+            QueryKey::OrderNo(order_no) => (order_no.as_str().to_owned(), None),
             QueryKey::OutTradeNo(out_trade_no) => {
-                queries
+                let payment = queries
                     .find_payment(merchant_id, out_trade_no.as_str())
                     .await?
-                    .ok_or(Error::NotFound(Resource::Payment))?
-                    .order_no
+                    .ok_or(Error::NotFound(Resource::Payment))?;
+                (payment.order_no.clone(), Some(payment))
             }
             QueryKey::OutRefundNo(out_refund_no) => {
-                queries
+                let refund = queries
                     .find_refund(merchant_id, out_refund_no.as_str())
                     .await?
-                    .ok_or(Error::NotFound(Resource::Refund))?
-                    .order_no
+                    .ok_or(Error::NotFound(Resource::Refund))?;
+                (refund.order_no, None)
             }
         };
         let order = queries.find_order(merchant_id, &order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        let payment = match &order.out_trade_no {
+        payment = match &order.out_trade_no {
+            Some(out_trade_no) if payment.as_ref().is_some_and(|found| &found.out_trade_no == out_trade_no) => payment,
             Some(out_trade_no) => queries.find_payment(merchant_id, out_trade_no).await?,
             None => None,
         };
-        let refunds = queries.list_refunds(merchant_id, &order_no).await?;
+        let refunds =
+            if order.refunded_amount == 0 { Vec::new() } else { queries.list_refunds(merchant_id, &order_no).await? };
         Ok(OrderDetails { order, payment, refunds })
     }
 }

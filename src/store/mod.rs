@@ -19,7 +19,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use sqlx::any::AnyPoolOptions;
 use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
-use sqlx::{Any, AnyConnection, AnyPool, Connection, Executor, Transaction};
+use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Executor, Transaction};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
@@ -68,6 +68,14 @@ pub struct Store {
     acquire_duration: Histogram,
     /// 1 after a health check that reached the database, 0 after one that did not.
     up: Gauge,
+}
+
+/// The driver's options for `url`. sqlx warns of every statement slower than 1 s; the audit
+/// (`create` false: an existing ledger, read whole) runs nothing else, so it is not told.
+fn connect_options(url: &str, create: bool) -> Result<sqlx::any::AnyConnectOptions, ConnectError> {
+    let options: sqlx::any::AnyConnectOptions =
+        url.parse().map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+    Ok(if create { options } else { options.log_slow_statements(log::LevelFilter::Off, Duration::MAX) })
 }
 
 /// How long a health check may take to get its connection; longer is unhealthy.
@@ -133,7 +141,7 @@ impl Store {
                     Ok(())
                 })
             })
-            .connect(&dialect.driver_url(url, create))
+            .connect_with(connect_options(&dialect.driver_url(url, create), create)?)
             .await
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         let probe = AnyPoolOptions::new()

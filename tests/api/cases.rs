@@ -916,6 +916,7 @@ pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &Te
         (Scenario::Hot, None, None),
         (Scenario::Hot, Some(1.1), None),
         (Scenario::Refund, None, None),
+        (Scenario::Query, None, None),
         (Scenario::Mixed, None, None),
     ] {
         let settings = BenchSettings {

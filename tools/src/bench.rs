@@ -27,6 +27,8 @@ use crate::AnyError;
 const PREPARE_CONCURRENCY: usize = 64;
 /// Refunds of 1.00 drawn against each prepared 100.00 payment in the `refund` scenario.
 const REFUNDS_PER_ORDER: u64 = 20;
+/// Queries per paid order in the `query` scenario.
+const QUERIES_PER_ORDER: u64 = 10;
 
 /// What is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -40,6 +42,8 @@ pub enum Scenario {
     Hot,
     /// Partial refunds of paid orders.
     Refund,
+    /// Query of paid orders by out_trade_no (the read path), each order about ten times.
+    Query,
     /// 60% Pay, 10% Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
     Mixed,
 }
@@ -178,6 +182,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
         Scenario::Pay | Scenario::Hot => settings.total,
         Scenario::Replay => 1,
         Scenario::Refund => settings.total.div_ceil(REFUNDS_PER_ORDER),
+        Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
         Scenario::Mixed => settings.total,
     };
     let amount = if settings.scenario == Scenario::Refund { "100.00" } else { "1.00" };
@@ -205,7 +210,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
     let mut prepared = Prepared { run, payers, shops, orders, paid: Vec::new() };
     // Replay, refund and mixed need paid orders to start from.
     let to_pay = match settings.scenario {
-        Scenario::Replay | Scenario::Refund => prepared.orders.len(),
+        Scenario::Replay | Scenario::Refund | Scenario::Query => prepared.orders.len(),
         Scenario::Mixed => prepared.orders.len() / 5,
         Scenario::Pay | Scenario::Hot => 0,
     };
@@ -269,6 +274,10 @@ async fn call(
             };
             clients.payment(n).refund(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
+        Scenario::Query => {
+            let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
+            query(clients, n, merchant, out_trade_no).await
+        }
         Scenario::Mixed => {
             let (draw, duplicate) = {
                 let mut rng = rand::rng();
@@ -282,6 +291,13 @@ async fn call(
             outcome
         }
     }
+}
+
+/// Queries a paid order by its out_trade_no (never a replay: Query changes nothing).
+async fn query(clients: &Clients, n: u64, merchant: &str, out_trade_no: &str) -> Result<bool, tonic::Code> {
+    let request =
+        proto::QueryRequest { merchant_id: merchant.to_owned(), key: Some(Key::OutTradeNo(out_trade_no.to_owned())) };
+    clients.payment(n).query(request).await.map(|_| false).map_err(|s| s.code())
 }
 
 async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -> Result<bool, tonic::Code> {
@@ -308,9 +324,7 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
         }
         7 => {
             let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
-            let request =
-                proto::QueryRequest { merchant_id: merchant.clone(), key: Some(Key::OutTradeNo(out_trade_no.clone())) };
-            clients.payment(n).query(request).await.map(|_| false).map_err(|s| s.code())
+            query(clients, n, merchant, out_trade_no).await
         }
         8 => {
             let request = proto::DepositRequest {

@@ -21,7 +21,10 @@
 use std::time::Instant;
 
 use payledger::store::{Dialect, PoolSettings, Store};
-use sqlx::{AnyConnection, Connection, Executor};
+use std::str::FromStr;
+
+use sqlx::any::AnyConnectOptions;
+use sqlx::{ConnectOptions, Connection, Executor};
 
 use crate::AnyError;
 
@@ -122,7 +125,11 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
     store.close().await;
 
     let plan = Plan::new(settings, dialect);
-    let mut connection = AnyConnection::connect(&dialect.driver_url(&settings.database_url, false)).await?;
+    // Every statement is meant to be slow (up to --batch-rows orders each): sqlx is told not
+    // to report them as such.
+    let options = AnyConnectOptions::from_str(&dialect.driver_url(&settings.database_url, false))?
+        .log_slow_statements(log::LevelFilter::Off, std::time::Duration::MAX);
+    let mut connection = options.connect().await?;
     if dialect == Dialect::MySql {
         // A recursive CTE stops after max_recursive_iterations rows on MariaDB (1,000 on
         // some servers) and cte_max_recursion_depth on MySQL 8 (1,000 by default).
