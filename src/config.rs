@@ -97,11 +97,19 @@ pub struct AuditSettings {
     /// is created or migrated.
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:payledger.db")]
     pub database_url: String,
+    /// Check only what the journal entries after this id wrote (the checkpoint an earlier
+    /// audit printed), in time that grows with them rather than with the ledger. Sound only
+    /// after a full audit that passed up to that checkpoint.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
+    pub from_entry: Option<i64>,
 }
 
 impl std::fmt::Debug for AuditSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AuditSettings").field("database_url", &crate::store::redacted(&self.database_url)).finish()
+        f.debug_struct("AuditSettings")
+            .field("database_url", &crate::store::redacted(&self.database_url))
+            .field("from_entry", &self.from_entry)
+            .finish()
     }
 }
 

@@ -182,6 +182,27 @@ impl Ledger {
         Ok(reader.queries().audit().await?)
     }
 
+    /// Checks what the journal entries with ids in `(after, upto]` wrote, in time that grows
+    /// with that range rather than with the ledger (see `payledger audit --from-entry`). Sound
+    /// only together with a full [`Ledger::audit`] that covered the entries up to `after`.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the checks cannot run.
+    pub async fn audit_entries(&self, after: i64, upto: i64) -> Result<Vec<AuditViolation>, Error> {
+        let mut reader = self.store.reader().await?;
+        Ok(reader.queries().audit_entries(after, upto).await?)
+    }
+
+    /// The id of the newest journal entry written at or before `time` (microseconds since the
+    /// Unix epoch), 0 when there is none: the checkpoint an audit reports.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the journal cannot be read.
+    pub async fn settled_entry(&self, time: i64) -> Result<i64, Error> {
+        let mut reader = self.store.reader().await?;
+        Ok(reader.queries().settled_entry(time).await?)
+    }
+
     /// Checks that the database answers.
     ///
     /// # Errors

@@ -288,6 +288,12 @@ impl Sql {
         Self { portable, mysql: Some(mysql), rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()] }
     }
 
+    /// How many values a caller binds: the `?` placeholders of the portable text (a MySQL
+    /// text, where there is one, takes the same values).
+    pub fn placeholders(&self) -> usize {
+        self.portable.matches('?').count()
+    }
+
     pub fn text(&self, dialect: Dialect) -> &str {
         let slot = match dialect {
             Dialect::Postgres => 0,

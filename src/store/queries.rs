@@ -171,6 +171,9 @@ static INSERT_TRANSFER: Sql = Sql::new(
      VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
 );
 
+/// The position in [`AUDIT_CHECKS`] of the check that each currency's balances sum to zero.
+const CURRENCY_SUMS: usize = 3;
+
 /// Each audit query returns (subject, detail) rows, one per violation.
 static AUDIT_CHECKS: [(&str, Sql); 8] = [
     (
@@ -256,6 +259,79 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
         ),
     ),
 ];
+
+/// The checks of an audit from a checkpoint (see [`Queries::audit_entries`]): what was
+/// written in an entry-id range `(after, upto]`, read through the journal's primary key and the
+/// indexes a lookup uses, so that the time grows with the range, not with the ledger. Each `?`
+/// pair is bound `after`, then `upto`.
+static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
+    (
+        "every entry continues its account: the balance and version of the entry before, plus its amount and one",
+        Sql::new(
+            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
+             FROM journal_entries e LEFT JOIN journal_entries p ON p.entry_id = \
+               (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = e.account_id AND x.entry_id < e.entry_id) \
+             WHERE e.entry_id > ? AND e.entry_id <= ? \
+             AND ((p.entry_id IS NULL AND (e.balance_after <> e.amount OR e.version_after <> 1)) \
+               OR (p.entry_id IS NOT NULL AND (e.balance_after <> p.balance_after + e.amount \
+                 OR e.version_after <> p.version_after + 1)))",
+        ),
+    ),
+    (
+        "every posting has two entries that sum to zero",
+        Sql::new(
+            "SELECT posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
+             FROM journal_entries WHERE posting_id IN \
+               (SELECT n.posting_id FROM journal_entries n WHERE n.entry_id > ? AND n.entry_id <= ?) \
+             GROUP BY posting_id HAVING SUM(amount) <> 0 OR COUNT(*) <> 2",
+        ),
+    ),
+    (
+        "the account of each entry exists and holds its latest entry's balance and version",
+        Sql::new(
+            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
+             FROM journal_entries e LEFT JOIN accounts a ON a.account_id = e.account_id \
+             WHERE e.entry_id > ? AND e.entry_id <= ? \
+             AND e.entry_id = (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = e.account_id) \
+             AND (a.account_id IS NULL OR e.balance_after <> a.balance OR e.version_after <> a.version)",
+        ),
+    ),
+    (
+        "every posting is a payment, refund, deposit or transfer of its amount",
+        Sql::new(
+            "SELECT e.posting_id AS subject, CONCAT_WS('', e.kind, ' without its row') AS detail FROM journal_entries e \
+             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND NOT ( \
+               (e.kind = 'PAY' AND EXISTS (SELECT 1 FROM payment_flow p WHERE p.trade_no = e.posting_id AND p.amount = e.amount)) \
+               OR (e.kind = 'REFUND' AND EXISTS (SELECT 1 FROM refunds r WHERE r.refund_no = e.posting_id AND r.amount = e.amount)) \
+               OR (e.kind = 'DEPOSIT' AND EXISTS (SELECT 1 FROM deposits d WHERE d.deposit_id = e.posting_id AND d.amount = e.amount)) \
+               OR (e.kind = 'TRANSFER' AND EXISTS \
+                 (SELECT 1 FROM transfers t WHERE t.transfer_id = e.posting_id AND t.amount = e.amount)))",
+        ),
+    ),
+    (
+        "the order of each payment and refund is paid for its amount, and its refunds sum to its refunded amount",
+        Sql::new(
+            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM journal_entries e \
+             JOIN payment_flow p ON p.trade_no = e.posting_id \
+             JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
+             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'PAY' \
+             AND (o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') OR p.amount <> o.amount \
+               OR o.out_trade_no IS NULL OR p.out_trade_no <> o.out_trade_no) \
+             UNION ALL SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no), \
+               CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) FROM journal_entries e \
+             JOIN refunds r ON r.refund_no = e.posting_id \
+             JOIN orders o ON o.merchant_id = r.merchant_id AND o.order_no = r.order_no \
+             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'REFUND' \
+             AND (o.refunded_amount > o.amount OR o.refunded_amount <> (SELECT COALESCE(CAST(SUM(x.amount) AS BIGINT), 0) \
+               FROM refunds x WHERE x.merchant_id = o.merchant_id AND x.order_no = o.order_no))",
+        ),
+    ),
+];
+
+/// The newest journal entry written at or before a time (microseconds since the epoch): read
+/// backwards along the primary key from the newest.
+static SETTLED_ENTRY: Sql =
+    Sql::new("SELECT entry_id FROM journal_entries WHERE created_at <= ? ORDER BY entry_id DESC LIMIT 1");
 
 /// Statements over one connection: a write transaction's or a reader's.
 pub struct Queries<'c> {
@@ -797,12 +873,45 @@ impl<'c> Queries<'c> {
         let mut violations = Vec::new();
         for (check, sql) in &AUDIT_CHECKS {
             let rows: Vec<AnyRow> = self.query(sql).fetch_all(&mut *self.connection).await?;
-            for row in rows {
-                violations.push(AuditViolation { check, subject: row.try_get(0)?, detail: row.try_get(1)? });
-            }
+            violations.extend(audit_violations(check, &rows)?);
         }
         Ok(violations)
     }
+
+    /// Checks what the journal entries with ids in `(after, upto]` wrote: each entry continues
+    /// its account's chain of balances and versions, each posting has two legs summing to
+    /// zero, each touched account holds its latest entry's balance and version, each posting
+    /// has its payment, refund, deposit or transfer row, and the orders of those payments and
+    /// refunds agree with them; then that the balances of each currency sum to zero (a read of
+    /// `accounts`). Together with a full [`Queries::audit`] that passed up to `after`, this
+    /// proves every balance still equals the sum of its entries.
+    pub async fn audit_entries(&mut self, after: i64, upto: i64) -> Result<Vec<AuditViolation>, sqlx::Error> {
+        let mut violations = Vec::new();
+        for (check, sql) in &AUDIT_ENTRY_CHECKS {
+            let mut query = sqlx::query(sql.text(self.dialect));
+            for _ in 0..sql.placeholders() / 2 {
+                query = query.bind(after).bind(upto);
+            }
+            let rows: Vec<AnyRow> = query.fetch_all(&mut *self.connection).await?;
+            violations.extend(audit_violations(check, &rows)?);
+        }
+        let (check, currencies) = &AUDIT_CHECKS[CURRENCY_SUMS];
+        let rows: Vec<AnyRow> = self.query(currencies).fetch_all(&mut *self.connection).await?;
+        violations.extend(audit_violations(check, &rows)?);
+        Ok(violations)
+    }
+
+    /// The id of the newest journal entry written at or before `time` (microseconds since the
+    /// epoch); 0 when there is none.
+    pub async fn settled_entry(&mut self, time: i64) -> Result<i64, sqlx::Error> {
+        let row: Option<AnyRow> = self.query(&SETTLED_ENTRY).bind(time).fetch_optional(&mut *self.connection).await?;
+        row.map_or(Ok(0), |row| row.try_get(0))
+    }
+}
+
+/// One violation per row of an audit check's (subject, detail) rows.
+fn audit_violations(check: &'static str, rows: &[AnyRow]) -> Result<Vec<AuditViolation>, sqlx::Error> {
+    rows.iter().map(|row| Ok(AuditViolation { check, subject: row.try_get(0)?, detail: row.try_get(1)? })).collect()
 }
 
 /// What one group commit writes (see [`Queries::write_pays`]).
@@ -995,6 +1104,21 @@ fn repeated(group: &str, n: usize, separator: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_currency_check_is_where_the_audit_from_a_checkpoint_looks_for_it() {
+        assert_eq!(AUDIT_CHECKS[CURRENCY_SUMS].0, "balances of each currency sum to zero");
+    }
+
+    #[test]
+    fn every_audit_from_a_checkpoint_binds_its_range_in_pairs() {
+        for (check, sql) in &AUDIT_ENTRY_CHECKS {
+            let text = sql.text(Dialect::Sqlite);
+            let ranges = text.matches("entry_id > ? AND").count();
+            assert!(ranges > 0 && sql.placeholders() == 2 * ranges, "{check}: {text}");
+            assert!(sql.text(Dialect::Postgres).contains(&format!("${}", 2 * ranges)), "{check}");
+        }
+    }
 
     #[test]
     fn keys_are_grouped_by_their_first_column_and_bound_in_the_order_named() {

@@ -551,6 +551,43 @@ pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestA
     assert!(subjects.contains(&"USD"), "the balances no longer sum to zero: {violations:#?}");
 }
 
+pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_since(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let checkpoint = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
+    app.refund("m1", "pay-1", "refund-1", "10.00").await.unwrap();
+    let newest = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    assert!(checkpoint > 0 && newest > checkpoint, "{checkpoint} {newest}");
+    assert_eq!(app.ledger.audit_entries(checkpoint, newest).await.unwrap(), Vec::new());
+
+    let breaks = [
+        ("journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {newest}", "continues its account"),
+        ("accounts SET balance = balance + 1 WHERE account_id = 'alice'", "holds its latest entry's balance"),
+        ("payment_flow SET amount = amount + 1 WHERE out_trade_no = 'pay-1'", "a payment, refund, deposit or transfer"),
+        ("orders SET refunded_amount = refunded_amount + 1 WHERE order_no = 'order-1'", "its refunds sum"),
+    ];
+    for (change, check) in breaks {
+        let change = change.replace("{newest}", &newest.to_string());
+        sqlx::query(&format!("UPDATE {change}")).execute(&app.raw).await.unwrap();
+        let violations = app.ledger.audit_entries(checkpoint, newest).await.unwrap();
+        let mended = change.replace("+ 1", "- 1");
+        sqlx::query(&format!("UPDATE {mended}")).execute(&app.raw).await.unwrap();
+        assert!(violations.iter().any(|violation| violation.check.contains(check)), "{change}: {violations:#?}");
+    }
+    // Entries after the range are not read: the same break past `newest` goes unseen here.
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE account_id = 'alice'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    let outside = app.ledger.audit_entries(newest, i64::MAX).await.unwrap();
+    sqlx::query("UPDATE accounts SET balance = balance - 1 WHERE account_id = 'alice'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    assert!(outside.iter().all(|violation| violation.subject != "alice"), "{outside:#?}");
+    assert_eq!(app.ledger.audit_entries(checkpoint, newest).await.unwrap(), Vec::new());
+}
+
 // ---- Idempotency keys, one-time tokens and their lifecycle -------------------------------
 
 use crate::helpers::{one_dollar_order, transfer_request, with_key, with_token};
