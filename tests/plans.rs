@@ -69,7 +69,7 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     assert!(scanned.is_empty(), "hot statements scanned grown tables: {scanned:?}");
     raw.close().await;
     finish(served).await;
-    database.drop().await;
+    drop(database);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -95,7 +95,7 @@ async fn mysql_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     assert_eq!(moved("Handler_read_rnd_next"), 0, "rows read by table scans: {before:?} -> {after:?}");
     assert_eq!(moved("Handler_read_first"), 0, "full index scans: {before:?} -> {after:?}");
     finish(served).await;
-    database.drop().await;
+    drop(database);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -231,11 +231,27 @@ impl ServerDatabase {
         Self { admin: admin.to_owned(), url: common::database_url(admin, &name), name }
     }
 
-    async fn drop(self) {
-        let pool = AnyPool::connect(&self.admin).await.unwrap();
-        let force = if self.admin.starts_with("postgres") { " WITH (FORCE)" } else { "" };
-        sqlx::query(&format!("DROP DATABASE {}{force}", self.name)).execute(&pool).await.unwrap();
+}
+
+async fn drop_database(admin: String, name: String) {
+    if let Ok(pool) = AnyPool::connect(&admin).await {
+        let force = if admin.starts_with("postgres") { " WITH (FORCE)" } else { "" };
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}{force}")).execute(&pool).await;
         pool.close().await;
+    }
+}
+
+/// Dropped with the test, passed or failed (from a thread of its own: the test's runtime may
+/// be unwinding).
+impl Drop for ServerDatabase {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            if let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                runtime.block_on(drop_database(admin, name));
+            }
+        })
+        .join();
     }
 }
 
