@@ -230,7 +230,6 @@ impl ServerDatabase {
         pool.close().await;
         Self { admin: admin.to_owned(), url: common::database_url(admin, &name), name }
     }
-
 }
 
 async fn drop_database(admin: String, name: String) {
