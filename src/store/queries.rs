@@ -268,13 +268,27 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
     (
         "every entry continues its account: the balance and version of the entry before, plus its amount and one",
         Sql::new(
-            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
-             FROM journal_entries e LEFT JOIN journal_entries p ON p.entry_id = \
-               (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = e.account_id AND x.entry_id < e.entry_id) \
-             WHERE e.entry_id > ? AND e.entry_id <= ? \
-             AND ((p.entry_id IS NULL AND (e.balance_after <> e.amount OR e.version_after <> 1)) \
-               OR (p.entry_id IS NOT NULL AND (e.balance_after <> p.balance_after + e.amount \
-                 OR e.version_after <> p.version_after + 1)))",
+            // Each entry's predecessor by LAG over the range's entries and, per account, the
+            // one entry before the account's first in the range (one backward index probe per
+            // account). A probe per entry instead (`MAX(entry_id) ... < e.entry_id`) made
+            // MariaDB read the account's whole history for every entry.
+            "SELECT c.account_id AS subject, CONCAT_WS('', 'entry ', CAST(c.entry_id AS CHAR(24))) AS detail FROM ( \
+               SELECT s.in_range, s.entry_id, s.account_id, s.amount, s.balance_after, s.version_after, \
+                 LAG(s.entry_id) OVER w AS prev_id, LAG(s.balance_after) OVER w AS prev_balance, \
+                 LAG(s.version_after) OVER w AS prev_version \
+               FROM ( \
+                 SELECT 1 AS in_range, e.entry_id, e.account_id, e.amount, e.balance_after, e.version_after \
+                 FROM journal_entries e WHERE e.entry_id > ? AND e.entry_id <= ? \
+                 UNION ALL SELECT 0, p.entry_id, p.account_id, p.amount, p.balance_after, p.version_after \
+                 FROM (SELECT f.account_id, MIN(f.entry_id) AS first_id FROM journal_entries f \
+                   WHERE f.entry_id > ? AND f.entry_id <= ? GROUP BY f.account_id) a \
+                 JOIN journal_entries p ON p.entry_id = (SELECT x.entry_id FROM journal_entries x \
+                   WHERE x.account_id = a.account_id AND x.entry_id < a.first_id ORDER BY x.entry_id DESC LIMIT 1) \
+               ) s WINDOW w AS (PARTITION BY s.account_id ORDER BY s.entry_id) \
+             ) c WHERE c.in_range = 1 \
+             AND ((c.prev_id IS NULL AND (c.balance_after <> c.amount OR c.version_after <> 1)) \
+               OR (c.prev_id IS NOT NULL AND (c.balance_after <> c.prev_balance + c.amount \
+                 OR c.version_after <> c.prev_version + 1)))",
         ),
     ),
     (
@@ -294,7 +308,8 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
             "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
              FROM journal_entries e LEFT JOIN accounts a ON a.account_id = e.account_id \
              WHERE e.entry_id > ? AND e.entry_id <= ? \
-             AND e.entry_id = (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = e.account_id) \
+             AND e.entry_id = (SELECT x.entry_id FROM journal_entries x WHERE x.account_id = e.account_id \
+               ORDER BY x.entry_id DESC LIMIT 1) \
              AND (a.account_id IS NULL OR e.balance_after <> a.balance OR e.version_after <> a.version)",
         ),
     ),

@@ -560,14 +560,22 @@ pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_si
     assert!(checkpoint > 0 && newest > checkpoint, "{checkpoint} {newest}");
     assert_eq!(app.ledger.audit_entries(checkpoint, newest).await.unwrap(), Vec::new());
 
+    // alice's last entry before the range: the range's first entry of alice continues it.
+    let before: i64 = sqlx::query_scalar(&format!(
+        "SELECT MAX(entry_id) FROM journal_entries WHERE account_id = 'alice' AND entry_id <= {checkpoint}"
+    ))
+    .fetch_one(&app.raw)
+    .await
+    .unwrap();
     let breaks = [
         ("journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {newest}", "continues its account"),
+        ("journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {before}", "continues its account"),
         ("accounts SET balance = balance + 1 WHERE account_id = 'alice'", "holds its latest entry's balance"),
         ("payment_flow SET amount = amount + 1 WHERE out_trade_no = 'pay-1'", "a payment, refund, deposit or transfer"),
         ("orders SET refunded_amount = refunded_amount + 1 WHERE order_no = 'order-1'", "its refunds sum"),
     ];
     for (change, check) in breaks {
-        let change = change.replace("{newest}", &newest.to_string());
+        let change = change.replace("{newest}", &newest.to_string()).replace("{before}", &before.to_string());
         sqlx::query(&format!("UPDATE {change}")).execute(&app.raw).await.unwrap();
         let violations = app.ledger.audit_entries(checkpoint, newest).await.unwrap();
         let mended = change.replace("+ 1", "- 1");
