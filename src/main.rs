@@ -221,22 +221,38 @@ async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
     let settled_before = settled_before.duration_since(std::time::UNIX_EPOCH)?.as_micros();
     // Taken before the checks run: a full audit covers at least every entry up to it.
     let checkpoint = ledger.settled_entry(i64::try_from(settled_before)?).await?;
-    let (violations, covered) = match settings.from_entry {
-        None => (ledger.audit().await?, "the ledger is".to_owned()),
-        Some(after) if after >= checkpoint => {
-            println!("audit: no settled journal entry after {after} (checkpoint stays {after})");
-            return Ok(ExitCode::SUCCESS);
+    let newest = ledger.settled_entry(i64::MAX).await?;
+    let (violations, covered, next) = match settings.from_entry {
+        None => (ledger.audit().await?, "the ledger is".to_owned(), checkpoint),
+        // A checkpoint is an id an earlier audit printed, never past the journal's end: a
+        // mistyped one would otherwise check nothing, night after night.
+        Some(after) if after > newest => {
+            return Err(format!(
+                "--from-entry {after} is past the journal's newest entry ({newest}): give the checkpoint an earlier audit printed"
+            )
+            .into());
         }
+        // Nothing settled since: the range is empty, and the balances of each currency are
+        // still checked.
+        Some(after) if after >= checkpoint => (
+            ledger.audit_entries(after, after).await?,
+            format!(
+                "no settled journal entry after {after} ({} newer, audited once 5 minutes old); the currency sums are",
+                newest - after
+            ),
+            after,
+        ),
         Some(after) => (
             ledger.audit_entries(after, checkpoint).await?,
             format!("journal entries {} to {checkpoint} are", after + 1),
+            checkpoint,
         ),
     };
     for violation in &violations {
         println!("VIOLATION {}: {} ({})", violation.check, violation.subject, violation.detail);
     }
     if violations.is_empty() {
-        println!("audit: {covered} consistent; checkpoint: entry {checkpoint} (next: payledger audit --from-entry {checkpoint})");
+        println!("audit: {covered} consistent; checkpoint: entry {next} (next: payledger audit --from-entry {next})");
         Ok(ExitCode::SUCCESS)
     } else {
         println!("audit: {} violation(s)", violations.len());
