@@ -1,5 +1,6 @@
-//! `payledger audit --from-entry` as an operator runs it: a checkpoint past the journal's end
-//! is refused, and a night with no settled entry still checks the balances of each currency.
+//! `payledger audit` as an operator runs it: a checkpoint past the journal's end is refused, a
+//! night with no settled entry still checks the balances of each currency, and a file without
+//! a ledger is named and left as it was.
 
 mod common;
 
@@ -41,4 +42,29 @@ async fn an_audit_from_a_checkpoint_refuses_one_past_the_journal_and_still_sums_
     let stdout = String::from_utf8_lossy(&broken.stdout);
     assert!(!broken.status.success(), "{stdout}");
     assert!(stdout.contains("balances of each currency sum to zero: USD (sum 500)"), "{stdout}");
+}
+
+/// The audit reads: a file that holds no ledger is named as such at once, and left as it was.
+#[test]
+fn an_audit_of_a_file_without_a_ledger_names_the_cause_and_writes_nothing() {
+    let directory = tempfile::tempdir().unwrap();
+    let empty = directory.path().join("empty.db");
+    let junk = directory.path().join("junk.db");
+    std::fs::write(&empty, b"").unwrap();
+    std::fs::write(&junk, b"not a database\n").unwrap();
+    for (file, cause) in [(&empty, "no such table: accounts"), (&junk, "file is not a database")] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+            .args(["audit", "--database-url"])
+            .arg(format!("sqlite:{}", file.display()))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains("no payledger ledger at") && stderr.contains(cause), "{stderr}");
+    }
+    assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0, "the empty file is not made a database");
+    let mut names: Vec<_> =
+        std::fs::read_dir(directory.path()).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    names.sort();
+    assert_eq!(names, ["empty.db", "junk.db"], "no -wal or -shm beside them");
 }

@@ -107,9 +107,24 @@ impl Store {
     /// Opens an existing ledger without changing anything: no migrations, and a SQLite file
     /// must already exist. For `payledger audit`.
     ///
+    /// One plain connection comes first, without the pool's retries and without the session
+    /// setup (which would turn an empty SQLite file into a WAL database): a database that is
+    /// down, a file that is not a database or one without a ledger is named at once, and
+    /// nothing is written to it.
+    ///
     /// # Errors
-    /// [`ConnectError::NoLedger`] when the database has no payledger schema.
+    /// [`ConnectError::Connect`] when the database cannot be reached; [`ConnectError::NoLedger`]
+    /// when it has no payledger schema.
     pub async fn connect_existing(url: &str, settings: &PoolSettings) -> Result<Self, ConnectError> {
+        sqlx::any::install_default_drivers();
+        let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
+        let options = connect_options(&dialect.driver_url(url, false), false)?;
+        let mut first = AnyConnection::connect_with(&options)
+            .await
+            .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+        let ledger = sqlx::query("SELECT COUNT(*) FROM accounts").fetch_one(&mut first).await;
+        let _ = first.close().await;
+        ledger.map_err(|error| ConnectError::NoLedger(dialect::redacted(url), error))?;
         let store = Self::open(url, settings, false).await?;
         let mut reader = store.reader().await.map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         reader
