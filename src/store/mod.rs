@@ -122,18 +122,11 @@ impl Store {
         let mut first = AnyConnection::connect_with(&options)
             .await
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
-        let ledger = sqlx::query("SELECT COUNT(*) FROM accounts").fetch_one(&mut first).await;
+        let ledger = Queries::new(&mut first, dialect).count_accounts().await;
         let _ = first.close().await;
         ledger.map_err(|error| ConnectError::NoLedger(dialect::redacted(url), error))?;
-        let store = Self::open(url, settings, false).await?;
-        let mut reader = store.reader().await.map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
-        reader
-            .queries()
-            .count_accounts()
-            .await
-            .map_err(|error| ConnectError::NoLedger(dialect::redacted(url), error))?;
-        drop(reader);
-        Ok(store)
+        // The pool connects its first connection before it returns.
+        Self::open(url, settings, false).await
     }
 
     async fn open(url: &str, settings: &PoolSettings, create: bool) -> Result<Self, ConnectError> {
