@@ -328,18 +328,22 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
     (
         "the order of each payment and refund is paid for its amount, and its refunds sum to its refunded amount",
         Sql::new(
-            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM journal_entries e \
+            // A LEFT JOIN: an order whose row is gone is reported, not left out.
+            "SELECT CONCAT_WS('', p.merchant_id, '/', p.order_no) AS subject, COALESCE(o.status, 'no order') AS detail \
+             FROM journal_entries e \
              JOIN payment_flow p ON p.trade_no = e.posting_id \
-             JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
+             LEFT JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
              WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'PAY' \
-             AND (o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') OR p.amount <> o.amount \
+             AND (o.order_no IS NULL OR o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') OR p.amount <> o.amount \
                OR o.out_trade_no IS NULL OR p.out_trade_no <> o.out_trade_no) \
-             UNION ALL SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no), \
-               CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) FROM journal_entries e \
+             UNION ALL SELECT CONCAT_WS('', r.merchant_id, '/', r.order_no), \
+               CASE WHEN o.order_no IS NULL THEN 'no order' \
+                 ELSE CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) END FROM journal_entries e \
              JOIN refunds r ON r.refund_no = e.posting_id \
-             JOIN orders o ON o.merchant_id = r.merchant_id AND o.order_no = r.order_no \
+             LEFT JOIN orders o ON o.merchant_id = r.merchant_id AND o.order_no = r.order_no \
              WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'REFUND' \
-             AND (o.refunded_amount > o.amount OR o.refunded_amount <> (SELECT COALESCE(CAST(SUM(x.amount) AS BIGINT), 0) \
+             AND (o.order_no IS NULL OR o.refunded_amount > o.amount \
+               OR o.refunded_amount <> (SELECT COALESCE(CAST(SUM(x.amount) AS BIGINT), 0) \
                FROM refunds x WHERE x.merchant_id = o.merchant_id AND x.order_no = o.order_no))",
         ),
     ),

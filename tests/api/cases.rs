@@ -582,6 +582,20 @@ pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_si
         sqlx::query(&format!("UPDATE {mended}")).execute(&app.raw).await.unwrap();
         assert!(violations.iter().any(|violation| violation.check.contains(check)), "{change}: {violations:#?}");
     }
+    // An order whose row is gone is named, not left out of the join.
+    sqlx::query("UPDATE orders SET order_no = 'order-gone' WHERE order_no = 'order-1'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    let violations = app.ledger.audit_entries(checkpoint, newest).await.unwrap();
+    sqlx::query("UPDATE orders SET order_no = 'order-1' WHERE order_no = 'order-gone'")
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    assert!(
+        violations.iter().any(|violation| violation.subject == "m1/order-1" && violation.detail == "no order"),
+        "{violations:#?}"
+    );
     // Entries after the range are not read: the same break past `newest` goes unseen here.
     sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE account_id = 'alice'")
         .execute(&app.raw)
