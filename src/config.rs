@@ -124,8 +124,9 @@ impl AuditSettings {
     }
 }
 
-/// Idempotency keys, one-time tokens and the reaper that deletes them once expired. `Debug`
-/// hides a password in the token store's URL.
+/// Idempotency keys, one-time tokens, the lifetime of orders, and the reaper that deletes
+/// expired keys and tokens and closes expired orders. `Debug` hides a password in the token
+/// store's URL.
 #[derive(Clone, clap::Args)]
 pub struct IdempotencySettings {
     /// Where one-time tokens live: `database` (consumed in the business transaction) or a
@@ -142,10 +143,17 @@ pub struct IdempotencySettings {
     #[arg(long, env = "PAYLEDGER_TOKEN_TTL_SECONDS", default_value_t = 300,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub token_ttl_seconds: u64,
-    /// Seconds between two sweeps of the reaper.
+    /// Seconds a PENDING order created without `expires_at` stays payable; 0 (the default)
+    /// means such orders never expire. At most 315,360,000 (ten years).
+    #[arg(long, env = "PAYLEDGER_ORDER_TTL_SECONDS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
+    pub order_ttl_seconds: u64,
+    /// Seconds between two sweeps of the reaper (expired keys and tokens deleted, expired
+    /// orders closed).
     #[arg(long, env = "PAYLEDGER_REAPER_INTERVAL_SECONDS", default_value_t = 60)]
     pub reaper_interval_seconds: u64,
-    /// Most expired rows one reaper DELETE removes.
+    /// Most expired rows one reaper DELETE removes, and most expired orders one sweeper
+    /// transaction closes.
     #[arg(long, env = "PAYLEDGER_REAPER_BATCH_SIZE", default_value_t = 500)]
     pub reaper_batch_size: u32,
     /// Milliseconds the reaper pauses between two batches.
@@ -159,6 +167,7 @@ impl Default for IdempotencySettings {
             token_store: "database".to_owned(),
             idempotency_key_ttl_seconds: 86_400,
             token_ttl_seconds: 300,
+            order_ttl_seconds: 0,
             reaper_interval_seconds: 60,
             reaper_batch_size: 500,
             reaper_pause_ms: 50,
@@ -172,6 +181,7 @@ impl std::fmt::Debug for IdempotencySettings {
             .field("token_store", &crate::store::redacted(&self.token_store))
             .field("idempotency_key_ttl_seconds", &self.idempotency_key_ttl_seconds)
             .field("token_ttl_seconds", &self.token_ttl_seconds)
+            .field("order_ttl_seconds", &self.order_ttl_seconds)
             .field("reaper_interval_seconds", &self.reaper_interval_seconds)
             .field("reaper_batch_size", &self.reaper_batch_size)
             .field("reaper_pause_ms", &self.reaper_pause_ms)
@@ -201,6 +211,7 @@ impl IdempotencySettings {
             key_ttl: Duration::from_secs(self.idempotency_key_ttl_seconds),
             token_ttl: Duration::from_secs(self.token_ttl_seconds.max(1)),
             group_commit: GroupCommitSettings::default(),
+            order_ttl: Duration::from_secs(self.order_ttl_seconds),
         }
     }
 

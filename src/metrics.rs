@@ -97,6 +97,7 @@ pub struct LedgerMetrics {
     pub cas_aborts: Counter,
     pub transaction_retries: Family<CauseLabel, Counter>,
     pub reaper_deletions: Counter,
+    pub orders_expired: Counter,
     pub group_commits: Counter,
     pub group_committed_pays: Counter,
     pub group_commit_batch: Histogram,
@@ -120,6 +121,7 @@ impl Default for LedgerMetrics {
             cas_aborts: Counter::default(),
             transaction_retries: Family::default(),
             reaper_deletions: Counter::default(),
+            orders_expired: Counter::default(),
             group_commits: Counter::default(),
             group_committed_pays: Counter::default(),
             group_commit_batch: batch_buckets(),
@@ -219,6 +221,11 @@ impl LedgerMetrics {
             "payledger_reaper_deletions",
             "Expired idempotency records and tokens deleted by the reaper",
             self.reaper_deletions.clone(),
+        );
+        registry.register(
+            "payledger_orders_expired",
+            "PENDING orders closed by the sweeper once their expires_at passed",
+            self.orders_expired.clone(),
         );
         registry.register(
             "payledger_group_commits",

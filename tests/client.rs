@@ -118,6 +118,10 @@ impl account_service_server::AccountService for Fake {
         Err(Status::unimplemented("not in this fake"))
     }
 
+    async fn withdraw(&self, _: Request<proto::WithdrawRequest>) -> Result<Response<proto::WithdrawResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
     async fn get_account(
         &self,
         _: Request<proto::GetAccountRequest>,

@@ -65,6 +65,7 @@ async fn caller(number: usize, channel: Channel, phase: Arc<Phase>, seen: Arc<Mu
             amount: "1.00".into(),
             currency: "USD".into(),
             subject: String::new(),
+            expires_at: None,
         };
         let created = payments.create_order(create).await;
         let code = created.as_ref().map_or_else(|status| status.code(), |_| Code::Ok);

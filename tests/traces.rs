@@ -58,6 +58,7 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
             amount: "1.00".into(),
             currency: "USD".into(),
             subject: String::new(),
+            expires_at: None,
         };
         client.create_order(order).await.unwrap();
     }

@@ -52,6 +52,10 @@ mod retry;
 /// `Status`, `Code`) without matching versions by hand.
 pub use tonic;
 
+/// The well-known protobuf types of the API's messages (`Timestamp` of `expires_at`,
+/// `created_at`...), so a caller builds them without matching versions by hand.
+pub use prost_types;
+
 pub use retry::{
     endpoint, was_replayed, with_idempotency_key, BearerToken, ClientSettings, ClientStats, ClientTls, ConnectError,
     PayledgerClient, RetryLayer, RetryService, RetrySettings, RetryThrottling, AUTHORIZATION_HEADER,

@@ -599,6 +599,11 @@ impl PayledgerClient {
         self.accounts.clone().deposit(request).await
     }
 
+    /// A payout; `request_id` is its business key (the same on every attempt).
+    pub async fn withdraw(&self, request: proto::WithdrawRequest) -> Result<Response<proto::WithdrawResponse>, Status> {
+        self.accounts.clone().withdraw(request).await
+    }
+
     pub async fn get_account(
         &self,
         request: proto::GetAccountRequest,

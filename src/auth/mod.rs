@@ -32,7 +32,7 @@ pub enum Permission {
     AccountsWrite,
     /// GetAccount, ListEntries.
     AccountsRead,
-    /// OpenAccount, Deposit.
+    /// OpenAccount, Deposit, Withdraw.
     AccountsAdmin,
 }
 

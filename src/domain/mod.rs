@@ -14,7 +14,7 @@ pub use keys::{
     BUSINESS_NO_LEN_MAX,
 };
 pub use money::{format_minor, Amount, Currency, AMOUNT_MINOR_UNITS_MAX, BALANCE_MINOR_UNITS_MAX};
-pub use order::{OrderEvent, OrderState, OrderStatus, Transition};
+pub use order::{CloseReason, OrderEvent, OrderState, OrderStatus, Transition};
 
 use std::fmt;
 
@@ -47,6 +47,11 @@ pub enum Rejection {
     OrderAlreadyPaid,
     #[error("the order is closed")]
     OrderClosed,
+    #[error("the order expired before it was paid")]
+    OrderExpired,
+    /// Only the sweeper sees this one: the order it meant to expire is not past its deadline.
+    #[error("the order has not expired")]
+    OrderNotExpired,
     #[error("the order is not paid")]
     OrderNotPaid,
     #[error("the refund would exceed the amount paid")]
@@ -70,6 +75,8 @@ impl Rejection {
             Rejection::InsufficientFunds => "INSUFFICIENT_FUNDS",
             Rejection::OrderAlreadyPaid => "ORDER_ALREADY_PAID",
             Rejection::OrderClosed => "ORDER_CLOSED",
+            Rejection::OrderExpired => "ORDER_EXPIRED",
+            Rejection::OrderNotExpired => "ORDER_NOT_EXPIRED",
             Rejection::OrderNotPaid => "ORDER_NOT_PAID",
             Rejection::RefundExceedsPaid => "REFUND_EXCEEDS_PAID",
             Rejection::CurrencyMismatch => "CURRENCY_MISMATCH",

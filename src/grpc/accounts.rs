@@ -60,6 +60,20 @@ impl AccountService for AccountApi {
         Ok(reply_replayable(answer))
     }
 
+    async fn withdraw(
+        &self,
+        request: Request<proto::WithdrawRequest>,
+    ) -> Result<Response<proto::WithdrawResponse>, Status> {
+        let caller = permitted(&request, "Withdraw", Permission::AccountsAdmin)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::withdraw(request.into_inner(), &caller.actor)?;
+        let span = info_span!("Withdraw", sub = %caller.subject(), request_id = %command.request_id, account_id = %command.account_id);
+        let ledger = self.ledger.clone();
+        let answer =
+            run_detached(&self.admission, span, async move { ledger.withdraw(command, &guards).await }).await?;
+        Ok(reply_replayable(answer))
+    }
+
     async fn get_account(
         &self,
         request: Request<proto::GetAccountRequest>,

@@ -8,7 +8,7 @@ use crate::domain::{
 };
 use crate::error::Error;
 use crate::ledger::{
-    CallerPresence, CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer,
+    CallerPresence, CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Withdraw,
     IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
 };
 use crate::proto;
@@ -55,17 +55,48 @@ pub(super) fn open_account(request: proto::OpenAccountRequest) -> Result<OpenAcc
 
 pub(super) fn deposit(request: proto::DepositRequest, actor: &Actor) -> Result<Deposit, Error> {
     let proto::DepositRequest { request_id, account_id, amount, currency } = request;
+    let (request_id, account_id, amount) = funding(&request_id, &account_id, &amount, &currency)?;
+    Ok(Deposit { request_id, account_id, amount, created_by: actor.clone() })
+}
+
+pub(super) fn withdraw(request: proto::WithdrawRequest, actor: &Actor) -> Result<Withdraw, Error> {
+    let proto::WithdrawRequest { request_id, account_id, amount, currency } = request;
+    let (request_id, account_id, amount) = funding(&request_id, &account_id, &amount, &currency)?;
+    Ok(Withdraw { request_id, account_id, amount, created_by: actor.clone() })
+}
+
+/// The fields Deposit and Withdraw share.
+fn funding(
+    request_id: &str,
+    account_id: &str,
+    amount: &str,
+    currency: &str,
+) -> Result<(RequestId, AccountId, Amount), Error> {
     let mut v = Violations::default();
-    let request_id = v.check(RequestId::parse("request_id", &request_id));
-    let account_id = v.check(AccountId::parse("account_id", &account_id));
-    let currency = v.check(Currency::parse("currency", &currency));
-    let amount = v.amount(&amount, currency);
+    let request_id = v.check(RequestId::parse("request_id", request_id));
+    let account_id = v.check(AccountId::parse("account_id", account_id));
+    let currency = v.check(Currency::parse("currency", currency));
+    let amount = v.amount(amount, currency);
     match (request_id, account_id, amount) {
-        (Some(request_id), Some(account_id), Some(amount)) => {
-            Ok(Deposit { request_id, account_id, amount, created_by: actor.clone() })
-        }
+        (Some(request_id), Some(account_id), Some(amount)) => Ok((request_id, account_id, amount)),
         _ => Err(v.into_error()),
     }
+}
+
+/// The first and last second a `google.protobuf.Timestamp` may hold (0001-01-01T00:00:00Z and
+/// 9999-12-31T23:59:59Z, as its definition in timestamp.proto says).
+const TIMESTAMP_SECONDS: std::ops::RangeInclusive<i64> = -62_135_596_800..=253_402_300_799;
+
+/// A Timestamp as microseconds since the Unix epoch (nanoseconds below a microsecond are
+/// dropped), or the violation of `field` when it is outside what a Timestamp may hold.
+fn timestamp_micros(field: &'static str, timestamp: &prost_types::Timestamp) -> Result<i64, FieldViolation> {
+    if !TIMESTAMP_SECONDS.contains(&timestamp.seconds) || !(0..1_000_000_000).contains(&timestamp.nanos) {
+        return Err(FieldViolation::new(
+            field,
+            "is not a valid Timestamp (seconds from 0001-01-01 to 9999-12-31, nanos 0 to 999,999,999)",
+        ));
+    }
+    Ok(timestamp.seconds * 1_000_000 + i64::from(timestamp.nanos / 1_000))
 }
 
 pub(super) fn account_id(request: proto::GetAccountRequest) -> Result<AccountId, Error> {
@@ -102,7 +133,8 @@ pub(super) fn list_entries(request: proto::ListEntriesRequest) -> Result<ListEnt
 }
 
 pub(super) fn create_order(request: proto::CreateOrderRequest) -> Result<CreateOrder, Error> {
-    let proto::CreateOrderRequest { merchant_id, order_no, payee_account_id, amount, currency, subject } = request;
+    let proto::CreateOrderRequest { merchant_id, order_no, payee_account_id, amount, currency, subject, expires_at } =
+        request;
     let mut v = Violations::default();
     let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
     let order_no = v.check(OrderNo::parse("order_no", &order_no));
@@ -110,9 +142,13 @@ pub(super) fn create_order(request: proto::CreateOrderRequest) -> Result<CreateO
     let currency = v.check(Currency::parse("currency", &currency));
     let amount = v.amount(&amount, currency);
     let subject = v.check(FreeText::parse("subject", &subject));
-    match (merchant_id, order_no, payee_account_id, amount, subject) {
-        (Some(merchant_id), Some(order_no), Some(payee_account_id), Some(amount), Some(subject)) => {
-            Ok(CreateOrder { merchant_id, order_no, payee_account_id, amount, subject })
+    let expires_at = match &expires_at {
+        Some(timestamp) => v.check(timestamp_micros("expires_at", timestamp)).map(Some),
+        None => Some(None),
+    };
+    match (merchant_id, order_no, payee_account_id, amount, subject, expires_at) {
+        (Some(merchant_id), Some(order_no), Some(payee_account_id), Some(amount), Some(subject), Some(expires_at)) => {
+            Ok(CreateOrder { merchant_id, order_no, payee_account_id, amount, subject, expires_at })
         }
         _ => Err(v.into_error()),
     }

@@ -167,7 +167,7 @@ fn service_and_method(path: &str) -> (&'static str, &'static str) {
 }
 
 /// Every RPC the server serves (a metric label takes one of these, or `unknown`).
-const KNOWN_METHODS: [(&str, &str); 16] = [
+const KNOWN_METHODS: [(&str, &str); 17] = [
     ("payledger.v1.PaymentService", "CreateOrder"),
     ("payledger.v1.PaymentService", "CloseOrder"),
     ("payledger.v1.PaymentService", "Pay"),
@@ -176,6 +176,7 @@ const KNOWN_METHODS: [(&str, &str); 16] = [
     ("payledger.v1.PaymentService", "IssueToken"),
     ("payledger.v1.AccountService", "OpenAccount"),
     ("payledger.v1.AccountService", "Deposit"),
+    ("payledger.v1.AccountService", "Withdraw"),
     ("payledger.v1.AccountService", "Transfer"),
     ("payledger.v1.AccountService", "GetAccount"),
     ("payledger.v1.AccountService", "ListEntries"),

@@ -1,11 +1,11 @@
 //! Accounts: open, deposit, read, list the journal.
 
-use crate::domain::{AccountId, Actor, FieldViolation, FreeText, MerchantId};
+use crate::domain::{AccountId, Actor, Amount, FieldViolation, FreeText, MerchantId, Rejection, RequestId};
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
-use crate::store::{AccountRow, DepositRow, EntryRow, Queries, TransferRow};
+use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, TransferRow};
 
-use super::commands::{Deposit, ListEntries, OpenAccount, Transfer};
+use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
@@ -20,6 +20,10 @@ pub struct DepositReceipt {
     pub account: AccountRow,
     pub entry: EntryRow,
 }
+
+/// The answer to a Withdraw: the account as it stood right after the payout, and the entry
+/// that debited it (the same shape as a Deposit's).
+pub type WithdrawalReceipt = DepositReceipt;
 
 /// The answer to a Transfer: the transfer and its two entries (each with the balance right
 /// after it).
@@ -62,6 +66,21 @@ impl Ledger {
         guards: &Guards,
     ) -> Result<Replayable<proto::DepositResponse>, Error> {
         self.run_idempotent(&Identified { command, id: new_id('D') }, guards).await
+    }
+
+    /// Pays money out of an account to the currency's external funding account, once per
+    /// request_id: the mirror of [`Ledger::deposit`], with its own request_ids.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (account), [`Rejection::CurrencyMismatch`],
+    /// [`Rejection::InsufficientFunds`] when the balance is short, [`Error::KeyReused`]
+    /// (REQUEST_ID_REUSED) when the request_id was used for another withdrawal.
+    pub async fn withdraw(
+        &self,
+        command: Withdraw,
+        guards: &Guards,
+    ) -> Result<Replayable<proto::WithdrawResponse>, Error> {
+        self.run_idempotent(&Identified { command, id: new_id('W') }, guards).await
     }
 
     /// Moves money between two accounts of one currency. Transfers have no natural key, so
@@ -193,8 +212,54 @@ impl IdempotentCall for OpenAccount {
     }
 }
 
-/// Deposit's business fields, from a request or a stored deposit.
-fn deposit_fields(request_id: &str, account_id: &str, amount: i64, currency: &str) -> Fields {
+/// Deposit and Withdraw: money between an account and its currency's external funding
+/// account, once per request_id (each kind with its own table of request_ids).
+pub(super) trait Funding: Sync {
+    const METHOD: &'static str;
+    const TABLE: FundingTable;
+    const ENTRY_KIND: EntryKind;
+    /// True when money comes into the account (Deposit), false when it leaves (Withdraw).
+    const INTO_ACCOUNT: bool;
+    type Message: prost::Message + Default + Send;
+
+    fn parts(&self) -> (&RequestId, &AccountId, Amount, &Actor);
+    fn message(account: proto::Account, entry: proto::Entry) -> Self::Message;
+}
+
+impl Funding for Deposit {
+    const METHOD: &'static str = "Deposit";
+    const TABLE: FundingTable = FundingTable::Deposits;
+    const ENTRY_KIND: EntryKind = EntryKind::Deposit;
+    const INTO_ACCOUNT: bool = true;
+    type Message = proto::DepositResponse;
+
+    fn parts(&self) -> (&RequestId, &AccountId, Amount, &Actor) {
+        (&self.request_id, &self.account_id, self.amount, &self.created_by)
+    }
+
+    fn message(account: proto::Account, entry: proto::Entry) -> Self::Message {
+        proto::DepositResponse { account: Some(account), entry: Some(entry) }
+    }
+}
+
+impl Funding for Withdraw {
+    const METHOD: &'static str = "Withdraw";
+    const TABLE: FundingTable = FundingTable::Withdrawals;
+    const ENTRY_KIND: EntryKind = EntryKind::Withdrawal;
+    const INTO_ACCOUNT: bool = false;
+    type Message = proto::WithdrawResponse;
+
+    fn parts(&self) -> (&RequestId, &AccountId, Amount, &Actor) {
+        (&self.request_id, &self.account_id, self.amount, &self.created_by)
+    }
+
+    fn message(account: proto::Account, entry: proto::Entry) -> Self::Message {
+        proto::WithdrawResponse { account: Some(account), entry: Some(entry) }
+    }
+}
+
+/// A Deposit's or Withdraw's business fields, from a request or a stored row.
+fn funding_fields(request_id: &str, account_id: &str, amount: i64, currency: &str) -> Fields {
     vec![
         ("request_id", request_id.to_owned()),
         ("account_id", account_id.to_owned()),
@@ -203,77 +268,76 @@ fn deposit_fields(request_id: &str, account_id: &str, amount: i64, currency: &st
     ]
 }
 
-impl IdempotentCall for Identified<Deposit> {
+impl<F: Funding> IdempotentCall for Identified<F> {
     type Answer = DepositReceipt;
-    type Message = proto::DepositResponse;
-    const METHOD: &'static str = "Deposit";
+    type Message = F::Message;
+    const METHOD: &'static str = F::METHOD;
 
     fn message(receipt: DepositReceipt) -> Result<Self::Message, Error> {
-        Ok(proto::DepositResponse {
-            account: Some(response::account(receipt.account)?),
-            entry: Some(response::entry(receipt.entry)?),
-        })
+        Ok(F::message(response::account(receipt.account)?, response::entry(receipt.entry)?))
     }
 
     fn scope(&self) -> Scope<'_> {
-        Scope::Account(&self.command.account_id)
+        Scope::Account(self.command.parts().1)
     }
 
     fn fields(&self) -> Fields {
-        let Deposit { request_id, account_id, amount, created_by: _ } = &self.command;
-        deposit_fields(request_id.as_str(), account_id.as_str(), amount.minor_units(), amount.currency().code())
+        let (request_id, account_id, amount, _) = self.command.parts();
+        funding_fields(request_id.as_str(), account_id.as_str(), amount.minor_units(), amount.currency().code())
     }
 
     async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<DepositReceipt>, Error> {
         let mut reader = ledger.store.reader().await?;
         let mut queries = reader.queries();
-        let Some(deposit) = queries.find_deposit(self.command.request_id.as_str()).await? else {
+        let Some(row) = queries.find_funding(F::TABLE, self.command.parts().0.as_str()).await? else {
             return Ok(None);
         };
-        let stored = deposit_fields(&deposit.request_id, &deposit.account_id, deposit.amount, &deposit.currency);
+        let stored = funding_fields(&row.request_id, &row.account_id, row.amount, &row.currency);
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
             return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::RequestId, fields }));
         }
         let account = queries
-            .find_account(&deposit.account_id)
+            .find_account(&row.account_id)
             .await?
-            .ok_or_else(|| Error::Internal("a deposit's account is missing".into()))?;
-        Ok(Some(deposit_receipt(&mut queries, account, &deposit.deposit_id).await?))
+            .ok_or_else(|| Error::Internal(format!("the account of a {} is missing", F::METHOD)))?;
+        Ok(Some(funding_receipt(&mut queries, account, &row.funding_id).await?))
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
-        let Identified { command, id: deposit_id } = self;
-        let account_id = command.account_id.as_str();
+        let (request_id, account_id, amount, created_by) = self.command.parts();
+        let account_id = account_id.as_str();
         let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-        if account.currency != command.amount.currency().code() {
-            return Err(crate::domain::Rejection::CurrencyMismatch.into());
+        if account.currency != amount.currency().code() {
+            return Err(Rejection::CurrencyMismatch.into());
         }
-        let deposit = DepositRow {
-            request_id: command.request_id.as_str().to_owned(),
-            deposit_id: deposit_id.clone(),
+        let row = FundingRow {
+            request_id: request_id.as_str().to_owned(),
+            funding_id: self.id.clone(),
             account_id: account_id.to_owned(),
-            amount: command.amount.minor_units(),
+            amount: amount.minor_units(),
             currency: account.currency.clone(),
             created_at: now,
-            created_by: command.created_by.created_by().to_owned(),
+            created_by: created_by.created_by().to_owned(),
         };
-        if !queries.insert_deposit(&deposit).await? {
+        if !queries.insert_funding(F::TABLE, &row).await? {
             return Ok(Inserted::KeyTaken);
         }
         let external_id = external_account_id(&account.currency);
+        let (from_account_id, to_account_id) =
+            if F::INTO_ACCOUNT { (external_id.as_str(), account_id) } else { (account_id, external_id.as_str()) };
         let posting = Posting {
-            posting_id: deposit_id,
-            kind: EntryKind::Deposit,
-            reference: command.request_id.as_str(),
-            from_account_id: &external_id,
-            to_account_id: account_id,
-            amount: command.amount,
+            posting_id: &self.id,
+            kind: F::ENTRY_KIND,
+            reference: request_id.as_str(),
+            from_account_id,
+            to_account_id,
+            amount,
             now,
-            created_by: &deposit.created_by,
+            created_by: &row.created_by,
         };
         post(queries, &posting, &[]).await?;
-        Ok(Inserted::Done(deposit_receipt(queries, account, deposit_id).await?))
+        Ok(Inserted::Done(funding_receipt(queries, account, &self.id).await?))
     }
 }
 
@@ -336,16 +400,17 @@ impl IdempotentCall for Identified<Transfer> {
     }
 }
 
-/// The account as it stood right after the deposit's entry, with that entry.
-async fn deposit_receipt(
+/// The account as it stood right after the entry of a Deposit or Withdraw (`funding_id`, its
+/// posting_id) on it, with that entry.
+async fn funding_receipt(
     queries: &mut Queries<'_>,
     account: AccountRow,
-    deposit_id: &str,
+    funding_id: &str,
 ) -> Result<DepositReceipt, Error> {
     let entry = queries
-        .find_entry(deposit_id, &account.account_id)
+        .find_entry(funding_id, &account.account_id)
         .await?
-        .ok_or_else(|| Error::Internal("a deposit's entry is missing".into()))?;
+        .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
     let account = AccountRow {
         balance: entry.balance_after,
         version: entry.version_after,

@@ -19,6 +19,17 @@ pub struct Deposit {
     pub created_by: Actor,
 }
 
+/// A payout: the mirror of [`Deposit`], from the account to the currency's external
+/// funding account.
+#[derive(Debug, Clone)]
+pub struct Withdraw {
+    pub request_id: RequestId,
+    pub account_id: AccountId,
+    pub amount: Amount,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
+}
+
 #[derive(Debug, Clone)]
 pub struct ListEntries {
     pub account_id: AccountId,
@@ -40,6 +51,9 @@ pub struct CreateOrder {
     pub payee_account_id: AccountId,
     pub amount: Amount,
     pub subject: FreeText,
+    /// When the order stops being payable (microseconds since the Unix epoch), as the caller
+    /// gave it; `None`: the server's default (`--order-ttl-seconds` from now, or never).
+    pub expires_at: Option<i64>,
 }
 
 #[derive(Debug, Clone)]

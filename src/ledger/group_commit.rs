@@ -338,7 +338,7 @@ async fn write_batch(
             decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
             continue;
         };
-        match check_pay(&order, command) {
+        match check_pay(&order, command, now) {
             Ok(PayCheck::Proceed) => candidates.push((index, order)),
             Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
             Err(error) => decisions[index] = Some(Decision::Rejected(error)),

@@ -3,9 +3,11 @@
 //! | RPC          | guarded by                                                        |
 //! |--------------|-------------------------------------------------------------------|
 //! | OpenAccount  | primary key on account_id                                         |
-//! | Deposit      | primary key on request_id                                         |
+//! | Deposit      | primary key on request_id (deposits)                              |
+//! | Withdraw     | primary key on request_id (withdrawals)                           |
 //! | CreateOrder  | primary key on (merchant_id, order_no)                            |
 //! | CloseOrder   | conditional UPDATE `WHERE status = 'PENDING'`                     |
+//! | (expiry)     | the same, `AND expires_at <= now`, run by the sweeper              |
 //! | Pay          | unique (merchant_id, out_trade_no), then `WHERE status = 'PENDING'` |
 //! | Refund       | unique (merchant_id, out_refund_no), then the order's refund CAS  |
 //! | balances     | version CAS on every account, in account_id order                 |
@@ -35,12 +37,12 @@ mod transaction;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use accounts::{DepositReceipt, EntryPage, TransferReceipt};
-pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer};
+pub use accounts::{DepositReceipt, EntryPage, TransferReceipt, WithdrawalReceipt};
+pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Withdraw};
 pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
-pub use reaper::{spawn_reaper, ReapReport, ReaperSettings};
+pub use reaper::{spawn_reaper, ExpiryReport, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
@@ -79,6 +81,9 @@ pub struct LedgerSettings {
     pub token_ttl: Duration,
     /// How concurrent Pays are grouped into one transaction (see [`GroupCommitSettings`]).
     pub group_commit: GroupCommitSettings,
+    /// The lifetime of an order created without `expires_at` (`--order-ttl-seconds`); zero
+    /// (the default) means such an order never expires.
+    pub order_ttl: Duration,
 }
 
 impl Default for LedgerSettings {
@@ -87,6 +92,7 @@ impl Default for LedgerSettings {
             key_ttl: Duration::from_secs(24 * 60 * 60),
             token_ttl: Duration::from_secs(5 * 60),
             group_commit: GroupCommitSettings::default(),
+            order_ttl: Duration::ZERO,
         }
     }
 }
@@ -94,6 +100,10 @@ impl Default for LedgerSettings {
 impl LedgerSettings {
     fn key_ttl_micros(&self) -> i64 {
         i64::try_from(self.key_ttl.as_micros()).unwrap_or(i64::MAX)
+    }
+
+    fn order_ttl_micros(&self) -> i64 {
+        i64::try_from(self.order_ttl.as_micros()).unwrap_or(i64::MAX)
     }
 }
 

@@ -1,6 +1,8 @@
 //! Orders, payments and refunds.
 
-use crate::domain::{MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition};
+use crate::domain::{
+    CloseReason, FieldViolation, MerchantId, OrderEvent, OrderNo, OrderState, OrderStatus, Rejection, Transition,
+};
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
 use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
@@ -40,11 +42,25 @@ pub struct OrderDetails {
     pub refunds: Vec<RefundRow>,
 }
 
-/// The state-machine view of a stored order.
-fn order_state(order: &OrderRow) -> Result<OrderState, Error> {
+/// The state-machine view of a stored order at `now` (microseconds since the Unix epoch):
+/// past its expiry when it has an `expires_at` at or before `now`.
+pub(super) fn order_state(order: &OrderRow, now: i64) -> Result<OrderState, Error> {
     let status = OrderStatus::from_stored(&order.status)
         .ok_or_else(|| Error::Internal(format!("unknown stored order status {:?}", order.status)))?;
-    Ok(OrderState { status, amount_minor_units: order.amount, refunded_minor_units: order.refunded_amount })
+    let close_reason = match order.close_reason.as_deref() {
+        None => None,
+        Some(stored) => Some(
+            CloseReason::from_stored(stored)
+                .ok_or_else(|| Error::Internal(format!("unknown stored close reason {stored:?}")))?,
+        ),
+    };
+    Ok(OrderState {
+        status,
+        amount_minor_units: order.amount,
+        refunded_minor_units: order.refunded_amount,
+        close_reason,
+        past_expiry: order.expires_at.is_some_and(|expires_at| expires_at <= now),
+    })
 }
 
 impl Ledger {
@@ -53,12 +69,17 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (payee account), [`Rejection::CurrencyMismatch`] (payee holds
     /// another currency), [`Error::KeyReused`] (ORDER_NO_REUSED) for other fields.
+    ///
+    /// An order without `expires_at` gets the server's default (`LedgerSettings::order_ttl`
+    /// from now, or none); an explicit `expires_at` must be later than now
+    /// ([`Error::InvalidArgument`] otherwise, unless the call replays an existing order).
     pub async fn create_order(
         &self,
         command: CreateOrder,
         guards: &Guards,
     ) -> Result<Replayable<proto::CreateOrderResponse>, Error> {
-        self.run_idempotent(&command, guards).await
+        let default_ttl = self.settings.order_ttl_micros();
+        self.run_idempotent(&NewOrder { command, default_ttl }, guards).await
     }
 
     /// Moves a PENDING order to CLOSED; a closed order is returned unchanged (replayed).
@@ -231,18 +252,38 @@ impl Ledger {
     }
 }
 
-/// CreateOrder's business fields, from a request or a stored order.
-fn create_order_fields(order_no: &str, payee_account_id: &str, amount: i64, currency: &str, subject: &str) -> Fields {
-    vec![
+/// CreateOrder's business fields, from a request or a stored order. `expires_at` is one of
+/// them only when the caller gave it: an order created with the server's default matches a
+/// retry that leaves it out, and fingerprints of calls without it are those of earlier
+/// releases.
+fn create_order_fields(
+    order_no: &str,
+    payee_account_id: &str,
+    amount: i64,
+    currency: &str,
+    subject: &str,
+    expires_at: Option<Option<i64>>,
+) -> Fields {
+    let mut fields = vec![
         ("order_no", order_no.to_owned()),
         ("payee_account_id", payee_account_id.to_owned()),
         ("amount", amount.to_string()),
         ("currency", currency.to_owned()),
         ("subject", subject.to_owned()),
-    ]
+    ];
+    if let Some(expires_at) = expires_at {
+        fields.push(("expires_at", expires_at.map_or_else(|| "never".to_owned(), |micros| micros.to_string())));
+    }
+    fields
 }
 
-impl IdempotentCall for CreateOrder {
+/// A CreateOrder call with the server's default lifetime of an order (microseconds; 0: none).
+struct NewOrder {
+    command: CreateOrder,
+    default_ttl: i64,
+}
+
+impl IdempotentCall for NewOrder {
     type Answer = OrderRow;
     type Message = proto::CreateOrderResponse;
     const METHOD: &'static str = "CreateOrder";
@@ -252,19 +293,22 @@ impl IdempotentCall for CreateOrder {
     }
 
     fn scope(&self) -> Scope<'_> {
-        Scope::Merchant(&self.merchant_id)
+        Scope::Merchant(&self.command.merchant_id)
     }
 
     fn fields(&self) -> Fields {
-        let amount = &self.amount;
+        let command = &self.command;
+        let amount = &command.amount;
         let (order_no, payee, subject) =
-            (self.order_no.as_str(), self.payee_account_id.as_str(), self.subject.as_str());
-        create_order_fields(order_no, payee, amount.minor_units(), amount.currency().code(), subject)
+            (command.order_no.as_str(), command.payee_account_id.as_str(), command.subject.as_str());
+        let expires_at = command.expires_at.map(Some);
+        create_order_fields(order_no, payee, amount.minor_units(), amount.currency().code(), subject, expires_at)
     }
 
     async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
         let mut reader = ledger.store.reader().await?;
-        let Some(order) = reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await? else {
+        let (merchant_id, order_no) = (self.command.merchant_id.as_str(), self.command.order_no.as_str());
+        let Some(order) = reader.queries().find_order(merchant_id, order_no).await? else {
             return Ok(None);
         };
         let stored = create_order_fields(
@@ -273,6 +317,7 @@ impl IdempotentCall for CreateOrder {
             order.amount,
             &order.currency,
             &order.subject,
+            self.command.expires_at.map(|_| order.expires_at),
         );
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
@@ -282,18 +327,29 @@ impl IdempotentCall for CreateOrder {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
+        let command = &self.command;
+        let expires_at = match command.expires_at {
+            Some(expires_at) if expires_at <= now => {
+                return Err(FieldViolation::new("expires_at", "must be later than now").into());
+            }
+            Some(expires_at) => Some(expires_at),
+            None if self.default_ttl > 0 => Some(now.saturating_add(self.default_ttl)),
+            None => None,
+        };
         let order = OrderRow {
-            merchant_id: self.merchant_id.as_str().to_owned(),
-            order_no: self.order_no.as_str().to_owned(),
-            payee_account_id: self.payee_account_id.as_str().to_owned(),
-            amount: self.amount.minor_units(),
-            currency: self.amount.currency().code().to_owned(),
-            subject: self.subject.as_str().to_owned(),
+            merchant_id: command.merchant_id.as_str().to_owned(),
+            order_no: command.order_no.as_str().to_owned(),
+            payee_account_id: command.payee_account_id.as_str().to_owned(),
+            amount: command.amount.minor_units(),
+            currency: command.amount.currency().code().to_owned(),
+            subject: command.subject.as_str().to_owned(),
             status: OrderStatus::Pending.as_str().to_owned(),
             out_trade_no: None,
             refunded_amount: 0,
             created_at: now,
             updated_at: now,
+            expires_at,
+            close_reason: None,
         };
         let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
         if payee.currency != order.currency {
@@ -337,11 +393,10 @@ impl IdempotentCall for CloseOrder<'_> {
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
         let (merchant_id, order_no) = (self.merchant_id.as_str(), self.order_no.as_str());
-        let (pending, closed) = (OrderStatus::Pending.as_str(), OrderStatus::Closed.as_str());
-        let moved = queries.transition_order(merchant_id, order_no, pending, 0, closed, 0, now).await?;
+        let moved = queries.close_order(merchant_id, order_no, CloseReason::Merchant.as_str(), now, None).await?;
         let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
         if !moved {
-            match order_state(&order)?.apply(OrderEvent::Close)? {
+            match order_state(&order, now)?.apply(OrderEvent::Close)? {
                 // Closing a closed order: nothing to write, answered as a replay.
                 Transition::AlreadyApplied => return Ok(Inserted::KeyTaken),
                 // Zero rows but PENDING now: it changed under us and changed back; cannot
@@ -471,13 +526,13 @@ pub(super) enum PayCheck {
     PaidByThisCall,
 }
 
-/// The order's side of a Pay: its currency and amount, payer and payee apart, and the state
-/// machine (PENDING -> PAID).
+/// The order's side of a Pay at `now`: its currency and amount, payer and payee apart, and the
+/// state machine (PENDING -> PAID, refused once the order's expires_at has passed).
 ///
 /// # Errors
 /// [`Rejection`]s CURRENCY_MISMATCH, AMOUNT_MISMATCH, PAYER_IS_PAYEE, ORDER_ALREADY_PAID,
-/// ORDER_CLOSED.
-pub(super) fn check_pay(order: &OrderRow, command: &Pay) -> Result<PayCheck, Error> {
+/// ORDER_CLOSED, ORDER_EXPIRED.
+pub(super) fn check_pay(order: &OrderRow, command: &Pay, now: i64) -> Result<PayCheck, Error> {
     if order.currency != command.amount.currency().code() {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -487,14 +542,15 @@ pub(super) fn check_pay(order: &OrderRow, command: &Pay) -> Result<PayCheck, Err
     if order.payee_account_id == command.payer_account_id.as_str() {
         return Err(Rejection::PayerIsPayee.into());
     }
-    if order.status == OrderStatus::Pending.as_str() {
-        return Ok(PayCheck::Proceed);
-    }
-    if order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str()) {
+    if order.status != OrderStatus::Pending.as_str()
+        && order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str())
+    {
         return Ok(PayCheck::PaidByThisCall);
     }
-    order_state(order)?.apply(OrderEvent::Pay)?;
-    Err(Error::Internal("a paid order's state machine accepted another Pay".into()))
+    match order_state(order, now)?.apply(OrderEvent::Pay)? {
+        Transition::To(_) => Ok(PayCheck::Proceed),
+        Transition::AlreadyApplied => Err(Error::Internal("the state machine found a Pay already applied".into())),
+    }
 }
 
 /// The payment row of a Pay of `order`, as it is recorded when the Pay succeeds.
@@ -540,7 +596,7 @@ async fn pay_in_transaction(
     // The order's row lock orders every Pay of this order: a duplicate waits here for the
     // first one's outcome (and on MySQL no two inserts of one key race into a deadlock).
     let order = queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-    if check_pay(&order, command)? == PayCheck::PaidByThisCall {
+    if check_pay(&order, command, now)? == PayCheck::PaidByThisCall {
         return Ok(Inserted::KeyTaken);
     }
     // Both balances in one round trip; the posting's first CAS starts from this read.
@@ -559,7 +615,7 @@ async fn pay_in_transaction(
     if !queries.mark_order_paid(merchant_id, order_no, &payment.out_trade_no, now).await? {
         // The state moved on; the state machine says why, and nothing is written.
         let current = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        order_state(&current)?.apply(OrderEvent::Pay)?;
+        order_state(&current, now)?.apply(OrderEvent::Pay)?;
         return Err(Error::Contention);
     }
     let posting = Posting {
@@ -640,7 +696,7 @@ async fn refund_order(queries: &mut Queries<'_>, read: OrderRow, amount: i64, no
                 queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?
             }
         };
-        let from = order_state(&order)?;
+        let from = order_state(&order, now)?;
         let Transition::To(to) = from.apply(OrderEvent::Refund { amount_minor_units: amount })? else {
             return Err(Error::Internal("a refund is never already applied".into()));
         };

@@ -7,8 +7,8 @@ use crate::store::{AccountRow, NewEntry, Queries};
 
 use super::transaction::CAS_ATTEMPTS_MAX;
 
-/// The per-currency funding account: the counterparty of deposits and the only account
-/// allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
+/// The per-currency funding account: the counterparty of deposits and withdrawals, and the
+/// only account allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
 pub(super) fn external_account_id(currency_code: &str) -> String {
     format!("@external:{currency_code}")
 }
@@ -20,6 +20,7 @@ pub(super) const KIND_CUSTOMER: &str = "CUSTOMER";
 #[derive(Debug, Clone, Copy)]
 pub(super) enum EntryKind {
     Deposit,
+    Withdrawal,
     Pay,
     Refund,
     Transfer,
@@ -29,6 +30,7 @@ impl EntryKind {
     pub(super) fn as_str(self) -> &'static str {
         match self {
             EntryKind::Deposit => "DEPOSIT",
+            EntryKind::Withdrawal => "WITHDRAWAL",
             EntryKind::Pay => "PAY",
             EntryKind::Refund => "REFUND",
             EntryKind::Transfer => "TRANSFER",

@@ -1,12 +1,15 @@
-//! The reaper: deletes expired idempotency records and tokens in small batches, with a pause
-//! between batches, so it never holds locks long against live traffic.
+//! The reaper: deletes expired idempotency records and tokens, and closes PENDING orders whose
+//! `expires_at` has passed (the order sweeper), in small batches with a pause between
+//! batches, so it never holds locks long against live traffic.
 
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+use crate::domain::{CloseReason, OrderEvent, Rejection, Transition};
 use crate::error::Error;
 
+use super::payments::order_state;
 use super::{now_micros, Ledger};
 
 /// How the reaper runs.
@@ -14,7 +17,7 @@ use super::{now_micros, Ledger};
 pub struct ReaperSettings {
     /// Time between sweeps.
     pub interval: Duration,
-    /// Most rows one DELETE statement removes.
+    /// Most rows one DELETE statement removes, and most orders one sweeper transaction closes.
     pub batch_size: u32,
     /// Pause between two batches of one sweep.
     pub pause: Duration,
@@ -74,17 +77,89 @@ impl Ledger {
     }
 }
 
+/// What one sweep of expired orders did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpiryReport {
+    /// Orders moved from PENDING to CLOSED (reason EXPIRED) by this sweep.
+    pub orders_closed: u64,
+    /// Orders found expired whose conditional UPDATE changed nothing: a Pay or CloseOrder
+    /// (or another instance's sweeper) moved them first.
+    pub orders_skipped: u64,
+    /// Transactions run, including the last one that found less than a batch.
+    pub batches: u64,
+}
+
+impl Ledger {
+    /// One sweep of the order sweeper: closes every PENDING order whose `expires_at` is at or
+    /// before now, at most `batch_size` per transaction, pausing `pause` between them. Each
+    /// order moves by the same conditional UPDATE as CloseOrder (`WHERE status = 'PENDING'`,
+    /// here also `AND expires_at <= now`), so a Pay racing the sweeper on an order leaves it
+    /// PAID (the sweeper's UPDATE then changes nothing) or CLOSED (the Pay, which reads the
+    /// order under its row lock, then gets ORDER_EXPIRED), never both. Orders of a batch are
+    /// updated in key order, the order in which a group commit locks them.
+    ///
+    /// # Errors
+    /// [`Error::Database`]; what was closed before stays closed.
+    pub async fn close_expired_orders(&self, settings: &ReaperSettings) -> Result<ExpiryReport, Error> {
+        let now = now_micros();
+        let limit = i64::from(settings.batch_size.max(1));
+        let mut report = ExpiryReport::default();
+        loop {
+            let mut tx = self.store.begin().await?;
+            let mut keys = tx.queries().find_expired_orders(now, limit).await?;
+            keys.sort();
+            let found = keys.len();
+            for (merchant_id, order_no) in &keys {
+                let mut queries = tx.queries();
+                if queries.close_order(merchant_id, order_no, CloseReason::Expired.as_str(), now, Some(now)).await? {
+                    report.orders_closed += 1;
+                    continue;
+                }
+                // Changed nothing: the state machine says why (it moved on), and the sweeper skips it.
+                if let Some(order) = queries.find_order(merchant_id, order_no).await? {
+                    match order_state(&order, now)?.apply(OrderEvent::Expire) {
+                        Ok(Transition::AlreadyApplied) | Err(Rejection::OrderAlreadyPaid) => {}
+                        outcome => tracing::warn!(merchant_id, order_no, ?outcome, "an expired order was not closed"),
+                    }
+                }
+                report.orders_skipped += 1;
+            }
+            tx.commit().await?;
+            report.batches += 1;
+            if found < usize::try_from(limit).unwrap_or(usize::MAX) {
+                break;
+            }
+            tokio::time::sleep(settings.pause).await;
+        }
+        self.metrics.orders_expired.inc_by(report.orders_closed);
+        Ok(report)
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Table {
     Records,
     Tokens,
 }
 
-/// Runs [`Ledger::reap_expired`] every `settings.interval` until the task is aborted.
+/// Runs [`Ledger::reap_expired`] and [`Ledger::close_expired_orders`] every
+/// `settings.interval` until the task is aborted.
 pub fn spawn_reaper(ledger: Ledger, settings: ReaperSettings) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(settings.interval).await;
+            match ledger.close_expired_orders(&settings).await {
+                Ok(report) if report.orders_closed + report.orders_skipped > 0 => {
+                    tracing::info!(
+                        closed = report.orders_closed,
+                        skipped = report.orders_skipped,
+                        batches = report.batches,
+                        "closed expired orders"
+                    );
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "order sweep failed; trying again next interval"),
+            }
             match ledger.reap_expired(&settings).await {
                 Ok(report) if report.records_deleted + report.tokens_deleted > 0 => {
                     tracing::info!(

@@ -4,7 +4,7 @@
 
 use prost_types::Timestamp;
 
-use crate::domain::{format_minor, Currency, OrderStatus};
+use crate::domain::{format_minor, CloseReason, Currency, OrderStatus};
 use crate::error::Error;
 use crate::proto;
 use crate::store::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
@@ -39,6 +39,7 @@ pub fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
         "PAY" => proto::EntryKind::Pay,
         "REFUND" => proto::EntryKind::Refund,
         "TRANSFER" => proto::EntryKind::Transfer,
+        "WITHDRAWAL" => proto::EntryKind::Withdrawal,
         _ => proto::EntryKind::Unspecified,
     };
     Ok(proto::Entry {
@@ -66,6 +67,11 @@ pub fn order(row: OrderRow) -> Result<proto::Order, Error> {
         Some(OrderStatus::Closed) => proto::OrderStatus::Closed,
         None => proto::OrderStatus::Unspecified,
     };
+    let close_reason = match row.close_reason.as_deref().and_then(CloseReason::from_stored) {
+        Some(CloseReason::Merchant) => proto::OrderCloseReason::Merchant,
+        Some(CloseReason::Expired) => proto::OrderCloseReason::Expired,
+        None => proto::OrderCloseReason::Unspecified,
+    };
     Ok(proto::Order {
         amount: money(row.amount, &row.currency)?,
         refunded_amount: money(row.refunded_amount, &row.currency)?,
@@ -78,6 +84,8 @@ pub fn order(row: OrderRow) -> Result<proto::Order, Error> {
         out_trade_no: row.out_trade_no.unwrap_or_default(),
         created_at: timestamp(row.created_at),
         updated_at: timestamp(row.updated_at),
+        expires_at: row.expires_at.and_then(timestamp),
+        close_reason: close_reason.into(),
     })
 }
 

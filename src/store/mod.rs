@@ -23,9 +23,9 @@ use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Executor, Tr
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
-pub use queries::{PaidBatch, Queries};
+pub use queries::{FundingTable, PaidBatch, Queries};
 pub use rows::{
-    AccountRow, AuditViolation, BalanceUpdate, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, IdempotencyRecordRow, NewEntry, OrderRow,
     PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 

@@ -7,7 +7,7 @@ use sqlx::{Any, Row};
 
 use super::dialect::{render, Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, BalanceUpdate, DepositRow, EntryRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, IdempotencyRecordRow, NewEntry, OrderRow,
     PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
@@ -26,7 +26,7 @@ macro_rules! entry_columns {
 macro_rules! order_columns {
     () => {
         "merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
-         created_at, updated_at"
+         created_at, updated_at, expires_at, close_reason"
     };
 }
 /// The start of the INSERTs that write these rows, written once for the one-row and the
@@ -78,8 +78,24 @@ static FIND_ORDER: Sql =
 static FIND_ORDER_FOR_UPDATE: Sql =
     Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE"));
 static INSERT_ORDER: Sql = Sql::new(
-    "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, created_at, updated_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?) ON CONFLICT DO NOTHING",
+    "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
+     created_at, updated_at, expires_at, close_reason) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL) ON CONFLICT DO NOTHING",
+);
+/// PENDING -> CLOSED by CloseOrder (reason MERCHANT).
+static CLOSE_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
+);
+/// PENDING -> CLOSED by the sweeper (reason EXPIRED): the same conditional UPDATE, and only
+/// once the order's expires_at has passed.
+static EXPIRE_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING' AND expires_at <= ?",
+);
+/// The PENDING orders whose expires_at has passed, oldest deadline first, at most `?`.
+static FIND_EXPIRED_ORDERS: Sql = Sql::new(
+    "SELECT merchant_id, order_no FROM orders WHERE status = 'PENDING' AND expires_at IS NOT NULL AND expires_at <= ? \
+     ORDER BY expires_at LIMIT ?",
 );
 static MARK_ORDER_PAID: Sql = Sql::new(
     "UPDATE orders SET status = 'PAID', out_trade_no = ?, updated_at = ? \
@@ -99,7 +115,8 @@ macro_rules! payment_and_order_select {
         "SELECT p.trade_no, p.merchant_id, p.out_trade_no, p.order_no, p.payer_account_id, p.payee_account_id, \
          p.amount, p.currency, p.status, p.created_at, p.created_by, o.payee_account_id AS o_payee_account_id, o.amount AS o_amount, \
          o.currency AS o_currency, o.subject AS o_subject, o.status AS o_status, o.out_trade_no AS o_out_trade_no, \
-         o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at \
+         o.refunded_amount AS o_refunded_amount, o.created_at AS o_created_at, o.updated_at AS o_updated_at, \
+         o.expires_at AS o_expires_at, o.close_reason AS o_close_reason \
          FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no"
     };
 }
@@ -121,10 +138,19 @@ static INSERT_REFUND: Sql = Sql::new(
 );
 
 static FIND_DEPOSIT: Sql = Sql::new(
-    "SELECT request_id, deposit_id, account_id, amount, currency, created_at, created_by FROM deposits WHERE request_id = ?",
+    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
+     WHERE request_id = ?",
 );
 static INSERT_DEPOSIT: Sql = Sql::new(
     "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by) \
+     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+);
+static FIND_WITHDRAWAL: Sql = Sql::new(
+    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
+     WHERE request_id = ?",
+);
+static INSERT_WITHDRAWAL: Sql = Sql::new(
+    "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 
@@ -189,7 +215,9 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
              UNION ALL SELECT o.order_no, 'payee missing' FROM orders o \
              WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = o.payee_account_id) \
              UNION ALL SELECT d.deposit_id, 'deposit account missing' FROM deposits d \
-             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = d.account_id)",
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = d.account_id) \
+             UNION ALL SELECT w.withdrawal_id, 'withdrawal account missing' FROM withdrawals w \
+             WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = w.account_id)",
         ),
     ),
     (
@@ -246,7 +274,7 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
         ),
     ),
     (
-        "every payment, refund and deposit has its posting",
+        "every payment, refund, deposit, withdrawal and transfer has its posting",
         Sql::new(
             "SELECT p.trade_no AS subject, 'payment without entries' AS detail FROM payment_flow p \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = p.trade_no AND e.amount = p.amount) \
@@ -254,6 +282,8 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = r.refund_no AND e.amount = r.amount) \
              UNION ALL SELECT d.deposit_id, 'deposit without entries' FROM deposits d \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = d.deposit_id AND e.amount = d.amount) \
+             UNION ALL SELECT w.withdrawal_id, 'withdrawal without entries' FROM withdrawals w \
+             WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = w.withdrawal_id AND e.amount = w.amount) \
              UNION ALL SELECT t.transfer_id, 'transfer without entries' FROM transfers t \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = t.transfer_id AND e.amount = t.amount)",
         ),
@@ -314,13 +344,15 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
         ),
     ),
     (
-        "every posting is a payment, refund, deposit or transfer of its amount",
+        "every posting is a payment, refund, deposit, withdrawal or transfer of its amount",
         Sql::new(
             "SELECT e.posting_id AS subject, CONCAT_WS('', e.kind, ' without its row') AS detail FROM journal_entries e \
              WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND NOT ( \
                (e.kind = 'PAY' AND EXISTS (SELECT 1 FROM payment_flow p WHERE p.trade_no = e.posting_id AND p.amount = e.amount)) \
                OR (e.kind = 'REFUND' AND EXISTS (SELECT 1 FROM refunds r WHERE r.refund_no = e.posting_id AND r.amount = e.amount)) \
                OR (e.kind = 'DEPOSIT' AND EXISTS (SELECT 1 FROM deposits d WHERE d.deposit_id = e.posting_id AND d.amount = e.amount)) \
+               OR (e.kind = 'WITHDRAWAL' AND EXISTS \
+                 (SELECT 1 FROM withdrawals w WHERE w.withdrawal_id = e.posting_id AND w.amount = e.amount)) \
                OR (e.kind = 'TRANSFER' AND EXISTS \
                  (SELECT 1 FROM transfers t WHERE t.transfer_id = e.posting_id AND t.amount = e.amount)))",
         ),
@@ -353,6 +385,15 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
 /// backwards along the primary key from the newest.
 static SETTLED_ENTRY: Sql =
     Sql::new("SELECT entry_id FROM journal_entries WHERE created_at <= ? ORDER BY entry_id DESC LIMIT 1");
+
+/// The table of money moved between an account and its currency's external funding account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FundingTable {
+    /// `deposits`: in from outside the ledger.
+    Deposits,
+    /// `withdrawals`: out of the ledger (payouts).
+    Withdrawals,
+}
 
 /// Statements over one connection: a write transaction's or a reader's.
 pub struct Queries<'c> {
@@ -528,8 +569,38 @@ impl<'c> Queries<'c> {
             .bind(row.subject.clone())
             .bind(row.status.clone())
             .bind(row.created_at)
-            .bind(row.updated_at);
+            .bind(row.updated_at)
+            .bind(row.expires_at);
         self.insert_if_absent(query).await
+    }
+
+    /// PENDING -> CLOSED with `reason`, only if the order is still PENDING and, when
+    /// `expired_by` is given (the sweeper), its expires_at is at or before that time.
+    pub async fn close_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+        reason: &'static str,
+        now: i64,
+        expired_by: Option<i64>,
+    ) -> Result<bool, sqlx::Error> {
+        let statement = if expired_by.is_some() { &EXPIRE_ORDER } else { &CLOSE_ORDER };
+        let mut query =
+            self.query(statement).bind(reason).bind(now).bind(merchant_id.to_owned()).bind(order_no.to_owned());
+        if let Some(expired_by) = expired_by {
+            query = query.bind(expired_by);
+        }
+        self.update_one(query).await
+    }
+
+    /// Keys (merchant_id, order_no) of at most `limit` PENDING orders whose expires_at is at
+    /// or before `now`, earliest deadline first.
+    pub async fn find_expired_orders(&mut self, now: i64, limit: i64) -> Result<Vec<(String, String)>, sqlx::Error> {
+        sqlx::query_as(FIND_EXPIRED_ORDERS.text(self.dialect))
+            .bind(now)
+            .bind(limit)
+            .fetch_all(&mut *self.connection)
+            .await
     }
 
     /// PENDING -> PAID by `out_trade_no`, only if the order is still PENDING.
@@ -666,15 +737,29 @@ impl<'c> Queries<'c> {
         self.insert_if_absent(query).await
     }
 
-    pub async fn find_deposit(&mut self, request_id: &str) -> Result<Option<DepositRow>, sqlx::Error> {
-        sqlx::query_as(FIND_DEPOSIT.text(self.dialect)).bind(request_id).fetch_optional(&mut *self.connection).await
+    /// The Deposit or Withdraw of a request_id.
+    pub async fn find_funding(
+        &mut self,
+        table: FundingTable,
+        request_id: &str,
+    ) -> Result<Option<FundingRow>, sqlx::Error> {
+        let statement = match table {
+            FundingTable::Deposits => &FIND_DEPOSIT,
+            FundingTable::Withdrawals => &FIND_WITHDRAWAL,
+        };
+        sqlx::query_as(statement.text(self.dialect)).bind(request_id).fetch_optional(&mut *self.connection).await
     }
 
-    pub async fn insert_deposit(&mut self, row: &DepositRow) -> Result<bool, sqlx::Error> {
+    /// Records a Deposit or Withdraw; false when its request_id is taken.
+    pub async fn insert_funding(&mut self, table: FundingTable, row: &FundingRow) -> Result<bool, sqlx::Error> {
+        let statement = match table {
+            FundingTable::Deposits => &INSERT_DEPOSIT,
+            FundingTable::Withdrawals => &INSERT_WITHDRAWAL,
+        };
         let query = self
-            .query(&INSERT_DEPOSIT)
+            .query(statement)
             .bind(row.request_id.clone())
-            .bind(row.deposit_id.clone())
+            .bind(row.funding_id.clone())
             .bind(row.account_id.clone())
             .bind(row.amount)
             .bind(row.currency.clone())
@@ -1051,6 +1136,8 @@ fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error
         refunded_amount: row.try_get("o_refunded_amount")?,
         created_at: row.try_get("o_created_at")?,
         updated_at: row.try_get("o_updated_at")?,
+        expires_at: row.try_get("o_expires_at")?,
+        close_reason: row.try_get("o_close_reason")?,
     };
     Ok((payment, order))
 }

@@ -33,6 +33,13 @@ pub struct OrderRow {
     pub refunded_amount: i64,
     pub created_at: i64,
     pub updated_at: i64,
+    /// When a PENDING order stops being payable; `None`: never.
+    #[serde(default)]
+    pub expires_at: Option<i64>,
+    /// Why a CLOSED order closed (`MERCHANT` or `EXPIRED`); `None` while it is open, and in
+    /// orders closed before reasons were kept.
+    #[serde(default)]
+    pub close_reason: Option<String>,
 }
 
 /// `payment_flow`: one row per successful payment, unique on (merchant_id, out_trade_no)
@@ -71,11 +78,13 @@ pub struct RefundRow {
     pub created_by: String,
 }
 
-/// `deposits`: one row per successful deposit, keyed by request_id.
+/// `deposits` or `withdrawals`: one row per successful Deposit or Withdraw, keyed by
+/// request_id; `funding_id` is the server-issued deposit_id or withdrawal_id (the posting_id
+/// of its entries).
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct DepositRow {
+pub struct FundingRow {
     pub request_id: String,
-    pub deposit_id: String,
+    pub funding_id: String,
     pub account_id: String,
     pub amount: i64,
     pub currency: String,

@@ -25,13 +25,14 @@ enum Rpc {
     IssueToken,
     OpenAccount,
     Deposit,
+    Withdraw,
     GetAccount,
     ListEntries,
     Transfer,
 }
 
 impl Rpc {
-    const ALL: [Rpc; 11] = [
+    const ALL: [Rpc; 12] = [
         Rpc::CreateOrder,
         Rpc::CloseOrder,
         Rpc::Pay,
@@ -40,6 +41,7 @@ impl Rpc {
         Rpc::IssueToken,
         Rpc::OpenAccount,
         Rpc::Deposit,
+        Rpc::Withdraw,
         Rpc::GetAccount,
         Rpc::ListEntries,
         Rpc::Transfer,
@@ -52,7 +54,7 @@ impl Rpc {
             Rpc::Query => "payments:read",
             Rpc::Transfer => "accounts:write",
             Rpc::GetAccount | Rpc::ListEntries => "accounts:read",
-            Rpc::OpenAccount | Rpc::Deposit => "accounts:admin",
+            Rpc::OpenAccount | Rpc::Deposit | Rpc::Withdraw => "accounts:admin",
         }
     }
 
@@ -230,6 +232,15 @@ async fn call(app: &TestApp, rpc: Rpc, authorization: Option<&str>, token: &str)
             };
             accounts.deposit(request(message, authorization, key, None)).await.map(drop)
         }
+        Rpc::Withdraw => {
+            let message = proto::WithdrawRequest {
+                request_id: "w-new".into(),
+                account_id: "alice".into(),
+                amount: "5.00".into(),
+                currency: "USD".into(),
+            };
+            accounts.withdraw(request(message, authorization, key, None)).await.map(drop)
+        }
         Rpc::GetAccount => {
             let message = proto::GetAccountRequest { account_id: "alice".into() };
             accounts.get_account(request(message, authorization, None, None)).await.map(drop)
@@ -262,7 +273,7 @@ async fn matrix_ledger(app: &TestApp) -> String {
 /// and tokens (issued and consumed).
 async fn ledger_state(app: &TestApp) -> Vec<String> {
     let mut state: Vec<String> = app.all_rows().await.iter().map(ToString::to_string).collect();
-    for table in ["idempotency_record", "idempotency_token", "transfers"] {
+    for table in ["idempotency_record", "idempotency_token", "transfers", "withdrawals"] {
         state.push(format!("{table}={}", app.rows(table).await));
     }
     let consumed = sqlx::query("SELECT COUNT(*) FROM idempotency_token WHERE consumed_at IS NOT NULL")
@@ -305,7 +316,7 @@ pub async fn every_rpc_refuses_every_bad_credential_and_caller_outside_its_grant
             calls += 1;
         }
     }
-    assert_eq!(calls, 11 * 12 - 5);
+    assert_eq!(calls, 12 * 12 - 6);
 
     assert_eq!(ledger_state(app).await, before, "a refused call changed the ledger");
     // The token presented by every refused Pay was never consumed: its owner can still use it.

@@ -10,6 +10,7 @@ use tonic::transport::Channel;
 use tonic_types::StatusExt as _;
 
 pub use crate::auth_cases::*;
+pub use crate::lifecycle_cases::*;
 
 pub async fn open_account_is_replayed_and_a_different_currency_is_already_exists(app: &TestApp) {
     let mut accounts = app.accounts.clone();
@@ -337,6 +338,7 @@ pub async fn bad_input_is_invalid_argument_naming_every_bad_field_and_leaves_not
         amount: "1.00".into(),
         currency: "USD".into(),
         subject: "s".repeat(10_000),
+        expires_at: None,
     };
     let error = payments.create_order(huge_subject).await.unwrap_err();
     assert_eq!(violated_fields(&error), ["subject"]);
@@ -571,7 +573,10 @@ pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_si
         ("journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {newest}", "continues its account"),
         ("journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {before}", "continues its account"),
         ("accounts SET balance = balance + 1 WHERE account_id = 'alice'", "holds its latest entry's balance"),
-        ("payment_flow SET amount = amount + 1 WHERE out_trade_no = 'pay-1'", "a payment, refund, deposit or transfer"),
+        (
+            "payment_flow SET amount = amount + 1 WHERE out_trade_no = 'pay-1'",
+            "deposit, withdrawal or transfer of its amount",
+        ),
         ("orders SET refunded_amount = refunded_amount + 1 WHERE order_no = 'order-1'", "its refunds sum"),
     ];
     for (change, check) in breaks {
@@ -769,6 +774,7 @@ async fn one_token_runs_exactly_once(app: &TestApp) {
             amount: "1.00".into(),
             currency: "USD".into(),
             subject: String::new(),
+            expires_at: None,
         };
         tokio::spawn(async move { (request.clone(), payments.create_order(with_token(request, &token, None)).await) })
     });
@@ -1055,6 +1061,7 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
         amount: "1.00".into(),
         currency: "USD".into(),
         subject: String::new(),
+        expires_at: None,
     };
     let with_closed_key = payments.create_order(with_key(order, "k-close")).await;
 

@@ -57,6 +57,8 @@ pub struct TestOptions {
     pub authenticated: bool,
     /// The server's concurrency limit (`serve --max-concurrent-calls`).
     pub max_concurrent_calls: Option<usize>,
+    /// The lifetime of an order created without expires_at (`--order-ttl-seconds`).
+    pub order_ttl: Duration,
 }
 
 impl Default for TestOptions {
@@ -70,6 +72,7 @@ impl Default for TestOptions {
             group_commit: defaults.group_commit,
             authenticated: false,
             max_concurrent_calls: Some(512),
+            order_ttl: defaults.order_ttl,
         }
     }
 }
@@ -86,6 +89,11 @@ impl TestOptions {
     /// Every Pay in its own transaction (group commit off).
     pub fn one_by_one() -> Self {
         Self { group_commit: GroupCommitSettings { max_batch: 1, ..GroupCommitSettings::default() }, ..Self::default() }
+    }
+
+    /// Orders created without expires_at live 2 s (`--order-ttl-seconds 2`).
+    pub fn short_order_ttl() -> Self {
+        Self { order_ttl: Duration::from_secs(2), ..Self::default() }
     }
 
     pub fn authenticated() -> Self {
@@ -334,6 +342,7 @@ impl TestApp {
                 key_ttl: options.key_ttl,
                 token_ttl: options.token_ttl,
                 group_commit: options.group_commit,
+                order_ttl: options.order_ttl,
             },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
@@ -489,6 +498,7 @@ impl TestApp {
             amount: amount.into(),
             currency: "USD".into(),
             subject: format!("order {order_no}"),
+            expires_at: None,
         };
         self.payments.clone().create_order(request).await
     }
@@ -627,6 +637,7 @@ pub fn one_dollar_order(merchant_id: &str, order_no: &str, payee: &str) -> proto
         amount: "1.00".into(),
         currency: "USD".into(),
         subject: String::new(),
+        expires_at: None,
     }
 }
 

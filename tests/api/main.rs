@@ -10,6 +10,7 @@
 mod auth_cases;
 mod cases;
 mod helpers;
+mod lifecycle_cases;
 
 /// The options of a case: the default server, or the one named after `=>`.
 macro_rules! options {
@@ -101,6 +102,14 @@ backend_suite!(
     a_token_whose_call_changed_nothing_stays_usable_in_the_database_store,
     a_token_whose_call_changed_nothing_stays_usable_in_the_redis_store => redis,
     concurrent_duplicates_of_a_keyed_pay_are_answered_from_its_key_record,
+    // Order expiry and payouts.
+    an_order_past_its_expires_at_refuses_pay_before_and_after_the_sweeper_closes_it,
+    expires_at_must_be_a_valid_future_timestamp_and_is_part_of_the_orders_terms,
+    an_order_without_expires_at_gets_the_servers_default_lifetime => short_order_ttl,
+    pays_racing_the_expiry_sweeper_end_with_exactly_one_winner_per_order,
+    withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pay,
+    deposits_and_withdrawals_go_round_past_the_one_way_limit,
+    withdrawals_racing_pays_on_one_account_never_overdraw_it,
     // The trust boundary, on a server that authenticates callers.
     every_rpc_refuses_every_bad_credential_and_caller_outside_its_grant_leaving_nothing => authenticated,
     tokens_of_each_algorithm_verify_and_ambiguous_credentials_are_refused => authenticated,

@@ -199,6 +199,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
                 amount: amount.into(),
                 currency: "USD".into(),
                 subject: "bench".into(),
+                expires_at: None,
             };
             async move { client.create_order(request).await.map(|_| ()) }
         })

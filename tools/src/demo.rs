@@ -193,6 +193,7 @@ impl Story {
             amount: "30.00".into(),
             currency: "USD".into(),
             subject: "a pot of tea".into(),
+            expires_at: None,
         };
         let order = self.payments.create_order(order).await?.into_inner().order.unwrap_or_default();
         self.expect(order.status() == proto::OrderStatus::Pending, "the order is PENDING");

@@ -59,6 +59,8 @@ async fn checkout(target: &str) -> Result<bool, Error> {
         amount: "19.99".into(),
         currency: "USD".into(),
         subject: "one tea pot".into(),
+        // Payable for 15 minutes; after that a Pay gets ORDER_EXPIRED.
+        expires_at: Some(in_fifteen_minutes()),
     };
     client.create_order(order).await?;
 
@@ -88,4 +90,13 @@ fn trade_no(response: &Response<PayResponse>) -> String {
 
 fn report(what: &str, response: &Response<PayResponse>) {
     println!("{what}: trade_no {}, idempotent-replayed: {}", trade_no(response), was_replayed(response));
+}
+
+/// Now plus 15 minutes, as a protobuf Timestamp.
+fn in_fifteen_minutes() -> payledger_client::prost_types::Timestamp {
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    payledger_client::prost_types::Timestamp {
+        seconds: i64::try_from(since_epoch.as_secs()).unwrap_or(0) + 15 * 60,
+        nanos: 0,
+    }
 }

@@ -381,6 +381,7 @@ async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): 
         amount: amount.clone(),
         currency: "USD".into(),
         subject: "storm".into(),
+        expires_at: None,
     };
     if world.client().create_order(order).await.is_err() {
         return;

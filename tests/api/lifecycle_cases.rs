@@ -1,0 +1,382 @@
+//! The rest of the money's life: orders that expire (refused by the clock, closed by the
+//! sweeper) and payouts (Withdraw). Written once, run on every backend (see `main.rs`).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use payledger::ledger::ReaperSettings;
+use payledger::proto::{self, query_request::Key, EntryKind, OrderCloseReason, OrderStatus};
+use tonic::{Code, Response, Status};
+
+use crate::helpers::{assert_status, replayed, violated_fields, with_key, TestApp};
+
+/// Now plus `ahead` (which may be negative) as a protobuf Timestamp, to the microsecond.
+fn timestamp_in(ahead_ms: i64) -> prost_types::Timestamp {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let micros = i64::try_from(now.as_micros()).unwrap() + ahead_ms * 1_000;
+    prost_types::Timestamp {
+        seconds: micros.div_euclid(1_000_000),
+        nanos: (micros.rem_euclid(1_000_000) * 1_000) as i32,
+    }
+}
+
+fn order_request(
+    order_no: &str,
+    amount: &str,
+    expires_at: Option<prost_types::Timestamp>,
+) -> proto::CreateOrderRequest {
+    proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: order_no.into(),
+        payee_account_id: "shop".into(),
+        amount: amount.into(),
+        currency: "USD".into(),
+        subject: format!("order {order_no}"),
+        expires_at,
+    }
+}
+
+/// A sweeper run with small batches, so that a test crosses batch boundaries.
+fn sweeper(batch_size: u32) -> ReaperSettings {
+    ReaperSettings { interval: Duration::from_secs(1), batch_size, pause: Duration::from_millis(1) }
+}
+
+async fn order_of(app: &TestApp, order_no: &str) -> proto::Order {
+    app.query("m1", Key::OrderNo(order_no.into())).await.unwrap().order.unwrap()
+}
+
+async fn withdraw(
+    app: &TestApp,
+    request_id: &str,
+    account_id: &str,
+    amount: &str,
+    currency: &str,
+) -> Result<Response<proto::WithdrawResponse>, Status> {
+    let request = proto::WithdrawRequest {
+        request_id: request_id.into(),
+        account_id: account_id.into(),
+        amount: amount.into(),
+        currency: currency.into(),
+    };
+    app.accounts.clone().withdraw(request).await
+}
+
+/// The balance of a currency's external funding account, in minor units (read directly: its
+/// id is not one a caller may name).
+async fn external_balance(app: &TestApp, currency: &str) -> i64 {
+    let sql = format!("SELECT balance FROM accounts WHERE account_id = '@external:{currency}'");
+    sqlx::query_scalar(&sql).fetch_one(&app.raw).await.unwrap()
+}
+
+pub async fn an_order_past_its_expires_at_refuses_pay_before_and_after_the_sweeper_closes_it(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    let mut payments = app.payments.clone();
+    for order_no in ["short", "paid-in-time", "keyed"] {
+        payments.create_order(order_request(order_no, "5.00", Some(timestamp_in(1_200)))).await.unwrap();
+    }
+    payments.create_order(order_request("no-deadline", "5.00", None)).await.unwrap();
+    app.pay("m1", "pay-in-time", "paid-in-time", "alice", "5.00").await.unwrap();
+    let pending = order_of(app, "short").await;
+    assert_eq!((pending.status(), pending.close_reason()), (OrderStatus::Pending, OrderCloseReason::Unspecified));
+    assert!(pending.expires_at.is_some() && order_of(app, "no-deadline").await.expires_at.is_none());
+
+    tokio::time::sleep(Duration::from_millis(1_400)).await;
+    let before = app.all_rows().await;
+    // Refused by the clock, before any sweep: grouped (no key) and alone (with a key).
+    let late = app.pay("m1", "pay-late", "short", "alice", "5.00").await.unwrap_err();
+    assert_status(&late, Code::FailedPrecondition, "ORDER_EXPIRED");
+    let keyed = payments.pay(with_key(app.pay_request("m1", "pay-keyed", "keyed", "alice", "5.00"), "k-1")).await;
+    assert_status(&keyed.unwrap_err(), Code::FailedPrecondition, "ORDER_EXPIRED");
+    assert_eq!(app.all_rows().await, before, "a refused Pay leaves nothing behind");
+    assert_eq!(app.balance("alice").await, "95.00");
+    // The payment made in time still replays, and still refunds, after the deadline.
+    let replay = app.pay("m1", "pay-in-time", "paid-in-time", "alice", "5.00").await.unwrap();
+    assert!(replayed(&replay));
+    app.refund("m1", "pay-in-time", "refund-1", "1.00").await.unwrap();
+
+    let report = app.ledger.close_expired_orders(&sweeper(1)).await.unwrap();
+    assert_eq!((report.orders_closed, report.orders_skipped), (2, 0), "{report:?}");
+    for order_no in ["short", "keyed"] {
+        let closed = order_of(app, order_no).await;
+        assert_eq!((closed.status(), closed.close_reason()), (OrderStatus::Closed, OrderCloseReason::Expired));
+    }
+    let paid = order_of(app, "paid-in-time").await;
+    assert_eq!((paid.status(), paid.close_reason()), (OrderStatus::PartiallyRefunded, OrderCloseReason::Unspecified));
+    assert_eq!(order_of(app, "no-deadline").await.status(), OrderStatus::Pending);
+    // After the sweep: still ORDER_EXPIRED; CloseOrder answers the closed order as it is.
+    let after = app.pay("m1", "pay-later", "short", "alice", "5.00").await.unwrap_err();
+    assert_status(&after, Code::FailedPrecondition, "ORDER_EXPIRED");
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "short".into() };
+    let closed = payments.close_order(close).await.unwrap();
+    assert!(replayed(&closed));
+    assert_eq!(closed.into_inner().order.unwrap().close_reason(), OrderCloseReason::Expired);
+    // A second sweep finds nothing; a merchant's close says MERCHANT.
+    let again = app.ledger.close_expired_orders(&sweeper(10)).await.unwrap();
+    assert_eq!((again.orders_closed, again.orders_skipped), (0, 0));
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "no-deadline".into() };
+    let closed = payments.close_order(close).await.unwrap().into_inner().order.unwrap();
+    assert_eq!((closed.status(), closed.close_reason()), (OrderStatus::Closed, OrderCloseReason::Merchant));
+    let on_closed = app.pay("m1", "pay-closed", "no-deadline", "alice", "5.00").await.unwrap_err();
+    assert_status(&on_closed, Code::FailedPrecondition, "ORDER_CLOSED");
+    assert_eq!(app.metrics().await.get("payledger_orders_expired_total").copied(), Some(2.0));
+}
+
+pub async fn expires_at_must_be_a_valid_future_timestamp_and_is_part_of_the_orders_terms(app: &TestApp) {
+    app.open("shop", "USD").await;
+    let mut payments = app.payments.clone();
+    let before = app.all_rows().await;
+    for (expires_at, why) in [
+        (timestamp_in(-1_000), "in the past"),
+        (prost_types::Timestamp { seconds: 4_000_000_000, nanos: 1_000_000_000 }, "nanos out of range"),
+        (prost_types::Timestamp { seconds: 253_402_300_800, nanos: 0 }, "after 9999-12-31"),
+        (prost_types::Timestamp { seconds: -62_135_596_801, nanos: 0 }, "before 0001-01-01"),
+    ] {
+        let refused = payments.create_order(order_request("order-1", "5.00", Some(expires_at))).await.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument, "{why}: {refused:?}");
+        assert_eq!(violated_fields(&refused), ["expires_at"], "{why}");
+    }
+    assert_eq!(app.all_rows().await, before, "a refused CreateOrder leaves nothing behind");
+
+    let deadline = timestamp_in(3_600_000);
+    let first = payments.create_order(order_request("order-1", "5.00", Some(deadline))).await.unwrap();
+    assert!(!replayed(&first));
+    let created = first.into_inner().order.unwrap();
+    let kept = created.expires_at.unwrap();
+    assert_eq!((kept.seconds, kept.nanos / 1_000), (deadline.seconds, deadline.nanos / 1_000), "kept to the µs");
+    // The same deadline, or none, replays; another deadline is another order's terms.
+    let same = payments.create_order(order_request("order-1", "5.00", Some(deadline))).await.unwrap();
+    let without = payments.create_order(order_request("order-1", "5.00", None)).await.unwrap();
+    assert!(replayed(&same) && replayed(&without));
+    assert_eq!(without.into_inner().order.unwrap(), created);
+    let other = payments.create_order(order_request("order-1", "5.00", Some(timestamp_in(7_200_000)))).await;
+    let other = other.unwrap_err();
+    assert_status(&other, Code::AlreadyExists, "ORDER_NO_REUSED");
+    assert!(other.message().contains("expires_at"), "{other:?}");
+    // An order made without a deadline on this server (no --order-ttl-seconds) never expires,
+    // and a retry naming a deadline is a different order.
+    payments.create_order(order_request("order-2", "5.00", None)).await.unwrap();
+    let named = payments.create_order(order_request("order-2", "5.00", Some(deadline))).await.unwrap_err();
+    assert_status(&named, Code::AlreadyExists, "ORDER_NO_REUSED");
+}
+
+/// On a server with `--order-ttl-seconds 2`: an order without expires_at gets one.
+pub async fn an_order_without_expires_at_gets_the_servers_default_lifetime(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("shop", "USD").await;
+    let order = app.create_order("m1", "order-1", "shop", "1.00").await.unwrap().into_inner().order.unwrap();
+    let (created, expires) = (order.created_at.unwrap(), order.expires_at.unwrap());
+    assert_eq!((expires.seconds - created.seconds, expires.nanos), (2, created.nanos));
+    // Its retry, which leaves expires_at out as the first call did, replays the same order.
+    let again = app.create_order("m1", "order-1", "shop", "1.00").await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner().order.unwrap(), order);
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let late = app.pay("m1", "pay-1", "order-1", "alice", "1.00").await.unwrap_err();
+    assert_status(&late, Code::FailedPrecondition, "ORDER_EXPIRED");
+}
+
+/// Pays land just before, at and after their orders' deadline while two sweepers run over and
+/// over: every order ends PAID (by a Pay before the deadline) with its one payment, or CLOSED
+/// as EXPIRED with none, and each Pay was told which.
+pub async fn pays_racing_the_expiry_sweeper_end_with_exactly_one_winner_per_order(app: &TestApp) {
+    const ORDERS: usize = 60;
+    app.funded("alice", "1000.00").await;
+    app.open("shop", "USD").await;
+    let payments = app.payments.clone();
+    // One deadline for every order, 2 s from now; the orders are created well within it.
+    let (deadline_ms, started) = (2_000, tokio::time::Instant::now());
+    let deadline = timestamp_in(deadline_ms);
+    for n in 0..ORDERS {
+        payments.clone().create_order(order_request(&format!("order-{n}"), "1.00", Some(deadline))).await.unwrap();
+    }
+    assert!(started.elapsed() < Duration::from_millis(1_500), "creating the orders took {:?}", started.elapsed());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweepers: Vec<_> = (0..2)
+        .map(|_| {
+            let (ledger, stop) = (app.ledger.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut closed = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    closed += ledger.close_expired_orders(&sweeper(7)).await.expect("a sweep").orders_closed;
+                    // Some Pays land on orders past their deadline but not yet swept.
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                }
+                closed
+            })
+        })
+        .collect();
+    // Each order gets a Pay (grouped, or alone with a key) and its retry, timed from 300 ms
+    // before the deadline to 300 ms after it.
+    let mut calls = Vec::new();
+    for n in 0..ORDERS {
+        let at = Duration::from_millis(u64::try_from(deadline_ms - 300 + (n * 600 / ORDERS) as i64).unwrap());
+        let request = app.pay_request("m1", &format!("pay-{n}"), &format!("order-{n}"), "alice", "1.00");
+        for attempt in 0..2 {
+            let (mut payments, request) = (payments.clone(), request.clone());
+            calls.push(tokio::spawn(async move {
+                tokio::time::sleep_until(started + at).await;
+                let outcome = if n % 3 == 0 {
+                    payments.pay(with_key(request, &format!("key-{n}"))).await
+                } else {
+                    payments.pay(request).await
+                };
+                (n, attempt, outcome.map(|response| response.into_inner()))
+            }));
+        }
+    }
+    let outcomes: Vec<_> = futures::future::join_all(calls).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut swept = 0;
+    for sweeper in sweepers {
+        swept += sweeper.await.unwrap();
+    }
+
+    let mut paid = 0;
+    for n in 0..ORDERS {
+        let order = order_of(app, &format!("order-{n}")).await;
+        let answers: Vec<_> =
+            outcomes.iter().map(|joined| joined.as_ref().unwrap()).filter(|(m, _, _)| *m == n).collect();
+        match order.status() {
+            OrderStatus::Paid => {
+                paid += 1;
+                for (_, attempt, answer) in &answers {
+                    let answer = answer
+                        .as_ref()
+                        .unwrap_or_else(|error| panic!("order-{n} is paid, yet attempt {attempt}: {error:?}"));
+                    let payment = answer.payment.as_ref().unwrap();
+                    assert_eq!(payment.out_trade_no, format!("pay-{n}"));
+                    // Paid before its deadline, by the server's clock.
+                    let paid_at = payment.created_at.unwrap();
+                    assert!(
+                        (paid_at.seconds, paid_at.nanos) < (deadline.seconds, deadline.nanos / 1_000 * 1_000),
+                        "order-{n}"
+                    );
+                }
+            }
+            OrderStatus::Closed => {
+                assert_eq!(order.close_reason(), OrderCloseReason::Expired, "order-{n}");
+                for (_, _, answer) in &answers {
+                    assert_status(answer.as_ref().unwrap_err(), Code::FailedPrecondition, "ORDER_EXPIRED");
+                }
+            }
+            other => panic!("order-{n} ended {other:?}"),
+        }
+    }
+    assert_eq!(app.rows("payment_flow").await, paid);
+    assert_eq!(swept, ORDERS as u64 - u64::try_from(paid).unwrap(), "every unpaid order was closed by one sweep");
+    assert!(paid > 0 && paid < ORDERS as i64, "the Pays straddle the deadline: {paid} of {ORDERS} paid");
+    eprintln!("{:?}: {paid} of {ORDERS} orders paid, {swept} closed by the sweepers", app.backend);
+    assert_eq!(app.balance("shop").await, format!("{paid}.00"));
+}
+
+pub async fn withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pay(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("bob", "EUR").await;
+    let external_before = external_balance(app, "USD").await;
+
+    let first = withdraw(app, "out-1", "alice", "30.25", "USD").await.unwrap();
+    let again = withdraw(app, "out-1", "alice", "30.25", "USD").await.unwrap();
+    assert!(!replayed(&first) && replayed(&again));
+    let (first, again) = (first.into_inner(), again.into_inner());
+    assert_eq!(first, again, "a replay answers with the original result");
+    let entry = first.entry.unwrap();
+    assert_eq!((entry.amount.as_str(), entry.balance_after.as_str(), entry.version_after), ("-30.25", "69.75", 2));
+    assert_eq!((entry.kind(), entry.reference.as_str()), (EntryKind::Withdrawal, "out-1"));
+    assert_eq!(entry.counterparty_account_id, "@external:USD");
+    assert_eq!(first.account.unwrap().balance, "69.75");
+    assert_eq!(external_balance(app, "USD").await, external_before + 3_025, "the payout goes back outside");
+
+    let before = (app.all_rows().await, app.rows("withdrawals").await);
+    let changed = withdraw(app, "out-1", "alice", "1.00", "USD").await.unwrap_err();
+    assert_status(&changed, Code::AlreadyExists, "REQUEST_ID_REUSED");
+    assert!(changed.message().contains("amount"), "{changed:?}");
+    let short = withdraw(app, "out-2", "alice", "69.76", "USD").await.unwrap_err();
+    assert_status(&short, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    let missing = withdraw(app, "out-3", "nobody", "1.00", "USD").await.unwrap_err();
+    assert_status(&missing, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    let currency = withdraw(app, "out-4", "bob", "1.00", "USD").await.unwrap_err();
+    assert_status(&currency, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    let bad = withdraw(app, "", "alice", "-1", "usd").await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert_eq!(violated_fields(&bad), ["request_id", "currency", "amount"]);
+    assert_eq!((app.all_rows().await, app.rows("withdrawals").await), before, "refusals leave nothing behind");
+
+    // Withdraw's request_ids are its own: a deposit's request_id is free for a withdrawal.
+    let out = withdraw(app, "fund-alice", "alice", "69.75", "USD").await.unwrap();
+    assert!(!replayed(&out));
+    assert_eq!(app.balance("alice").await, "0.00");
+    assert_eq!(external_balance(app, "USD").await, 0, "all the money that came in went out");
+    // A withdrawal with an idempotency-key replays from its record too.
+    app.deposit("top-up", "alice", "5.00", "USD").await.unwrap();
+    let keyed = |amount: &str| {
+        let request = proto::WithdrawRequest {
+            request_id: "out-5".into(),
+            account_id: "alice".into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+        };
+        with_key(request, "w-key")
+    };
+    let mut accounts = app.accounts.clone();
+    accounts.withdraw(keyed("5.00")).await.unwrap();
+    assert!(replayed(&accounts.withdraw(keyed("5.00")).await.unwrap()));
+    assert_status(&accounts.withdraw(keyed("4.00")).await.unwrap_err(), Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    assert_eq!(app.balance("alice").await, "0.00");
+}
+
+/// Deposits use up the external account's room (balances are at most 10^17 minor units, a
+/// request at most 10^15); withdrawals give it back, so money can go round for good.
+pub async fn deposits_and_withdrawals_go_round_past_the_one_way_limit(app: &TestApp) {
+    app.open("whale", "JPY").await;
+    let amount = "1000000000000000"; // 10^15 yen, the largest request
+    let rounds = 101; // 1.01 x 10^17 yen deposited in all
+    for round in 0..rounds {
+        app.deposit(&format!("in-{round}"), "whale", amount, "JPY").await.unwrap();
+        withdraw(app, &format!("out-{round}"), "whale", amount, "JPY").await.unwrap();
+    }
+    assert_eq!(app.rows("deposits").await, rounds);
+    assert_eq!(app.balance("whale").await, "0");
+    assert_eq!(external_balance(app, "JPY").await, 0);
+}
+
+/// Pays and withdrawals of 1.00 race on one balance of 100.00: exactly 100 succeed, every
+/// other one is INSUFFICIENT_FUNDS, and a retried withdrawal replays.
+pub async fn withdrawals_racing_pays_on_one_account_never_overdraw_it(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    for n in 0..70 {
+        app.create_order("m1", &format!("order-{n}"), "shop", "1.00").await.unwrap();
+    }
+    let pays = (0..70).map(|n| {
+        let mut payments = app.payments.clone();
+        let request = app.pay_request("m1", &format!("pay-{n}"), &format!("order-{n}"), "alice", "1.00");
+        tokio::spawn(async move { payments.pay(request).await.map(|_| ()) })
+    });
+    let withdrawals = (0..70).map(|n| {
+        let mut accounts = app.accounts.clone();
+        let request = proto::WithdrawRequest {
+            request_id: format!("out-{n}"),
+            account_id: "alice".into(),
+            amount: "1.00".into(),
+            currency: "USD".into(),
+        };
+        tokio::spawn(async move { accounts.withdraw(request).await.map(|_| ()) })
+    });
+    let outcomes: Vec<_> = futures::future::join_all(pays.chain(withdrawals).collect::<Vec<_>>()).await;
+    let outcomes: Vec<_> = outcomes.into_iter().map(|joined| joined.unwrap()).collect();
+    for error in outcomes.iter().filter_map(|outcome| outcome.as_ref().err()) {
+        assert_status(error, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    }
+    assert_eq!(outcomes.iter().filter(|outcome| outcome.is_ok()).count(), 100);
+    assert_eq!(app.balance("alice").await, "0.00");
+    let paid = app.rows("payment_flow").await;
+    assert_eq!(app.rows("withdrawals").await, 100 - paid);
+    assert_eq!(app.balance("shop").await, format!("{paid}.00"));
+    // Whichever withdrawal went through replays; one refused runs afresh and is refused again.
+    let done: String = sqlx::query_scalar("SELECT request_id FROM withdrawals ORDER BY request_id LIMIT 1")
+        .fetch_one(&app.raw)
+        .await
+        .unwrap();
+    assert!(replayed(&withdraw(app, &done, "alice", "1.00", "USD").await.unwrap()));
+}
