@@ -44,7 +44,8 @@ pub enum Scenario {
     Refund,
     /// Query of paid orders by out_trade_no (the read path), each order about ten times.
     Query,
-    /// 60% Pay, 10% Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
+    /// 55% Pay (a third of the orders with an `expires_at` an hour ahead), 5% Withdraw, 10%
+    /// Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
     Mixed,
 }
 
@@ -186,6 +187,14 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
         Scenario::Mixed => settings.total,
     };
     let amount = if settings.scenario == Scenario::Refund { "100.00" } else { "1.00" };
+    // `mixed`: a third of the orders can expire (an hour ahead, so that every Pay is in time).
+    let an_hour_ahead = {
+        let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        payledger_client::prost_types::Timestamp {
+            seconds: i64::try_from(since_epoch.as_secs()).unwrap_or(0) + 3_600,
+            nanos: 0,
+        }
+    };
     let draw = payer_draw(settings, payers.len());
     let orders: Vec<(String, String, usize)> =
         (0..order_count).map(|n| (format!("b{run}-m{}", n % merchants as u64), format!("o{n}"), draw(n))).collect();
@@ -199,7 +208,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
                 amount: amount.into(),
                 currency: "USD".into(),
                 subject: "bench".into(),
-                expires_at: None,
+                expires_at: (settings.scenario == Scenario::Mixed && n % 3 == 0).then_some(an_hour_ahead),
             };
             async move { client.create_order(request).await.map(|_| ()) }
         })
@@ -282,7 +291,7 @@ async fn call(
         Scenario::Mixed => {
             let (draw, duplicate) = {
                 let mut rng = rand::rng();
-                (rng.random_range(0..10), rng.random_bool(duplicate_ratio))
+                (rng.random_range(0..20), rng.random_bool(duplicate_ratio))
             };
             let sends = if duplicate { 2 } else { 1 };
             let mut outcome = Ok(false);
@@ -306,12 +315,21 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
     let index = usize::try_from(n).unwrap_or(0);
     let payer = &prepared.payers[index % prepared.payers.len()];
     match draw {
-        0..6 => {
+        0..11 => {
             let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
             let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");
             clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
-        6 => {
+        11 => {
+            let request = proto::WithdrawRequest {
+                request_id: format!("b{}-w{n}", prepared.run),
+                account_id: payer.clone(),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+            };
+            clients.account(n).withdraw(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        12..14 => {
             let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
             let request = proto::RefundRequest {
                 merchant_id: merchant.clone(),
@@ -323,11 +341,11 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
             };
             clients.payment(n).refund(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
-        7 => {
+        14..16 => {
             let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
             query(clients, n, merchant, out_trade_no).await
         }
-        8 => {
+        16..18 => {
             let request = proto::DepositRequest {
                 request_id: format!("b{}-d{n}", prepared.run),
                 account_id: payer.clone(),

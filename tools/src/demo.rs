@@ -185,7 +185,7 @@ impl Story {
         let balance = self.balance(&alice).await?;
         self.expect(balance == "100.00", "the payer holds 100.00");
 
-        println!("3. The merchant creates order order-1 for 30.00.");
+        println!("3. The merchant creates order order-1 for 30.00, payable for 15 minutes.");
         let order = proto::CreateOrderRequest {
             merchant_id: self.id("merchant"),
             order_no: self.id("order-1"),
@@ -193,10 +193,11 @@ impl Story {
             amount: "30.00".into(),
             currency: "USD".into(),
             subject: "a pot of tea".into(),
-            expires_at: None,
+            expires_at: Some(timestamp_in(Duration::from_secs(15 * 60))),
         };
         let order = self.payments.create_order(order).await?.into_inner().order.unwrap_or_default();
         self.expect(order.status() == proto::OrderStatus::Pending, "the order is PENDING");
+        self.expect(order.expires_at.is_some(), "it shows when it expires");
 
         println!("4. Pay order-1 with out_trade_no pay-1.");
         let first = self.payments.pay(self.pay_request("pay-1", &alice)).await?;
@@ -263,10 +264,48 @@ impl Story {
         );
         self.expect(details.refunds.len() == 2, "two refunds, none doubled");
 
-        println!("11. Final balances and the payer's journal.");
+        println!("11. Order order-2 for 12.00 expires after one second; the payer pays it too late.");
+        let order = proto::CreateOrderRequest {
+            merchant_id: self.id("merchant"),
+            order_no: self.id("order-2"),
+            payee_account_id: shop.clone(),
+            amount: "12.00".into(),
+            currency: "USD".into(),
+            subject: "a second pot".into(),
+            expires_at: Some(timestamp_in(Duration::from_secs(1))),
+        };
+        self.payments.create_order(order).await?;
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        let late = proto::PayRequest {
+            order_no: self.id("order-2"),
+            amount: "12.00".into(),
+            ..self.pay_request("pay-3", &alice)
+        };
+        let late = self.payments.pay(late).await;
+        self.expect(
+            matches!(&late, Err(status) if status.code() == Code::FailedPrecondition && reason(status) == "ORDER_EXPIRED"),
+            "refused with FAILED_PRECONDITION ORDER_EXPIRED",
+        );
+        let balance = self.balance(&alice).await?;
+        self.expect(balance == "95.00", "no money moved");
+
+        println!("12. The payer withdraws 20.00 (request_id withdraw-1), and the call is retried.");
+        let withdraw = proto::WithdrawRequest {
+            request_id: self.id("withdraw-1"),
+            account_id: alice.clone(),
+            amount: "20.00".into(),
+            currency: "USD".into(),
+        };
+        let first = self.accounts.withdraw(withdraw.clone()).await?;
+        self.expect(!was_replayed(&first), "the payout runs");
+        let retry = self.accounts.withdraw(withdraw).await?;
+        self.expect(was_replayed(&retry), "the retry is a replay");
+        self.expect(first.into_inner() == retry.into_inner(), "with the original entry");
+
+        println!("13. Final balances and the payer's journal.");
         let (alice_balance, shop_balance) = (self.balance(&alice).await?, self.balance(&shop).await?);
         println!("    {alice}: {alice_balance}    {shop}: {shop_balance}");
-        self.expect(alice_balance == "95.00" && shop_balance == "5.00", "payer 95.00, merchant 5.00");
+        self.expect(alice_balance == "75.00" && shop_balance == "5.00", "payer 75.00, merchant 5.00");
         for account_id in [&alice, &shop] {
             let request =
                 proto::ListEntriesRequest { account_id: account_id.clone(), page_size: 50, page_token: String::new() };
@@ -274,7 +313,7 @@ impl Story {
             if account_id == &alice {
                 for entry in entries.iter().rev() {
                     println!(
-                        "    {:>8} {:>7}  balance {:>6}  {}",
+                        "    {:>10} {:>7}  balance {:>6}  {}",
                         entry.kind().as_str_name().trim_start_matches("ENTRY_KIND_"),
                         entry.amount,
                         entry.balance_after,
@@ -288,5 +327,15 @@ impl Story {
             self.expect(total == balance, &format!("{account_id}: balance equals the sum of its journal entries"));
         }
         Ok(self.passed)
+    }
+}
+
+/// Now plus `ahead`, as a protobuf Timestamp.
+fn timestamp_in(ahead: Duration) -> payledger_client::prost_types::Timestamp {
+    let at = std::time::SystemTime::now() + ahead;
+    let since_epoch = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    payledger_client::prost_types::Timestamp {
+        seconds: i64::try_from(since_epoch.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(since_epoch.subsec_nanos()).unwrap_or(0),
     }
 }

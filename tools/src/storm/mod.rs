@@ -2,14 +2,15 @@
 //!
 //! It starts several `payledger serve` processes on loopback ports over one database, puts a
 //! [`FaultProxy`] in front of each, and lets N virtual callers run a random mix of Deposit,
-//! CreateOrder + Pay, Refund, Transfer and Query through the retrying client
+//! Withdraw, CreateOrder + Pay (a share of the orders expiring around the Pay), Refund,
+//! Transfer and Query through the retrying client
 //! ([`payledger_client`]), re-sending a share of the mutating calls as duplicates through another
 //! instance. Meanwhile it injects faults: proxy delays, resets before the request, responses
 //! dropped after the server answered, black holes, SIGKILL and restart of an instance, and cut
 //! database connections. At the end it checks, from the database and from its own log of
-//! acknowledged calls, that every acknowledged payment, refund, deposit and transfer is
-//! present exactly once with the acknowledged id, that nothing refused moved money, and the
-//! ledger audit (balances equal the sum of their entries, all balances sum to zero, refunds
+//! acknowledged calls, that every acknowledged payment, refund, deposit, withdrawal and
+//! transfer is present exactly once with the acknowledged id, that nothing refused moved money,
+//! that no order was paid at or after its expires_at, and the ledger audit (balances equal the sum of their entries, all balances sum to zero, refunds
 //! never exceed payments).
 
 mod database;
@@ -96,12 +97,15 @@ pub struct StormSummary {
     pub faults: FaultCount,
     pub instance_kills: u64,
     pub database_cuts: u64,
+    /// Orders closed by the instances' sweepers once their expires_at passed.
+    pub orders_expired: u64,
     pub violations: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum OperationKind {
     Deposit,
+    Withdraw,
     Pay,
     Refund,
     Transfer,
@@ -109,7 +113,7 @@ enum OperationKind {
 
 #[derive(Debug, Clone)]
 enum Outcome {
-    /// Acknowledged with this id (deposit id, trade_no, refund_no or transfer_id).
+    /// Acknowledged with this id (deposit id, withdrawal id, trade_no, refund_no or transfer_id).
     Acknowledged { id: String, replayed: bool },
     /// A definitive refusal (INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
     /// FAILED_PRECONDITION): the call did not happen.
@@ -195,6 +199,8 @@ async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Resu
         .arg(auth.jwks())
         .args(["--auth-issuer", STORM_ISSUER, "--auth-audience", STORM_AUDIENCE])
         .args(["--pool-size", "8", "--shutdown-grace-seconds", "1", "--log-filter", "error"])
+        // The sweeper closes expired orders while Pays of them are still arriving.
+        .args(["--reaper-interval-seconds", "1"])
         .kill_on_drop(true)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -339,7 +345,8 @@ async fn caller(world: Arc<World>, until: Instant, duplicate_ratio: f64) {
         };
         match choice {
             0..10 => deposit(&world, duplicate, &payer).await,
-            10..50 => pay(&world, duplicate, &payer, &merchant).await,
+            10..15 => withdraw(&world, duplicate, &payer).await,
+            15..50 => pay(&world, duplicate, &payer, &merchant).await,
             50..65 => refund(&world, duplicate).await,
             65..85 if payer != other_payer => transfer(&world, duplicate, &payer, &other_payer).await,
             _ => query(&world).await,
@@ -371,8 +378,51 @@ async fn deposit(world: &World, duplicate: bool, account_id: &str) {
     world.record(OperationKind::Deposit, "", request_id, amount, outcomes);
 }
 
+/// A payout of up to 20.00 (refused INSUFFICIENT_FUNDS when the payer is short).
+async fn withdraw(world: &World, duplicate: bool, account_id: &str) {
+    let request_id = world.new_key("out");
+    let amount = random_amount(&mut rand::rng(), 2_000);
+    let request = proto::WithdrawRequest {
+        request_id: request_id.clone(),
+        account_id: account_id.to_owned(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.withdraw(request).await }
+        },
+        |response: &proto::WithdrawResponse| {
+            response.entry.as_ref().map(|entry| entry.posting_id.clone()).unwrap_or_default()
+        },
+    )
+    .await;
+    world.record(OperationKind::Withdraw, "", request_id, amount, outcomes);
+}
+
+/// One order in four expires 0-400 ms after it is created, and its Pay waits 0-400 ms: some
+/// are paid in time, some refused ORDER_EXPIRED, and the instances' sweepers close the rest.
+fn maybe_expiring() -> (Option<payledger_client::prost_types::Timestamp>, Duration) {
+    let mut rng = rand::rng();
+    if !rng.random_bool(0.25) {
+        return (None, Duration::ZERO);
+    }
+    let ahead = Duration::from_millis(rng.random_range(0..=400));
+    let expires_at = std::time::SystemTime::now() + ahead;
+    let since_epoch = expires_at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let timestamp = payledger_client::prost_types::Timestamp {
+        seconds: i64::try_from(since_epoch.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(since_epoch.subsec_nanos()).unwrap_or(0),
+    };
+    (Some(timestamp), Duration::from_millis(rng.random_range(0..=400)))
+}
+
 async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
     let order_no = world.new_key("order");
+    let (expires_at, pay_after) = maybe_expiring();
     let amount = random_amount(&mut rand::rng(), 3_000);
     let order = proto::CreateOrderRequest {
         merchant_id: merchant_id.clone(),
@@ -381,11 +431,12 @@ async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): 
         amount: amount.clone(),
         currency: "USD".into(),
         subject: "storm".into(),
-        expires_at: None,
+        expires_at,
     };
     if world.client().create_order(order).await.is_err() {
         return;
     }
+    tokio::time::sleep(pay_after).await;
     let out_trade_no = world.new_key("pay");
     let request = proto::PayRequest {
         merchant_id: merchant_id.clone(),
@@ -536,6 +587,7 @@ fn print_summary(summary: &StormSummary) {
     );
     let codes: Vec<String> = summary.status_codes.iter().map(|(code, calls)| format!("{code} {calls}")).collect();
     println!("  final status codes of mutating calls: {}", codes.join("  "));
+    println!("  orders closed by the expiry sweeper {}", summary.orders_expired);
     let audit_broken = summary.violations.iter().any(|violation| violation.starts_with("audit:"));
     println!("  ledger audit: {}", if audit_broken { "VIOLATED" } else { "passed" });
     println!("  violations {}", summary.violations.len());
@@ -801,6 +853,10 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
                 format!("SELECT deposit_id, amount FROM deposits WHERE request_id = {}", placeholder(1)),
                 vec![operation.key.as_str()],
             ),
+            OperationKind::Withdraw => (
+                format!("SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = {}", placeholder(1)),
+                vec![operation.key.as_str()],
+            ),
             OperationKind::Pay => (
                 format!(
                     "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = {} AND out_trade_no = {}",
@@ -861,6 +917,21 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
     for (memo, count) in duplicated {
         summary.violations.push(format!("transfer {memo} executed {count} times"));
     }
+    // Order expiry: no order was paid at or after its deadline.
+    let paid_late: Vec<String> = sqlx::query(
+        "SELECT p.out_trade_no FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id \
+         AND o.order_no = p.order_no WHERE o.expires_at IS NOT NULL AND p.created_at >= o.expires_at",
+    )
+    .fetch_all(&raw)
+    .await?
+    .iter()
+    .filter_map(|row| row.try_get(0).ok())
+    .collect();
+    for out_trade_no in paid_late {
+        summary.violations.push(format!("Pay {out_trade_no}: paid at or after its order's expires_at"));
+    }
+    let expired = sqlx::query("SELECT COUNT(*) FROM orders WHERE close_reason = 'EXPIRED'").fetch_one(&raw).await?;
+    summary.orders_expired = u64::try_from(expired.try_get::<i64, _>(0)?).unwrap_or(0);
     raw.close().await;
     ledger.store().close().await;
     Ok(())
