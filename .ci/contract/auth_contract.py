@@ -14,6 +14,8 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from google.protobuf import timestamp_pb2
+
 import payledger_pb2 as pb
 import payledger_pb2_grpc as rpc
 
@@ -123,6 +125,48 @@ def main():
     balance = accounts.GetAccount(pb.GetAccountRequest(account_id=payer), metadata=auth(admin)).account.balance
     assert balance == "30.00", balance
 
+    # Payouts: Withdraw replays by request_id, refuses a short balance, needs accounts:admin.
+    withdraw = pb.WithdrawRequest(request_id=f"w-{run}", account_id=payer, amount="10.00", currency="USD")
+    out = accounts.Withdraw(withdraw, metadata=auth(admin))
+    assert (out.account.balance, out.entry.amount) == ("20.00", "-10.00"), out
+    assert out.entry.kind == pb.ENTRY_KIND_WITHDRAWAL, out.entry
+    again, call = accounts.Withdraw.with_call(withdraw, metadata=auth(admin))
+    assert dict(call.initial_metadata()).get("idempotent-replayed") == "true" and again == out
+    refused(lambda: accounts.Withdraw(pb.WithdrawRequest(request_id=f"w2-{run}", account_id=payer, amount="20.01",
+                                                         currency="USD"), metadata=auth(admin)),
+            grpc.StatusCode.FAILED_PRECONDITION, "INSUFFICIENT_FUNDS")
+    metadata, _ = refused(lambda: accounts.Withdraw(withdraw, metadata=auth(shop_a)),
+                          grpc.StatusCode.PERMISSION_DENIED, "SCOPE_MISSING")
+    assert metadata.get("scope") == "accounts:admin", metadata
+
+    # Order expiry: expires_at kept to the microsecond; a late Pay is ORDER_EXPIRED; a past
+    # expires_at is INVALID_ARGUMENT naming the field.
+    deadline = timestamp_pb2.Timestamp(seconds=int(time.time()) + 1, nanos=123_456_789)
+    late_order = pb.CreateOrderRequest(merchant_id="m1", order_no=f"o2-{run}", payee_account_id=payee,
+                                       amount="1.00", currency="USD", expires_at=deadline)
+    created = payments.CreateOrder(late_order, metadata=auth(shop_a)).order
+    assert (created.expires_at.seconds, created.expires_at.nanos) == (deadline.seconds, 123_456_000), created
+    time.sleep(max(0.0, deadline.seconds + 0.2 - time.time()))
+    late_pay = pb.PayRequest(merchant_id="m1", out_trade_no=f"t2-{run}", order_no=f"o2-{run}", payer_account_id=payer,
+                             amount="1.00", currency="USD")
+    refused(lambda: payments.Pay(late_pay, metadata=auth(shop_a)), grpc.StatusCode.FAILED_PRECONDITION,
+            "ORDER_EXPIRED")
+    past = pb.CreateOrderRequest(merchant_id="m1", order_no=f"o3-{run}", payee_account_id=payee, amount="1.00",
+                                 currency="USD", expires_at=timestamp_pb2.Timestamp(seconds=int(time.time()) - 1))
+    try:
+        payments.CreateOrder(past, metadata=auth(shop_a))
+        raise AssertionError("an order that expired before it was made was created")
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        status = rpc_status.from_call(error)
+        fields = []
+        for detail in status.details:
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                fields = [violation.field for violation in bad.field_violations]
+        assert fields == ["expires_at"], fields
+
     # A message over the size limit: RESOURCE_EXHAUSTED with its reason, nothing written.
     huge = pb.PayRequest(merchant_id="m1", out_trade_no="x" * (100 * 1024), order_no=f"o-{run}",
                          payer_account_id=payer, amount="20.00", currency="USD")
@@ -144,7 +188,7 @@ def main():
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     print("python contract: TLS, mTLS, JWT refusals and reasons, merchant isolation, created_by, replay, "
-          "message size, health command: all as documented")
+          "Withdraw, order expiry, message size, health command: all as documented")
 
 
 if __name__ == "__main__":
