@@ -148,6 +148,11 @@ pub struct IdempotencySettings {
     #[arg(long, env = "PAYLEDGER_ORDER_TTL_SECONDS", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
     pub order_ttl_seconds: u64,
+    /// Seconds an authorization hold lasts (default 7 days): after it a Capture is
+    /// HOLD_EXPIRED and the sweeper releases the hold. At least 1, at most 315,360,000.
+    #[arg(long, env = "PAYLEDGER_HOLD_TTL_SECONDS", default_value_t = 604_800,
+          value_parser = clap::value_parser!(u64).range(1..=315_360_000))]
+    pub hold_ttl_seconds: u64,
     /// Seconds between two sweeps of the reaper (expired keys and tokens deleted, expired
     /// orders closed).
     #[arg(long, env = "PAYLEDGER_REAPER_INTERVAL_SECONDS", default_value_t = 60)]
@@ -168,6 +173,7 @@ impl Default for IdempotencySettings {
             idempotency_key_ttl_seconds: 86_400,
             token_ttl_seconds: 300,
             order_ttl_seconds: 0,
+            hold_ttl_seconds: 604_800,
             reaper_interval_seconds: 60,
             reaper_batch_size: 500,
             reaper_pause_ms: 50,
@@ -182,6 +188,7 @@ impl std::fmt::Debug for IdempotencySettings {
             .field("idempotency_key_ttl_seconds", &self.idempotency_key_ttl_seconds)
             .field("token_ttl_seconds", &self.token_ttl_seconds)
             .field("order_ttl_seconds", &self.order_ttl_seconds)
+            .field("hold_ttl_seconds", &self.hold_ttl_seconds)
             .field("reaper_interval_seconds", &self.reaper_interval_seconds)
             .field("reaper_batch_size", &self.reaper_batch_size)
             .field("reaper_pause_ms", &self.reaper_pause_ms)
@@ -212,6 +219,7 @@ impl IdempotencySettings {
             token_ttl: Duration::from_secs(self.token_ttl_seconds.max(1)),
             group_commit: GroupCommitSettings::default(),
             order_ttl: Duration::from_secs(self.order_ttl_seconds),
+            hold_ttl: Duration::from_secs(self.hold_ttl_seconds.max(1)),
         }
     }
 

@@ -24,6 +24,7 @@ pub enum Resource {
     Order,
     Payment,
     Refund,
+    Hold,
 }
 
 impl Resource {
@@ -33,6 +34,7 @@ impl Resource {
             Resource::Order => "ORDER_NOT_FOUND",
             Resource::Payment => "PAYMENT_NOT_FOUND",
             Resource::Refund => "REFUND_NOT_FOUND",
+            Resource::Hold => "HOLD_NOT_FOUND",
         }
     }
 
@@ -42,6 +44,7 @@ impl Resource {
             Resource::Order => "order",
             Resource::Payment => "payment",
             Resource::Refund => "refund",
+            Resource::Hold => "hold",
         }
     }
 }
@@ -54,6 +57,7 @@ pub enum ReusedKey {
     OrderNo,
     OutTradeNo,
     OutRefundNo,
+    OutAuthNo,
 }
 
 impl ReusedKey {
@@ -64,6 +68,7 @@ impl ReusedKey {
             ReusedKey::OrderNo => "ORDER_NO_REUSED",
             ReusedKey::OutTradeNo => "OUT_TRADE_NO_REUSED",
             ReusedKey::OutRefundNo => "OUT_REFUND_NO_REUSED",
+            ReusedKey::OutAuthNo => "OUT_AUTH_NO_REUSED",
         }
     }
 
@@ -74,6 +79,7 @@ impl ReusedKey {
             ReusedKey::OrderNo => "order_no",
             ReusedKey::OutTradeNo => "out_trade_no",
             ReusedKey::OutRefundNo => "out_refund_no",
+            ReusedKey::OutAuthNo => "out_auth_no",
         }
     }
 }

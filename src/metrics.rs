@@ -98,6 +98,7 @@ pub struct LedgerMetrics {
     pub transaction_retries: Family<CauseLabel, Counter>,
     pub reaper_deletions: Counter,
     pub orders_expired: Counter,
+    pub holds_expired: Counter,
     pub group_commits: Counter,
     pub group_committed_pays: Counter,
     pub group_commit_batch: Histogram,
@@ -122,6 +123,7 @@ impl Default for LedgerMetrics {
             transaction_retries: Family::default(),
             reaper_deletions: Counter::default(),
             orders_expired: Counter::default(),
+            holds_expired: Counter::default(),
             group_commits: Counter::default(),
             group_committed_pays: Counter::default(),
             group_commit_batch: batch_buckets(),
@@ -226,6 +228,11 @@ impl LedgerMetrics {
             "payledger_orders_expired",
             "PENDING orders closed by the sweeper once their expires_at passed",
             self.orders_expired.clone(),
+        );
+        registry.register(
+            "payledger_holds_expired",
+            "Authorization holds released by the sweeper once their expires_at passed",
+            self.holds_expired.clone(),
         );
         registry.register(
             "payledger_group_commits",

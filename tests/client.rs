@@ -103,6 +103,21 @@ impl payment_service_server::PaymentService for Fake {
     ) -> Result<Response<proto::IssueTokenResponse>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }
+
+    async fn authorize(
+        &self,
+        _: Request<proto::AuthorizeRequest>,
+    ) -> Result<Response<proto::AuthorizeResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
+    async fn capture(&self, _: Request<proto::CaptureRequest>) -> Result<Response<proto::CaptureResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
+
+    async fn void(&self, _: Request<proto::VoidRequest>) -> Result<Response<proto::VoidResponse>, Status> {
+        Err(Status::unimplemented("not in this fake"))
+    }
 }
 
 #[tonic::async_trait]

@@ -661,6 +661,25 @@ impl PayledgerClient {
         self.payments.clone().query(request).await
     }
 
+    /// `out_auth_no` is the hold's business key: keep it the same when you call again.
+    pub async fn authorize(
+        &self,
+        request: proto::AuthorizeRequest,
+    ) -> Result<Response<proto::AuthorizeResponse>, Status> {
+        self.payments.clone().authorize(request).await
+    }
+
+    /// `out_trade_no` is the capture's business key, as a Pay's: keep it the same when you
+    /// call again.
+    pub async fn capture(&self, request: proto::CaptureRequest) -> Result<Response<proto::CaptureResponse>, Status> {
+        self.payments.clone().capture(request).await
+    }
+
+    /// Voiding a released hold answers it as it stands (replayed).
+    pub async fn void(&self, request: proto::VoidRequest) -> Result<Response<proto::VoidResponse>, Status> {
+        self.payments.clone().void(request).await
+    }
+
     pub async fn issue_token(
         &self,
         request: proto::IssueTokenRequest,

@@ -24,7 +24,7 @@ use crate::domain::{Actor, MerchantId};
 /// What a caller may do, as named in the token's `scope` claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Permission {
-    /// CreateOrder, CloseOrder, Pay, Refund, IssueToken.
+    /// CreateOrder, CloseOrder, Pay, Refund, IssueToken, Authorize, Capture, Void.
     PaymentsWrite,
     /// Query.
     PaymentsRead,

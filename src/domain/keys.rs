@@ -71,7 +71,13 @@ business_number!(
     OutRefundNo
 );
 business_number!(
-    /// The idempotency key of a Deposit, unique across all deposits.
+    /// The merchant's authorization number: the idempotency key of an Authorize (a hold),
+    /// unique per merchant.
+    OutAuthNo
+);
+business_number!(
+    /// The idempotency key of a Deposit, unique across all deposits (and of a Withdraw,
+    /// unique across all withdrawals).
     RequestId
 );
 

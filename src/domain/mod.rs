@@ -10,8 +10,8 @@ mod order;
 
 pub use actor::{Actor, Subject, CREATED_BY_UNKNOWN};
 pub use keys::{
-    AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo, OutTradeNo, RequestId,
-    BUSINESS_NO_LEN_MAX,
+    AccountId, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutAuthNo, OutRefundNo, OutTradeNo,
+    RequestId, BUSINESS_NO_LEN_MAX,
 };
 pub use money::{format_minor, Amount, Currency, AMOUNT_MINOR_UNITS_MAX, BALANCE_MINOR_UNITS_MAX};
 pub use order::{CloseReason, OrderEvent, OrderState, OrderStatus, Transition};
@@ -52,6 +52,19 @@ pub enum Rejection {
     /// Only the sweeper sees this one: the order it meant to expire is not past its deadline.
     #[error("the order has not expired")]
     OrderNotExpired,
+    #[error("the order is authorized: capture or void its hold")]
+    OrderAuthorized,
+    #[error("the order has no active authorization hold")]
+    OrderNotAuthorized,
+    #[error("the authorization hold expired before it was captured")]
+    HoldExpired,
+    #[error("the authorization hold was voided")]
+    HoldVoided,
+    /// Only the sweeper sees this one: the hold it meant to release is not past its deadline.
+    #[error("the authorization hold has not expired")]
+    HoldNotExpired,
+    #[error("the capture would exceed the authorized amount")]
+    CaptureExceedsAuthorized,
     #[error("the order is not paid")]
     OrderNotPaid,
     #[error("the refund would exceed the amount paid")]
@@ -77,6 +90,12 @@ impl Rejection {
             Rejection::OrderClosed => "ORDER_CLOSED",
             Rejection::OrderExpired => "ORDER_EXPIRED",
             Rejection::OrderNotExpired => "ORDER_NOT_EXPIRED",
+            Rejection::OrderAuthorized => "ORDER_AUTHORIZED",
+            Rejection::OrderNotAuthorized => "ORDER_NOT_AUTHORIZED",
+            Rejection::HoldExpired => "HOLD_EXPIRED",
+            Rejection::HoldVoided => "HOLD_VOIDED",
+            Rejection::HoldNotExpired => "HOLD_NOT_EXPIRED",
+            Rejection::CaptureExceedsAuthorized => "CAPTURE_EXCEEDS_AUTHORIZED",
             Rejection::OrderNotPaid => "ORDER_NOT_PAID",
             Rejection::RefundExceedsPaid => "REFUND_EXCEEDS_PAID",
             Rejection::CurrencyMismatch => "CURRENCY_MISMATCH",

@@ -4,15 +4,20 @@
 //! ```text
 //!             Pay (before expires_at)    Refund (part)              Refund (rest)
 //! PENDING -------------------> PAID ------------------> PARTIALLY_REFUNDED ---------> REFUNDED
-//!    |                           \_________________ Refund (all) ____________________/
-//!    | Close (CloseOrder, reason MERCHANT)
-//!    | Expire (the sweeper, once expires_at has passed, reason EXPIRED)
-//!    v
-//! CLOSED
+//!  |  |                       ^  \_________________ Refund (all) ____________________/
+//!  |  | Authorize             | Capture (all or part, before the hold's expires_at)
+//!  |  +-----------> AUTHORIZED+
+//!  |                    | Void (VOIDED), hold expiry (HOLD_EXPIRED), Close (MERCHANT)
+//!  | Close (CloseOrder, reason MERCHANT)
+//!  | Expire (the sweeper, once expires_at has passed, reason EXPIRED)
+//!  v                    v
+//! CLOSED <--------------+
 //! ```
 //!
-//! An order past its `expires_at` refuses a Pay with ORDER_EXPIRED whether or not the sweeper
-//! has closed it yet: the clock, not the sweeper, decides.
+//! An order past its `expires_at` refuses a Pay or an Authorize with ORDER_EXPIRED whether or
+//! not the sweeper has closed it yet: the clock, not the sweeper, decides. Once AUTHORIZED, the
+//! hold's own deadline governs: a Capture after it is HOLD_EXPIRED, and the order's deadline no
+//! longer applies.
 
 use super::Rejection;
 
@@ -20,6 +25,8 @@ use super::Rejection;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OrderStatus {
     Pending,
+    /// An authorization hold reserves the amount on the payer's account.
+    Authorized,
     Paid,
     PartiallyRefunded,
     Refunded,
@@ -27,8 +34,9 @@ pub enum OrderStatus {
 }
 
 impl OrderStatus {
-    pub const ALL: [OrderStatus; 5] = [
+    pub const ALL: [OrderStatus; 6] = [
         OrderStatus::Pending,
+        OrderStatus::Authorized,
         OrderStatus::Paid,
         OrderStatus::PartiallyRefunded,
         OrderStatus::Refunded,
@@ -39,6 +47,7 @@ impl OrderStatus {
     pub fn as_str(self) -> &'static str {
         match self {
             OrderStatus::Pending => "PENDING",
+            OrderStatus::Authorized => "AUTHORIZED",
             OrderStatus::Paid => "PAID",
             OrderStatus::PartiallyRefunded => "PARTIALLY_REFUNDED",
             OrderStatus::Refunded => "REFUNDED",
@@ -64,16 +73,23 @@ pub enum CloseReason {
     Merchant,
     /// The order's `expires_at` passed while it was PENDING.
     Expired,
+    /// Its authorization hold was voided (Void).
+    Voided,
+    /// Its authorization hold expired before it was captured.
+    HoldExpired,
 }
 
 impl CloseReason {
-    pub const ALL: [CloseReason; 2] = [CloseReason::Merchant, CloseReason::Expired];
+    pub const ALL: [CloseReason; 4] =
+        [CloseReason::Merchant, CloseReason::Expired, CloseReason::Voided, CloseReason::HoldExpired];
 
     /// The stored form, e.g. `"EXPIRED"`.
     pub fn as_str(self) -> &'static str {
         match self {
             CloseReason::Merchant => "MERCHANT",
             CloseReason::Expired => "EXPIRED",
+            CloseReason::Voided => "VOIDED",
+            CloseReason::HoldExpired => "HOLD_EXPIRED",
         }
     }
 
@@ -95,6 +111,16 @@ pub enum OrderEvent {
     Refund {
         amount_minor_units: i64,
     },
+    /// An authorization hold of the order's amount on the payer's account.
+    Authorize,
+    /// The capture of this many minor units of the hold (the rest is released).
+    Capture {
+        amount_minor_units: i64,
+    },
+    /// Void: the hold is released and the order closed.
+    Void,
+    /// The sweeper releasing a hold whose expires_at has passed.
+    HoldExpire,
 }
 
 /// The part of an order the state machine needs: its status, its amount and what has been
@@ -109,6 +135,9 @@ pub struct OrderState {
     pub close_reason: Option<CloseReason>,
     /// The order has an `expires_at` and it is at or before now.
     pub past_expiry: bool,
+    /// The order's authorization hold has an `expires_at` at or before now (false without a
+    /// hold).
+    pub hold_past_expiry: bool,
 }
 
 /// The result of applying an event that is allowed.
@@ -126,27 +155,48 @@ impl OrderState {
     /// # Errors
     /// The [`Rejection`] that refuses the event in this state.
     pub fn apply(self, event: OrderEvent) -> Result<Transition, Rejection> {
+        use OrderEvent::{Authorize, Capture, Close, Expire, HoldExpire, Pay, Refund, Void};
         use OrderStatus::*;
+        let closed = |reason| Ok(self.moved_to(Closed, self.refunded_minor_units, Some(reason)));
         match (self.status, event) {
-            (Pending, OrderEvent::Pay) if self.past_expiry => Err(Rejection::OrderExpired),
-            (Pending, OrderEvent::Pay) => Ok(self.moved_to(Paid, self.refunded_minor_units, None)),
-            (Pending, OrderEvent::Close) => {
-                Ok(self.moved_to(Closed, self.refunded_minor_units, Some(CloseReason::Merchant)))
+            (Pending, Pay | Authorize) if self.past_expiry => Err(Rejection::OrderExpired),
+            (Pending, Pay) => Ok(self.moved_to(Paid, self.refunded_minor_units, None)),
+            (Pending, Authorize) => Ok(self.moved_to(Authorized, self.refunded_minor_units, None)),
+            (Pending | Authorized, Close) => closed(CloseReason::Merchant),
+            (Pending, Expire) if self.past_expiry => closed(CloseReason::Expired),
+            (Pending, Expire) => Err(Rejection::OrderNotExpired),
+            (Pending, Capture { .. } | Void | HoldExpire) => Err(Rejection::OrderNotAuthorized),
+            (Pending | Authorized | Closed, Refund { .. }) => Err(Rejection::OrderNotPaid),
+            (Authorized, Pay | Authorize | Expire) => Err(Rejection::OrderAuthorized),
+            (Authorized, Capture { .. }) if self.hold_past_expiry => Err(Rejection::HoldExpired),
+            (Authorized, Capture { amount_minor_units }) => {
+                if amount_minor_units > self.amount_minor_units {
+                    return Err(Rejection::CaptureExceedsAuthorized);
+                }
+                // The order's amount becomes what was captured: the payment's amount, the
+                // most that can be refunded.
+                let captured = OrderState { amount_minor_units, ..self };
+                Ok(captured.moved_to(Paid, self.refunded_minor_units, None))
             }
-            (Pending, OrderEvent::Expire) if self.past_expiry => {
-                Ok(self.moved_to(Closed, self.refunded_minor_units, Some(CloseReason::Expired)))
-            }
-            (Pending, OrderEvent::Expire) => Err(Rejection::OrderNotExpired),
-            (Pending | Closed, OrderEvent::Refund { .. }) => Err(Rejection::OrderNotPaid),
-            (Paid | PartiallyRefunded | Refunded, OrderEvent::Pay | OrderEvent::Close | OrderEvent::Expire) => {
-                Err(Rejection::OrderAlreadyPaid)
-            }
-            (Closed, OrderEvent::Pay) if self.close_reason == Some(CloseReason::Expired) => {
+            (Authorized, Void) => closed(CloseReason::Voided),
+            (Authorized, HoldExpire) if self.hold_past_expiry => closed(CloseReason::HoldExpired),
+            (Authorized, HoldExpire) => Err(Rejection::HoldNotExpired),
+            (
+                Paid | PartiallyRefunded | Refunded,
+                Pay | Close | Expire | Authorize | Capture { .. } | Void | HoldExpire,
+            ) => Err(Rejection::OrderAlreadyPaid),
+            (Closed, Pay | Authorize) if self.close_reason == Some(CloseReason::Expired) => {
                 Err(Rejection::OrderExpired)
             }
-            (Closed, OrderEvent::Pay) => Err(Rejection::OrderClosed),
-            (Closed, OrderEvent::Close | OrderEvent::Expire) => Ok(Transition::AlreadyApplied),
-            (Paid | PartiallyRefunded | Refunded, OrderEvent::Refund { amount_minor_units }) => {
+            (Closed, Pay | Authorize) => Err(Rejection::OrderClosed),
+            (Closed, Close | Expire | Void | HoldExpire) => Ok(Transition::AlreadyApplied),
+            (Closed, Capture { .. }) => Err(match self.close_reason {
+                Some(CloseReason::HoldExpired) => Rejection::HoldExpired,
+                Some(CloseReason::Voided) => Rejection::HoldVoided,
+                Some(CloseReason::Expired) => Rejection::OrderExpired,
+                Some(CloseReason::Merchant) | None => Rejection::OrderClosed,
+            }),
+            (Paid | PartiallyRefunded | Refunded, Refund { amount_minor_units }) => {
                 let refunded = self
                     .refunded_minor_units
                     .checked_add(amount_minor_units)
@@ -171,7 +221,8 @@ mod tests {
     use CloseReason::*;
     use OrderStatus::*;
 
-    /// An order of 1,000 minor units; `past` says whether its expires_at has passed.
+    /// An order of 1,000 minor units; `past` says whether its deadlines (the order's and its
+    /// hold's) have passed.
     fn state(status: OrderStatus, refunded: i64, reason: Option<CloseReason>, past: bool) -> OrderState {
         OrderState {
             status,
@@ -179,6 +230,7 @@ mod tests {
             refunded_minor_units: refunded,
             close_reason: reason,
             past_expiry: past,
+            hold_past_expiry: past,
         }
     }
 
@@ -186,15 +238,27 @@ mod tests {
         OrderEvent::Refund { amount_minor_units: amount }
     }
 
+    fn capture(amount: i64) -> OrderEvent {
+        OrderEvent::Capture { amount_minor_units: amount }
+    }
+
+    /// Every event kind once (amounts stand for their kind).
+    fn every_event() -> [OrderEvent; 8] {
+        use OrderEvent::*;
+        [Pay, Close, Expire, refund(1), Authorize, capture(1), Void, HoldExpire]
+    }
+
     #[test]
     fn every_state_and_event_pair_has_the_specified_outcome() {
-        use OrderEvent::{Close, Expire, Pay};
+        use OrderEvent::{Authorize, Close, Expire, HoldExpire, Pay, Void};
         let to = |status, refunded, reason, past| Ok(Transition::To(state(status, refunded, reason, past)));
         let done = Ok(Transition::AlreadyApplied);
         let no = Err;
-        // (state, refunded so far, close reason, past expiry, event, expected outcome): the
-        // whole table, row by row.
-        let table = [
+        let captured =
+            |amount, past| Ok(Transition::To(OrderState { amount_minor_units: amount, ..state(Paid, 0, None, past) }));
+        // (state, refunded so far, close reason, deadlines passed, event, expected outcome):
+        // the whole table, row by row.
+        let mut table = vec![
             (Pending, 0, None, false, Pay, to(Paid, 0, None, false)),
             (Pending, 0, None, true, Pay, no(Rejection::OrderExpired)),
             (Pending, 0, None, false, Close, to(Closed, 0, Some(Merchant), false)),
@@ -203,56 +267,82 @@ mod tests {
             (Pending, 0, None, true, Expire, to(Closed, 0, Some(Expired), true)),
             (Pending, 0, None, false, refund(1), no(Rejection::OrderNotPaid)),
             (Pending, 0, None, true, refund(1), no(Rejection::OrderNotPaid)),
-            (Paid, 0, None, false, Pay, no(Rejection::OrderAlreadyPaid)),
-            (Paid, 0, None, true, Pay, no(Rejection::OrderAlreadyPaid)),
-            (Paid, 0, None, false, Close, no(Rejection::OrderAlreadyPaid)),
-            (Paid, 0, None, true, Close, no(Rejection::OrderAlreadyPaid)),
-            (Paid, 0, None, false, Expire, no(Rejection::OrderAlreadyPaid)),
-            (Paid, 0, None, true, Expire, no(Rejection::OrderAlreadyPaid)),
+            (Pending, 0, None, false, Authorize, to(Authorized, 0, None, false)),
+            (Pending, 0, None, true, Authorize, no(Rejection::OrderExpired)),
+            (Pending, 0, None, false, capture(1), no(Rejection::OrderNotAuthorized)),
+            (Pending, 0, None, true, capture(1), no(Rejection::OrderNotAuthorized)),
+            (Pending, 0, None, false, Void, no(Rejection::OrderNotAuthorized)),
+            (Pending, 0, None, true, Void, no(Rejection::OrderNotAuthorized)),
+            (Pending, 0, None, false, HoldExpire, no(Rejection::OrderNotAuthorized)),
+            (Pending, 0, None, true, HoldExpire, no(Rejection::OrderNotAuthorized)),
+            (Authorized, 0, None, false, Pay, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, true, Pay, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, false, Close, to(Closed, 0, Some(Merchant), false)),
+            (Authorized, 0, None, true, Close, to(Closed, 0, Some(Merchant), true)),
+            (Authorized, 0, None, false, Expire, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, true, Expire, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, false, refund(1), no(Rejection::OrderNotPaid)),
+            (Authorized, 0, None, true, refund(1), no(Rejection::OrderNotPaid)),
+            (Authorized, 0, None, false, Authorize, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, true, Authorize, no(Rejection::OrderAuthorized)),
+            (Authorized, 0, None, false, capture(1_000), captured(1_000, false)),
+            (Authorized, 0, None, false, capture(600), captured(600, false)),
+            (Authorized, 0, None, false, capture(1_001), no(Rejection::CaptureExceedsAuthorized)),
+            (Authorized, 0, None, true, capture(1), no(Rejection::HoldExpired)),
+            (Authorized, 0, None, false, Void, to(Closed, 0, Some(Voided), false)),
+            (Authorized, 0, None, true, Void, to(Closed, 0, Some(Voided), true)),
+            (Authorized, 0, None, false, HoldExpire, no(Rejection::HoldNotExpired)),
+            (Authorized, 0, None, true, HoldExpire, to(Closed, 0, Some(HoldExpired), true)),
             (Paid, 0, None, false, refund(400), to(PartiallyRefunded, 400, None, false)),
             (Paid, 0, None, true, refund(1_000), to(Refunded, 1_000, None, true)),
             (Paid, 0, None, false, refund(1_001), no(Rejection::RefundExceedsPaid)),
-            (PartiallyRefunded, 400, None, false, Pay, no(Rejection::OrderAlreadyPaid)),
-            (PartiallyRefunded, 400, None, true, Pay, no(Rejection::OrderAlreadyPaid)),
-            (PartiallyRefunded, 400, None, false, Close, no(Rejection::OrderAlreadyPaid)),
-            (PartiallyRefunded, 400, None, true, Close, no(Rejection::OrderAlreadyPaid)),
-            (PartiallyRefunded, 400, None, false, Expire, no(Rejection::OrderAlreadyPaid)),
-            (PartiallyRefunded, 400, None, true, Expire, no(Rejection::OrderAlreadyPaid)),
             (PartiallyRefunded, 400, None, false, refund(100), to(PartiallyRefunded, 500, None, false)),
             (PartiallyRefunded, 400, None, true, refund(600), to(Refunded, 1_000, None, true)),
             (PartiallyRefunded, 400, None, false, refund(601), no(Rejection::RefundExceedsPaid)),
-            (Refunded, 1_000, None, false, Pay, no(Rejection::OrderAlreadyPaid)),
-            (Refunded, 1_000, None, true, Pay, no(Rejection::OrderAlreadyPaid)),
-            (Refunded, 1_000, None, false, Close, no(Rejection::OrderAlreadyPaid)),
-            (Refunded, 1_000, None, true, Close, no(Rejection::OrderAlreadyPaid)),
-            (Refunded, 1_000, None, false, Expire, no(Rejection::OrderAlreadyPaid)),
-            (Refunded, 1_000, None, true, Expire, no(Rejection::OrderAlreadyPaid)),
             (Refunded, 1_000, None, false, refund(1), no(Rejection::RefundExceedsPaid)),
             (Refunded, 1_000, None, true, refund(1), no(Rejection::RefundExceedsPaid)),
             (Closed, 0, Some(Merchant), false, Pay, no(Rejection::OrderClosed)),
             (Closed, 0, Some(Merchant), true, Pay, no(Rejection::OrderClosed)),
             (Closed, 0, None, true, Pay, no(Rejection::OrderClosed)),
             (Closed, 0, Some(Expired), true, Pay, no(Rejection::OrderExpired)),
+            (Closed, 0, Some(Voided), false, Pay, no(Rejection::OrderClosed)),
+            (Closed, 0, Some(Merchant), false, Authorize, no(Rejection::OrderClosed)),
+            (Closed, 0, Some(Expired), true, Authorize, no(Rejection::OrderExpired)),
             (Closed, 0, Some(Merchant), false, Close, done),
             (Closed, 0, Some(Expired), true, Close, done),
             (Closed, 0, Some(Merchant), false, Expire, done),
-            (Closed, 0, Some(Merchant), true, Expire, done),
             (Closed, 0, Some(Expired), true, Expire, done),
             (Closed, 0, Some(Merchant), false, refund(1), no(Rejection::OrderNotPaid)),
             (Closed, 0, Some(Expired), true, refund(1), no(Rejection::OrderNotPaid)),
+            (Closed, 0, Some(Merchant), false, capture(1), no(Rejection::OrderClosed)),
+            (Closed, 0, Some(Voided), false, capture(1), no(Rejection::HoldVoided)),
+            (Closed, 0, Some(HoldExpired), true, capture(1), no(Rejection::HoldExpired)),
+            (Closed, 0, Some(Expired), true, capture(1), no(Rejection::OrderExpired)),
+            (Closed, 0, Some(Voided), false, Void, done),
+            (Closed, 0, Some(HoldExpired), true, Void, done),
+            (Closed, 0, Some(Voided), false, HoldExpire, done),
+            (Closed, 0, Some(HoldExpired), true, HoldExpire, done),
         ];
-        for (status, refunded, reason, past, event, expected) in table {
-            let from = state(status, refunded, reason, past);
-            assert_eq!(from.apply(event), expected, "{from:?} + {event:?}");
+        // A paid order (whatever was refunded) refuses every event but a refund as already paid.
+        for (status, refunded) in [(Paid, 0), (PartiallyRefunded, 400), (Refunded, 1_000)] {
+            for past in [false, true] {
+                for event in [Pay, Close, Expire, Authorize, capture(1), Void, HoldExpire] {
+                    table.push((status, refunded, None, past, event, no(Rejection::OrderAlreadyPaid)));
+                }
+            }
         }
-        // Every (state, past expiry, event kind) triple appears in the table above.
+        for (status, refunded, reason, past, event, expected) in &table {
+            let from = state(*status, *refunded, *reason, *past);
+            assert_eq!(from.apply(*event), *expected, "{from:?} + {event:?}");
+        }
+        // Every (state, deadlines passed, event kind) triple appears in the table above.
         for status in OrderStatus::ALL {
             for past in [false, true] {
-                for event in [Pay, Close, Expire, refund(1)] {
+                for event in every_event() {
                     let covered = table.iter().any(|(s, _, _, p, e, _)| {
                         *s == status && *p == past && std::mem::discriminant(e) == std::mem::discriminant(&event)
                     });
-                    assert!(covered, "{status:?} (past expiry: {past}) + {event:?} is missing from the table");
+                    assert!(covered, "{status:?} (deadlines passed: {past}) + {event:?} is missing from the table");
                 }
             }
         }
@@ -276,45 +366,62 @@ mod tests {
             Just(OrderEvent::Close),
             Just(OrderEvent::Expire),
             (1i64..=1_200).prop_map(refund),
+            Just(OrderEvent::Authorize),
+            (1i64..=1_200).prop_map(capture),
+            Just(OrderEvent::Void),
+            Just(OrderEvent::HoldExpire),
         ]
     }
 
     proptest! {
-        /// Any sequence of events, with the deadline passing at any point: refunds stay within
-        /// the paid amount, a closed order has its reason and is never paid, and an order that
-        /// moved at all after its deadline moved only to CLOSED or by refunds of a payment
-        /// made before it.
+        /// Any sequence of events, with the deadlines passing at any point: refunds stay within
+        /// the paid amount, the amount only ever shrinks to a capture, a closed order has its
+        /// reason and is never paid, nothing is paid or authorized after the order's deadline
+        /// nor captured after the hold's, and money moved only by one Pay or one Capture.
         #[test]
         fn any_event_sequence_keeps_the_invariants(
             events in prop::collection::vec(any_event(), 0..40),
             deadline in 0usize..40,
+            hold_deadline in 0usize..40,
         ) {
             let mut current = state(Pending, 0, None, false);
             let mut refunded_total = 0;
-            let mut paid_at = None;
+            let mut settled = 0;
             for (step, event) in events.into_iter().enumerate() {
                 current.past_expiry = step >= deadline;
+                current.hold_past_expiry = step >= hold_deadline;
+                let before = current;
                 match current.apply(event) {
                     Ok(Transition::To(next)) => {
                         if let OrderEvent::Refund { amount_minor_units } = event {
                             refunded_total += amount_minor_units;
                         }
-                        if next.status == Paid && current.status == Pending {
-                            paid_at = Some(step);
+                        if next.status == Paid && before.status != Paid {
+                            settled += 1;
+                            match before.status {
+                                Pending => prop_assert!(!before.past_expiry),
+                                Authorized => prop_assert!(!before.hold_past_expiry),
+                                other => prop_assert!(false, "paid from {other:?}"),
+                            }
                         }
+                        if next.status == Authorized {
+                            prop_assert!(before.status == Pending && !before.past_expiry);
+                        }
+                        prop_assert!(next.amount_minor_units <= before.amount_minor_units);
                         current = next;
                     }
                     Ok(Transition::AlreadyApplied) => prop_assert_eq!(current.status, Closed),
                     Err(_) => {}
                 }
+                prop_assert!(settled <= 1);
                 prop_assert_eq!(current.refunded_minor_units, refunded_total);
                 prop_assert!(current.refunded_minor_units <= current.amount_minor_units);
                 prop_assert_eq!(current.status == Refunded, current.refunded_minor_units == current.amount_minor_units);
                 prop_assert_eq!(current.status == PartiallyRefunded, current.refunded_minor_units > 0 && current.refunded_minor_units < current.amount_minor_units);
                 prop_assert_eq!(current.status == Closed, current.close_reason.is_some());
                 if current.refunded_minor_units > 0 { prop_assert!(current.status.is_paid()); }
-                if let Some(paid_at) = paid_at { prop_assert!(paid_at < deadline); }
                 if current.close_reason == Some(Expired) { prop_assert!(current.past_expiry); }
+                if current.close_reason == Some(HoldExpired) { prop_assert!(current.hold_past_expiry); }
             }
         }
     }

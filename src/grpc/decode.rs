@@ -4,12 +4,12 @@
 
 use crate::domain::{
     AccountId, Actor, Amount, Currency, FieldViolation, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo,
-    OutRefundNo, OutTradeNo, RequestId,
+    OutAuthNo, OutRefundNo, OutTradeNo, RequestId,
 };
 use crate::error::Error;
 use crate::ledger::{
-    CallerPresence, CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Withdraw,
-    IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
+    Authorize, CallerPresence, Capture, CreateOrder, Deposit, Guards, ListEntries, OpenAccount, Pay, QueryKey, Refund,
+    Transfer, Void, Withdraw, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER,
 };
 use crate::proto;
 
@@ -195,6 +195,50 @@ pub(super) fn refund(request: proto::RefundRequest, actor: &Actor) -> Result<Ref
         (Some(merchant_id), Some(out_trade_no), Some(out_refund_no), Some(amount), Some(reason)) => {
             Ok(Refund { merchant_id, out_trade_no, out_refund_no, amount, reason, created_by: actor.clone() })
         }
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn authorize(request: proto::AuthorizeRequest, actor: &Actor) -> Result<Authorize, Error> {
+    let proto::AuthorizeRequest { merchant_id, out_auth_no, order_no, payer_account_id, amount, currency } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let out_auth_no = v.check(OutAuthNo::parse("out_auth_no", &out_auth_no));
+    let order_no = v.check(OrderNo::parse("order_no", &order_no));
+    let payer_account_id = v.check(AccountId::parse("payer_account_id", &payer_account_id));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    match (merchant_id, out_auth_no, order_no, payer_account_id, amount) {
+        (Some(merchant_id), Some(out_auth_no), Some(order_no), Some(payer_account_id), Some(amount)) => {
+            Ok(Authorize { merchant_id, out_auth_no, order_no, payer_account_id, amount, created_by: actor.clone() })
+        }
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn capture(request: proto::CaptureRequest, actor: &Actor) -> Result<Capture, Error> {
+    let proto::CaptureRequest { merchant_id, out_auth_no, out_trade_no, amount, currency } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let out_auth_no = v.check(OutAuthNo::parse("out_auth_no", &out_auth_no));
+    let out_trade_no = v.check(OutTradeNo::parse("out_trade_no", &out_trade_no));
+    let currency = v.check(Currency::parse("currency", &currency));
+    let amount = v.amount(&amount, currency);
+    match (merchant_id, out_auth_no, out_trade_no, amount) {
+        (Some(merchant_id), Some(out_auth_no), Some(out_trade_no), Some(amount)) => {
+            Ok(Capture { merchant_id, out_auth_no, out_trade_no, amount, created_by: actor.clone() })
+        }
+        _ => Err(v.into_error()),
+    }
+}
+
+pub(super) fn void(request: proto::VoidRequest) -> Result<Void, Error> {
+    let proto::VoidRequest { merchant_id, out_auth_no } = request;
+    let mut v = Violations::default();
+    let merchant_id = v.check(MerchantId::parse("merchant_id", &merchant_id));
+    let out_auth_no = v.check(OutAuthNo::parse("out_auth_no", &out_auth_no));
+    match (merchant_id, out_auth_no) {
+        (Some(merchant_id), Some(out_auth_no)) => Ok(Void { merchant_id, out_auth_no }),
         _ => Err(v.into_error()),
     }
 }

@@ -167,13 +167,16 @@ fn service_and_method(path: &str) -> (&'static str, &'static str) {
 }
 
 /// Every RPC the server serves (a metric label takes one of these, or `unknown`).
-const KNOWN_METHODS: [(&str, &str); 17] = [
+const KNOWN_METHODS: [(&str, &str); 20] = [
     ("payledger.v1.PaymentService", "CreateOrder"),
     ("payledger.v1.PaymentService", "CloseOrder"),
     ("payledger.v1.PaymentService", "Pay"),
     ("payledger.v1.PaymentService", "Refund"),
     ("payledger.v1.PaymentService", "Query"),
     ("payledger.v1.PaymentService", "IssueToken"),
+    ("payledger.v1.PaymentService", "Authorize"),
+    ("payledger.v1.PaymentService", "Capture"),
+    ("payledger.v1.PaymentService", "Void"),
     ("payledger.v1.AccountService", "OpenAccount"),
     ("payledger.v1.AccountService", "Deposit"),
     ("payledger.v1.AccountService", "Withdraw"),

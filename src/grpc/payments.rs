@@ -90,6 +90,46 @@ impl PaymentService for PaymentApi {
         Ok(reply_replayable(answer))
     }
 
+    async fn authorize(
+        &self,
+        request: Request<proto::AuthorizeRequest>,
+    ) -> Result<Response<proto::AuthorizeResponse>, Status> {
+        let caller = permitted(&request, "Authorize", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::authorize(request.into_inner(), &caller.actor)?;
+        for_merchant(&caller, "Authorize", &command.merchant_id)?;
+        let span = info_span!("Authorize", sub = %caller.subject(), merchant_id = %command.merchant_id, out_auth_no = %command.out_auth_no, order_no = %command.order_no);
+        let ledger = self.ledger.clone();
+        let answer =
+            run_detached(&self.admission, span, async move { ledger.authorize(command, &guards).await }).await?;
+        Ok(reply_replayable(answer))
+    }
+
+    async fn capture(
+        &self,
+        request: Request<proto::CaptureRequest>,
+    ) -> Result<Response<proto::CaptureResponse>, Status> {
+        let caller = permitted(&request, "Capture", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::capture(request.into_inner(), &caller.actor)?;
+        for_merchant(&caller, "Capture", &command.merchant_id)?;
+        let span = info_span!("Capture", sub = %caller.subject(), merchant_id = %command.merchant_id, out_auth_no = %command.out_auth_no, out_trade_no = %command.out_trade_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(&self.admission, span, async move { ledger.capture(command, &guards).await }).await?;
+        Ok(reply_replayable(answer))
+    }
+
+    async fn void(&self, request: Request<proto::VoidRequest>) -> Result<Response<proto::VoidResponse>, Status> {
+        let caller = permitted(&request, "Void", Permission::PaymentsWrite)?;
+        let guards = decode::guards(&request, &caller.actor)?;
+        let command = decode::void(request.into_inner())?;
+        for_merchant(&caller, "Void", &command.merchant_id)?;
+        let span = info_span!("Void", sub = %caller.subject(), merchant_id = %command.merchant_id, out_auth_no = %command.out_auth_no);
+        let ledger = self.ledger.clone();
+        let answer = run_detached(&self.admission, span, async move { ledger.void(command, &guards).await }).await?;
+        Ok(reply_replayable(answer))
+    }
+
     async fn query(&self, request: Request<proto::QueryRequest>) -> Result<Response<proto::QueryResponse>, Status> {
         let caller = permitted(&request, "Query", Permission::PaymentsRead)?;
         let (merchant_id, key) = decode::query(request.into_inner())?;
@@ -112,6 +152,7 @@ impl PaymentService for PaymentApi {
             order: Some(response::order(details.order)?),
             payment: details.payment.map(response::payment).transpose()?,
             refunds: details.refunds.into_iter().map(response::refund).collect::<Result<_, _>>()?,
+            hold: details.hold.map(response::hold).transpose()?,
         };
         Ok(reply(response, false))
     }

@@ -199,6 +199,7 @@ impl IdempotentCall for OpenAccount {
             version: 0,
             created_at: now,
             updated_at: now,
+            held: 0,
         };
         let external_id = external_account_id(code);
         if queries.find_account(&external_id).await?.is_none() {

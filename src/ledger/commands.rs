@@ -1,7 +1,7 @@
 //! Inputs of the use cases, built from domain types only (parsed at the edge).
 
 use crate::domain::{
-    AccountId, Actor, Amount, Currency, FreeText, MerchantId, OrderNo, OutRefundNo, OutTradeNo, RequestId,
+    AccountId, Actor, Amount, Currency, FreeText, MerchantId, OrderNo, OutAuthNo, OutRefundNo, OutTradeNo, RequestId,
 };
 
 #[derive(Debug, Clone)]
@@ -95,4 +95,36 @@ pub struct Transfer {
     pub memo: FreeText,
     /// The authenticated caller, recorded as `created_by`.
     pub created_by: Actor,
+}
+
+/// An authorization hold of an order's amount on the payer's account.
+#[derive(Debug, Clone)]
+pub struct Authorize {
+    pub merchant_id: MerchantId,
+    pub out_auth_no: OutAuthNo,
+    pub order_no: OrderNo,
+    pub payer_account_id: AccountId,
+    /// Equal to the order's amount (checked against the order).
+    pub amount: Amount,
+    /// The authenticated caller, recorded as `created_by`.
+    pub created_by: Actor,
+}
+
+/// The capture of all or part of a hold, as a payment under `out_trade_no`.
+#[derive(Debug, Clone)]
+pub struct Capture {
+    pub merchant_id: MerchantId,
+    pub out_auth_no: OutAuthNo,
+    pub out_trade_no: OutTradeNo,
+    /// More than zero, at most the authorized amount (checked against the hold).
+    pub amount: Amount,
+    /// The authenticated caller, recorded as `created_by` of the payment.
+    pub created_by: Actor,
+}
+
+/// The release of a hold.
+#[derive(Debug, Clone)]
+pub struct Void {
+    pub merchant_id: MerchantId,
+    pub out_auth_no: OutAuthNo,
 }

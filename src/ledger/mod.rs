@@ -10,6 +10,11 @@
 //! | (expiry)     | the same, `AND expires_at <= now`, run by the sweeper              |
 //! | Pay          | unique (merchant_id, out_trade_no), then `WHERE status = 'PENDING'` |
 //! | Refund       | unique (merchant_id, out_refund_no), then the order's refund CAS  |
+//! | Authorize    | unique (merchant_id, out_auth_no) and one hold per order, then    |
+//! |              | `WHERE status = 'PENDING'`, then `held + amount` within balance   |
+//! | Capture      | unique (merchant_id, out_trade_no) as Pay, then `WHERE status =   |
+//! |              | 'AUTHORIZED'` and the hold `WHERE status = 'ACTIVE'`              |
+//! | Void         | the hold `WHERE status = 'ACTIVE'`, the order `'AUTHORIZED'`      |
 //! | balances     | version CAS on every account, in account_id order                 |
 //!
 //! The shape is the same everywhere: a read-only replay path answers a key that is already
@@ -26,6 +31,7 @@ mod accounts;
 mod commands;
 mod group_commit;
 mod guards;
+mod holds;
 mod idempotent;
 mod payments;
 mod posting;
@@ -38,9 +44,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use accounts::{DepositReceipt, EntryPage, TransferReceipt, WithdrawalReceipt};
-pub use commands::{CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Withdraw};
+pub use commands::{
+    Authorize, Capture, CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Void, Withdraw,
+};
 pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
+pub use holds::{CaptureReceipt, HoldReceipt};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
 pub use reaper::{spawn_reaper, ExpiryReport, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
@@ -84,6 +93,9 @@ pub struct LedgerSettings {
     /// The lifetime of an order created without `expires_at` (`--order-ttl-seconds`); zero
     /// (the default) means such an order never expires.
     pub order_ttl: Duration,
+    /// The lifetime of an authorization hold (`--hold-ttl-seconds`, default 7 days): after it
+    /// a Capture is HOLD_EXPIRED and the sweeper releases the hold.
+    pub hold_ttl: Duration,
 }
 
 impl Default for LedgerSettings {
@@ -93,6 +105,7 @@ impl Default for LedgerSettings {
             token_ttl: Duration::from_secs(5 * 60),
             group_commit: GroupCommitSettings::default(),
             order_ttl: Duration::ZERO,
+            hold_ttl: Duration::from_secs(7 * 24 * 60 * 60),
         }
     }
 }

@@ -5,11 +5,12 @@ use crate::domain::{
 };
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
-use crate::store::{OrderRow, PaymentRow, Queries, RefundRow};
+use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
 use super::group_commit::{pay_together, Decision, PayBatcher};
 use super::guards::{Guards, Scope};
+use super::holds::release_hold;
 use super::idempotent::{differing_from, Fields, IdempotentCall, Reply};
 use super::posting::{post, EntryKind, Posting};
 use super::response;
@@ -40,11 +41,18 @@ pub struct OrderDetails {
     pub payment: Option<PaymentRow>,
     /// Oldest first.
     pub refunds: Vec<RefundRow>,
+    /// The order's authorization hold, if it ever had one.
+    pub hold: Option<HoldRow>,
 }
 
 /// The state-machine view of a stored order at `now` (microseconds since the Unix epoch):
 /// past its expiry when it has an `expires_at` at or before `now`.
 pub(super) fn order_state(order: &OrderRow, now: i64) -> Result<OrderState, Error> {
+    order_state_with_hold(order, None, now)
+}
+
+/// The state-machine view of a stored order and its authorization hold at `now`.
+pub(super) fn order_state_with_hold(order: &OrderRow, hold: Option<&HoldRow>, now: i64) -> Result<OrderState, Error> {
     let status = OrderStatus::from_stored(&order.status)
         .ok_or_else(|| Error::Internal(format!("unknown stored order status {:?}", order.status)))?;
     let close_reason = match order.close_reason.as_deref() {
@@ -60,6 +68,7 @@ pub(super) fn order_state(order: &OrderRow, now: i64) -> Result<OrderState, Erro
         refunded_minor_units: order.refunded_amount,
         close_reason,
         past_expiry: order.expires_at.is_some_and(|expires_at| expires_at <= now),
+        hold_past_expiry: hold.is_some_and(|hold| hold.expires_at <= now),
     })
 }
 
@@ -240,7 +249,8 @@ impl Ledger {
                 (refund.order_no, None)
             }
         };
-        let order = queries.find_order(merchant_id, &order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+        let (order, hold) =
+            queries.find_order_and_hold(merchant_id, &order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
         payment = match &order.out_trade_no {
             Some(out_trade_no) if payment.as_ref().is_some_and(|found| &found.out_trade_no == out_trade_no) => payment,
             Some(out_trade_no) => queries.find_payment(merchant_id, out_trade_no).await?,
@@ -248,7 +258,7 @@ impl Ledger {
         };
         let refunds =
             if order.refunded_amount == 0 { Vec::new() } else { queries.list_refunds(merchant_id, &order_no).await? };
-        Ok(OrderDetails { order, payment, refunds })
+        Ok(OrderDetails { order, payment, refunds, hold })
     }
 }
 
@@ -394,17 +404,31 @@ impl IdempotentCall for CloseOrder<'_> {
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
         let (merchant_id, order_no) = (self.merchant_id.as_str(), self.order_no.as_str());
         let moved = queries.close_order(merchant_id, order_no, CloseReason::Merchant.as_str(), now, None).await?;
-        let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        if !moved {
-            match order_state(&order, now)?.apply(OrderEvent::Close)? {
-                // Closing a closed order: nothing to write, answered as a replay.
-                Transition::AlreadyApplied => return Ok(Inserted::KeyTaken),
-                // Zero rows but PENDING now: it changed under us and changed back; cannot
-                // happen with the transitions that exist, so report contention.
-                Transition::To(_) => return Err(Error::Contention),
-            }
+        if moved {
+            let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+            return Ok(Inserted::Done(order));
         }
-        Ok(Inserted::Done(order))
+        // Not PENDING: under the order's lock, the state machine says what closing means now.
+        let order =
+            queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+        match order_state(&order, now)?.apply(OrderEvent::Close)? {
+            // Closing a closed order: nothing to write, answered as a replay.
+            Transition::AlreadyApplied => Ok(Inserted::KeyTaken),
+            // AUTHORIZED: its hold is released with it.
+            Transition::To(_) if order.status == OrderStatus::Authorized.as_str() => {
+                let hold = queries
+                    .find_hold_of_order(merchant_id, order_no)
+                    .await?
+                    .ok_or_else(|| Error::Internal("an authorized order has no hold".into()))?;
+                let receipt = release_hold(queries, &order, &hold, OrderEvent::Close, now).await?;
+                let receipt =
+                    receipt.ok_or_else(|| Error::Internal("closing an authorized order changed nothing".into()))?;
+                Ok(Inserted::Done(receipt.order))
+            }
+            // PENDING again after the UPDATE found it otherwise: cannot happen with the
+            // transitions that exist, so report contention.
+            Transition::To(_) => Err(Error::Contention),
+        }
     }
 }
 

@@ -103,7 +103,7 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known
 
 /// The rules of one leg: the account holds `currency`, and its balance plus `delta` (minor
 /// units) stays within the balance limit and, unless it is the external funding account, at
-/// or above zero. Returns the balance after.
+/// or above what its active holds reserve (zero without holds). Returns the balance after.
 ///
 /// # Errors
 /// [`Rejection::CurrencyMismatch`], [`Rejection::BalanceLimitExceeded`],
@@ -117,7 +117,8 @@ pub(super) fn balance_after(account: &AccountRow, currency: &str, delta: i64) ->
         .checked_add(delta)
         .filter(|balance| balance.abs() <= BALANCE_MINOR_UNITS_MAX)
         .ok_or(Rejection::BalanceLimitExceeded)?;
-    if balance < 0 && account.kind != KIND_EXTERNAL {
+    // What a customer account can spend is its balance minus its active holds.
+    if account.kind != KIND_EXTERNAL && balance < account.held {
         return Err(Rejection::InsufficientFunds.into());
     }
     Ok(balance)

@@ -1,6 +1,6 @@
-//! The reaper: deletes expired idempotency records and tokens, and closes PENDING orders whose
-//! `expires_at` has passed (the order sweeper), in small batches with a pause between
-//! batches, so it never holds locks long against live traffic.
+//! The reaper: deletes expired idempotency records and tokens, closes PENDING orders whose
+//! `expires_at` has passed (the order sweeper) and releases authorization holds past theirs
+//! (the hold sweeper), in small batches, so it never holds locks long against live traffic.
 
 use std::time::Duration;
 
@@ -142,8 +142,8 @@ enum Table {
     Tokens,
 }
 
-/// Runs [`Ledger::reap_expired`] and [`Ledger::close_expired_orders`] every
-/// `settings.interval` until the task is aborted.
+/// Runs [`Ledger::close_expired_orders`], [`Ledger::release_expired_holds`] and
+/// [`Ledger::reap_expired`] every `settings.interval` until the task is aborted.
 pub fn spawn_reaper(ledger: Ledger, settings: ReaperSettings) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
@@ -159,6 +159,13 @@ pub fn spawn_reaper(ledger: Ledger, settings: ReaperSettings) -> JoinHandle<()> 
                 }
                 Ok(_) => {}
                 Err(error) => tracing::warn!(%error, "order sweep failed; trying again next interval"),
+            }
+            match ledger.release_expired_holds(settings.batch_size).await {
+                Ok((released, skipped)) if released + skipped > 0 => {
+                    tracing::info!(released, skipped, "released expired holds");
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "hold sweep failed; trying again next interval"),
             }
             match ledger.reap_expired(&settings).await {
                 Ok(report) if report.records_deleted + report.tokens_deleted > 0 => {

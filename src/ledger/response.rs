@@ -7,7 +7,7 @@ use prost_types::Timestamp;
 use crate::domain::{format_minor, CloseReason, Currency, OrderStatus};
 use crate::error::Error;
 use crate::proto;
-use crate::store::{AccountRow, EntryRow, OrderRow, PaymentRow, RefundRow, TransferRow};
+use crate::store::{AccountRow, EntryRow, HoldRow, OrderRow, PaymentRow, RefundRow, TransferRow};
 
 /// Minor units of a stored currency code as a decimal string.
 fn money(minor_units: i64, currency_code: &str) -> Result<String, Error> {
@@ -25,6 +25,7 @@ pub fn timestamp(micros: i64) -> Option<Timestamp> {
 pub fn account(row: AccountRow) -> Result<proto::Account, Error> {
     Ok(proto::Account {
         balance: money(row.balance, &row.currency)?,
+        available_balance: money(row.balance - row.held, &row.currency)?,
         account_id: row.account_id,
         currency: row.currency,
         version: row.version,
@@ -61,6 +62,7 @@ pub fn entry(row: EntryRow) -> Result<proto::Entry, Error> {
 pub fn order(row: OrderRow) -> Result<proto::Order, Error> {
     let status = match OrderStatus::from_stored(&row.status) {
         Some(OrderStatus::Pending) => proto::OrderStatus::Pending,
+        Some(OrderStatus::Authorized) => proto::OrderStatus::Authorized,
         Some(OrderStatus::Paid) => proto::OrderStatus::Paid,
         Some(OrderStatus::PartiallyRefunded) => proto::OrderStatus::PartiallyRefunded,
         Some(OrderStatus::Refunded) => proto::OrderStatus::Refunded,
@@ -70,6 +72,8 @@ pub fn order(row: OrderRow) -> Result<proto::Order, Error> {
     let close_reason = match row.close_reason.as_deref().and_then(CloseReason::from_stored) {
         Some(CloseReason::Merchant) => proto::OrderCloseReason::Merchant,
         Some(CloseReason::Expired) => proto::OrderCloseReason::Expired,
+        Some(CloseReason::Voided) => proto::OrderCloseReason::Voided,
+        Some(CloseReason::HoldExpired) => proto::OrderCloseReason::HoldExpired,
         None => proto::OrderCloseReason::Unspecified,
     };
     Ok(proto::Order {
@@ -101,6 +105,33 @@ pub fn payment(row: PaymentRow) -> Result<proto::Payment, Error> {
         currency: row.currency,
         status: proto::PaymentStatus::Succeeded.into(),
         created_at: timestamp(row.created_at),
+        created_by: row.created_by,
+    })
+}
+
+pub fn hold(row: HoldRow) -> Result<proto::Hold, Error> {
+    use super::holds::{HOLD_ACTIVE, HOLD_CAPTURED, HOLD_EXPIRED, HOLD_VOIDED};
+    let status = match row.status.as_str() {
+        HOLD_ACTIVE => proto::HoldStatus::Active,
+        HOLD_CAPTURED => proto::HoldStatus::Captured,
+        HOLD_VOIDED => proto::HoldStatus::Voided,
+        HOLD_EXPIRED => proto::HoldStatus::Expired,
+        _ => proto::HoldStatus::Unspecified,
+    };
+    Ok(proto::Hold {
+        amount: money(row.amount, &row.currency)?,
+        captured_amount: money(row.captured_amount, &row.currency)?,
+        hold_no: row.hold_no,
+        merchant_id: row.merchant_id,
+        out_auth_no: row.out_auth_no,
+        order_no: row.order_no,
+        payer_account_id: row.payer_account_id,
+        currency: row.currency,
+        status: status.into(),
+        out_trade_no: row.out_trade_no.unwrap_or_default(),
+        expires_at: timestamp(row.expires_at),
+        created_at: timestamp(row.created_at),
+        updated_at: timestamp(row.updated_at),
         created_by: row.created_by,
     })
 }

@@ -25,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
 pub use queries::{FundingTable, PaidBatch, Queries};
 pub use rows::{
-    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
     PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 

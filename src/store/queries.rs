@@ -7,14 +7,14 @@ use sqlx::{Any, Row};
 
 use super::dialect::{render, Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
     PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 /// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
 macro_rules! account_columns {
     () => {
-        "account_id, currency, kind, balance, version, created_at, updated_at"
+        "account_id, currency, kind, balance, version, created_at, updated_at, held"
     };
 }
 macro_rules! entry_columns {
@@ -60,9 +60,20 @@ static INSERT_ACCOUNT: Sql = Sql::new(
     "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
+/// The version CAS; `held <= ?` (bound the new balance) keeps an account's active holds
+/// covered even when one was placed after the balance was read (placing a hold changes
+/// `held`, not the version).
 static CAS_BALANCE: Sql = Sql::new(
-    "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ?",
+    "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ? \
+     AND (held = 0 OR held <= ?)",
 );
+/// Reserves `?` on a customer account whose available balance covers it.
+static RESERVE_HELD: Sql = Sql::new(
+    "UPDATE accounts SET held = held + ?, updated_at = ? WHERE account_id = ? AND kind = 'CUSTOMER' AND balance - held >= ?",
+);
+/// Releases `?` of an account's holds.
+static RELEASE_HELD: Sql =
+    Sql::new("UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?");
 static INSERT_ENTRY_PAIR: Sql =
     Sql::new(concat!(insert_entry_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
 static FIND_ENTRY: Sql =
@@ -104,6 +115,55 @@ static MARK_ORDER_PAID: Sql = Sql::new(
 static TRANSITION_ORDER: Sql = Sql::new(
     "UPDATE orders SET status = ?, refunded_amount = ?, updated_at = ? \
      WHERE merchant_id = ? AND order_no = ? AND status = ? AND refunded_amount = ? AND ? <= amount",
+);
+
+macro_rules! hold_columns {
+    () => {
+        "hold_no, merchant_id, out_auth_no, order_no, payer_account_id, amount, currency, status, captured_amount, \
+         out_trade_no, expires_at, created_at, updated_at, created_by"
+    };
+}
+/// An order and its hold (if any), for Query: one round trip.
+static FIND_ORDER_AND_HOLD: Sql = Sql::new(
+    "SELECT o.merchant_id, o.order_no, o.payee_account_id, o.amount, o.currency, o.subject, o.status, o.out_trade_no, \
+     o.refunded_amount, o.created_at, o.updated_at, o.expires_at, o.close_reason, h.hold_no AS h_hold_no, \
+     h.out_auth_no AS h_out_auth_no, h.payer_account_id AS h_payer_account_id, h.amount AS h_amount, \
+     h.currency AS h_currency, h.status AS h_status, h.captured_amount AS h_captured_amount, \
+     h.out_trade_no AS h_out_trade_no, h.expires_at AS h_expires_at, h.created_at AS h_created_at, \
+     h.updated_at AS h_updated_at, h.created_by AS h_created_by \
+     FROM orders o LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
+     WHERE o.merchant_id = ? AND o.order_no = ?",
+);
+static INSERT_HOLD: Sql = Sql::new(concat!(
+    "INSERT INTO holds (",
+    hold_columns!(),
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+));
+static FIND_HOLD: Sql =
+    Sql::new(concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND out_auth_no = ?"));
+static FIND_HOLD_OF_ORDER: Sql =
+    Sql::new(concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND order_no = ?"));
+/// ACTIVE -> CAPTURED, VOIDED or EXPIRED, only while ACTIVE.
+static SETTLE_HOLD: Sql = Sql::new(
+    "UPDATE holds SET status = ?, captured_amount = ?, out_trade_no = ?, updated_at = ? WHERE hold_no = ? AND status = 'ACTIVE'",
+);
+/// ACTIVE holds whose expires_at is at or before `?`, earliest first, at most `?`.
+static FIND_EXPIRED_HOLDS: Sql = Sql::new(
+    "SELECT merchant_id, order_no FROM holds WHERE status = 'ACTIVE' AND expires_at <= ? ORDER BY expires_at LIMIT ?",
+);
+/// PENDING -> AUTHORIZED.
+static AUTHORIZE_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = 'AUTHORIZED', updated_at = ? WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
+);
+/// AUTHORIZED -> PAID by a capture: the order's amount becomes the captured amount.
+static CAPTURE_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = 'PAID', out_trade_no = ?, amount = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'AUTHORIZED' AND ? <= amount",
+);
+/// AUTHORIZED -> CLOSED (the hold voided, expired or the order closed by the merchant).
+static CLOSE_AUTHORIZED_ORDER: Sql = Sql::new(
+    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'AUTHORIZED'",
 );
 
 static FIND_PAYMENT: Sql = Sql::new(
@@ -201,7 +261,7 @@ static INSERT_TRANSFER: Sql = Sql::new(
 const CURRENCY_SUMS: usize = 3;
 
 /// Each audit query returns (subject, detail) rows, one per violation.
-static AUDIT_CHECKS: [(&str, Sql); 8] = [
+static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "every entry, payment, order and deposit names an existing account and order",
         Sql::new(
@@ -286,6 +346,27 @@ static AUDIT_CHECKS: [(&str, Sql); 8] = [
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = w.withdrawal_id AND e.amount = w.amount) \
              UNION ALL SELECT t.transfer_id, 'transfer without entries' FROM transfers t \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = t.transfer_id AND e.amount = t.amount)",
+        ),
+    ),
+    (
+        "an account's held amount is the sum of its active holds, and its balance covers it",
+        Sql::new(
+            "SELECT a.account_id AS subject, CONCAT_WS('', 'held ', CAST(a.held AS CHAR(24)), ' active holds ', \
+               CAST(COALESCE(h.total, 0) AS CHAR(24)), ' balance ', CAST(a.balance AS CHAR(24))) AS detail \
+             FROM accounts a LEFT JOIN (SELECT payer_account_id, CAST(SUM(amount) AS BIGINT) AS total FROM holds \
+               WHERE status = 'ACTIVE' GROUP BY payer_account_id) h ON h.payer_account_id = a.account_id \
+             WHERE a.held <> COALESCE(h.total, 0) OR (a.kind = 'CUSTOMER' AND a.balance < a.held)",
+        ),
+    ),
+    (
+        "an order is authorized exactly when it has an active hold of its amount, and a captured hold has its payment",
+        Sql::new(
+            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
+             LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
+             WHERE (o.status = 'AUTHORIZED' AND (h.hold_no IS NULL OR h.status <> 'ACTIVE' OR h.amount <> o.amount)) \
+             OR (o.status <> 'AUTHORIZED' AND h.status = 'ACTIVE') \
+             OR (h.status = 'CAPTURED' AND (o.out_trade_no IS NULL OR h.out_trade_no IS NULL \
+               OR o.out_trade_no <> h.out_trade_no OR h.captured_amount <> o.amount))",
         ),
     ),
 ];
@@ -498,8 +579,13 @@ impl<'c> Queries<'c> {
         expected_version: i64,
         now: i64,
     ) -> Result<bool, sqlx::Error> {
-        let query =
-            self.query(&CAS_BALANCE).bind(new_balance).bind(now).bind(account_id.to_owned()).bind(expected_version);
+        let query = self
+            .query(&CAS_BALANCE)
+            .bind(new_balance)
+            .bind(now)
+            .bind(account_id.to_owned())
+            .bind(expected_version)
+            .bind(new_balance);
         self.update_one(query).await
     }
 
@@ -543,6 +629,42 @@ impl<'c> Queries<'c> {
             .bind(order_no)
             .fetch_optional(&mut *self.connection)
             .await
+    }
+
+    /// An order and its authorization hold (if it ever had one), in one round trip.
+    pub async fn find_order_and_hold(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+    ) -> Result<Option<(OrderRow, Option<HoldRow>)>, sqlx::Error> {
+        let row: Option<AnyRow> = sqlx::query(FIND_ORDER_AND_HOLD.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_optional(&mut *self.connection)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let order = <OrderRow as sqlx::FromRow<AnyRow>>::from_row(&row)?;
+        let hold_no: Option<String> = row.try_get("h_hold_no")?;
+        let hold = match hold_no {
+            None => None,
+            Some(hold_no) => Some(HoldRow {
+                hold_no,
+                merchant_id: order.merchant_id.clone(),
+                out_auth_no: row.try_get("h_out_auth_no")?,
+                order_no: order.order_no.clone(),
+                payer_account_id: row.try_get("h_payer_account_id")?,
+                amount: row.try_get("h_amount")?,
+                currency: row.try_get("h_currency")?,
+                status: row.try_get("h_status")?,
+                captured_amount: row.try_get("h_captured_amount")?,
+                out_trade_no: row.try_get("h_out_trade_no")?,
+                expires_at: row.try_get("h_expires_at")?,
+                created_at: row.try_get("h_created_at")?,
+                updated_at: row.try_get("h_updated_at")?,
+                created_by: row.try_get("h_created_by")?,
+            }),
+        };
+        Ok(Some((order, hold)))
     }
 
     /// Reads an order and locks its row until the transaction ends (`FOR UPDATE`).
@@ -590,6 +712,134 @@ impl<'c> Queries<'c> {
         if let Some(expired_by) = expired_by {
             query = query.bind(expired_by);
         }
+        self.update_one(query).await
+    }
+
+    /// Reserves `amount` (minor units) on a customer account whose balance minus its holds
+    /// covers it; false when it does not (or the account is not a customer account).
+    pub async fn reserve_held(&mut self, account_id: &str, amount: i64, now: i64) -> Result<bool, sqlx::Error> {
+        let query = self.query(&RESERVE_HELD).bind(amount).bind(now).bind(account_id.to_owned()).bind(amount);
+        self.update_one(query).await
+    }
+
+    /// Releases `amount` (minor units) of an account's holds; false when it holds less.
+    pub async fn release_held(&mut self, account_id: &str, amount: i64, now: i64) -> Result<bool, sqlx::Error> {
+        let query = self.query(&RELEASE_HELD).bind(amount).bind(now).bind(account_id.to_owned()).bind(amount);
+        self.update_one(query).await
+    }
+
+    /// Records a hold; false when its out_auth_no, or its order's one hold, is taken.
+    pub async fn insert_hold(&mut self, row: &HoldRow) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&INSERT_HOLD)
+            .bind(row.hold_no.clone())
+            .bind(row.merchant_id.clone())
+            .bind(row.out_auth_no.clone())
+            .bind(row.order_no.clone())
+            .bind(row.payer_account_id.clone())
+            .bind(row.amount)
+            .bind(row.currency.clone())
+            .bind(row.status.clone())
+            .bind(row.captured_amount)
+            .bind(row.out_trade_no.clone())
+            .bind(row.expires_at)
+            .bind(row.created_at)
+            .bind(row.updated_at)
+            .bind(row.created_by.clone());
+        self.insert_if_absent(query).await
+    }
+
+    pub async fn find_hold(&mut self, merchant_id: &str, out_auth_no: &str) -> Result<Option<HoldRow>, sqlx::Error> {
+        sqlx::query_as(FIND_HOLD.text(self.dialect))
+            .bind(merchant_id)
+            .bind(out_auth_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    pub async fn find_hold_of_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+    ) -> Result<Option<HoldRow>, sqlx::Error> {
+        sqlx::query_as(FIND_HOLD_OF_ORDER.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// Moves an ACTIVE hold to `status` (`CAPTURED` with its captured amount and payment,
+    /// `VOIDED` or `EXPIRED`); false when it is no longer ACTIVE.
+    pub async fn settle_hold(
+        &mut self,
+        hold_no: &str,
+        status: &'static str,
+        captured_amount: i64,
+        out_trade_no: Option<&str>,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&SETTLE_HOLD)
+            .bind(status)
+            .bind(captured_amount)
+            .bind(out_trade_no.map(str::to_owned))
+            .bind(now)
+            .bind(hold_no.to_owned());
+        self.update_one(query).await
+    }
+
+    /// Keys (merchant_id, order_no) of at most `limit` ACTIVE holds whose expires_at is at or
+    /// before `now`, earliest first.
+    pub async fn find_expired_holds(&mut self, now: i64, limit: i64) -> Result<Vec<(String, String)>, sqlx::Error> {
+        sqlx::query_as(FIND_EXPIRED_HOLDS.text(self.dialect))
+            .bind(now)
+            .bind(limit)
+            .fetch_all(&mut *self.connection)
+            .await
+    }
+
+    /// PENDING -> AUTHORIZED; false when the order is no longer PENDING.
+    pub async fn authorize_order(&mut self, merchant_id: &str, order_no: &str, now: i64) -> Result<bool, sqlx::Error> {
+        let query = self.query(&AUTHORIZE_ORDER).bind(now).bind(merchant_id.to_owned()).bind(order_no.to_owned());
+        self.update_one(query).await
+    }
+
+    /// AUTHORIZED -> PAID by the capture's payment of `amount` (at most the order's amount,
+    /// which becomes `amount`); false when the order is no longer AUTHORIZED.
+    pub async fn capture_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+        out_trade_no: &str,
+        amount: i64,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&CAPTURE_ORDER)
+            .bind(out_trade_no.to_owned())
+            .bind(amount)
+            .bind(now)
+            .bind(merchant_id.to_owned())
+            .bind(order_no.to_owned())
+            .bind(amount);
+        self.update_one(query).await
+    }
+
+    /// AUTHORIZED -> CLOSED with `reason`; false when the order is no longer AUTHORIZED.
+    pub async fn close_authorized_order(
+        &mut self,
+        merchant_id: &str,
+        order_no: &str,
+        reason: &'static str,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let query = self
+            .query(&CLOSE_AUTHORIZED_ORDER)
+            .bind(reason)
+            .bind(now)
+            .bind(merchant_id.to_owned())
+            .bind(order_no.to_owned());
         self.update_one(query).await
     }
 

@@ -17,6 +17,10 @@ pub struct AccountRow {
     pub version: i64,
     pub created_at: i64,
     pub updated_at: i64,
+    /// The sum of the account's ACTIVE authorization holds: `balance - held` is what it can
+    /// spend. Changed by conditional UPDATEs of its own, never by the version CAS.
+    #[serde(default)]
+    pub held: i64,
 }
 
 /// `orders`, keyed by (merchant_id, order_no).
@@ -40,6 +44,27 @@ pub struct OrderRow {
     /// orders closed before reasons were kept.
     #[serde(default)]
     pub close_reason: Option<String>,
+}
+
+/// `holds`: one authorization hold per order, unique on (merchant_id, out_auth_no); `status`
+/// is `ACTIVE`, `CAPTURED`, `VOIDED` or `EXPIRED`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
+pub struct HoldRow {
+    pub hold_no: String,
+    pub merchant_id: String,
+    pub out_auth_no: String,
+    pub order_no: String,
+    pub payer_account_id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub status: String,
+    pub captured_amount: i64,
+    /// The capture's payment; `None` unless CAPTURED.
+    pub out_trade_no: Option<String>,
+    pub expires_at: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub created_by: String,
 }
 
 /// `payment_flow`: one row per successful payment, unique on (merchant_id, out_trade_no)

@@ -23,6 +23,9 @@ enum Rpc {
     Refund,
     Query,
     IssueToken,
+    Authorize,
+    Capture,
+    Void,
     OpenAccount,
     Deposit,
     Withdraw,
@@ -32,13 +35,16 @@ enum Rpc {
 }
 
 impl Rpc {
-    const ALL: [Rpc; 12] = [
+    const ALL: [Rpc; 15] = [
         Rpc::CreateOrder,
         Rpc::CloseOrder,
         Rpc::Pay,
         Rpc::Refund,
         Rpc::Query,
         Rpc::IssueToken,
+        Rpc::Authorize,
+        Rpc::Capture,
+        Rpc::Void,
         Rpc::OpenAccount,
         Rpc::Deposit,
         Rpc::Withdraw,
@@ -50,7 +56,14 @@ impl Rpc {
     /// The scope the README says this RPC needs.
     fn scope(self) -> &'static str {
         match self {
-            Rpc::CreateOrder | Rpc::CloseOrder | Rpc::Pay | Rpc::Refund | Rpc::IssueToken => "payments:write",
+            Rpc::CreateOrder
+            | Rpc::CloseOrder
+            | Rpc::Pay
+            | Rpc::Refund
+            | Rpc::IssueToken
+            | Rpc::Authorize
+            | Rpc::Capture
+            | Rpc::Void => "payments:write",
             Rpc::Query => "payments:read",
             Rpc::Transfer => "accounts:write",
             Rpc::GetAccount | Rpc::ListEntries => "accounts:read",
@@ -59,7 +72,18 @@ impl Rpc {
     }
 
     fn merchant_scoped(self) -> bool {
-        matches!(self, Rpc::CreateOrder | Rpc::CloseOrder | Rpc::Pay | Rpc::Refund | Rpc::Query | Rpc::IssueToken)
+        matches!(
+            self,
+            Rpc::CreateOrder
+                | Rpc::CloseOrder
+                | Rpc::Pay
+                | Rpc::Refund
+                | Rpc::Query
+                | Rpc::IssueToken
+                | Rpc::Authorize
+                | Rpc::Capture
+                | Rpc::Void
+        )
     }
 }
 
@@ -219,6 +243,31 @@ async fn call(app: &TestApp, rpc: Rpc, authorization: Option<&str>, token: &str)
             let message = proto::IssueTokenRequest { merchant_id: "m1".into(), purpose: "checkout".into() };
             payments.issue_token(request(message, authorization, None, None)).await.map(drop)
         }
+        Rpc::Authorize => {
+            let message = proto::AuthorizeRequest {
+                merchant_id: "m1".into(),
+                out_auth_no: "a-new".into(),
+                order_no: "o-pending".into(),
+                payer_account_id: "alice".into(),
+                amount: "10.00".into(),
+                currency: "USD".into(),
+            };
+            payments.authorize(request(message, authorization, key, None)).await.map(drop)
+        }
+        Rpc::Capture => {
+            let message = proto::CaptureRequest {
+                merchant_id: "m1".into(),
+                out_auth_no: "a-held".into(),
+                out_trade_no: "t-capture".into(),
+                amount: "5.00".into(),
+                currency: "USD".into(),
+            };
+            payments.capture(request(message, authorization, key, None)).await.map(drop)
+        }
+        Rpc::Void => {
+            let message = proto::VoidRequest { merchant_id: "m1".into(), out_auth_no: "a-held".into() };
+            payments.void(request(message, authorization, key, None)).await.map(drop)
+        }
         Rpc::OpenAccount => {
             let message = proto::OpenAccountRequest { account_id: "carol".into(), currency: "USD".into() };
             accounts.open_account(request(message, authorization, key, None)).await.map(drop)
@@ -266,6 +315,16 @@ async fn matrix_ledger(app: &TestApp) -> String {
     app.create_order("m1", "o-pending", "shop", "10.00").await.unwrap();
     app.create_order("m1", "o-paid", "shop", "10.00").await.unwrap();
     app.pay("m1", "t-paid", "o-paid", "alice", "10.00").await.unwrap();
+    app.create_order("m1", "o-held", "shop", "10.00").await.unwrap();
+    let authorize = proto::AuthorizeRequest {
+        merchant_id: "m1".into(),
+        out_auth_no: "a-held".into(),
+        order_no: "o-held".into(),
+        payer_account_id: "alice".into(),
+        amount: "10.00".into(),
+        currency: "USD".into(),
+    };
+    app.payments.clone().authorize(authorize).await.unwrap();
     app.issue_token("m1").await
 }
 
@@ -273,7 +332,7 @@ async fn matrix_ledger(app: &TestApp) -> String {
 /// and tokens (issued and consumed).
 async fn ledger_state(app: &TestApp) -> Vec<String> {
     let mut state: Vec<String> = app.all_rows().await.iter().map(ToString::to_string).collect();
-    for table in ["idempotency_record", "idempotency_token", "transfers", "withdrawals"] {
+    for table in ["idempotency_record", "idempotency_token", "transfers", "withdrawals", "holds"] {
         state.push(format!("{table}={}", app.rows(table).await));
     }
     let consumed = sqlx::query("SELECT COUNT(*) FROM idempotency_token WHERE consumed_at IS NOT NULL")
@@ -316,7 +375,7 @@ pub async fn every_rpc_refuses_every_bad_credential_and_caller_outside_its_grant
             calls += 1;
         }
     }
-    assert_eq!(calls, 12 * 12 - 6);
+    assert_eq!(calls, 15 * 12 - 6);
 
     assert_eq!(ledger_state(app).await, before, "a refused call changed the ledger");
     // The token presented by every refused Pay was never consumed: its owner can still use it.

@@ -59,6 +59,8 @@ pub struct TestOptions {
     pub max_concurrent_calls: Option<usize>,
     /// The lifetime of an order created without expires_at (`--order-ttl-seconds`).
     pub order_ttl: Duration,
+    /// The lifetime of an authorization hold (`--hold-ttl-seconds`).
+    pub hold_ttl: Duration,
 }
 
 impl Default for TestOptions {
@@ -73,6 +75,7 @@ impl Default for TestOptions {
             authenticated: false,
             max_concurrent_calls: Some(512),
             order_ttl: defaults.order_ttl,
+            hold_ttl: defaults.hold_ttl,
         }
     }
 }
@@ -94,6 +97,11 @@ impl TestOptions {
     /// Orders created without expires_at live 2 s (`--order-ttl-seconds 2`).
     pub fn short_order_ttl() -> Self {
         Self { order_ttl: Duration::from_secs(2), ..Self::default() }
+    }
+
+    /// Authorization holds last 2 s (`--hold-ttl-seconds 2`).
+    pub fn short_hold_ttl() -> Self {
+        Self { hold_ttl: Duration::from_secs(2), ..Self::default() }
     }
 
     pub fn authenticated() -> Self {
@@ -343,6 +351,7 @@ impl TestApp {
                 token_ttl: options.token_ttl,
                 group_commit: options.group_commit,
                 order_ttl: options.order_ttl,
+                hold_ttl: options.hold_ttl,
             },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");

@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use payledger::ledger::ReaperSettings;
-use payledger::proto::{self, query_request::Key, EntryKind, OrderCloseReason, OrderStatus};
+use payledger::proto::{self, query_request::Key, EntryKind, HoldStatus, OrderCloseReason, OrderStatus};
 use tonic::{Code, Response, Status};
 
 use crate::helpers::{assert_status, replayed, violated_fields, with_key, TestApp};
@@ -379,4 +379,351 @@ pub async fn withdrawals_racing_pays_on_one_account_never_overdraw_it(app: &Test
         .await
         .unwrap();
     assert!(replayed(&withdraw(app, &done, "alice", "1.00", "USD").await.unwrap()));
+}
+
+fn authorize_request(out_auth_no: &str, order_no: &str, amount: &str) -> proto::AuthorizeRequest {
+    proto::AuthorizeRequest {
+        merchant_id: "m1".into(),
+        out_auth_no: out_auth_no.into(),
+        order_no: order_no.into(),
+        payer_account_id: "alice".into(),
+        amount: amount.into(),
+        currency: "USD".into(),
+    }
+}
+
+fn capture_request(out_auth_no: &str, out_trade_no: &str, amount: &str) -> proto::CaptureRequest {
+    proto::CaptureRequest {
+        merchant_id: "m1".into(),
+        out_auth_no: out_auth_no.into(),
+        out_trade_no: out_trade_no.into(),
+        amount: amount.into(),
+        currency: "USD".into(),
+    }
+}
+
+fn void_request(out_auth_no: &str) -> proto::VoidRequest {
+    proto::VoidRequest { merchant_id: "m1".into(), out_auth_no: out_auth_no.into() }
+}
+
+/// (balance, available_balance) of an account.
+async fn balances(app: &TestApp, account_id: &str) -> (String, String) {
+    let request = proto::GetAccountRequest { account_id: account_id.into() };
+    let account = app.accounts.clone().get_account(request).await.unwrap().into_inner().account.unwrap();
+    (account.balance, account.available_balance)
+}
+
+fn pair(balance: &str, available: &str) -> (String, String) {
+    (balance.to_owned(), available.to_owned())
+}
+
+pub async fn a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    app.open("bob", "USD").await;
+    let mut payments = app.payments.clone();
+    for (order_no, amount) in [("o-1", "60.00"), ("o-2", "50.00"), ("o-3", "20.00")] {
+        app.create_order("m1", order_no, "shop", amount).await.unwrap();
+    }
+
+    let first = payments.authorize(authorize_request("a-1", "o-1", "60.00")).await.unwrap();
+    let again = payments.authorize(authorize_request("a-1", "o-1", "60.00")).await.unwrap();
+    assert!(!replayed(&first) && replayed(&again));
+    let (first, again) = (first.into_inner(), again.into_inner());
+    assert_eq!(first.hold, again.hold);
+    let hold = first.hold.unwrap();
+    assert_eq!(
+        (hold.status(), hold.amount.as_str(), hold.captured_amount.as_str()),
+        (HoldStatus::Active, "60.00", "0.00")
+    );
+    assert_eq!(first.order.unwrap().status(), OrderStatus::Authorized);
+    assert_eq!(balances(app, "alice").await, pair("100.00", "40.00"), "held, not spent");
+    let reused = payments.authorize(authorize_request("a-1", "o-2", "50.00")).await.unwrap_err();
+    assert_status(&reused, Code::AlreadyExists, "OUT_AUTH_NO_REUSED");
+
+    // Every debit checks the available balance, not the balance.
+    let before = (app.all_rows().await, app.rows("holds").await, app.rows("withdrawals").await);
+    let pay = app.pay("m1", "t-2", "o-2", "alice", "50.00").await.unwrap_err();
+    assert_status(&pay, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    let mut accounts = app.accounts.clone();
+    let transfer = accounts.transfer(with_key(crate::helpers::transfer_request("alice", "bob", "40.01"), "x-1")).await;
+    assert_status(&transfer.unwrap_err(), Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    let out = withdraw(app, "out-1", "alice", "40.01", "USD").await.unwrap_err();
+    assert_status(&out, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(
+        (app.all_rows().await, app.rows("holds").await, app.rows("withdrawals").await),
+        before,
+        "refusals leave nothing behind"
+    );
+    withdraw(app, "out-2", "alice", "30.00", "USD").await.unwrap();
+    let short = payments.authorize(authorize_request("a-4", "o-2", "50.00")).await.unwrap_err();
+    assert_status(&short, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(order_of(app, "o-2").await.status(), OrderStatus::Pending, "a refused hold leaves its order PENDING");
+    let on_held = app.pay("m1", "t-1", "o-1", "alice", "60.00").await.unwrap_err();
+    assert_status(&on_held, Code::FailedPrecondition, "ORDER_AUTHORIZED");
+
+    // A partial capture: the payment and the order's amount are what was captured.
+    let captured = payments.capture(capture_request("a-1", "c-1", "45.00")).await.unwrap();
+    assert!(!replayed(&captured));
+    let captured = captured.into_inner();
+    let payment = captured.payment.clone().unwrap();
+    assert_eq!(
+        (payment.amount.as_str(), payment.out_trade_no.as_str(), payment.payer_account_id.as_str()),
+        ("45.00", "c-1", "alice")
+    );
+    let order = captured.order.clone().unwrap();
+    assert_eq!(
+        (order.status(), order.amount.as_str(), order.out_trade_no.as_str()),
+        (OrderStatus::Paid, "45.00", "c-1")
+    );
+    let hold = captured.hold.clone().unwrap();
+    assert_eq!(
+        (hold.status(), hold.captured_amount.as_str(), hold.out_trade_no.as_str()),
+        (HoldStatus::Captured, "45.00", "c-1")
+    );
+    assert_eq!(balances(app, "alice").await, pair("25.00", "25.00"), "45.00 paid, 15.00 released");
+    assert_eq!(app.balance("shop").await, "45.00");
+    let retried = payments.capture(capture_request("a-1", "c-1", "45.00")).await.unwrap();
+    assert!(replayed(&retried));
+    assert_eq!(retried.into_inner().payment, captured.payment);
+    let twice = payments.capture(capture_request("a-1", "c-2", "45.00")).await.unwrap_err();
+    assert_status(&twice, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    let changed = payments.capture(capture_request("a-1", "c-1", "44.00")).await.unwrap_err();
+    assert_status(&changed, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
+    let void = payments.void(void_request("a-1")).await.unwrap_err();
+    assert_status(&void, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+
+    // Refund and Query work on a captured order as on a paid one.
+    app.refund("m1", "c-1", "r-1", "45.00").await.unwrap();
+    let over = app.refund("m1", "c-1", "r-2", "0.01").await.unwrap_err();
+    assert_status(&over, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
+    let details = app.query("m1", Key::OutTradeNo("c-1".into())).await.unwrap();
+    assert_eq!(details.order.unwrap().status(), OrderStatus::Refunded);
+    assert_eq!(details.hold.unwrap().status(), HoldStatus::Captured);
+    assert_eq!(balances(app, "alice").await, pair("70.00", "70.00"));
+}
+
+pub async fn void_close_order_and_expiry_release_a_hold_and_a_released_hold_replays(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    let mut payments = app.payments.clone();
+    for order_no in ["o-1", "o-2"] {
+        app.create_order("m1", order_no, "shop", "30.00").await.unwrap();
+    }
+    payments.authorize(authorize_request("a-1", "o-1", "30.00")).await.unwrap();
+    payments.authorize(authorize_request("a-2", "o-2", "30.00")).await.unwrap();
+    assert_eq!(balances(app, "alice").await, pair("100.00", "40.00"));
+    let over = payments.capture(capture_request("a-1", "c-1", "30.01")).await.unwrap_err();
+    assert_status(&over, Code::FailedPrecondition, "CAPTURE_EXCEEDS_AUTHORIZED");
+    let missing = payments.void(void_request("a-none")).await.unwrap_err();
+    assert_status(&missing, Code::NotFound, "HOLD_NOT_FOUND");
+
+    let voided = payments.void(void_request("a-1")).await.unwrap();
+    assert!(!replayed(&voided));
+    let voided = voided.into_inner();
+    assert_eq!(voided.hold.unwrap().status(), HoldStatus::Voided);
+    let order = voided.order.unwrap();
+    assert_eq!((order.status(), order.close_reason()), (OrderStatus::Closed, OrderCloseReason::Voided));
+    assert!(replayed(&payments.void(void_request("a-1")).await.unwrap()));
+    let late = payments.capture(capture_request("a-1", "c-1", "30.00")).await.unwrap_err();
+    assert_status(&late, Code::FailedPrecondition, "HOLD_VOIDED");
+    let again = payments.authorize(authorize_request("a-3", "o-1", "30.00")).await.unwrap_err();
+    assert_status(&again, Code::FailedPrecondition, "ORDER_CLOSED");
+
+    // CloseOrder of an authorized order releases its hold.
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "o-2".into() };
+    let closed = payments.close_order(close).await.unwrap().into_inner().order.unwrap();
+    assert_eq!((closed.status(), closed.close_reason()), (OrderStatus::Closed, OrderCloseReason::Merchant));
+    let details = app.query("m1", Key::OrderNo("o-2".into())).await.unwrap();
+    assert_eq!(details.hold.unwrap().status(), HoldStatus::Voided);
+    assert!(replayed(&payments.void(void_request("a-2")).await.unwrap()));
+    assert_eq!(balances(app, "alice").await, pair("100.00", "100.00"), "every hold released");
+    assert_eq!(app.rows("payment_flow").await, 0);
+}
+
+/// On a server with `--hold-ttl-seconds 2`.
+pub async fn a_hold_past_its_expires_at_refuses_capture_and_the_sweeper_releases_it(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    let mut payments = app.payments.clone();
+    app.create_order("m1", "o-1", "shop", "30.00").await.unwrap();
+    let hold = payments.authorize(authorize_request("a-1", "o-1", "30.00")).await.unwrap().into_inner().hold.unwrap();
+    let (created, expires) = (hold.created_at.unwrap(), hold.expires_at.unwrap());
+    assert_eq!((expires.seconds - created.seconds, expires.nanos), (2, created.nanos));
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+
+    let late = payments.capture(capture_request("a-1", "c-1", "30.00")).await.unwrap_err();
+    assert_status(&late, Code::FailedPrecondition, "HOLD_EXPIRED");
+    assert_eq!(balances(app, "alice").await, pair("100.00", "70.00"), "held until the sweeper releases it");
+    assert_eq!(app.ledger.release_expired_holds(1).await.unwrap(), (1, 0));
+    assert_eq!(app.ledger.release_expired_holds(1).await.unwrap(), (0, 0));
+    let details = app.query("m1", Key::OrderNo("o-1".into())).await.unwrap();
+    let order = details.order.unwrap();
+    assert_eq!((order.status(), order.close_reason()), (OrderStatus::Closed, OrderCloseReason::HoldExpired));
+    assert_eq!(details.hold.unwrap().status(), HoldStatus::Expired);
+    assert_eq!(balances(app, "alice").await, pair("100.00", "100.00"));
+    let after = payments.capture(capture_request("a-1", "c-1", "30.00")).await.unwrap_err();
+    assert_status(&after, Code::FailedPrecondition, "HOLD_EXPIRED");
+    assert!(replayed(&payments.void(void_request("a-1")).await.unwrap()));
+    assert_eq!(app.metrics().await.get("payledger_holds_expired_total").copied(), Some(1.0));
+}
+
+/// Two Captures (of different amounts), a Void and a CloseOrder race on each of 30 holds: each
+/// order ends PAID by exactly one Capture or CLOSED with its hold released, and every loser
+/// is told why.
+pub async fn captures_void_and_close_order_racing_on_one_hold_end_with_one_winner(app: &TestApp) {
+    const ORDERS: usize = 30;
+    app.funded("alice", "1000.00").await;
+    app.open("shop", "USD").await;
+    let payments = app.payments.clone();
+    for n in 0..ORDERS {
+        app.create_order("m1", &format!("o-{n}"), "shop", "10.00").await.unwrap();
+        payments.clone().authorize(authorize_request(&format!("a-{n}"), &format!("o-{n}"), "10.00")).await.unwrap();
+    }
+    let mut calls = Vec::new();
+    for n in 0..ORDERS {
+        for step in 0..4 {
+            let mut payments = payments.clone();
+            calls.push(tokio::spawn(async move {
+                // A third of the orders give the captures a head start, a third the releases,
+                // and a third start all four at once (every call queues on the one payer's
+                // row, so without a head start the outcome is mostly the queue's).
+                let delayed = match n % 3 {
+                    0 => step >= 2,
+                    1 => step < 2,
+                    _ => false,
+                };
+                if delayed {
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+                let auth = format!("a-{n}");
+                let outcome = match step {
+                    0 => payments.capture(capture_request(&auth, &format!("c-{n}-6"), "6.00")).await.map(|_| ()),
+                    1 => payments.capture(capture_request(&auth, &format!("c-{n}-7"), "7.00")).await.map(|_| ()),
+                    2 => payments.void(void_request(&auth)).await.map(|_| ()),
+                    _ => {
+                        let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: format!("o-{n}") };
+                        payments.close_order(close).await.map(|_| ())
+                    }
+                };
+                (n, step, outcome)
+            }));
+        }
+    }
+    let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
+    let mut captured_cents = 0;
+    for n in 0..ORDERS {
+        let details = app.query("m1", Key::OrderNo(format!("o-{n}"))).await.unwrap();
+        let (order, hold) = (details.order.unwrap(), details.hold.unwrap());
+        let of = |step| outcomes.iter().find(|(m, s, _)| *m == n && *s == step).map(|(_, _, outcome)| outcome).unwrap();
+        match order.status() {
+            OrderStatus::Paid => {
+                let winner = if of(0).is_ok() { 0 } else { 1 };
+                assert!(of(winner).is_ok() && of(1 - winner).is_err(), "o-{n}: exactly one capture wins");
+                assert_status(of(1 - winner).as_ref().unwrap_err(), Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+                for step in [2, 3] {
+                    assert_status(of(step).as_ref().unwrap_err(), Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+                }
+                let cents = if winner == 0 { 600 } else { 700 };
+                assert_eq!(order.amount, format!("{}.00", cents / 100));
+                assert_eq!(hold.status(), HoldStatus::Captured);
+                assert_eq!(details.payment.unwrap().out_trade_no, format!("c-{n}-{}", cents / 100));
+                captured_cents += cents;
+            }
+            OrderStatus::Closed => {
+                assert_eq!(hold.status(), HoldStatus::Voided, "o-{n}");
+                for step in [0, 1] {
+                    let refused = of(step).as_ref().unwrap_err();
+                    assert_eq!(refused.code(), Code::FailedPrecondition, "o-{n}: {refused:?}");
+                }
+                assert!(of(2).is_ok() && of(3).is_ok(), "o-{n}: a void and a close of a released hold both answer");
+                assert!(details.payment.is_none());
+            }
+            other => panic!("o-{n} ended {other:?}"),
+        }
+    }
+    let left = 100_000 - captured_cents;
+    let expected = format!("{}.{:02}", left / 100, left % 100);
+    assert_eq!(balances(app, "alice").await, (expected.clone(), expected), "nothing is left held");
+    eprintln!("{:?}: {} of {ORDERS} holds captured", app.backend, app.rows("payment_flow").await);
+}
+
+/// On a server with `--hold-ttl-seconds 2`: Captures land around their holds' deadline while
+/// two hold sweepers run over and over.
+pub async fn captures_racing_the_hold_sweeper_end_with_one_winner(app: &TestApp) {
+    const ORDERS: usize = 40;
+    app.funded("alice", "1000.00").await;
+    app.open("shop", "USD").await;
+    let payments = app.payments.clone();
+    for n in 0..ORDERS {
+        app.create_order("m1", &format!("o-{n}"), "shop", "1.00").await.unwrap();
+    }
+    let mut holds = Vec::new();
+    for n in 0..ORDERS {
+        let hold = payments.clone().authorize(authorize_request(&format!("a-{n}"), &format!("o-{n}"), "1.00")).await;
+        holds.push(hold.unwrap().into_inner().hold.unwrap());
+    }
+    let started = tokio::time::Instant::now();
+    let micros = |t: &prost_types::Timestamp| t.seconds * 1_000_000 + i64::from(t.nanos / 1_000);
+    let now_micros = i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweepers: Vec<_> = (0..2)
+        .map(|_| {
+            let (ledger, stop) = (app.ledger.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut released = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    released += ledger.release_expired_holds(7).await.expect("a sweep").0;
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                }
+                released
+            })
+        })
+        .collect();
+    // Capture n from 300 ms before its hold's deadline (n = 0) to 285 ms after it (n = 39).
+    let mut calls = Vec::new();
+    for (n, hold) in holds.iter().enumerate() {
+        let offset_ms = i64::try_from(15 * n).unwrap() - 300;
+        let from_start = micros(hold.expires_at.as_ref().unwrap()) - now_micros + offset_ms * 1_000;
+        let at = started + Duration::from_micros(u64::try_from(from_start).unwrap_or(0));
+        let mut payments = payments.clone();
+        calls.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            payments.capture(capture_request(&format!("a-{n}"), &format!("c-{n}"), "1.00")).await
+        }));
+    }
+    let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut released = 0;
+    for sweeper in sweepers {
+        released += sweeper.await.unwrap();
+    }
+    let mut captured = 0;
+    for (n, outcome) in outcomes.iter().enumerate() {
+        let details = app.query("m1", Key::OrderNo(format!("o-{n}"))).await.unwrap();
+        let (order, hold) = (details.order.unwrap(), details.hold.unwrap());
+        match outcome {
+            Ok(response) => {
+                captured += 1;
+                assert_eq!((order.status(), hold.status()), (OrderStatus::Paid, HoldStatus::Captured), "o-{n}");
+                let paid_at = response.get_ref().payment.as_ref().unwrap().created_at.unwrap();
+                assert!(micros(&paid_at) < micros(&hold.expires_at.unwrap()), "o-{n} captured after its deadline");
+            }
+            Err(status) => {
+                assert_status(status, Code::FailedPrecondition, "HOLD_EXPIRED");
+                assert_eq!(
+                    (order.status(), order.close_reason()),
+                    (OrderStatus::Closed, OrderCloseReason::HoldExpired)
+                );
+                assert_eq!(hold.status(), HoldStatus::Expired);
+            }
+        }
+    }
+    assert_eq!(released, ORDERS as u64 - captured, "every uncaptured hold was released by one sweep");
+    assert!(captured > 0 && captured < ORDERS as u64, "the captures straddle the deadline: {captured} of {ORDERS}");
+    let left = 100_000 - captured * 100;
+    let expected = format!("{}.{:02}", left / 100, left % 100);
+    assert_eq!(balances(app, "alice").await, (expected.clone(), expected));
+    eprintln!("{:?}: {captured} of {ORDERS} holds captured, {released} released by the sweepers", app.backend);
 }

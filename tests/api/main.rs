@@ -110,6 +110,11 @@ backend_suite!(
     withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pay,
     deposits_and_withdrawals_go_round_past_the_one_way_limit,
     withdrawals_racing_pays_on_one_account_never_overdraw_it,
+    a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay,
+    void_close_order_and_expiry_release_a_hold_and_a_released_hold_replays,
+    a_hold_past_its_expires_at_refuses_capture_and_the_sweeper_releases_it => short_hold_ttl,
+    captures_void_and_close_order_racing_on_one_hold_end_with_one_winner,
+    captures_racing_the_hold_sweeper_end_with_one_winner => short_hold_ttl,
     // The trust boundary, on a server that authenticates callers.
     every_rpc_refuses_every_bad_credential_and_caller_outside_its_grant_leaving_nothing => authenticated,
     tokens_of_each_algorithm_verify_and_ambiguous_credentials_are_refused => authenticated,
