@@ -44,8 +44,9 @@ pub enum Scenario {
     Refund,
     /// Query of paid orders by out_trade_no (the read path), each order about ten times.
     Query,
-    /// 55% Pay (a third of the orders with an `expires_at` an hour ahead), 5% Withdraw, 10%
-    /// Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
+    /// 45% Pay (a third of the orders with an `expires_at` an hour ahead), 10% Authorize then
+    /// Capture of part of it (two calls, timed as one), 5% Withdraw, 10% Refund, 10% Query,
+    /// 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
     Mixed,
 }
 
@@ -184,7 +185,9 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
         Scenario::Replay => 1,
         Scenario::Refund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
-        Scenario::Mixed => settings.total,
+        // A fifth more than the calls: that fifth is paid during preparation, and each call
+        // then has an order of its own (a Pay and an Authorize never meet on one order).
+        Scenario::Mixed => settings.total + settings.total / 5,
     };
     let amount = if settings.scenario == Scenario::Refund { "100.00" } else { "1.00" };
     // `mixed`: a third of the orders can expire (an hour ahead, so that every Pay is in time).
@@ -221,7 +224,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared
     // Replay, refund and mixed need paid orders to start from.
     let to_pay = match settings.scenario {
         Scenario::Replay | Scenario::Refund | Scenario::Query => prepared.orders.len(),
-        Scenario::Mixed => prepared.orders.len() / 5,
+        Scenario::Mixed => usize::try_from(settings.total / 5).unwrap_or(0),
         Scenario::Pay | Scenario::Hot => 0,
     };
     let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
@@ -315,6 +318,27 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
     let index = usize::try_from(n).unwrap_or(0);
     let payer = &prepared.payers[index % prepared.payers.len()];
     match draw {
+        9..11 => {
+            let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
+            let authorize = proto::AuthorizeRequest {
+                merchant_id: merchant.clone(),
+                out_auth_no: format!("{order_no}-auth"),
+                order_no: order_no.clone(),
+                payer_account_id: prepared.payers[*payer].clone(),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+            };
+            let mut client = clients.payment(n);
+            client.authorize(authorize).await.map_err(|s| s.code())?;
+            let capture = proto::CaptureRequest {
+                merchant_id: merchant.clone(),
+                out_auth_no: format!("{order_no}-auth"),
+                out_trade_no: format!("{order_no}-capture"),
+                amount: "0.60".into(),
+                currency: "USD".into(),
+            };
+            client.capture(capture).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
         0..11 => {
             let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
             let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");

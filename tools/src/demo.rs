@@ -302,10 +302,54 @@ impl Story {
         self.expect(was_replayed(&retry), "the retry is a replay");
         self.expect(first.into_inner() == retry.into_inner(), "with the original entry");
 
-        println!("13. Final balances and the payer's journal.");
+        println!("13. Order order-3 for 40.00 is authorized (auth-1), then 25.00 of it is captured (capture-1).");
+        let order = proto::CreateOrderRequest {
+            merchant_id: self.id("merchant"),
+            order_no: self.id("order-3"),
+            payee_account_id: shop.clone(),
+            amount: "40.00".into(),
+            currency: "USD".into(),
+            subject: "a room, deposit first".into(),
+            expires_at: None,
+        };
+        self.payments.create_order(order).await?;
+        let authorize = proto::AuthorizeRequest {
+            merchant_id: self.id("merchant"),
+            out_auth_no: self.id("auth-1"),
+            order_no: self.id("order-3"),
+            payer_account_id: alice.clone(),
+            amount: "40.00".into(),
+            currency: "USD".into(),
+        };
+        let held = self.payments.authorize(authorize).await?.into_inner();
+        self.expect(
+            held.order.unwrap_or_default().status() == proto::OrderStatus::Authorized,
+            "the order is AUTHORIZED",
+        );
+        let request = proto::GetAccountRequest { account_id: alice.clone() };
+        let account = self.accounts.get_account(request).await?.into_inner().account.unwrap_or_default();
+        self.expect(
+            account.balance == "75.00" && account.available_balance == "35.00",
+            "the payer holds 75.00, of which 35.00 is available",
+        );
+        let capture = proto::CaptureRequest {
+            merchant_id: self.id("merchant"),
+            out_auth_no: self.id("auth-1"),
+            out_trade_no: self.id("capture-1"),
+            amount: "25.00".into(),
+            currency: "USD".into(),
+        };
+        let captured = self.payments.capture(capture).await?.into_inner();
+        let order = captured.order.unwrap_or_default();
+        self.expect(
+            order.status() == proto::OrderStatus::Paid && order.amount == "25.00",
+            "the order is PAID for 25.00; the other 15.00 is released",
+        );
+
+        println!("14. Final balances and the payer's journal.");
         let (alice_balance, shop_balance) = (self.balance(&alice).await?, self.balance(&shop).await?);
         println!("    {alice}: {alice_balance}    {shop}: {shop_balance}");
-        self.expect(alice_balance == "75.00" && shop_balance == "5.00", "payer 75.00, merchant 5.00");
+        self.expect(alice_balance == "50.00" && shop_balance == "30.00", "payer 50.00, merchant 30.00");
         for account_id in [&alice, &shop] {
             let request =
                 proto::ListEntriesRequest { account_id: account_id.clone(), page_size: 50, page_token: String::new() };

@@ -2,8 +2,9 @@
 //!
 //! It starts several `payledger serve` processes on loopback ports over one database, puts a
 //! [`FaultProxy`] in front of each, and lets N virtual callers run a random mix of Deposit,
-//! Withdraw, CreateOrder + Pay (a share of the orders expiring around the Pay), Refund,
-//! Transfer and Query through the retrying client
+//! Withdraw, CreateOrder + Pay (a share of the orders expiring around the Pay), CreateOrder +
+//! Authorize + Capture or Void (holds that last a second), Refund, Transfer and Query through
+//! the retrying client
 //! ([`payledger_client`]), re-sending a share of the mutating calls as duplicates through another
 //! instance. Meanwhile it injects faults: proxy delays, resets before the request, responses
 //! dropped after the server answered, black holes, SIGKILL and restart of an instance, and cut
@@ -99,6 +100,9 @@ pub struct StormSummary {
     pub database_cuts: u64,
     /// Orders closed by the instances' sweepers once their expires_at passed.
     pub orders_expired: u64,
+    /// Authorization holds captured, and released by the sweepers once their expires_at passed.
+    pub holds_captured: u64,
+    pub holds_expired: u64,
     pub violations: Vec<String>,
 }
 
@@ -107,6 +111,9 @@ enum OperationKind {
     Deposit,
     Withdraw,
     Pay,
+    Authorize,
+    Capture,
+    Void,
     Refund,
     Transfer,
 }
@@ -200,7 +207,7 @@ async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Resu
         .args(["--auth-issuer", STORM_ISSUER, "--auth-audience", STORM_AUDIENCE])
         .args(["--pool-size", "8", "--shutdown-grace-seconds", "1", "--log-filter", "error"])
         // The sweeper closes expired orders while Pays of them are still arriving.
-        .args(["--reaper-interval-seconds", "1"])
+        .args(["--reaper-interval-seconds", "1", "--hold-ttl-seconds", "1"])
         .kill_on_drop(true)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -346,7 +353,8 @@ async fn caller(world: Arc<World>, until: Instant, duplicate_ratio: f64) {
         match choice {
             0..10 => deposit(&world, duplicate, &payer).await,
             10..15 => withdraw(&world, duplicate, &payer).await,
-            15..50 => pay(&world, duplicate, &payer, &merchant).await,
+            15..42 => pay(&world, duplicate, &payer, &merchant).await,
+            42..50 => hold(&world, duplicate, &payer, &merchant).await,
             50..65 => refund(&world, duplicate).await,
             65..85 if payer != other_payer => transfer(&world, duplicate, &payer, &other_payer).await,
             _ => query(&world).await,
@@ -471,6 +479,107 @@ async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): 
     world.record(OperationKind::Pay, merchant_id, out_trade_no, amount, outcomes);
 }
 
+/// An order authorized for its amount, then, 0-1,500 ms later (holds last one second in the
+/// storm), captured in part or voided.
+async fn hold(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
+    let order_no = world.new_key("order");
+    let amount = random_amount(&mut rand::rng(), 3_000);
+    let order = proto::CreateOrderRequest {
+        merchant_id: merchant_id.clone(),
+        order_no: order_no.clone(),
+        payee_account_id: payee.clone(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+        subject: "storm hold".into(),
+        expires_at: None,
+    };
+    if world.client().create_order(order).await.is_err() {
+        return;
+    }
+    let out_auth_no = world.new_key("auth");
+    let request = proto::AuthorizeRequest {
+        merchant_id: merchant_id.clone(),
+        out_auth_no: out_auth_no.clone(),
+        order_no,
+        payer_account_id: payer.to_owned(),
+        amount: amount.clone(),
+        currency: "USD".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.authorize(request).await }
+        },
+        |response: &proto::AuthorizeResponse| {
+            response.hold.as_ref().map(|hold| hold.hold_no.clone()).unwrap_or_default()
+        },
+    )
+    .await;
+    let authorized = outcomes.iter().any(|outcome| matches!(outcome, Outcome::Acknowledged { .. }));
+    world.record(OperationKind::Authorize, merchant_id, out_auth_no.clone(), amount.clone(), outcomes);
+    if !authorized {
+        return;
+    }
+    let (wait, void) = {
+        let mut rng = rand::rng();
+        (Duration::from_millis(rng.random_range(0..=1_500)), rng.random_bool(0.3))
+    };
+    tokio::time::sleep(wait).await;
+    if void {
+        let request = proto::VoidRequest { merchant_id: merchant_id.clone(), out_auth_no: out_auth_no.clone() };
+        let outcomes = send(
+            world,
+            duplicate,
+            |client| {
+                let request = request.clone();
+                async move { client.void(request).await }
+            },
+            |response: &proto::VoidResponse| {
+                response.hold.as_ref().map(|hold| hold.hold_no.clone()).unwrap_or_default()
+            },
+        )
+        .await;
+        world.record(OperationKind::Void, merchant_id, out_auth_no, amount, outcomes);
+        return;
+    }
+    let authorized_cents = amount.replace('.', "").parse::<i64>().unwrap_or(100);
+    let cents = rand::rng().random_range(authorized_cents.min(100)..=authorized_cents);
+    let captured = format!("{}.{:02}", cents / 100, cents % 100);
+    let out_trade_no = world.new_key("capture");
+    let request = proto::CaptureRequest {
+        merchant_id: merchant_id.clone(),
+        out_auth_no,
+        out_trade_no: out_trade_no.clone(),
+        amount: captured.clone(),
+        currency: "USD".into(),
+    };
+    let outcomes = send(
+        world,
+        duplicate,
+        |client| {
+            let request = request.clone();
+            async move { client.capture(request).await }
+        },
+        |response: &proto::CaptureResponse| {
+            response.payment.as_ref().map(|payment| payment.trade_no.clone()).unwrap_or_default()
+        },
+    )
+    .await;
+    if let Some(Outcome::Acknowledged { id, .. }) =
+        outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. }))
+    {
+        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
+            merchant_id.clone(),
+            out_trade_no.clone(),
+            captured.clone(),
+            id.clone(),
+        ));
+    }
+    world.record(OperationKind::Capture, merchant_id, out_trade_no, captured, outcomes);
+}
+
 async fn refund(world: &World, duplicate: bool) {
     let Some((merchant_id, out_trade_no, amount, _)) =
         world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).choose(&mut rand::rng()).cloned()
@@ -587,7 +696,10 @@ fn print_summary(summary: &StormSummary) {
     );
     let codes: Vec<String> = summary.status_codes.iter().map(|(code, calls)| format!("{code} {calls}")).collect();
     println!("  final status codes of mutating calls: {}", codes.join("  "));
-    println!("  orders closed by the expiry sweeper {}", summary.orders_expired);
+    println!(
+        "  orders closed by the expiry sweeper {}  holds captured {}  holds released by the sweeper {}",
+        summary.orders_expired, summary.holds_captured, summary.holds_expired
+    );
     let audit_broken = summary.violations.iter().any(|violation| violation.starts_with("audit:"));
     println!("  ledger audit: {}", if audit_broken { "VIOLATED" } else { "passed" });
     println!("  violations {}", summary.violations.len());
@@ -857,7 +969,17 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
                 format!("SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = {}", placeholder(1)),
                 vec![operation.key.as_str()],
             ),
-            OperationKind::Pay => (
+            OperationKind::Authorize => (
+                format!(
+                    "SELECT hold_no, amount FROM holds WHERE merchant_id = {} AND out_auth_no = {}",
+                    placeholder(1),
+                    placeholder(2)
+                ),
+                vec![operation.merchant_id.as_str(), operation.key.as_str()],
+            ),
+            // A Void leaves no row of its own (the hold's status and the audit say the rest).
+            OperationKind::Void => continue,
+            OperationKind::Pay | OperationKind::Capture => (
                 format!(
                     "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = {} AND out_trade_no = {}",
                     placeholder(1),
@@ -930,6 +1052,29 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
     for out_trade_no in paid_late {
         summary.violations.push(format!("Pay {out_trade_no}: paid at or after its order's expires_at"));
     }
+    // Holds: none captured at or after its deadline.
+    let captured_late: Vec<String> = sqlx::query(
+        "SELECT out_auth_no FROM holds h JOIN payment_flow p ON p.merchant_id = h.merchant_id \
+         AND p.out_trade_no = h.out_trade_no WHERE h.status = 'CAPTURED' AND p.created_at >= h.expires_at",
+    )
+    .fetch_all(&raw)
+    .await?
+    .iter()
+    .filter_map(|row| row.try_get(0).ok())
+    .collect();
+    for out_auth_no in captured_late {
+        summary.violations.push(format!("Capture of {out_auth_no}: captured at or after the hold's expires_at"));
+    }
+    let count = |status: &'static str| {
+        let raw = &raw;
+        async move {
+            let sql = format!("SELECT COUNT(*) FROM holds WHERE status = '{status}'");
+            let row = sqlx::query(&sql).fetch_one(raw).await?;
+            Ok::<u64, sqlx::Error>(u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0))
+        }
+    };
+    summary.holds_captured = count("CAPTURED").await?;
+    summary.holds_expired = count("EXPIRED").await?;
     let expired = sqlx::query("SELECT COUNT(*) FROM orders WHERE close_reason = 'EXPIRED'").fetch_one(&raw).await?;
     summary.orders_expired = u64::try_from(expired.try_get::<i64, _>(0)?).unwrap_or(0);
     raw.close().await;
