@@ -167,6 +167,36 @@ def main():
                 fields = [violation.field for violation in bad.field_violations]
         assert fields == ["expires_at"], fields
 
+    # Authorization holds: Authorize reserves (available_balance drops, balance does not),
+    # Capture pays part of it as a Pay would, a second Capture is refused, Void of another
+    # hold releases it and replays.
+    for suffix in ("h1", "h2"):
+        payments.CreateOrder(pb.CreateOrderRequest(merchant_id="m1", order_no=f"{suffix}-{run}", payee_account_id=payee,
+                                                   amount="8.00", currency="USD"), metadata=auth(shop_a))
+        held = payments.Authorize(pb.AuthorizeRequest(merchant_id="m1", out_auth_no=f"a-{suffix}-{run}",
+                                                      order_no=f"{suffix}-{run}", payer_account_id=payer,
+                                                      amount="8.00", currency="USD"), metadata=auth(shop_a))
+        assert held.hold.status == pb.HOLD_STATUS_ACTIVE and held.order.status == pb.ORDER_STATUS_AUTHORIZED, held
+    account = accounts.GetAccount(pb.GetAccountRequest(account_id=payer), metadata=auth(admin)).account
+    assert (account.balance, account.available_balance) == ("20.00", "4.00"), account
+    capture = pb.CaptureRequest(merchant_id="m1", out_auth_no=f"a-h1-{run}", out_trade_no=f"c-{run}", amount="5.00",
+                                currency="USD")
+    captured = payments.Capture(capture, metadata=auth(shop_a))
+    assert (captured.order.status, captured.order.amount, captured.payment.amount) == (pb.ORDER_STATUS_PAID, "5.00", "5.00")
+    again, call = payments.Capture.with_call(capture, metadata=auth(shop_a))
+    assert dict(call.initial_metadata()).get("idempotent-replayed") == "true" and again.payment == captured.payment
+    refused(lambda: payments.Capture(pb.CaptureRequest(merchant_id="m1", out_auth_no=f"a-h1-{run}",
+                                                       out_trade_no=f"c2-{run}", amount="1.00", currency="USD"),
+                                     metadata=auth(shop_a)), grpc.StatusCode.FAILED_PRECONDITION, "ORDER_ALREADY_PAID")
+    voided = payments.Void(pb.VoidRequest(merchant_id="m1", out_auth_no=f"a-h2-{run}"), metadata=auth(shop_a))
+    assert voided.order.close_reason == pb.ORDER_CLOSE_REASON_VOIDED, voided
+    _, call = payments.Void.with_call(pb.VoidRequest(merchant_id="m1", out_auth_no=f"a-h2-{run}"), metadata=auth(shop_a))
+    assert dict(call.initial_metadata()).get("idempotent-replayed") == "true"
+    refused(lambda: payments.Void(pb.VoidRequest(merchant_id="m2", out_auth_no=f"a-h2-{run}"), metadata=auth(shop_b)),
+            grpc.StatusCode.NOT_FOUND, "HOLD_NOT_FOUND")
+    account = accounts.GetAccount(pb.GetAccountRequest(account_id=payer), metadata=auth(admin)).account
+    assert (account.balance, account.available_balance) == ("15.00", "15.00"), account
+
     # A message over the size limit: RESOURCE_EXHAUSTED with its reason, nothing written.
     huge = pb.PayRequest(merchant_id="m1", out_trade_no="x" * (100 * 1024), order_no=f"o-{run}",
                          payer_account_id=payer, amount="20.00", currency="USD")
@@ -188,7 +218,7 @@ def main():
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     print("python contract: TLS, mTLS, JWT refusals and reasons, merchant isolation, created_by, replay, "
-          "Withdraw, order expiry, message size, health command: all as documented")
+          "Withdraw, order expiry, holds, message size, health command: all as documented")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ use super::commands::Pay;
 use super::payments::{check_pay, new_payment, paid_receipt, PayCheck, PayReceipt};
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
-use super::{new_id, now_micros, Inserted};
+use super::{deadline_clock, new_id, now_micros, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
 /// How Pays are grouped.
@@ -328,6 +328,8 @@ async fn write_batch(
         .into_iter()
         .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
         .collect();
+    // Deadlines are judged now that the orders are locked (see `deadline_clock`).
+    let checked_at = deadline_clock(now);
     let mut candidates = Vec::new();
     for (index, command) in commands.iter().enumerate() {
         if decisions[index].is_some() {
@@ -338,7 +340,7 @@ async fn write_batch(
             decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
             continue;
         };
-        match check_pay(&order, command, now) {
+        match check_pay(&order, command, checked_at) {
             Ok(PayCheck::Proceed) => candidates.push((index, order)),
             Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
             Err(error) => decisions[index] = Some(Decision::Rejected(error)),

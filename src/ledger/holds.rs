@@ -21,7 +21,7 @@ use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::payments::{order_state_with_hold, PAYMENT_SUCCEEDED};
 use super::posting::{post, EntryKind, Posting};
 use super::response;
-use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
 /// Stored statuses of a hold.
 pub(crate) const HOLD_ACTIVE: &str = "ACTIVE";
@@ -90,7 +90,8 @@ impl Ledger {
     /// before now (hold EXPIRED, order CLOSED with reason HOLD_EXPIRED), at most `batch_size`
     /// per transaction. Each order's row is locked first, as every hold step does, so a
     /// Capture racing the sweeper ends with one winner: the hold CAPTURED (the sweeper skips
-    /// it) or EXPIRED (the Capture is told HOLD_EXPIRED).
+    /// it) or EXPIRED (the Capture is told HOLD_EXPIRED). An order another transaction holds is
+    /// skipped (`FOR UPDATE SKIP LOCKED`), never waited for.
     ///
     /// # Errors
     /// [`Error::Database`]; what was released before stays released.
@@ -104,7 +105,8 @@ impl Ledger {
             keys.sort();
             for (merchant_id, order_no) in &keys {
                 let mut queries = tx.queries();
-                let Some(order) = queries.find_order_for_update(merchant_id, order_no).await? else {
+                // An order another transaction holds (a Capture in flight) is left to the next sweep.
+                let Some(order) = queries.try_lock_order(merchant_id, order_no).await? else {
                     skipped += 1;
                     continue;
                 };
@@ -278,7 +280,8 @@ impl IdempotentCall for NewHold {
         if hold.as_ref().is_some_and(|hold| hold.out_auth_no == command.out_auth_no.as_str()) {
             return Ok(Inserted::KeyTaken);
         }
-        let Transition::To(next) = order_state_with_hold(&order, hold.as_ref(), now)?.apply(OrderEvent::Authorize)?
+        let at = deadline_clock(now);
+        let Transition::To(next) = order_state_with_hold(&order, hold.as_ref(), at)?.apply(OrderEvent::Authorize)?
         else {
             return Err(Error::Internal("the state machine found an Authorize already applied".into()));
         };
@@ -401,7 +404,8 @@ impl IdempotentCall for Identified<Capture> {
         }
         let captured = command.amount.minor_units();
         let capture = OrderEvent::Capture { amount_minor_units: captured };
-        let Transition::To(next) = order_state_with_hold(&order, Some(&hold), now)?.apply(capture)? else {
+        let Transition::To(next) = order_state_with_hold(&order, Some(&hold), deadline_clock(now))?.apply(capture)?
+        else {
             return Err(Error::Internal("the state machine found a Capture already applied".into()));
         };
         let payment = PaymentRow {

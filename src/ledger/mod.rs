@@ -241,6 +241,14 @@ fn now_micros() -> i64 {
     i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// The time a deadline (an order's or a hold's `expires_at`) is judged at: read after the
+/// order's row lock is taken, so a call that waited for the lock past the deadline is refused
+/// even though its transaction's `now` (its rows' `created_at`) was read before the wait; never
+/// earlier than `now`.
+fn deadline_clock(now: i64) -> i64 {
+    now_micros().max(now)
+}
+
 /// A server-issued id: a prefix letter and a time-ordered UUIDv7 in hex (33 characters).
 fn new_id(prefix: char) -> String {
     format!("{prefix}{}", uuid::Uuid::now_v7().simple())

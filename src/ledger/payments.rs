@@ -15,7 +15,7 @@ use super::idempotent::{differing_from, Fields, IdempotentCall, Reply};
 use super::posting::{post, EntryKind, Posting};
 use super::response;
 use super::transaction::CAS_ATTEMPTS_MAX;
-use super::{new_id, Identified, Inserted, Ledger, Replayable};
+use super::{deadline_clock, new_id, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -550,8 +550,9 @@ pub(super) enum PayCheck {
     PaidByThisCall,
 }
 
-/// The order's side of a Pay at `now`: its currency and amount, payer and payee apart, and the
-/// state machine (PENDING -> PAID, refused once the order's expires_at has passed).
+/// The order's side of a Pay judged at `now` (read after the order's row lock, see
+/// `deadline_clock`): its currency and amount, payer and payee apart, and the state machine
+/// (PENDING -> PAID, refused once the order's expires_at has passed).
 ///
 /// # Errors
 /// [`Rejection`]s CURRENCY_MISMATCH, AMOUNT_MISMATCH, PAYER_IS_PAYEE, ORDER_ALREADY_PAID,
@@ -620,7 +621,7 @@ async fn pay_in_transaction(
     // The order's row lock orders every Pay of this order: a duplicate waits here for the
     // first one's outcome (and on MySQL no two inserts of one key race into a deadlock).
     let order = queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-    if check_pay(&order, command, now)? == PayCheck::PaidByThisCall {
+    if check_pay(&order, command, deadline_clock(now))? == PayCheck::PaidByThisCall {
         return Ok(Inserted::KeyTaken);
     }
     // Both balances in one round trip; the posting's first CAS starts from this read.

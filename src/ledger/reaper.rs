@@ -83,7 +83,8 @@ pub struct ExpiryReport {
     /// Orders moved from PENDING to CLOSED (reason EXPIRED) by this sweep.
     pub orders_closed: u64,
     /// Orders found expired whose conditional UPDATE changed nothing: a Pay or CloseOrder
-    /// (or another instance's sweeper) moved them first.
+    /// (or another instance's sweeper) moved them first, or another transaction held them
+    /// (left to the next sweep, never waited for).
     pub orders_skipped: u64,
     /// Transactions run, including the last one that found less than a batch.
     pub batches: u64,
@@ -95,8 +96,9 @@ impl Ledger {
     /// order moves by the same conditional UPDATE as CloseOrder (`WHERE status = 'PENDING'`,
     /// here also `AND expires_at <= now`), so a Pay racing the sweeper on an order leaves it
     /// PAID (the sweeper's UPDATE then changes nothing) or CLOSED (the Pay, which reads the
-    /// order under its row lock, then gets ORDER_EXPIRED), never both. Orders of a batch are
-    /// updated in key order, the order in which a group commit locks them.
+    /// order under its row lock, then gets ORDER_EXPIRED), never both. The sweeper never waits
+    /// for a lock: an order another transaction holds is skipped (`FOR UPDATE SKIP LOCKED`)
+    /// and closed by a later sweep, so one long transaction cannot hold up a batch.
     ///
     /// # Errors
     /// [`Error::Database`]; what was closed before stays closed.
@@ -111,16 +113,19 @@ impl Ledger {
             let found = keys.len();
             for (merchant_id, order_no) in &keys {
                 let mut queries = tx.queries();
+                // An order another transaction holds (a Pay in flight) is left to the next sweep.
+                let Some(order) = queries.try_lock_order(merchant_id, order_no).await? else {
+                    report.orders_skipped += 1;
+                    continue;
+                };
                 if queries.close_order(merchant_id, order_no, CloseReason::Expired.as_str(), now, Some(now)).await? {
                     report.orders_closed += 1;
                     continue;
                 }
                 // Changed nothing: the state machine says why (it moved on), and the sweeper skips it.
-                if let Some(order) = queries.find_order(merchant_id, order_no).await? {
-                    match order_state(&order, now)?.apply(OrderEvent::Expire) {
-                        Ok(Transition::AlreadyApplied) | Err(Rejection::OrderAlreadyPaid) => {}
-                        outcome => tracing::warn!(merchant_id, order_no, ?outcome, "an expired order was not closed"),
-                    }
+                match order_state(&order, now)?.apply(OrderEvent::Expire) {
+                    Ok(Transition::AlreadyApplied) | Err(Rejection::OrderAlreadyPaid | Rejection::OrderAuthorized) => {}
+                    outcome => tracing::warn!(merchant_id, order_no, ?outcome, "an expired order was not closed"),
                 }
                 report.orders_skipped += 1;
             }
@@ -158,14 +163,14 @@ pub fn spawn_reaper(ledger: Ledger, settings: ReaperSettings) -> JoinHandle<()> 
                     );
                 }
                 Ok(_) => {}
-                Err(error) => tracing::warn!(%error, "order sweep failed; trying again next interval"),
+                Err(error) => tracing::warn!(?error, "order sweep failed; trying again next interval"),
             }
             match ledger.release_expired_holds(settings.batch_size).await {
                 Ok((released, skipped)) if released + skipped > 0 => {
                     tracing::info!(released, skipped, "released expired holds");
                 }
                 Ok(_) => {}
-                Err(error) => tracing::warn!(%error, "hold sweep failed; trying again next interval"),
+                Err(error) => tracing::warn!(?error, "hold sweep failed; trying again next interval"),
             }
             match ledger.reap_expired(&settings).await {
                 Ok(report) if report.records_deleted + report.tokens_deleted > 0 => {

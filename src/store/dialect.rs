@@ -269,8 +269,9 @@ fn classify_sqlite(code: i32) -> Fault {
 /// is dropped on MySQL, where the insert instead fails with a duplicate-key error that
 /// [`super::Queries`] reads as "the key is taken" (MySQL does not abort the transaction on
 /// it, and has no `ON CONFLICT`; `INSERT IGNORE` would also hide data errors); and
-/// `CAST(... AS BIGINT)` is spelled `AS SIGNED` on MySQL; a trailing `FOR UPDATE` is dropped
-/// on SQLite, whose write transactions already exclude each other.
+/// `CAST(... AS BIGINT)` is spelled `AS SIGNED` on MySQL; a trailing `FOR UPDATE` (or `FOR
+/// UPDATE SKIP LOCKED`, which needs MySQL 8.0.1 or MariaDB 10.6) is dropped on SQLite, whose
+/// write transactions already exclude each other.
 pub struct Sql {
     portable: &'static str,
     /// Replaces the portable text on MySQL where its grammar differs.
@@ -312,7 +313,13 @@ impl Sql {
 pub(super) fn render(portable: &str, dialect: Dialect) -> String {
     match dialect {
         // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
-        Dialect::Sqlite => portable.trim_end().trim_end_matches("FOR UPDATE").trim_end().to_owned(),
+        Dialect::Sqlite => portable
+            .trim_end()
+            .trim_end_matches("SKIP LOCKED")
+            .trim_end()
+            .trim_end_matches("FOR UPDATE")
+            .trim_end()
+            .to_owned(),
         Dialect::MySql => portable
             .trim_end()
             .trim_end_matches("ON CONFLICT DO NOTHING")

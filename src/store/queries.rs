@@ -88,6 +88,12 @@ static FIND_ORDER: Sql =
     Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"));
 static FIND_ORDER_FOR_UPDATE: Sql =
     Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE"));
+/// The sweepers' lock: an order that another transaction holds is skipped, not waited for.
+static TRY_LOCK_ORDER: Sql = Sql::new(concat!(
+    "SELECT ",
+    order_columns!(),
+    " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE SKIP LOCKED"
+));
 static INSERT_ORDER: Sql = Sql::new(
     "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
      created_at, updated_at, expires_at, close_reason) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL) ON CONFLICT DO NOTHING",
@@ -324,13 +330,15 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
         ),
     ),
     (
-        "an order is paid exactly when it has a payment",
+        "an order is paid exactly when it has a payment, made before the order's expires_at",
         Sql::new(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
              LEFT JOIN payment_flow p ON p.merchant_id = o.merchant_id AND p.order_no = o.order_no \
              WHERE (p.trade_no IS NULL AND o.status IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED')) \
              OR (p.trade_no IS NOT NULL AND (o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') \
-                 OR p.amount <> o.amount OR p.out_trade_no <> o.out_trade_no))",
+                 OR p.amount <> o.amount OR p.out_trade_no <> o.out_trade_no)) \
+             OR (p.created_at >= o.expires_at AND NOT EXISTS \
+               (SELECT 1 FROM holds h WHERE h.merchant_id = o.merchant_id AND h.order_no = o.order_no))",
         ),
     ),
     (
@@ -359,14 +367,16 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
         ),
     ),
     (
-        "an order is authorized exactly when it has an active hold of its amount, and a captured hold has its payment",
+        "an order is authorized exactly when it has an active hold of its amount, a captured hold has its payment, \
+         and only a closed order has a close reason",
         Sql::new(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
              LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
              WHERE (o.status = 'AUTHORIZED' AND (h.hold_no IS NULL OR h.status <> 'ACTIVE' OR h.amount <> o.amount)) \
              OR (o.status <> 'AUTHORIZED' AND h.status = 'ACTIVE') \
              OR (h.status = 'CAPTURED' AND (o.out_trade_no IS NULL OR h.out_trade_no IS NULL \
-               OR o.out_trade_no <> h.out_trade_no OR h.captured_amount <> o.amount))",
+               OR o.out_trade_no <> h.out_trade_no OR h.captured_amount <> o.amount)) \
+             OR (o.close_reason IS NOT NULL AND o.status <> 'CLOSED')",
         ),
     ),
 ];
@@ -665,6 +675,17 @@ impl<'c> Queries<'c> {
             }),
         };
         Ok(Some((order, hold)))
+    }
+
+    /// Reads an order and locks its row until the transaction ends, unless another
+    /// transaction holds it: then `None` at once (`FOR UPDATE SKIP LOCKED`), as for a
+    /// missing order.
+    pub async fn try_lock_order(&mut self, merchant_id: &str, order_no: &str) -> Result<Option<OrderRow>, sqlx::Error> {
+        sqlx::query_as(TRY_LOCK_ORDER.text(self.dialect))
+            .bind(merchant_id)
+            .bind(order_no)
+            .fetch_optional(&mut *self.connection)
+            .await
     }
 
     /// Reads an order and locks its row until the transaction ends (`FOR UPDATE`).
@@ -1118,10 +1139,17 @@ impl<'c> Queries<'c> {
     /// are simply absent from the result.
     pub async fn lock_orders(&mut self, keys: &[(&str, &str)]) -> Result<Vec<OrderRow>, sqlx::Error> {
         let keys = KeyGroups::new(keys.iter().copied());
+        // Byte order on every backend, as `lock_accounts`: PostgreSQL would otherwise sort by
+        // the database's collation.
+        let order_by = match self.dialect {
+            Dialect::Postgres => "merchant_id COLLATE \"C\", order_no COLLATE \"C\"",
+            Dialect::MySql | Dialect::Sqlite => "merchant_id, order_no",
+        };
         let sql = render(
             &format!(
-                concat!("SELECT ", order_columns!(), " FROM orders WHERE {} ORDER BY merchant_id, order_no FOR UPDATE"),
-                keys.predicate(self.dialect, "merchant_id", "order_no")
+                concat!("SELECT ", order_columns!(), " FROM orders WHERE {} ORDER BY {} FOR UPDATE"),
+                keys.predicate(self.dialect, "merchant_id", "order_no"),
+                order_by
             ),
             self.dialect,
         );

@@ -107,6 +107,7 @@ backend_suite!(
     expires_at_must_be_a_valid_future_timestamp_and_is_part_of_the_orders_terms,
     an_order_without_expires_at_gets_the_servers_default_lifetime => short_order_ttl,
     pays_racing_the_expiry_sweeper_end_with_exactly_one_winner_per_order,
+    the_sweeper_skips_an_order_another_transaction_holds,
     withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pay,
     deposits_and_withdrawals_go_round_past_the_one_way_limit,
     withdrawals_racing_pays_on_one_account_never_overdraw_it,
