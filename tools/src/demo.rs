@@ -346,7 +346,40 @@ impl Story {
             "the order is PAID for 25.00; the other 15.00 is released",
         );
 
-        println!("14. Final balances and the payer's journal.");
+        println!("14. Order order-4 for 10.00 is authorized (auth-2), then the hold is voided, twice.");
+        let order = proto::CreateOrderRequest {
+            merchant_id: self.id("merchant"),
+            order_no: self.id("order-4"),
+            payee_account_id: shop.clone(),
+            amount: "10.00".into(),
+            currency: "USD".into(),
+            subject: "a cancelled booking".into(),
+            expires_at: None,
+        };
+        self.payments.create_order(order).await?;
+        let authorize = proto::AuthorizeRequest {
+            merchant_id: self.id("merchant"),
+            out_auth_no: self.id("auth-2"),
+            order_no: self.id("order-4"),
+            payer_account_id: alice.clone(),
+            amount: "10.00".into(),
+            currency: "USD".into(),
+        };
+        self.payments.authorize(authorize).await?;
+        let void = proto::VoidRequest { merchant_id: self.id("merchant"), out_auth_no: self.id("auth-2") };
+        let voided = self.payments.void(void.clone()).await?.into_inner();
+        let order = voided.order.unwrap_or_default();
+        self.expect(
+            order.status() == proto::OrderStatus::Closed && order.close_reason() == proto::OrderCloseReason::Voided,
+            "the order is CLOSED, its hold VOIDED",
+        );
+        let again = self.payments.void(void).await?;
+        self.expect(was_replayed(&again), "voiding it again is a replay");
+        let request = proto::GetAccountRequest { account_id: alice.clone() };
+        let account = self.accounts.get_account(request).await?.into_inner().account.unwrap_or_default();
+        self.expect(account.available_balance == "50.00", "the payer's 10.00 is available again");
+
+        println!("15. Final balances and the payer's journal.");
         let (alice_balance, shop_balance) = (self.balance(&alice).await?, self.balance(&shop).await?);
         println!("    {alice}: {alice_balance}    {shop}: {shop_balance}");
         self.expect(alice_balance == "50.00" && shop_balance == "30.00", "payer 50.00, merchant 30.00");
