@@ -4,10 +4,11 @@
 -- migration). MariaDB 10.3+ and MySQL 8.0.12+ add trailing nullable columns instantly.
 ALTER TABLE orders
     ADD COLUMN expires_at BIGINT NULL,
-    ADD COLUMN close_reason VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NULL;
--- The sweeper's lookup (MySQL has no partial indexes: status leads, so PENDING orders are
--- one range ordered by expiry).
-CREATE INDEX orders_pending_by_expiry ON orders (status, expires_at);
+    ADD COLUMN close_reason VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NULL,
+    -- `expires_at` while the order is PENDING, NULL once it leaves PENDING: the sweeper's key.
+    -- A Pay of an order without a deadline sets NULL to NULL and touches no secondary index.
+    ADD COLUMN pending_deadline BIGINT NULL;
+CREATE INDEX orders_pending_by_deadline ON orders (pending_deadline);
 
 -- Payouts: the mirror of deposits, keyed by the caller's request_id.
 CREATE TABLE withdrawals (

@@ -4,8 +4,10 @@
 -- migration).
 ALTER TABLE orders ADD COLUMN expires_at INTEGER;
 ALTER TABLE orders ADD COLUMN close_reason TEXT;
--- The sweeper's lookup: only PENDING orders that can expire are in it.
-CREATE INDEX orders_pending_by_expiry ON orders (expires_at) WHERE status = 'PENDING' AND expires_at IS NOT NULL;
+-- The sweeper's lookup: `pending_deadline` is `expires_at` while the order is PENDING and NULL
+-- once it leaves PENDING; only non-NULL values are indexed.
+ALTER TABLE orders ADD COLUMN pending_deadline INTEGER;
+CREATE INDEX orders_pending_by_deadline ON orders (pending_deadline) WHERE pending_deadline IS NOT NULL;
 
 -- Payouts: the mirror of deposits, keyed by the caller's request_id.
 CREATE TABLE withdrawals (

@@ -100,6 +100,7 @@ impl Ledger {
         let limit = i64::from(batch_size.max(1));
         let (mut released, mut skipped) = (0, 0);
         loop {
+            let released_before = released;
             let mut tx = self.store.begin().await?;
             let mut keys = tx.queries().find_expired_holds(now, limit).await?;
             keys.sort();
@@ -124,7 +125,9 @@ impl Ledger {
                 }
             }
             tx.commit().await?;
-            if keys.len() < usize::try_from(limit).unwrap_or(usize::MAX) {
+            // A short batch was the last; a batch that released nothing (all of it held by other
+            // transactions) is left to the next sweep rather than read again at once.
+            if keys.len() < usize::try_from(limit).unwrap_or(usize::MAX) || released == released_before {
                 break;
             }
         }
@@ -267,6 +270,17 @@ impl IdempotentCall for NewHold {
         let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
         let order =
             queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
+        let hold = queries.find_hold_of_order(merchant_id, order_no).await?;
+        if hold.as_ref().is_some_and(|hold| hold.out_auth_no == command.out_auth_no.as_str()) {
+            return Ok(Inserted::KeyTaken);
+        }
+        // The state machine first: an order that moved on is refused as such, whatever the
+        // request's amount (a captured order's amount is what was captured).
+        let at = deadline_clock(now);
+        let Transition::To(next) = order_state_with_hold(&order, hold.as_ref(), at)?.apply(OrderEvent::Authorize)?
+        else {
+            return Err(Error::Internal("the state machine found an Authorize already applied".into()));
+        };
         if order.currency != command.amount.currency().code() {
             return Err(Rejection::CurrencyMismatch.into());
         }
@@ -276,15 +290,6 @@ impl IdempotentCall for NewHold {
         if order.payee_account_id == command.payer_account_id.as_str() {
             return Err(Rejection::PayerIsPayee.into());
         }
-        let hold = queries.find_hold_of_order(merchant_id, order_no).await?;
-        if hold.as_ref().is_some_and(|hold| hold.out_auth_no == command.out_auth_no.as_str()) {
-            return Ok(Inserted::KeyTaken);
-        }
-        let at = deadline_clock(now);
-        let Transition::To(next) = order_state_with_hold(&order, hold.as_ref(), at)?.apply(OrderEvent::Authorize)?
-        else {
-            return Err(Error::Internal("the state machine found an Authorize already applied".into()));
-        };
         let payer =
             queries.find_account(command.payer_account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))?;
         if payer.currency != order.currency {

@@ -318,13 +318,16 @@ impl IdempotentCall for NewOrder {
     async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
         let mut reader = ledger.store.reader().await?;
         let (merchant_id, order_no) = (self.command.merchant_id.as_str(), self.command.order_no.as_str());
-        let Some(order) = reader.queries().find_order(merchant_id, order_no).await? else {
+        let Some((order, hold)) = reader.queries().find_order_and_hold(merchant_id, order_no).await? else {
             return Ok(None);
         };
+        // A capture leaves the order's amount at what was captured; the order was created for
+        // the amount its hold authorized.
+        let created_amount = hold.as_ref().map_or(order.amount, |hold| hold.amount);
         let stored = create_order_fields(
             &order.order_no,
             &order.payee_account_id,
-            order.amount,
+            created_amount,
             &order.currency,
             &order.subject,
             self.command.expires_at.map(|_| order.expires_at),
@@ -558,6 +561,15 @@ pub(super) enum PayCheck {
 /// [`Rejection`]s CURRENCY_MISMATCH, AMOUNT_MISMATCH, PAYER_IS_PAYEE, ORDER_ALREADY_PAID,
 /// ORDER_CLOSED, ORDER_EXPIRED.
 pub(super) fn check_pay(order: &OrderRow, command: &Pay, now: i64) -> Result<PayCheck, Error> {
+    if order.status != OrderStatus::Pending.as_str() {
+        if order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str()) {
+            return Ok(PayCheck::PaidByThisCall);
+        }
+        // Moved on: the state machine's answer comes first (a captured order's amount is what
+        // was captured, which a Pay of the order's original amount would not match).
+        order_state(order, now)?.apply(OrderEvent::Pay)?;
+        return Err(Error::Internal("the state machine let a Pay through an order that is not PENDING".into()));
+    }
     if order.currency != command.amount.currency().code() {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -566,11 +578,6 @@ pub(super) fn check_pay(order: &OrderRow, command: &Pay, now: i64) -> Result<Pay
     }
     if order.payee_account_id == command.payer_account_id.as_str() {
         return Err(Rejection::PayerIsPayee.into());
-    }
-    if order.status != OrderStatus::Pending.as_str()
-        && order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str())
-    {
-        return Ok(PayCheck::PaidByThisCall);
     }
     match order_state(order, now)?.apply(OrderEvent::Pay)? {
         Transition::To(_) => Ok(PayCheck::Proceed),

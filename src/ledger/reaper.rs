@@ -107,6 +107,7 @@ impl Ledger {
         let limit = i64::from(settings.batch_size.max(1));
         let mut report = ExpiryReport::default();
         loop {
+            let closed_before = report.orders_closed;
             let mut tx = self.store.begin().await?;
             let mut keys = tx.queries().find_expired_orders(now, limit).await?;
             keys.sort();
@@ -131,7 +132,9 @@ impl Ledger {
             }
             tx.commit().await?;
             report.batches += 1;
-            if found < usize::try_from(limit).unwrap_or(usize::MAX) {
+            // A short batch was the last; a batch that closed nothing (its orders held by other
+            // transactions, or moved on) is left to the next sweep rather than read again at once.
+            if found < usize::try_from(limit).unwrap_or(usize::MAX) || report.orders_closed == closed_before {
                 break;
             }
             tokio::time::sleep(settings.pause).await;

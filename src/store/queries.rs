@@ -96,26 +96,26 @@ static TRY_LOCK_ORDER: Sql = Sql::new(concat!(
 ));
 static INSERT_ORDER: Sql = Sql::new(
     "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
-     created_at, updated_at, expires_at, close_reason) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL) ON CONFLICT DO NOTHING",
+     created_at, updated_at, expires_at, close_reason, pending_deadline) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?) \
+     ON CONFLICT DO NOTHING",
 );
-/// PENDING -> CLOSED by CloseOrder (reason MERCHANT).
+/// PENDING -> CLOSED by CloseOrder (reason MERCHANT). Every transition from PENDING also
+/// clears `pending_deadline`, the sweeper's key.
 static CLOSE_ORDER: Sql = Sql::new(
-    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
+    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
 /// PENDING -> CLOSED by the sweeper (reason EXPIRED): the same conditional UPDATE, and only
 /// once the order's expires_at has passed.
 static EXPIRE_ORDER: Sql = Sql::new(
-    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
+    "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING' AND expires_at <= ?",
 );
 /// The PENDING orders whose expires_at has passed, oldest deadline first, at most `?`.
-static FIND_EXPIRED_ORDERS: Sql = Sql::new(
-    "SELECT merchant_id, order_no FROM orders WHERE status = 'PENDING' AND expires_at IS NOT NULL AND expires_at <= ? \
-     ORDER BY expires_at LIMIT ?",
-);
+static FIND_EXPIRED_ORDERS: Sql =
+    Sql::new("SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= ? ORDER BY pending_deadline LIMIT ?");
 static MARK_ORDER_PAID: Sql = Sql::new(
-    "UPDATE orders SET status = 'PAID', out_trade_no = ?, updated_at = ? \
+    "UPDATE orders SET status = 'PAID', out_trade_no = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
 static TRANSITION_ORDER: Sql = Sql::new(
@@ -159,7 +159,8 @@ static FIND_EXPIRED_HOLDS: Sql = Sql::new(
 );
 /// PENDING -> AUTHORIZED.
 static AUTHORIZE_ORDER: Sql = Sql::new(
-    "UPDATE orders SET status = 'AUTHORIZED', updated_at = ? WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
+    "UPDATE orders SET status = 'AUTHORIZED', updated_at = ?, pending_deadline = NULL \
+     WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
 /// AUTHORIZED -> PAID by a capture: the order's amount becomes the captured amount.
 static CAPTURE_ORDER: Sql = Sql::new(
@@ -368,7 +369,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "an order is authorized exactly when it has an active hold of its amount, a captured hold has its payment, \
-         and only a closed order has a close reason",
+         only a closed order has a close reason, and the sweeper's key is the deadline of exactly the open orders",
         Sql::new(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
              LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
@@ -376,7 +377,9 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
              OR (o.status <> 'AUTHORIZED' AND h.status = 'ACTIVE') \
              OR (h.status = 'CAPTURED' AND (o.out_trade_no IS NULL OR h.out_trade_no IS NULL \
                OR o.out_trade_no <> h.out_trade_no OR h.captured_amount <> o.amount)) \
-             OR (o.close_reason IS NOT NULL AND o.status <> 'CLOSED')",
+             OR (o.close_reason IS NOT NULL AND o.status <> 'CLOSED') \
+             OR (o.status = 'PENDING' AND o.expires_at IS NOT NULL AND (o.pending_deadline IS NULL OR o.pending_deadline <> o.expires_at)) \
+             OR (o.status <> 'PENDING' AND o.pending_deadline IS NOT NULL)",
         ),
     ),
 ];
@@ -713,6 +716,7 @@ impl<'c> Queries<'c> {
             .bind(row.status.clone())
             .bind(row.created_at)
             .bind(row.updated_at)
+            .bind(row.expires_at)
             .bind(row.expires_at);
         self.insert_if_absent(query).await
     }
@@ -1336,7 +1340,8 @@ fn paid_order_keys<'q>(batch: &PaidBatch<'q>) -> KeyGroups<'q> {
 
 fn mark_orders_paid_sql(dialect: Dialect, batch: &PaidBatch<'_>) -> String {
     format!(
-        "UPDATE orders SET status = 'PAID', updated_at = ?, out_trade_no = CASE {} END WHERE status = 'PENDING' AND ({})",
+        "UPDATE orders SET status = 'PAID', updated_at = ?, pending_deadline = NULL, out_trade_no = CASE {} END \
+         WHERE status = 'PENDING' AND ({})",
         repeated("WHEN merchant_id = ? AND order_no = ? THEN ?", batch.payments.len(), " "),
         paid_order_keys(batch).predicate(dialect, "merchant_id", "order_no")
     )

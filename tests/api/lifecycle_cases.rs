@@ -492,6 +492,15 @@ pub async fn a_hold_reserves_the_available_balance_and_a_partial_capture_pays_li
     assert_status(&changed, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
     let void = payments.void(void_request("a-1")).await.unwrap_err();
     assert_status(&void, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    // The order was created for 60.00 and is now PAID for 45.00: a retry of its CreateOrder
+    // still replays, and a Pay or an Authorize of the old amount is told it is paid.
+    let create = app.create_order("m1", "o-1", "shop", "60.00").await.unwrap();
+    assert!(replayed(&create));
+    assert_eq!(create.into_inner().order.unwrap().amount, "45.00", "the order as it stands");
+    let pay_again = app.pay("m1", "t-9", "o-1", "alice", "60.00").await.unwrap_err();
+    assert_status(&pay_again, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
+    let authorize_again = payments.authorize(authorize_request("a-9", "o-1", "60.00")).await.unwrap_err();
+    assert_status(&authorize_again, Code::FailedPrecondition, "ORDER_ALREADY_PAID");
 
     // Refund and Query work on a captured order as on a paid one.
     app.refund("m1", "c-1", "r-1", "45.00").await.unwrap();
