@@ -44,9 +44,9 @@ pub enum Scenario {
     Refund,
     /// Query of paid orders by out_trade_no (the read path), each order about ten times.
     Query,
-    /// 45% Pay (a third of the orders with an `expires_at` an hour ahead), 10% Authorize then
-    /// Capture of part of it (two calls, timed as one), 5% Withdraw, 10% Refund, 10% Query,
-    /// 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
+    /// 45% Pay (a third of the orders with an `expires_at` an hour ahead), 5% Authorize then
+    /// Capture of part of it, 5% Authorize then Void (two calls each, timed as one), 5%
+    /// Withdraw, 10% Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
     Mixed,
 }
 
@@ -330,6 +330,11 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
             };
             let mut client = clients.payment(n);
             client.authorize(authorize).await.map_err(|s| s.code())?;
+            if draw == 10 {
+                let void =
+                    proto::VoidRequest { merchant_id: merchant.clone(), out_auth_no: format!("{order_no}-auth") };
+                return client.void(void).await.map(|r| replayed(r.metadata())).map_err(|s| s.code());
+            }
             let capture = proto::CaptureRequest {
                 merchant_id: merchant.clone(),
                 out_auth_no: format!("{order_no}-auth"),

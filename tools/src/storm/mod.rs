@@ -428,22 +428,47 @@ fn maybe_expiring() -> (Option<payledger_client::prost_types::Timestamp>, Durati
     (Some(timestamp), Duration::from_millis(rng.random_range(0..=400)))
 }
 
-async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
+/// Creates an order of a random amount up to 30.00 for `payee`: its order_no and amount, or
+/// `None` when it could not be created.
+async fn new_order(
+    world: &World,
+    merchant_id: &str,
+    payee: &str,
+    expires_at: Option<payledger_client::prost_types::Timestamp>,
+) -> Option<(String, String)> {
     let order_no = world.new_key("order");
-    let (expires_at, pay_after) = maybe_expiring();
     let amount = random_amount(&mut rand::rng(), 3_000);
     let order = proto::CreateOrderRequest {
-        merchant_id: merchant_id.clone(),
+        merchant_id: merchant_id.to_owned(),
         order_no: order_no.clone(),
-        payee_account_id: payee.clone(),
+        payee_account_id: payee.to_owned(),
         amount: amount.clone(),
         currency: "USD".into(),
         subject: "storm".into(),
         expires_at,
     };
-    if world.client().create_order(order).await.is_err() {
-        return;
+    world.client().create_order(order).await.ok().map(|_| (order_no, amount))
+}
+
+/// Remembers an acknowledged payment (of a Pay or a Capture) for later Refunds and Queries.
+fn remember_payment(world: &World, merchant_id: &str, out_trade_no: &str, amount: &str, outcomes: &[Outcome]) {
+    if let Some(Outcome::Acknowledged { id, .. }) =
+        outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. }))
+    {
+        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
+            merchant_id.to_owned(),
+            out_trade_no.to_owned(),
+            amount.to_owned(),
+            id.clone(),
+        ));
     }
+}
+
+async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
+    let (expires_at, pay_after) = maybe_expiring();
+    let Some((order_no, amount)) = new_order(world, merchant_id, payee, expires_at).await else {
+        return;
+    };
     tokio::time::sleep(pay_after).await;
     let out_trade_no = world.new_key("pay");
     let request = proto::PayRequest {
@@ -466,36 +491,16 @@ async fn pay(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): 
         },
     )
     .await;
-    if let Some(Outcome::Acknowledged { id, .. }) =
-        outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. }))
-    {
-        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
-            merchant_id.clone(),
-            out_trade_no.clone(),
-            amount.clone(),
-            id.clone(),
-        ));
-    }
+    remember_payment(world, merchant_id, &out_trade_no, &amount, &outcomes);
     world.record(OperationKind::Pay, merchant_id, out_trade_no, amount, outcomes);
 }
 
 /// An order authorized for its amount, then, 0-1,500 ms later (holds last one second in the
 /// storm), captured in part or voided.
 async fn hold(world: &World, duplicate: bool, payer: &str, (merchant_id, payee): &(String, String)) {
-    let order_no = world.new_key("order");
-    let amount = random_amount(&mut rand::rng(), 3_000);
-    let order = proto::CreateOrderRequest {
-        merchant_id: merchant_id.clone(),
-        order_no: order_no.clone(),
-        payee_account_id: payee.clone(),
-        amount: amount.clone(),
-        currency: "USD".into(),
-        subject: "storm hold".into(),
-        expires_at: None,
-    };
-    if world.client().create_order(order).await.is_err() {
+    let Some((order_no, amount)) = new_order(world, merchant_id, payee, None).await else {
         return;
-    }
+    };
     let out_auth_no = world.new_key("auth");
     let request = proto::AuthorizeRequest {
         merchant_id: merchant_id.clone(),
@@ -567,16 +572,7 @@ async fn hold(world: &World, duplicate: bool, payer: &str, (merchant_id, payee):
         },
     )
     .await;
-    if let Some(Outcome::Acknowledged { id, .. }) =
-        outcomes.iter().find(|outcome| matches!(outcome, Outcome::Acknowledged { .. }))
-    {
-        world.payments.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((
-            merchant_id.clone(),
-            out_trade_no.clone(),
-            captured.clone(),
-            id.clone(),
-        ));
-    }
+    remember_payment(world, merchant_id, &out_trade_no, &captured, &outcomes);
     world.record(OperationKind::Capture, merchant_id, out_trade_no, captured, outcomes);
 }
 
