@@ -13,6 +13,14 @@ wait_for() { # name, command...
   return 1
 }
 
+# The Galera cluster of bench/galera.sh: the provider and rsync (its state transfer), from
+# Debian's packages, installed when missing.
+if [ ! -f /usr/lib/galera/libgalera_smm.so ] || ! command -v rsync >/dev/null 2>&1; then
+  echo "installing galera-4 and rsync"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq galera-4 rsync
+fi
+
 if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
   echo "starting PostgreSQL"
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start || true

@@ -122,6 +122,10 @@ pub enum Error {
     /// yet (a replica or cluster node behind the one that committed it): ABORTED, retryable.
     #[error("the original of this call committed but is not visible here yet; retry with the same key")]
     NotYetVisible,
+    /// A Galera node aborted the transaction under it without an error (its session found
+    /// itself in no transaction): run again from BEGIN, then ABORTED (CONTENTION), retryable.
+    #[error("the cluster aborted the transaction; retry with the same key")]
+    ClusterAborted,
     /// The database failed; `classify` tells whether it is unreachable, transient or a bug.
     #[error("database error")]
     Database(#[from] sqlx::Error),
@@ -219,6 +223,10 @@ impl From<Error> for Status {
             Error::NotYetVisible => {
                 tracing::info!("a taken key's original is not visible yet after re-reads");
                 (Code::Aborted, "KEY_NOT_YET_VISIBLE", error.to_string())
+            }
+            Error::ClusterAborted => {
+                tracing::info!("transaction aborted by the cluster, after retries");
+                (Code::Aborted, "CONTENTION", "transaction conflict; retry with the same key".to_owned())
             }
             Error::Database(db_error) => match classify(db_error) {
                 Fault::Unavailable => {

@@ -109,6 +109,8 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
     tracing::info!(
         listen = %application.local_addr(),
         backend = application.ledger().store().dialect().name(),
+        galera = application.ledger().store().is_galera(),
+        funding_account_shards = application.ledger().funding_account_shards(),
         authentication = application.authentication(),
         transport = application.transport_security(),
         metrics = %application.metrics_addr().map_or_else(|| "off".to_owned(), |address| format!("http://{address}/metrics")),

@@ -63,7 +63,11 @@ pub async fn open_ledger(
     let tokens = TokenStore::connect(&idempotency.token_store)
         .await
         .map_err(|error| StartupError::TokenStore(error.to_string()))?;
-    let settings = LedgerSettings { group_commit: database.group_commit(), ..idempotency.ledger() };
+    let settings = LedgerSettings {
+        group_commit: database.group_commit(),
+        funding_account_shards: database.funding_account_shards(store.is_galera()),
+        ..idempotency.ledger()
+    };
     Ok(Ledger::with_settings(store, tokens, settings))
 }
 

@@ -115,6 +115,7 @@ async fn opens_once_the_database_exists(admin_url: &str, force: &str) {
         pay_batch_workers: 1,
         pay_queue_max: 1024,
         database_wait_seconds: wait,
+        funding_account_shards: None,
     };
     let started = Instant::now();
     assert!(open_ledger(&settings(0), &IdempotencySettings::default()).await.is_err());

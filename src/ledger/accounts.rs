@@ -8,7 +8,9 @@ use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, Tran
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
-use super::posting::{external_account_id, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use super::posting::{
+    external_account_id, funding_account_id, funding_shard, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL,
+};
 use super::response;
 use super::tokens::IssuedToken;
 use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
@@ -65,7 +67,8 @@ impl Ledger {
         command: Deposit,
         guards: &Guards,
     ) -> Result<Replayable<proto::DepositResponse>, Error> {
-        self.run_idempotent(&Identified { command, id: new_id('D') }, guards).await
+        let funding_account_id = self.funding_account_for(command.parts());
+        self.run_idempotent(&FundingCall { command, id: new_id('D'), funding_account_id }, guards).await
     }
 
     /// Pays money out of an account to the currency's external funding account, once per
@@ -80,7 +83,15 @@ impl Ledger {
         command: Withdraw,
         guards: &Guards,
     ) -> Result<Replayable<proto::WithdrawResponse>, Error> {
-        self.run_idempotent(&Identified { command, id: new_id('W') }, guards).await
+        let funding_account_id = self.funding_account_for(command.parts());
+        self.run_idempotent(&FundingCall { command, id: new_id('W'), funding_account_id }, guards).await
+    }
+
+    /// The funding account (shard) a Deposit or Withdraw moves money against: one of
+    /// `LedgerSettings::funding_account_shards`, chosen by its request_id.
+    fn funding_account_for(&self, (request_id, _, amount, _): (&RequestId, &AccountId, Amount, &Actor)) -> String {
+        let shards = self.settings.funding_account_shards;
+        funding_account_id(amount.currency().code(), funding_shard(request_id.as_str(), shards))
     }
 
     /// Moves money between two accounts of one currency. Transfers have no natural key, so
@@ -269,7 +280,15 @@ fn funding_fields(request_id: &str, account_id: &str, amount: i64, currency: &st
     ]
 }
 
-impl<F: Funding> IdempotentCall for Identified<F> {
+/// A Deposit or Withdraw with what the server adds to it: the posting id, and the funding
+/// account (the currency's external account, or one of its shards) on the other side.
+struct FundingCall<F> {
+    command: F,
+    id: String,
+    funding_account_id: String,
+}
+
+impl<F: Funding> IdempotentCall for FundingCall<F> {
     type Answer = DepositReceipt;
     type Message = F::Message;
     const METHOD: &'static str = F::METHOD;
@@ -324,9 +343,10 @@ impl<F: Funding> IdempotentCall for Identified<F> {
         if !queries.insert_funding(F::TABLE, &row).await? {
             return Ok(Inserted::KeyTaken);
         }
-        let external_id = external_account_id(&account.currency);
+        let external_id = self.funding_account_id.as_str();
+        let external = ensure_funding_account(queries, external_id, &account.currency, now).await?;
         let (from_account_id, to_account_id) =
-            if F::INTO_ACCOUNT { (external_id.as_str(), account_id) } else { (account_id, external_id.as_str()) };
+            if F::INTO_ACCOUNT { (external_id, account_id) } else { (account_id, external_id) };
         let posting = Posting {
             posting_id: &self.id,
             kind: F::ENTRY_KIND,
@@ -337,7 +357,7 @@ impl<F: Funding> IdempotentCall for Identified<F> {
             now,
             created_by: &row.created_by,
         };
-        post(queries, &posting, &[]).await?;
+        post(queries, &posting, external.as_slice()).await?;
         Ok(Inserted::Done(funding_receipt(queries, account, &self.id).await?))
     }
 }
@@ -399,6 +419,31 @@ impl IdempotentCall for Identified<Transfer> {
         let to_entry = queries.find_entry(transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
         Ok(Inserted::Done(TransferReceipt { transfer, from_entry, to_entry }))
     }
+}
+
+/// The row of a funding account, inserted on its first use (a shard other than the first is
+/// created by the first Deposit or Withdraw that needs it; OpenAccount creates the first).
+/// `None` when a concurrent transaction inserted it first: the posting then reads it.
+async fn ensure_funding_account(
+    queries: &mut Queries<'_>,
+    account_id: &str,
+    currency: &str,
+    now: i64,
+) -> Result<Option<AccountRow>, Error> {
+    if let Some(row) = queries.find_account(account_id).await? {
+        return Ok(Some(row));
+    }
+    let row = AccountRow {
+        account_id: account_id.to_owned(),
+        currency: currency.to_owned(),
+        kind: KIND_EXTERNAL.to_owned(),
+        balance: 0,
+        version: 0,
+        created_at: now,
+        updated_at: now,
+        held: 0,
+    };
+    Ok(queries.insert_account(&row).await?.then_some(row))
 }
 
 /// The account as it stood right after the entry of a Deposit or Withdraw (`funding_id`, its

@@ -51,6 +51,7 @@ pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use holds::{CaptureReceipt, HoldReceipt};
 pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
+pub use posting::FUNDING_ACCOUNT_SHARDS_MAX;
 pub use reaper::{spawn_reaper, ExpiryReport, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
 
@@ -96,6 +97,9 @@ pub struct LedgerSettings {
     /// The lifetime of an authorization hold (`--hold-ttl-seconds`, default 7 days): after it
     /// a Capture is HOLD_EXPIRED and the sweeper releases the hold.
     pub hold_ttl: Duration,
+    /// Shards of each currency's funding account that Deposits and Withdraws spread over
+    /// (1 to [`FUNDING_ACCOUNT_SHARDS_MAX`]; 1, the default, is the one `@external:USD`).
+    pub funding_account_shards: u32,
 }
 
 impl Default for LedgerSettings {
@@ -106,6 +110,7 @@ impl Default for LedgerSettings {
             group_commit: GroupCommitSettings::default(),
             order_ttl: Duration::ZERO,
             hold_ttl: Duration::from_secs(7 * 24 * 60 * 60),
+            funding_account_shards: 1,
         }
     }
 }
@@ -151,6 +156,11 @@ impl Ledger {
 
     pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
         Self { store, tokens, settings, metrics: LedgerMetrics::default(), batcher: Arc::default() }
+    }
+
+    /// Shards of each currency's funding account that Deposits and Withdraws spread over.
+    pub fn funding_account_shards(&self) -> u32 {
+        self.settings.funding_account_shards
     }
 
     /// The counters of the ledger (registered by `crate::metrics::Metrics`).

@@ -136,8 +136,10 @@ impl TokenStore {
                     consumed_at: None,
                     caller_tag: caller_tag.map(str::to_owned),
                 };
-                let mut reader = store.reader().await?;
-                reader.queries().insert_token(&row).await?;
+                // A write, so in a transaction of its own (a Galera session writes only there).
+                let mut tx = store.begin().await?;
+                tx.queries().insert_token(&row).await?;
+                tx.commit().await?;
             }
             TokenStore::Redis(redis) => {
                 let mut connection = redis.connection.clone();

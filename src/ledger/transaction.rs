@@ -59,7 +59,19 @@ pub(super) use in_transaction;
 ///
 /// `KeyTaken` rolls back too: whatever the attempt wrote before it found the key taken (an
 /// idempotency record it claimed, say) must not outlive it; the caller replays the original.
-pub(crate) async fn finish<T>(tx: Tx, result: Result<Inserted<T>, Error>) -> Result<Inserted<T>, Error> {
+pub(crate) async fn finish<T>(mut tx: Tx, mut result: Result<Inserted<T>, Error>) -> Result<Inserted<T>, Error> {
+    // A transient error needs no check: it already runs the transaction again.
+    let transient = matches!(&result, Err(Error::Database(error)) if classify(error) == Fault::Transient);
+    if !transient {
+        match tx.still_open().await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::debug!("the cluster aborted the transaction under its outcome; running it again");
+                result = Err(Error::ClusterAborted);
+            }
+            Err(error) => result = Err(Error::Database(error)),
+        }
+    }
     if matches!(result, Ok(Inserted::Done(_))) {
         tx.commit().await?;
         return result;
@@ -81,6 +93,12 @@ pub(crate) async fn should_retry<T>(outcome: &Result<T, Error>, attempt: &mut u3
         Err(Error::Database(error)) if classify(error) == Fault::Transient && *attempt < TRANSACTION_ATTEMPTS_MAX => {
             tracing::debug!(%error, attempt = *attempt, "transient conflict; running the transaction again");
             metrics.transaction_retries.get_or_create(&CauseLabel { cause: conflict_cause(error) }).inc();
+            backoff(*attempt).await;
+            *attempt += 1;
+            true
+        }
+        Err(Error::ClusterAborted) if *attempt < TRANSACTION_ATTEMPTS_MAX => {
+            metrics.transaction_retries.get_or_create(&CauseLabel { cause: "cluster_abort" }).inc();
             backoff(*attempt).await;
             *attempt += 1;
             true

@@ -70,11 +70,26 @@ impl Dialect {
     ///   version; we choose READ COMMITTED (MySQL manual, "Transaction Isolation Levels").
     ///   Strict mode turns data errors into errors instead of warnings. InnoDB's lock wait
     ///   timeout has whole seconds.
+    /// - On a MariaDB Galera node (`galera`), `wsrep_sync_wait = 0`, whatever the server's
+    ///   default: the causal wait is made once per transaction or read, when its connection
+    ///   is taken from the pool ([`GALERA_CAUSAL_WAIT`]), never by a statement inside a write
+    ///   transaction. And the session is READ ONLY outside its write transactions, which
+    ///   begin `START TRANSACTION READ WRITE` ([`GALERA_BEGIN`]): a session that the cluster
+    ///   took out of its transaction without an error cannot write anything on its own.
     /// - SQLite: WAL so readers never block the writer, a busy timeout for writers in other
     ///   processes, foreign keys on, and full fsync at commit (WAL + synchronous=FULL is
     ///   durable).
-    pub(super) fn session_setup(self, lock_timeout: Duration) -> Vec<String> {
+    pub(super) fn session_setup(self, lock_timeout: Duration, galera: bool) -> Vec<String> {
         let millis = lock_timeout.as_millis().max(1);
+        let mut statements = self.plain_session_setup(millis);
+        if galera {
+            statements.push("SET SESSION wsrep_sync_wait = 0".to_owned());
+            statements.push("SET SESSION TRANSACTION READ ONLY".to_owned());
+        }
+        statements
+    }
+
+    fn plain_session_setup(self, millis: u128) -> Vec<String> {
         match self {
             Dialect::Postgres => vec![
                 // Set, not assumed: a database default of SERIALIZABLE would turn lock waits
@@ -127,6 +142,35 @@ impl Dialect {
         }
     }
 }
+
+/// The causal wait of a Galera node, run on a connection when it is taken from the pool for
+/// a write transaction or a read: it returns once the node has applied every write set the
+/// cluster had committed when it was sent (a causality check through group communication),
+/// so what follows sees every write acknowledged through any node: a Query through one node
+/// sees a Pay acknowledged through another, a Pay finds the order created through another,
+/// and a key found taken is readable (MariaDB manual, "wsrep_sync_wait").
+///
+/// Once, before the transaction holds any lock, rather than `wsrep_sync_wait` on every read,
+/// which costs a round among the nodes per read and, inside a write transaction, widens the
+/// window in which the cluster can abort it (see [`GALERA_BEGIN`]). Writes inside the
+/// transaction need no wait: one that raced a write applied elsewhere fails certification at
+/// commit (error 1213) and the whole transaction runs again; reads inside it see what
+/// committed before they began on this node, as on a single server under READ COMMITTED.
+pub const GALERA_CAUSAL_WAIT: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR SELECT 1";
+
+/// How a write transaction begins on a Galera node, whose sessions are READ ONLY outside
+/// their transactions.
+///
+/// A node that applies a conflicting write set aborts the local transaction that holds the
+/// rows ("brute force" abort) and reports it as a deadlock (1213) on the transaction's next
+/// statement; but a statement running at that moment can report success with its effect
+/// already rolled back (seen here on MariaDB 10.11 and galera-4 26.4 under Deposits through
+/// three nodes: the transaction's own journal entries were gone and `@@in_transaction` was
+/// 0). The statements that follow then run outside any transaction: in a READ ONLY session
+/// each write among them is refused (1792) instead of committing alone, and
+/// `crate::store::Tx::aborted_by_cluster`, asked before every COMMIT and before any outcome
+/// other than a commit is believed, runs the whole transaction again.
+pub const GALERA_BEGIN: &str = "START TRANSACTION READ WRITE";
 
 /// The fault class of a database error, which decides retry and status code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

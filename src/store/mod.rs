@@ -68,6 +68,8 @@ pub struct Store {
     acquire_duration: Histogram,
     /// 1 after a health check that reached the database, 0 after one that did not.
     up: Gauge,
+    /// True on a MariaDB Galera cluster node (`wsrep_on` with a provider loaded).
+    galera: bool,
 }
 
 /// The driver's options for `url`. sqlx warns of every statement slower than 1 s; the audit
@@ -132,7 +134,8 @@ impl Store {
     async fn open(url: &str, settings: &PoolSettings, create: bool) -> Result<Self, ConnectError> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
-        let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout));
+        let galera = dialect == Dialect::MySql && is_galera_node(url).await?;
+        let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout, galera));
         let pool = AnyPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
@@ -171,7 +174,14 @@ impl Store {
             max_connections: settings.max_connections,
             acquire_duration: crate::metrics::duration_buckets(),
             up,
+            galera,
         })
+    }
+
+    /// True when the database is a MariaDB Galera cluster node: its sessions then read with
+    /// `wsrep_sync_wait` (see [`Dialect::session_setup`]) and its health is the node's state.
+    pub fn is_galera(&self) -> bool {
+        self.galera
     }
 
     /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
@@ -209,8 +219,18 @@ impl Store {
                 "another instance held the migration lock for 60 s".into(),
             ))));
         }
+        // A Galera session is READ ONLY outside its transactions; migrating writes outside them.
+        if self.galera {
+            connection.execute("SET SESSION TRANSACTION READ WRITE").await.map_err(|error| failed(error.into()))?;
+        }
         let outcome = migrator.run_direct(&mut *connection).await;
         let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
+        if self.galera {
+            // Or the connection leaves the pool, rather than go back to it writable.
+            if connection.execute("SET SESSION TRANSACTION READ ONLY").await.is_err() {
+                connection.close_on_drop();
+            }
+        }
         outcome.map_err(failed)
     }
 
@@ -236,9 +256,10 @@ impl Store {
             None => None,
         };
         let connection = self.acquire().await?;
+        let begin = if self.galera { dialect::GALERA_BEGIN } else { self.dialect.begin_statement() };
         // What `Pool::begin_with` does, after the acquire is timed.
-        let transaction = Transaction::begin(connection, Some(self.dialect.begin_statement().into())).await?;
-        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit, cas_retries: 0 })
+        let transaction = Transaction::begin(connection, Some(begin.into())).await?;
+        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit, cas_retries: 0, galera: self.galera })
     }
 
     /// Takes a pooled connection for reads outside a write transaction (each statement sees
@@ -254,7 +275,11 @@ impl Store {
         let started = Instant::now();
         let connection = self.pool.acquire().await;
         self.acquire_duration.observe(started.elapsed().as_secs_f64());
-        connection
+        let mut connection = connection?;
+        if self.galera {
+            connection.execute(dialect::GALERA_CAUSAL_WAIT).await?;
+        }
+        Ok(connection)
     }
 
     /// Seconds each transaction and read waited for a pooled connection.
@@ -311,11 +336,54 @@ impl Store {
     ///
     /// # Errors
     /// The driver error, or a pool timeout after 2 s.
+    ///
+    /// A Galera node answers a ping, and even `SELECT 1`, while it is joining, donating a
+    /// state transfer or cut off from the cluster's quorum, though it then refuses or stalls
+    /// every write; so on Galera the check also asks that the node be ready (`wsrep_ready`)
+    /// and Synced (`wsrep_local_state` 4; Galera manual, "Node State Changes").
     pub async fn check_health(&self) -> Result<(), sqlx::Error> {
-        let outcome = async { self.probe.acquire().await?.ping().await }.await;
+        let outcome = async {
+            let mut connection = self.probe.acquire().await?;
+            connection.ping().await?;
+            if self.galera {
+                let synced: i64 = sqlx::query_scalar(GALERA_SYNCED).fetch_one(&mut *connection).await?;
+                if synced != 2 {
+                    return Err(sqlx::Error::Protocol(
+                        "the Galera node is not ready and Synced (wsrep_ready, wsrep_local_state)".into(),
+                    ));
+                }
+            }
+            Ok(())
+        }
+        .await;
         self.up.set(i64::from(outcome.is_ok()));
         outcome
     }
+}
+
+/// 2 when a Galera node is ready for queries and Synced with its cluster, less otherwise.
+const GALERA_SYNCED: &str = "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.GLOBAL_STATUS \
+     WHERE (VARIABLE_NAME = 'WSREP_READY' AND VARIABLE_VALUE = 'ON') \
+        OR (VARIABLE_NAME = 'WSREP_LOCAL_STATE' AND VARIABLE_VALUE = '4')";
+
+/// Whether the MySQL/MariaDB server behind `url` is a Galera cluster node: `wsrep_on` is ON
+/// and a provider is loaded. MySQL has neither variable (no rows: false); MariaDB without a
+/// cluster has `wsrep_on` OFF. Asked once at start, on a plain connection of its own.
+async fn is_galera_node(url: &str) -> Result<bool, ConnectError> {
+    let failed = |error| ConnectError::Connect(dialect::redacted(url), error);
+    let options = connect_options(&Dialect::MySql.driver_url(url, false), false)?;
+    let mut connection = AnyConnection::connect_with(&options).await.map_err(failed)?;
+    let variables: Result<Vec<(String, String)>, _> = sqlx::query_as(
+        // SHOW, not information_schema.GLOBAL_VARIABLES, which MySQL 8 no longer has.
+        "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('wsrep_on', 'wsrep_provider')",
+    )
+    .fetch_all(&mut connection)
+    .await;
+    let _ = connection.close().await;
+    let variables = variables.map_err(failed)?;
+    let value =
+        |name: &str| variables.iter().find(|(key, _)| key.eq_ignore_ascii_case(name)).map(|(_, value)| value.as_str());
+    Ok(value("wsrep_on") == Some("ON") && value("wsrep_provider").is_some_and(|provider| provider != "none"))
 }
 
 /// A write transaction. Dropping it without [`Tx::commit`] rolls it back.
@@ -325,6 +393,8 @@ pub struct Tx {
     _write_permit: Option<OwnedSemaphorePermit>,
     /// Version CAS or conditional UPDATEs of this transaction that lost and were tried again.
     cas_retries: u32,
+    /// On a Galera node, see [`Tx::aborted_by_cluster`].
+    galera: bool,
 }
 
 impl Tx {
@@ -335,6 +405,25 @@ impl Tx {
     /// How many times [`Queries::count_cas_retry`] was called in this transaction.
     pub fn cas_retries(&self) -> u32 {
         self.cas_retries
+    }
+
+    /// On a Galera node, whether this transaction is still open: `Ok(false)` when the cluster
+    /// aborted it under it without the database saying so (see [`dialect::GALERA_BEGIN`]),
+    /// the session then being in no transaction at all; the error when the database says so
+    /// now (the deadlock 1213 it reports on the statement after an abort: that error must not
+    /// be lost, or the COMMIT that follows would succeed with nothing to commit). Always
+    /// `Ok(true)` elsewhere. Asked before COMMIT and before any other outcome of the body is
+    /// believed.
+    ///
+    /// # Errors
+    /// The driver error of the check.
+    pub async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
+        if !self.galera {
+            return Ok(true);
+        }
+        let open: i64 =
+            sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)").fetch_one(&mut *self.transaction).await?;
+        Ok(open == 1)
     }
 
     /// # Errors

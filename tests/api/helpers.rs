@@ -61,6 +61,8 @@ pub struct TestOptions {
     pub order_ttl: Duration,
     /// The lifetime of an authorization hold (`--hold-ttl-seconds`).
     pub hold_ttl: Duration,
+    /// Shards of each currency's funding account (`--funding-account-shards`).
+    pub funding_account_shards: u32,
 }
 
 impl Default for TestOptions {
@@ -76,6 +78,7 @@ impl Default for TestOptions {
             max_concurrent_calls: Some(512),
             order_ttl: defaults.order_ttl,
             hold_ttl: defaults.hold_ttl,
+            funding_account_shards: defaults.funding_account_shards,
         }
     }
 }
@@ -352,6 +355,7 @@ impl TestApp {
                 group_commit: options.group_commit,
                 order_ttl: options.order_ttl,
                 hold_ttl: options.hold_ttl,
+                funding_account_shards: options.funding_account_shards,
             },
         );
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");

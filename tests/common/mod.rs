@@ -67,7 +67,11 @@ pub async fn serve(database_url: &str, connections: u32) -> Served {
     };
     let store = Store::connect(database_url, &settings).await.expect("the database connects");
     store.migrate().await.expect("migrations apply");
-    let ledger = payledger::ledger::Ledger::new(store);
+    serve_ledger(payledger::ledger::Ledger::new(store)).await
+}
+
+/// A payledger server in this process on a free loopback port, serving `ledger`.
+pub async fn serve_ledger(ledger: payledger::ledger::Ledger) -> Served {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("port 0 binds");
     let application = payledger::startup::Application::with_listener(listener, ledger.clone(), Duration::from_secs(2));
     let address = application.local_addr();

@@ -59,6 +59,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 pay_batch_workers: 2,
                 pay_queue_max: 1024,
                 database_wait_seconds: 0,
+                funding_account_shards: None,
             };
             let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;

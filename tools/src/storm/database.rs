@@ -76,6 +76,28 @@ impl StormDatabase {
         Ok(Self { url, dialect, place, created: !exists })
     }
 
+    /// The URL of this database on another node of the same cluster (a Galera node, whose
+    /// databases every node shares): the same backend and database name on another server.
+    ///
+    /// # Errors
+    /// When `url` is SQLite, another backend, or names another database.
+    pub fn on_node(&self, url: &str) -> Result<String, AnyError> {
+        let Place::Server { name, .. } = &self.place else {
+            return Err("a SQLite storm takes one --database-url".into());
+        };
+        if Dialect::from_url(url) != Some(self.dialect) {
+            return Err("every --database-url must be of the same backend".into());
+        }
+        let (server, node_name) = split_server_url(url)?;
+        if &node_name != name {
+            return Err(format!(
+                "every --database-url must name the same database (one per node of a cluster): {name}, not {node_name}"
+            )
+            .into());
+        }
+        Ok(format!("{server}/{name}"))
+    }
+
     /// Drops the database if this storm created it.
     ///
     /// # Errors

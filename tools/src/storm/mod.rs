@@ -44,9 +44,13 @@ use crate::AnyError;
 pub struct StormSettings {
     /// Database the instances share, which the storm creates (PostgreSQL or MySQL/MariaDB: a
     /// new database on that server; SQLite, a new file, run without the connection-cut fault)
-    /// and drops after a clean run. Never read from `DATABASE_URL`.
-    #[arg(long)]
-    pub database_url: String,
+    /// and drops after a clean run. Never read from `DATABASE_URL`. Repeat it to point the
+    /// instances at the nodes of one cluster (MariaDB Galera), each URL naming the same
+    /// database on another node: instance i uses URL i modulo their number; the first URL
+    /// creates and drops the database, connections are cut on every node, and the audit
+    /// runs against every node.
+    #[arg(long, required = true)]
+    pub database_url: Vec<String>,
     /// Run on the database even though it exists already (the storm cuts its connections
     /// and writes test money into it); it is then left in place.
     #[arg(long)]
@@ -157,6 +161,8 @@ fn classify<T>(result: &Result<Response<T>, Status>, id: impl FnOnce(&T) -> Stri
 struct Instance {
     port: u16,
     child: Child,
+    /// The database (node) it serves from; a restart serves from the same one.
+    database_url: String,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -219,7 +225,7 @@ async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Resu
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok(Instance { port, child })
+    Ok(Instance { port, child, database_url: database_url.to_owned() })
 }
 
 /// Cuts every database connection of the instances: PostgreSQL `pg_terminate_backend`,
@@ -710,7 +716,7 @@ fn print_summary(summary: &StormSummary) {
 /// When instances cannot start or the database cannot be reached for the checks.
 pub async fn storm(settings: &StormSettings) -> Result<StormSummary, AnyError> {
     sqlx::any::install_default_drivers();
-    let database = StormDatabase::create(&settings.database_url, settings.reuse_database).await?;
+    let database = StormDatabase::create(&settings.database_url[0], settings.reuse_database).await?;
     // Interrupted (SIGINT, SIGTERM), the run is dropped: its instances are killed
     // (`kill_on_drop`) and the database it created is dropped, as after a failure.
     let outcome = tokio::select! {
@@ -741,9 +747,17 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     // The token outlives the run with room to spare (the run's own bound is its duration).
     let auth =
         StormAuth::new(Duration::from_secs(settings.duration_seconds).saturating_add(Duration::from_secs(3600)))?;
+    // One URL per node of a cluster; the first is the database the storm created.
+    let mut node_urls = vec![database.url.clone()];
+    for url in &settings.database_url[1..] {
+        node_urls.push(database.on_node(url)?);
+    }
+    // Migrated once, before any instance starts: a MySQL named lock (GET_LOCK), which keeps
+    // instances that start together from migrating at once, holds on one Galera node only.
+    Store::connect(&database.url, &check_pool()).await?.migrate().await?;
     let mut instances = Vec::new();
-    for _ in 0..instance_count {
-        instances.push(spawn_instance(&database.url, free_port()?, &auth).await?);
+    for number in 0..instance_count {
+        instances.push(spawn_instance(&node_urls[number % node_urls.len()], free_port()?, &auth).await?);
     }
     let mut proxies = Vec::new();
     for instance in &instances {
@@ -816,8 +830,17 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         .map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio)))
         .collect();
 
-    // Chaos: kill and restart instances, cut database connections, until the load ends.
-    let admin = AnyPool::connect(&database.url).await?;
+    // Chaos: kill and restart instances, cut database connections (on every node), until the
+    // load ends. A node that is down (killed by the cluster test) is skipped within a second.
+    let mut admins = Vec::new();
+    for url in &node_urls {
+        admins.push(
+            sqlx::any::AnyPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_secs(1))
+                .connect_lazy(url)?,
+        );
+    }
     let (mut kills, mut cuts) = (0u64, 0u64);
     let kill_every = Duration::from_secs(settings.kill_interval_seconds.max(1));
     let cut_every = Duration::from_secs(settings.cut_interval_seconds.max(1));
@@ -865,11 +888,16 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
             let _ = instances[victim].child.wait().await;
             kills += 1;
             tokio::time::sleep(Duration::from_millis(300)).await;
-            instances[victim] = spawn_instance(&database.url, port, &auth).await?;
+            let database_url = instances[victim].database_url.clone();
+            instances[victim] = spawn_instance(&database_url, port, &auth).await?;
         }
         if Instant::now() >= next_cut && dialect != Dialect::Sqlite {
             next_cut += cut_every;
-            if cut_database_connections(&admin, dialect).await.unwrap_or(0) > 0 {
+            let mut cut = 0;
+            for admin in &admins {
+                cut += cut_database_connections(admin, dialect).await.unwrap_or(0);
+            }
+            if cut > 0 {
                 cuts += 1;
             }
         }
@@ -880,7 +908,9 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     for caller in callers {
         caller.await?;
     }
-    admin.close().await;
+    for admin in admins {
+        admin.close().await;
+    }
 
     let mut summary = StormSummary { instance_kills: kills, database_cuts: cuts, ..StormSummary::default() };
     for proxy in &proxies {
@@ -901,7 +931,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         .violations
         .extend(world.query_mismatches.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned());
     let operations = world.operations.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    check(&database.url, &operations, &mut summary).await?;
+    check(&node_urls, &operations, &mut summary).await?;
     for mut instance in instances {
         let _ = instance.child.start_kill();
         let _ = instance.child.wait().await;
@@ -909,14 +939,16 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     Ok(summary)
 }
 
-/// The final checks, from the database and the log of acknowledged calls.
-async fn check(database_url: &str, operations: &[Operation], summary: &mut StormSummary) -> Result<(), AnyError> {
-    let settings = PoolSettings {
-        max_connections: 2,
-        acquire_timeout: Duration::from_secs(10),
-        lock_timeout: Duration::from_secs(10),
-    };
-    let store = Store::connect(database_url, &settings).await?;
+/// The pool of the storm's own checks (and of its migration).
+fn check_pool() -> PoolSettings {
+    PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) }
+}
+
+/// The final checks, from the database and the log of acknowledged calls; the audit runs
+/// against every node's URL.
+async fn check(node_urls: &[String], operations: &[Operation], summary: &mut StormSummary) -> Result<(), AnyError> {
+    let database_url = node_urls[0].as_str();
+    let store = Store::connect(database_url, &check_pool()).await?;
     let dialect = store.dialect();
     let raw = AnyPool::connect(database_url).await?;
     let placeholder = |n: usize| if dialect == Dialect::Postgres { format!("${n}") } else { "?".to_owned() };
@@ -1025,6 +1057,19 @@ async fn check(database_url: &str, operations: &[Operation], summary: &mut Storm
     for violation in ledger.audit().await? {
         summary.violations.push(format!("audit: {}: {} ({})", violation.check, violation.subject, violation.detail));
     }
+    for (node, url) in node_urls.iter().enumerate().skip(1) {
+        let node_ledger = Ledger::new(Store::connect(url, &check_pool()).await?);
+        for violation in node_ledger.audit().await? {
+            summary.violations.push(format!(
+                "audit: node {}: {}: {} ({})",
+                node + 1,
+                violation.check,
+                violation.subject,
+                violation.detail
+            ));
+        }
+        node_ledger.store().close().await;
+    }
     let duplicated: Vec<(String, i64)> =
         sqlx::query("SELECT memo, COUNT(*) FROM transfers GROUP BY memo HAVING COUNT(*) > 1")
             .fetch_all(&raw)
@@ -1106,7 +1151,7 @@ mod tests {
         ];
 
         let mut summary = StormSummary::default();
-        check(&url, &operations, &mut summary).await.unwrap();
+        check(std::slice::from_ref(&url), &operations, &mut summary).await.unwrap();
 
         assert_eq!(
             summary.violations,

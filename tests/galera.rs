@@ -1,0 +1,367 @@
+//! payledger on a 3-node MariaDB Galera cluster (multi-primary), one instance per node, as
+//! `bench/galera.sh start` runs it on loopback. `PAYLEDGER_TEST_GALERA_URLS` names one admin
+//! URL per node, comma-separated (`bench/galera.sh urls`); each test creates its own database
+//! through the first node and drops it after.
+//!
+//! - The same Pay, then the same Refund, sent through all three instances at once: money
+//!   moves once, and the three answers carry one trade_no (refund_no), two of them replays.
+//! - CreateOrder through one node, Pay through the next, Query through the third, right after
+//!   each other: never NOT_FOUND (each session reads with `wsrep_sync_wait`).
+//! - Deposits into many accounts through all three nodes at once: the funding account is
+//!   sharded on Galera, so few are refused ABORTED even on the first attempt (the rate is
+//!   printed, and bounded).
+//!
+//! Every test ends with the audit, run against every node.
+
+mod common;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::ledger::Ledger;
+use payledger::proto::{self, query_request::Key};
+use payledger_client::{was_replayed, ClientSettings, PayledgerClient, RetrySettings};
+use tonic::Code;
+
+const URLS_VARIABLE: &str = "PAYLEDGER_TEST_GALERA_URLS";
+
+/// A database of this test on every node, and an instance of payledger on each.
+struct Cluster {
+    name: String,
+    admin_url: String,
+    node_urls: Vec<String>,
+    instances: Vec<common::Served>,
+    clients: Vec<PayledgerClient>,
+}
+
+/// The cluster's admin URLs, or `None` (skipped) when the variable is unset outside CI.
+fn node_admin_urls() -> Option<Vec<String>> {
+    let urls = common::admin_url(URLS_VARIABLE)?;
+    let urls: Vec<String> = urls.split(',').map(str::trim).filter(|url| !url.is_empty()).map(String::from).collect();
+    assert!(urls.len() >= 2, "{URLS_VARIABLE} names at least two nodes");
+    Some(urls)
+}
+
+impl Cluster {
+    /// A new database through the first node, then one instance per node, started one after
+    /// another (the first migrates; MySQL's migration lock holds on one Galera node only).
+    /// `funding_account_shards`: `None` for the default (16 on Galera).
+    async fn start(admin_urls: &[String], funding_account_shards: Option<u32>, retry: RetrySettings) -> Self {
+        sqlx::any::install_default_drivers();
+        let name = format!("payledger_galera_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let admin = sqlx::AnyPool::connect(&admin_urls[0]).await.expect("the first node answers");
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+        admin.close().await;
+        let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
+        let mut instances = Vec::new();
+        for url in &node_urls {
+            let database = DatabaseSettings {
+                database_url: url.clone(),
+                pool_size: 8,
+                pool_acquire_timeout_ms: 5_000,
+                lock_timeout_ms: 5_000,
+                pay_batch_max: 64,
+                pay_batch_workers: 1,
+                pay_queue_max: 1024,
+                database_wait_seconds: 10,
+                funding_account_shards,
+            };
+            let ledger = payledger::startup::open_ledger(&database, &IdempotencySettings::default())
+                .await
+                .expect("an instance opens its node");
+            assert!(ledger.store().is_galera(), "{url} is a Galera node");
+            instances.push(common::serve_ledger(ledger).await);
+        }
+        let clients = instances
+            .iter()
+            .map(|instance| {
+                let settings = ClientSettings { retry: retry.clone(), ..ClientSettings::default() };
+                PayledgerClient::connect(&format!("http://{}", instance.address), settings).unwrap()
+            })
+            .collect();
+        Self { name, admin_url: admin_urls[0].clone(), node_urls, instances, clients }
+    }
+
+    fn client(&self, n: usize) -> &PayledgerClient {
+        &self.clients[n % self.clients.len()]
+    }
+
+    async fn open(&self, account_id: &str) {
+        let request = proto::OpenAccountRequest { account_id: account_id.into(), currency: "USD".into() };
+        self.client(0).open_account(request).await.expect("the account opens");
+    }
+
+    async fn deposit(&self, through: usize, request_id: &str, account_id: &str, amount: &str) -> Result<(), Code> {
+        let request = proto::DepositRequest {
+            request_id: request_id.into(),
+            account_id: account_id.into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+        };
+        self.client(through).deposit(request).await.map(|_| ()).map_err(|status| status.code())
+    }
+
+    async fn create_order(&self, through: usize, order_no: &str, amount: &str) {
+        let request = proto::CreateOrderRequest {
+            merchant_id: "m1".into(),
+            order_no: order_no.into(),
+            payee_account_id: "shop".into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+            subject: String::new(),
+            expires_at: None,
+        };
+        self.client(through).create_order(request).await.expect("the order is created");
+    }
+
+    /// The balance of `account_id` as every node reads it; they must agree.
+    async fn balance(&self, account_id: &str) -> String {
+        let mut seen = Vec::new();
+        for client in &self.clients {
+            let request = proto::GetAccountRequest { account_id: account_id.into() };
+            seen.push(client.get_account(request).await.unwrap().into_inner().account.unwrap().balance);
+        }
+        assert!(seen.windows(2).all(|pair| pair[0] == pair[1]), "every node reads one balance: {seen:?}");
+        seen.remove(0)
+    }
+
+    /// Runs the audit against every node, stops the instances and drops the database.
+    async fn audit_and_drop(self) {
+        for instance in self.instances {
+            instance.shut_down().await;
+        }
+        for url in &self.node_urls {
+            let settings = common::small_pool(Duration::from_secs(10));
+            let ledger = Ledger::new(payledger::store::Store::connect_existing(url, &settings).await.unwrap());
+            let violations = ledger.audit().await.unwrap();
+            assert!(violations.is_empty(), "audit on {url}: {violations:?}");
+            ledger.store().close().await;
+        }
+        let admin = sqlx::AnyPool::connect(&self.admin_url).await.unwrap();
+        sqlx::query(&format!("DROP DATABASE {}", self.name)).execute(&admin).await.unwrap();
+        admin.close().await;
+    }
+}
+
+/// The retrying client as callers run it.
+fn retrying() -> RetrySettings {
+    RetrySettings::default()
+}
+
+/// One attempt per call: what the server answers first.
+fn single_attempt() -> RetrySettings {
+    RetrySettings { max_attempts: 1, throttling: None, ..RetrySettings::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_pays_and_refunds_through_three_nodes_move_money_once() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    let cluster = Cluster::start(&admin_urls, None, retrying()).await;
+    cluster.open("payer").await;
+    cluster.open("shop").await;
+    cluster.deposit(0, "fund", "payer", "1000.00").await.unwrap();
+    const ORDERS: usize = 40;
+    for n in 0..ORDERS {
+        let order_no = format!("o-{n}");
+        cluster.create_order(n, &order_no, "10.00").await;
+        let pay = proto::PayRequest {
+            merchant_id: "m1".into(),
+            out_trade_no: format!("p-{n}"),
+            order_no: order_no.clone(),
+            payer_account_id: "payer".into(),
+            amount: "10.00".into(),
+            currency: "USD".into(),
+        };
+        let answers = futures::future::join_all(cluster.clients.iter().map(|client| client.pay(pay.clone()))).await;
+        let mut trade_nos = Vec::new();
+        let mut fresh = 0;
+        for answer in answers {
+            let answer = answer.unwrap_or_else(|status| panic!("Pay {n}: {status:?}"));
+            fresh += usize::from(!was_replayed(&answer));
+            trade_nos.push(answer.into_inner().payment.unwrap().trade_no);
+        }
+        assert!(trade_nos.windows(2).all(|pair| pair[0] == pair[1]), "Pay {n}: one trade_no, got {trade_nos:?}");
+        assert_eq!(fresh, 1, "Pay {n}: one fresh answer and two replays");
+
+        let refund = proto::RefundRequest {
+            merchant_id: "m1".into(),
+            out_trade_no: format!("p-{n}"),
+            out_refund_no: format!("r-{n}"),
+            amount: "4.00".into(),
+            currency: "USD".into(),
+            reason: String::new(),
+        };
+        let answers =
+            futures::future::join_all(cluster.clients.iter().map(|client| client.refund(refund.clone()))).await;
+        let mut refund_nos = Vec::new();
+        let mut fresh = 0;
+        for answer in answers {
+            let answer = answer.unwrap_or_else(|status| panic!("Refund {n}: {status:?}"));
+            fresh += usize::from(!was_replayed(&answer));
+            refund_nos.push(answer.into_inner().refund.unwrap().refund_no);
+        }
+        assert!(refund_nos.windows(2).all(|pair| pair[0] == pair[1]), "Refund {n}: one refund_no, got {refund_nos:?}");
+        assert_eq!(fresh, 1, "Refund {n}: one fresh answer and two replays");
+    }
+    // 40 Pays of 10.00 and 40 Refunds of 4.00, each once.
+    assert_eq!(cluster.balance("payer").await, "760.00");
+    assert_eq!(cluster.balance("shop").await, "240.00");
+    cluster.audit_and_drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_query_right_after_a_pay_through_another_node_never_answers_not_found() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    // One attempt: the first answer of each node is what is checked, NOT_FOUND included.
+    let cluster = Cluster::start(&admin_urls, None, single_attempt()).await;
+    cluster.open("payer").await;
+    cluster.open("shop").await;
+    cluster.deposit(0, "fund", "payer", "10000.00").await.unwrap();
+    const ROUNDS: usize = 300;
+    let (mut not_found, mut other) = (Vec::new(), Vec::new());
+    for n in 0..ROUNDS {
+        let order_no = format!("o-{n}");
+        cluster.create_order(n, &order_no, "1.00").await;
+        let pay = proto::PayRequest {
+            merchant_id: "m1".into(),
+            out_trade_no: format!("p-{n}"),
+            order_no,
+            payer_account_id: "payer".into(),
+            amount: "1.00".into(),
+            currency: "USD".into(),
+        };
+        let trade_no = match cluster.client(n + 1).pay(pay).await {
+            Ok(answer) => answer.into_inner().payment.unwrap().trade_no,
+            Err(status) if status.code() == Code::NotFound => {
+                not_found.push(format!("Pay {n} after CreateOrder through another node"));
+                continue;
+            }
+            Err(status) => {
+                other.push(format!("Pay {n}: {status:?}"));
+                continue;
+            }
+        };
+        let query = proto::QueryRequest { merchant_id: "m1".into(), key: Some(Key::OutTradeNo(format!("p-{n}"))) };
+        match cluster.client(n + 2).query(query).await {
+            Ok(answer) => assert_eq!(answer.into_inner().payment.unwrap().trade_no, trade_no),
+            Err(status) if status.code() == Code::NotFound => {
+                not_found.push(format!("Query {n} after Pay through another node"));
+            }
+            Err(status) => other.push(format!("Query {n}: {status:?}")),
+        }
+    }
+    assert!(not_found.is_empty(), "stale reads across nodes: {not_found:?}");
+    // Anything else must be retryable (a certification conflict that outlasted the server's
+    // own retries), never INTERNAL.
+    assert!(
+        other.iter().all(|failure| failure.contains("Aborted") || failure.contains("Unavailable")),
+        "non-retryable failures: {other:?}"
+    );
+    cluster.audit_and_drop().await;
+}
+
+/// Deposits into `ACCOUNTS` accounts, `CONCURRENT` at a time, round-robin through the nodes,
+/// one attempt each: the share answered ABORTED (a certification conflict that outlasted the
+/// server's transaction retries). Any other failure fails the test.
+async fn aborted_share_of_deposits_through_every_node(cluster: &Cluster) -> f64 {
+    const ACCOUNTS: usize = 30;
+    const DEPOSITS: usize = 900;
+    const CONCURRENT: usize = 30;
+    for n in 0..ACCOUNTS {
+        cluster.open(&format!("a-{n}")).await;
+    }
+    let outcomes: Vec<Result<(), Code>> = futures::stream::iter(0..DEPOSITS)
+        .map(|n| async move { cluster.deposit(n, &format!("d-{n}"), &format!("a-{}", n % ACCOUNTS), "1.00").await })
+        .buffer_unordered(CONCURRENT)
+        .collect()
+        .await;
+    let aborted = outcomes.iter().filter(|outcome| **outcome == Err(Code::Aborted)).count();
+    let failed: Vec<_> =
+        outcomes.iter().filter(|outcome| matches!(outcome, Err(code) if *code != Code::Aborted)).collect();
+    assert!(failed.is_empty(), "deposits failed otherwise than ABORTED: {failed:?}");
+    let done = DEPOSITS - aborted;
+    let mut total = 0;
+    for n in 0..ACCOUNTS {
+        let balance = cluster.balance(&format!("a-{n}")).await;
+        total += balance.replace('.', "").parse::<usize>().unwrap();
+    }
+    assert_eq!(total, done * 100, "every acknowledged deposit credited once, no refused one");
+    aborted as f64 / DEPOSITS as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deposits_through_three_nodes_are_rarely_refused_with_a_sharded_funding_account() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    let sharded = Cluster::start(&admin_urls, None, single_attempt()).await;
+    assert_eq!(sharded.instances[0].ledger.funding_account_shards(), 16, "Galera's default");
+    let sharded_share = aborted_share_of_deposits_through_every_node(&sharded).await;
+    sharded.audit_and_drop().await;
+    let single = Cluster::start(&admin_urls, Some(1), single_attempt()).await;
+    let single_share = aborted_share_of_deposits_through_every_node(&single).await;
+    single.audit_and_drop().await;
+    eprintln!(
+        "deposits through every node answered ABORTED on their only attempt: {:.1}% with 16 funding shards, {:.1}% with one",
+        sharded_share * 100.0,
+        single_share * 100.0
+    );
+    assert!(
+        sharded_share <= 0.02,
+        "at most 2% ABORTED with a sharded funding account, got {:.1}%",
+        sharded_share * 100.0
+    );
+}
+
+/// The gRPC health of the server at `address` for the whole server (`""`).
+async fn health(address: std::net::SocketAddr) -> Option<tonic_health::pb::health_check_response::ServingStatus> {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}")).ok()?.connect().await.ok()?;
+    let answer = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.ok()?;
+    tonic_health::pb::health_check_response::ServingStatus::try_from(answer.into_inner().status).ok()
+}
+
+/// Waits (at most 15 s, a bound on the test) until health says `expected`.
+async fn until_health_is(
+    address: std::net::SocketAddr,
+    expected: tonic_health::pb::health_check_response::ServingStatus,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while health(address).await != Some(expected) {
+        assert!(std::time::Instant::now() < deadline, "health did not turn {expected:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_the_node_state_not_only_whether_it_answers() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let Some(admin_urls) = node_admin_urls() else { return };
+    let node = admin_urls.last().unwrap().clone();
+    let cluster = Cluster::start(std::slice::from_ref(&node), None, retrying()).await;
+    let ledger = cluster.instances[0].ledger.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let application = payledger::startup::Application::with_listener(listener, ledger, Duration::from_secs(1))
+        .with_health_check_interval(Duration::from_millis(100));
+    let address = application.local_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(application.run_until(async {
+        let _ = stopped.await;
+    }));
+    until_health_is(address, ServingStatus::Serving).await;
+    // A desynced node (as for a backup, or a donor of a state transfer) answers every query,
+    // yet the cluster's load balancers take it out (clustercheck: Synced only); so does health.
+    let admin = sqlx::AnyPool::connect(&node).await.unwrap();
+    sqlx::query("SET GLOBAL wsrep_desync = ON").execute(&admin).await.unwrap();
+    let desynced = async {
+        until_health_is(address, ServingStatus::NotServing).await;
+    };
+    let outcome = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(desynced)).await;
+    sqlx::query("SET GLOBAL wsrep_desync = OFF").execute(&admin).await.unwrap();
+    admin.close().await;
+    assert!(outcome.is_ok(), "health did not turn NOT_SERVING on a desynced node");
+    until_health_is(address, ServingStatus::Serving).await;
+    let _ = stop.send(());
+    let _ = server.await;
+    cluster.audit_and_drop().await;
+}
