@@ -102,6 +102,11 @@ impl TestOptions {
         Self { order_ttl: Duration::from_secs(2), ..Self::default() }
     }
 
+    /// Each currency's funding account split into 4 shards (`--funding-account-shards 4`).
+    pub fn four_funding_shards() -> Self {
+        Self { funding_account_shards: 4, ..Self::default() }
+    }
+
     /// Authorization holds last 2 s (`--hold-ttl-seconds 2`).
     pub fn short_hold_ttl() -> Self {
         Self { hold_ttl: Duration::from_secs(2), ..Self::default() }

@@ -325,6 +325,39 @@ pub async fn withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pa
     assert_eq!(app.balance("alice").await, "0.00");
 }
 
+/// With `--funding-account-shards 4`, Deposits and Withdraws use four funding accounts, each
+/// chosen by its request_id: every shard that took money is an EXTERNAL account named in its
+/// entries, a replay names the same shard, and the shards together mirror the customers.
+pub async fn deposits_and_withdrawals_spread_over_the_funding_shards_and_the_audit_sums_them(app: &TestApp) {
+    app.open("alice", "USD").await;
+    let mut counterparties = std::collections::BTreeSet::new();
+    for n in 0..40 {
+        let deposit = app.deposit(&format!("in-{n}"), "alice", "10.00", "USD").await.unwrap().into_inner();
+        counterparties.insert(deposit.entry.unwrap().counterparty_account_id);
+    }
+    for n in 0..20 {
+        let withdrawal = withdraw(app, &format!("out-{n}"), "alice", "3.00", "USD").await.unwrap().into_inner();
+        counterparties.insert(withdrawal.entry.unwrap().counterparty_account_id);
+    }
+    let expected: std::collections::BTreeSet<String> =
+        ["@external:USD", "@external:USD:1", "@external:USD:2", "@external:USD:3"].map(String::from).into();
+    assert_eq!(counterparties, expected, "60 request_ids reach all four shards");
+    let replay = app.deposit("in-7", "alice", "10.00", "USD").await.unwrap();
+    assert!(replayed(&replay));
+    let again = app.deposit("in-7", "alice", "10.00", "USD").await.unwrap().into_inner().entry.unwrap();
+    assert!(expected.contains(&again.counterparty_account_id));
+    assert_eq!(app.balance("alice").await, "340.00");
+    let shards: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT account_id, kind, balance FROM accounts WHERE account_id LIKE '@external:USD%' ORDER BY account_id",
+    )
+    .fetch_all(&app.raw)
+    .await
+    .unwrap();
+    assert_eq!(shards.len(), 4);
+    assert!(shards.iter().all(|(_, kind, _)| kind == "EXTERNAL"), "{shards:?}");
+    assert_eq!(shards.iter().map(|(_, _, balance)| balance).sum::<i64>(), -34_000, "the shards mirror alice");
+}
+
 /// Deposits use up the external account's room (balances are at most 10^17 minor units, a
 /// request at most 10^15); withdrawals give it back, so money can go round for good.
 pub async fn deposits_and_withdrawals_go_round_past_the_one_way_limit(app: &TestApp) {

@@ -109,6 +109,7 @@ backend_suite!(
     pays_racing_the_expiry_sweeper_end_with_exactly_one_winner_per_order,
     the_sweeper_skips_an_order_another_transaction_holds,
     withdraw_pays_out_once_per_request_id_and_refuses_what_it_cannot_pay,
+    deposits_and_withdrawals_spread_over_the_funding_shards_and_the_audit_sums_them => four_funding_shards,
     deposits_and_withdrawals_go_round_past_the_one_way_limit,
     withdrawals_racing_pays_on_one_account_never_overdraw_it,
     a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay,

@@ -16,6 +16,7 @@ use futures::stream::{self, StreamExt};
 use hdrhistogram::Histogram;
 use rand::Rng;
 use rand_distr::{Distribution, Zipf};
+use tower::Layer;
 
 use payledger_client::proto::account_service_client::AccountServiceClient;
 use payledger_client::proto::payment_service_client::PaymentServiceClient;
@@ -115,18 +116,25 @@ pub struct BenchReport {
     pub replays: u64,
 }
 
+/// The stubs of the timed calls (`Stub`: one attempt each, as ghz makes them), or of the
+/// untimed preparation (`PrepareStub`).
 #[derive(Clone)]
-struct Clients {
-    accounts: Vec<AccountServiceClient<Stub>>,
-    payments: Vec<PaymentServiceClient<Stub>>,
+struct Clients<S = Stub> {
+    accounts: Vec<AccountServiceClient<S>>,
+    payments: Vec<PaymentServiceClient<S>>,
 }
 
-impl Clients {
-    fn account(&self, n: u64) -> AccountServiceClient<Stub> {
+/// The preparation's stubs retry what a careful caller retries (UNAVAILABLE, ABORTED,
+/// RESOURCE_EXHAUSTED: the client crate's retry layer and defaults), so that a conflict while
+/// the data is laid out (Deposits through several cluster nodes, say) does not end the run.
+type PrepareStub = payledger_client::RetryService<tonic::transport::Channel>;
+
+impl<S: Clone> Clients<S> {
+    fn account(&self, n: u64) -> AccountServiceClient<S> {
         self.accounts[usize::try_from(n).unwrap_or(0) % self.accounts.len()].clone()
     }
 
-    fn payment(&self, n: u64) -> PaymentServiceClient<Stub> {
+    fn payment(&self, n: u64) -> PaymentServiceClient<S> {
         self.payments[usize::try_from(n).unwrap_or(0) % self.payments.len()].clone()
     }
 }
@@ -152,7 +160,7 @@ fn payer_draw(settings: &BenchSettings, count: usize) -> Box<dyn Fn(u64) -> usiz
     }
 }
 
-async fn prepare(settings: &BenchSettings, clients: &Clients) -> Result<Prepared, AnyError> {
+async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Result<Prepared, AnyError> {
     let run = uuid::Uuid::now_v7().simple().to_string()[18..].to_owned();
     let payers: Vec<String> = (0..settings.payers.max(1)).map(|n| format!("b{run}-p{n}")).collect();
     let merchants = if settings.scenario == Scenario::Hot { 1 } else { settings.merchants.max(1) };
@@ -404,16 +412,22 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
 /// # Errors
 /// When the target cannot be reached or the preparation fails.
 pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
-    let mut accounts = Vec::new();
-    let mut payments = Vec::new();
+    let (mut accounts, mut payments) = (Vec::new(), Vec::new());
+    let (mut prepare_accounts, mut prepare_payments) = (Vec::new(), Vec::new());
     for _ in 0..settings.connections.max(1) {
         let (channel, bearer) = settings.access.connect(&settings.target).await?;
+        let retrying = payledger_client::RetryLayer::new(payledger_client::RetrySettings::default())
+            .with_bearer_token(bearer.clone())
+            .layer(channel.clone());
+        prepare_accounts.push(AccountServiceClient::new(retrying.clone()));
+        prepare_payments.push(PaymentServiceClient::new(retrying));
         accounts.push(AccountServiceClient::with_interceptor(channel.clone(), bearer.clone()));
         payments.push(PaymentServiceClient::with_interceptor(channel, bearer));
     }
     let clients = Clients { accounts, payments };
     eprintln!("preparing {:?} data (untimed)...", settings.scenario);
-    let prepared = Arc::new(prepare(settings, &clients).await?);
+    let prepare_clients = Clients { accounts: prepare_accounts, payments: prepare_payments };
+    let prepared = Arc::new(prepare(settings, &prepare_clients).await?);
     match settings.rate {
         Some(rate) => eprintln!(
             "running {} calls at {rate} calls/s (open loop), at most {} in flight...",
