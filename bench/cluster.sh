@@ -10,7 +10,11 @@
 # here: the figures are what replication, certification and the causal waits cost, not what
 # more machines would add.
 #
-# Usage: bench/galera.sh start && bench/cluster.sh   (the cluster must be running)
+# Usage: bench/galera.sh start && bench/cluster.sh   (the cluster must be running; a cluster
+#   started with GALERA_DIR / GALERA_PORT_BASE needs them exported here too). Needs the
+#   standalone MariaDB on 127.0.0.1:3306 (root, no password), python3, and ports 50999-51002;
+#   builds the release binaries first (bench/lib.sh). Each phase has a new database of its
+#   own, dropped at the end.
 # Environment: CONCURRENCY (30), COUNT (calls per scenario, 6000), POOL_SIZE (16),
 #   SCENARIOS ("pay query mixed").
 set -euo pipefail
@@ -30,13 +34,15 @@ CLUSTER_PIDS=()
 cluster_cleanup() {
   for pid in "${CLUSTER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${CLUSTER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  mariadb --no-defaults -uroot -h127.0.0.1 -P"$(node_port 0)" -e "DROP DATABASE IF EXISTS $NAME" 2>/dev/null || true
+  for database in "$NAME" "${NAME}_cluster"; do
+    mariadb --no-defaults -uroot -h127.0.0.1 -P"$(node_port 0)" -e "DROP DATABASE IF EXISTS $database" 2>/dev/null || true
+  done
   cleanup
 }
 trap cluster_cleanup EXIT
 
 node_port() { echo "${NODES[$1]}" | sed -E 's#.*:([0-9]+)/.*#\1#'; }
-node_url() { echo "${NODES[$1]%/*}/$NAME"; }
+node_url() { echo "${NODES[$1]%/*}/${2:-$NAME}"; }
 
 start_instance() { # port, database url
   "$BIN" serve --listen "127.0.0.1:$1" --database-url "$2" --pool-size "$POOL_SIZE" --log-filter warn \
@@ -94,11 +100,12 @@ start_server "$(node_url 0)"
 for scenario in $SCENARIOS; do bench "node-$scenario" "$scenario" "$CONCURRENCY"; done
 stop_server
 
-echo "== cluster: three instances, one per node (started one after another: the first migrates)"
+echo "== cluster: three instances, one per node, on a database of their own"
+mariadb --no-defaults -uroot -h127.0.0.1 -P"$(node_port 0)" -e "CREATE DATABASE ${NAME}_cluster"
 PORTS=()
 for n in 0 1 2; do
   PORTS+=($(( PORT + 1 + n )))
-  start_instance "${PORTS[$n]}" "$(node_url "$n")"
+  start_instance "${PORTS[$n]}" "$(node_url "$n" "${NAME}_cluster")"
 done
 for scenario in $SCENARIOS; do bench_three "cluster-$scenario" "$scenario" "${PORTS[@]}"; done
 for pid in "${CLUSTER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -107,7 +114,9 @@ CLUSTER_PIDS=()
 
 echo "== the audit, against every node"
 for n in 0 1 2; do
-  "$BIN" audit --database-url "$(node_url "$n")" | tail -n 1 | sed "s/^/  node $((n + 1)): /"
+  for database in "$NAME" "${NAME}_cluster"; do
+    "$BIN" audit --database-url "$(node_url "$n" "$database")" | tail -n 1 | sed "s/^/  node $((n + 1)), $database: /"
+  done
 done
 
 echo "== summary (rate, and ratio to single, of each scenario)"

@@ -8,11 +8,16 @@
 #   bench/galera.sh rejoin N     start node N again; it rejoins by IST or SST and is Synced
 #   bench/galera.sh status       each node's wsrep_local_state_comment and cluster size
 #   bench/galera.sh urls         the three mysql:// URLs, one per line
-#   bench/galera.sh stop         stop every node and remove $GALERA_DIR
+#   bench/galera.sh stop         stop every node and remove $GALERA_DIR (its data too)
+#
+# `start` first stops and removes a cluster already in $GALERA_DIR. Every command takes the
+# same GALERA_DIR (default /tmp/payledger-galera) and GALERA_PORT_BASE (default 13306): export
+# them for a cluster of your own, and for the scripts that call this one.
 #
 # Ports: SQL on $GALERA_PORT_BASE+N (default 13307..13309), group communication on
-# 14567+10N, IST on 14568+10N, SST (rsync) on 14569+10N. Root has no password and no
-# network access beyond loopback. Needs root (it runs the nodes as `mysql`).
+# $GALERA_PORT_BASE+1251+10N (14567, 14577, 14587), IST one above it, SST (rsync) two above.
+# Another cluster can run beside it with another GALERA_DIR and GALERA_PORT_BASE. Root has no
+# password and no network access beyond loopback. Needs root (it runs the nodes as `mysql`).
 set -euo pipefail
 
 GALERA_DIR=${GALERA_DIR:-/tmp/payledger-galera}
@@ -30,7 +35,7 @@ provider() {
 }
 
 sql_port() { echo $((GALERA_PORT_BASE + $1)); }
-gcomm_port() { echo $((14557 + 10 * $1)); }
+gcomm_port() { echo $((GALERA_PORT_BASE + 1251 + 10 * $1)); }
 node_dir() { echo "$GALERA_DIR/node$1"; }
 socket() { echo "$(node_dir "$1")/mysqld.sock"; }
 pidfile() { echo "$(node_dir "$1")/mysqld.pid"; }
@@ -153,10 +158,11 @@ case "${1:-}" in
   status)
     for n in $(seq 1 $NODES); do
       size=$(client "$n" -N -B -e "SHOW GLOBAL STATUS LIKE 'wsrep_cluster_size'" 2>/dev/null | cut -f2 || true)
-      echo "node $n port $(sql_port "$n"): ${size:+cluster size $size, }$(state "$n" || true)"
+      state=$(state "$n" || true)
+      echo "node $n port $(sql_port "$n"): ${size:+cluster size $size, }${state:-down}"
     done
     ;;
   urls) for n in $(seq 1 $NODES); do echo "mysql://root@127.0.0.1:$(sql_port "$n")/test"; done ;;
   stop) stop_all ;;
-  *) sed -n '2,15p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac

@@ -11,7 +11,8 @@
 //!   sharded on Galera, so few are refused ABORTED even on the first attempt (the rate is
 //!   printed, and bounded).
 //!
-//! Every test ends with the audit, run against every node.
+//! Every test ends with the audit, run against every node. One test desyncs the last node
+//! (`SET GLOBAL wsrep_desync`) for a few seconds: run them on a cluster of their own.
 
 mod common;
 
@@ -36,6 +37,11 @@ struct Cluster {
     clients: Vec<PayledgerClient>,
 }
 
+/// A pool of one connection on a node, which gives up within 5 s when the node is down.
+async fn admin_pool(url: &str) -> Result<sqlx::AnyPool, sqlx::Error> {
+    sqlx::any::AnyPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5)).connect(url).await
+}
+
 /// The cluster's admin URLs, or `None` (skipped) when the variable is unset outside CI.
 fn node_admin_urls() -> Option<Vec<String>> {
     let urls = common::admin_url(URLS_VARIABLE)?;
@@ -51,7 +57,7 @@ impl Cluster {
     async fn start(admin_urls: &[String], funding_account_shards: Option<u32>, retry: RetrySettings) -> Self {
         sqlx::any::install_default_drivers();
         let name = format!("payledger_galera_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-        let admin = sqlx::AnyPool::connect(&admin_urls[0]).await.expect("the first node answers");
+        let admin = admin_pool(&admin_urls[0]).await.expect("the first node answers");
         sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
         admin.close().await;
         let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
@@ -139,7 +145,7 @@ impl Cluster {
             assert!(violations.is_empty(), "audit on {url}: {violations:?}");
             ledger.store().close().await;
         }
-        let admin = sqlx::AnyPool::connect(&self.admin_url).await.unwrap();
+        let admin = admin_pool(&self.admin_url).await.unwrap();
         sqlx::query(&format!("DROP DATABASE {}", self.name)).execute(&admin).await.unwrap();
         admin.close().await;
     }
@@ -351,7 +357,7 @@ async fn health_follows_the_node_state_not_only_whether_it_answers() {
     until_health_is(address, ServingStatus::Serving).await;
     // A desynced node (as for a backup, or a donor of a state transfer) answers every query,
     // yet the cluster's load balancers take it out (clustercheck: Synced only); so does health.
-    let admin = sqlx::AnyPool::connect(&node).await.unwrap();
+    let admin = admin_pool(&node).await.unwrap();
     sqlx::query("SET GLOBAL wsrep_desync = ON").execute(&admin).await.unwrap();
     let desynced = async {
         until_health_is(address, ServingStatus::NotServing).await;
@@ -364,4 +370,39 @@ async fn health_follows_the_node_state_not_only_whether_it_answers() {
     let _ = stop.send(());
     let _ = server.await;
     cluster.audit_and_drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_galera_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let admin = admin_pool(&admin_urls[0]).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    // MySQL's migration lock holds on one node: the instances race through three nodes, and
+    // those that lose wait for the winner's migrations instead of failing to start.
+    let opened = futures::future::join_all(admin_urls.iter().map(|url| {
+        let database = DatabaseSettings {
+            database_url: common::database_url(url, &name),
+            pool_size: 2,
+            pool_acquire_timeout_ms: 5_000,
+            lock_timeout_ms: 5_000,
+            pay_batch_max: 64,
+            pay_batch_workers: 1,
+            pay_queue_max: 1024,
+            database_wait_seconds: 10,
+            funding_account_shards: None,
+        };
+        async move { payledger::startup::open_ledger(&database, &IdempotencySettings::default()).await }
+    }))
+    .await;
+    for (url, ledger) in admin_urls.iter().zip(&opened) {
+        assert!(ledger.is_ok(), "the instance on {url} did not open: {:?}", ledger.as_ref().err());
+    }
+    for ledger in opened.into_iter().flatten() {
+        assert!(ledger.audit().await.unwrap().is_empty());
+        ledger.store().close().await;
+    }
+    sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
+    admin.close().await;
 }

@@ -80,6 +80,10 @@ fn connect_options(url: &str, create: bool) -> Result<sqlx::any::AnyConnectOptio
     Ok(if create { options } else { options.log_slow_statements(log::LevelFilter::Off, Duration::MAX) })
 }
 
+/// How long an instance on a Galera node waits for migrations that another instance applies
+/// through another node (see [`Store::migrate`]).
+const GALERA_MIGRATION_WAIT: Duration = Duration::from_secs(60);
+
 /// How long a health check may take to get its connection; longer is unhealthy.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -185,11 +189,35 @@ impl Store {
     }
 
     /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
-    /// from several instances at once: sqlx takes a database lock while it migrates.
+    /// from several instances at once: sqlx takes a database lock while it migrates. On a
+    /// Galera node that lock holds on the node only, so an instance that starts beside one
+    /// migrating through another node may fail (a deadlock, or a migration it finds
+    /// "partially applied"): it then waits, up to [`GALERA_MIGRATION_WAIT`], for the history
+    /// to show every migration applied by the other, and fails with its own error only if it
+    /// never does.
     ///
     /// # Errors
     /// [`ConnectError::Migrate`] when a migration fails or the history does not match.
     pub async fn migrate(&self) -> Result<(), ConnectError> {
+        let outcome = self.migrate_once().await;
+        if outcome.is_ok() || !self.galera {
+            return outcome;
+        }
+        if let Err(error) = &outcome {
+            tracing::info!(%error, "migrating failed on a Galera node; waiting for the migrations another instance applies");
+        }
+        let migrator = &MYSQL_MIGRATIONS;
+        let deadline = Instant::now() + GALERA_MIGRATION_WAIT;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if self.has_every_migration(migrator).await {
+                return Ok(());
+            }
+        }
+        outcome
+    }
+
+    async fn migrate_once(&self) -> Result<(), ConnectError> {
         let migrator = match self.dialect {
             Dialect::Postgres => &POSTGRES_MIGRATIONS,
             Dialect::MySql => &MYSQL_MIGRATIONS,
@@ -348,9 +376,9 @@ impl Store {
             if self.galera {
                 let synced: i64 = sqlx::query_scalar(GALERA_SYNCED).fetch_one(&mut *connection).await?;
                 if synced != 2 {
-                    return Err(sqlx::Error::Protocol(
-                        "the Galera node is not ready and Synced (wsrep_ready, wsrep_local_state)".into(),
-                    ));
+                    return Err(sqlx::Error::Io(std::io::Error::other(
+                        "the Galera node is not ready and Synced (wsrep_ready, wsrep_local_state)",
+                    )));
                 }
             }
             Ok(())

@@ -747,6 +747,13 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     // The token outlives the run with room to spare (the run's own bound is its duration).
     let auth =
         StormAuth::new(Duration::from_secs(settings.duration_seconds).saturating_add(Duration::from_secs(3600)))?;
+    if instance_count < settings.database_url.len() {
+        return Err(format!(
+            "--instances ({instance_count}) is fewer than the --database-url given ({}): every node needs an instance",
+            settings.database_url.len()
+        )
+        .into());
+    }
     // One URL per node of a cluster; the first is the database the storm created.
     let mut node_urls = vec![database.url.clone()];
     for url in &settings.database_url[1..] {
