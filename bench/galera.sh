@@ -80,7 +80,8 @@ wsrep_node_name=node$n
 wsrep_node_address=127.0.0.1:$gcomm
 wsrep_sst_method=rsync
 wsrep_sst_receive_address=127.0.0.1:$((gcomm + 2))
-wsrep_provider_options="gmcast.listen_addr=tcp://127.0.0.1:$gcomm;ist.recv_addr=127.0.0.1:$((gcomm + 1));gcache.size=64M;pc.wait_prim_timeout=PT30S"
+# repl.causal_read_timeout bounds payledger's causal wait: the default --lock-timeout-ms.
+wsrep_provider_options="gmcast.listen_addr=tcp://127.0.0.1:$gcomm;ist.recv_addr=127.0.0.1:$((gcomm + 1));gcache.size=64M;pc.wait_prim_timeout=PT30S;repl.causal_read_timeout=PT5S"
 wsrep_slave_threads=2
 EOF
 }

@@ -364,7 +364,7 @@ impl Metrics {
         );
         registry.register(
             "payledger_db_up",
-            "1 while the last health check reached the database, 0 after one failed",
+            "1 while the last health check passed, 0 after one failed (on Galera: the node not Synced)",
             store.up().clone(),
         );
         Self { registry, store, connections, max_connections }

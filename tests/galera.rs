@@ -406,3 +406,42 @@ async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
     sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
     admin.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_transaction_runs_after_the_cluster_aborted_it_is_never_committed() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    let cluster = Cluster::start(&admin_urls[..1], None, retrying()).await;
+    cluster.open("a").await;
+    cluster.open("b").await;
+    let ledger = cluster.instances[0].ledger.clone();
+    let other = admin_pool(&common::database_url(&admin_urls[1], &cluster.name)).await.unwrap();
+    let b_updated_at = "SELECT updated_at FROM accounts WHERE account_id = 'b'";
+    let before: i64 = sqlx::query_scalar(b_updated_at).fetch_one(&other).await.unwrap();
+
+    let mut tx = ledger.store().begin().await.unwrap();
+    tx.on_session("UPDATE accounts SET updated_at = updated_at + 1 WHERE account_id = 'a'").await.unwrap();
+    // Another node commits a write of the same row: applied here, it aborts `tx`.
+    sqlx::query("UPDATE accounts SET updated_at = updated_at + 10 WHERE account_id = 'a'")
+        .execute(&other)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The abort is reported on the next statement; a body that went on anyway (or one that
+    // the database never told) writes outside the transaction that began.
+    let reported = tx.on_session("UPDATE accounts SET updated_at = updated_at + 100 WHERE account_id = 'b'").await;
+    assert!(reported.is_err(), "the abort is reported: {reported:?}");
+    tx.on_session("UPDATE accounts SET updated_at = updated_at + 1000 WHERE account_id = 'b'").await.unwrap();
+    assert!(!tx.still_open().await.unwrap(), "the transaction that began is gone");
+    tx.rollback().await.unwrap();
+
+    // Read through another node, after a causal wait: nothing of it was committed.
+    let reader = admin_pool(&common::database_url(&admin_urls[1], &cluster.name)).await.unwrap();
+    let after: i64 = sqlx::query_scalar(&format!("SET STATEMENT wsrep_sync_wait = 1 FOR {b_updated_at}"))
+        .fetch_one(&reader)
+        .await
+        .unwrap();
+    assert_eq!(after, before, "a write after the abort committed alone");
+    other.close().await;
+    reader.close().await;
+    cluster.audit_and_drop().await;
+}

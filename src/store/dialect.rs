@@ -73,9 +73,9 @@ impl Dialect {
     /// - On a MariaDB Galera node (`galera`), `wsrep_sync_wait = 0`, whatever the server's
     ///   default: the causal wait is made once per transaction or read, when its connection
     ///   is taken from the pool ([`GALERA_CAUSAL_WAIT`]), never by a statement inside a write
-    ///   transaction. And the session is READ ONLY outside its write transactions, which
-    ///   begin `START TRANSACTION READ WRITE` ([`GALERA_BEGIN`]): a session that the cluster
-    ///   took out of its transaction without an error cannot write anything on its own.
+    ///   transaction. And the session is READ ONLY outside its write transactions (which
+    ///   begin as [`GALERA_BEGIN`] says), so that a write sent outside them by mistake is
+    ///   refused rather than committed alone.
     /// - SQLite: WAL so readers never block the writer, a busy timeout for writers in other
     ///   processes, foreign keys on, and full fsync at commit (WAL + synchronous=FULL is
     ///   durable).
@@ -144,7 +144,8 @@ impl Dialect {
 }
 
 /// The causal wait of a Galera node, run on a connection when it is taken from the pool for
-/// a write transaction or a read: it returns once the node has applied every write set the
+/// a write transaction or a read (after `autocommit` is set back to 1, which a write
+/// transaction turns off, see [`GALERA_BEGIN`]): it returns once the node has applied every write set the
 /// cluster had committed when it was sent (a causality check through group communication),
 /// so what follows sees every write acknowledged through any node: a Query through one node
 /// sees a Pay acknowledged through another, a Pay finds the order created through another,
@@ -156,21 +157,31 @@ impl Dialect {
 /// transaction need no wait: one that raced a write applied elsewhere fails certification at
 /// commit (error 1213) and the whole transaction runs again; reads inside it see what
 /// committed before they began on this node, as on a single server under READ COMMITTED.
-pub const GALERA_CAUSAL_WAIT: &str = "SET STATEMENT wsrep_sync_wait = 1 FOR SELECT 1";
+pub const GALERA_CAUSAL_WAIT: &str = "SET SESSION autocommit = 1; SET STATEMENT wsrep_sync_wait = 1 FOR SELECT 1";
 
-/// How a write transaction begins on a Galera node, whose sessions are READ ONLY outside
-/// their transactions.
+/// How a write transaction begins on a Galera node: with `autocommit` off, then a
+/// [`GALERA_TRANSACTION_MARK`] savepoint, which only this transaction has.
 ///
 /// A node that applies a conflicting write set aborts the local transaction that holds the
 /// rows ("brute force" abort) and reports it as a deadlock (1213) on the transaction's next
 /// statement; but a statement running at that moment can report success with its effect
 /// already rolled back (seen here on MariaDB 10.11 and galera-4 26.4 under Deposits through
 /// three nodes: the transaction's own journal entries were gone and `@@in_transaction` was
-/// 0). The statements that follow then run outside any transaction: in a READ ONLY session
-/// each write among them is refused (1792) instead of committing alone, and
-/// `crate::store::Tx::aborted_by_cluster`, asked before every COMMIT and before any outcome
-/// other than a commit is believed, runs the whole transaction again.
-pub const GALERA_BEGIN: &str = "START TRANSACTION READ WRITE";
+/// 0, with no error). Statements after the abort run outside the transaction; with
+/// `autocommit` on, each write among them would commit alone (and a READ ONLY session does
+/// not stop them until the next COMMIT or ROLLBACK). With it off, they open a new implicit
+/// transaction that nothing commits: before every COMMIT, and before any other outcome of the
+/// body is believed, `crate::store::Tx::still_open` releases the savepoint, which exists only
+/// in the transaction that began here; if it is gone, the whole transaction (and whatever
+/// the implicit one holds) rolls back and runs again.
+pub const GALERA_BEGIN: &str =
+    "SET SESSION autocommit = 0; START TRANSACTION READ WRITE; SAVEPOINT payledger_transaction";
+
+/// The savepoint that [`GALERA_BEGIN`] sets, released just before COMMIT.
+pub const GALERA_TRANSACTION_MARK: &str = "RELEASE SAVEPOINT payledger_transaction";
+
+/// MySQL's ER_SP_DOES_NOT_EXIST: no such savepoint in this transaction.
+pub const SAVEPOINT_DOES_NOT_EXIST: u16 = 1305;
 
 /// The fault class of a database error, which decides retry and status code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

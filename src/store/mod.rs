@@ -130,7 +130,12 @@ impl Store {
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
         let ledger = Queries::new(&mut first, dialect).count_accounts().await;
         let _ = first.close().await;
-        ledger.map_err(|error| ConnectError::NoLedger(dialect::redacted(url), error))?;
+        // A database that cannot serve now (a Galera node without quorum answers 1047) is
+        // not one without a ledger: saying so would send an operator to migrate it.
+        ledger.map_err(|error| match dialect::classify(&error) {
+            Fault::Unavailable => ConnectError::Connect(dialect::redacted(url), error),
+            _ => ConnectError::NoLedger(dialect::redacted(url), error),
+        })?;
         // The pool connects its first connection before it returns.
         Self::open(url, settings, false).await
     }
@@ -247,9 +252,13 @@ impl Store {
                 "another instance held the migration lock for 60 s".into(),
             ))));
         }
-        // A Galera session is READ ONLY outside its transactions; migrating writes outside them.
+        // A Galera session is READ ONLY outside its transactions, and may have autocommit off
+        // since its last write transaction; migrating writes outside transactions.
         if self.galera {
-            connection.execute("SET SESSION TRANSACTION READ WRITE").await.map_err(|error| failed(error.into()))?;
+            connection
+                .execute("SET SESSION autocommit = 1; SET SESSION TRANSACTION READ WRITE")
+                .await
+                .map_err(|error| failed(error.into()))?;
         }
         let outcome = migrator.run_direct(&mut *connection).await;
         let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
@@ -305,7 +314,17 @@ impl Store {
         self.acquire_duration.observe(started.elapsed().as_secs_f64());
         let mut connection = connection?;
         if self.galera {
-            connection.execute(dialect::GALERA_CAUSAL_WAIT).await?;
+            // A node that cannot answer a causal read (behind past Galera's
+            // repl.causal_read_timeout, or without quorum, where it fails with 1205 at once)
+            // cannot serve this call: UNAVAILABLE, not a lock timeout.
+            if let Err(error) = connection.execute(dialect::GALERA_CAUSAL_WAIT).await {
+                return Err(match dialect::classify(&error) {
+                    Fault::Unavailable => error,
+                    _ => sqlx::Error::Io(std::io::Error::other(format!(
+                        "the Galera node cannot serve a causal read: {error}"
+                    ))),
+                });
+            }
         }
         Ok(connection)
     }
@@ -315,7 +334,7 @@ impl Store {
         &self.acquire_duration
     }
 
-    /// 1 while the last health check reached the database (see [`Store::check_health`]).
+    /// 1 while the last health check passed (see [`Store::check_health`]).
     pub fn up(&self) -> &Gauge {
         &self.up
     }
@@ -421,7 +440,7 @@ pub struct Tx {
     _write_permit: Option<OwnedSemaphorePermit>,
     /// Version CAS or conditional UPDATEs of this transaction that lost and were tried again.
     cas_retries: u32,
-    /// On a Galera node, see [`Tx::aborted_by_cluster`].
+    /// On a Galera node, see [`Tx::still_open`].
     galera: bool,
 }
 
@@ -435,13 +454,13 @@ impl Tx {
         self.cas_retries
     }
 
-    /// On a Galera node, whether this transaction is still open: `Ok(false)` when the cluster
-    /// aborted it under it without the database saying so (see [`dialect::GALERA_BEGIN`]),
-    /// the session then being in no transaction at all; the error when the database says so
-    /// now (the deadlock 1213 it reports on the statement after an abort: that error must not
-    /// be lost, or the COMMIT that follows would succeed with nothing to commit). Always
-    /// `Ok(true)` elsewhere. Asked before COMMIT and before any other outcome of the body is
-    /// believed.
+    /// On a Galera node, whether this is still the transaction that began: `Ok(false)` when
+    /// the cluster aborted it without the database saying so (its savepoint is gone, see
+    /// [`dialect::GALERA_BEGIN`]); the error when the database says so now (the deadlock 1213
+    /// it reports on the statement after an abort: that error must not be lost, or the
+    /// COMMIT that follows would succeed with nothing of the transaction in it). Always
+    /// `Ok(true)` elsewhere. Asked once, before COMMIT or before any other outcome of the body
+    /// is believed (it releases the savepoint).
     ///
     /// # Errors
     /// The driver error of the check.
@@ -449,9 +468,29 @@ impl Tx {
         if !self.galera {
             return Ok(true);
         }
-        let open: i64 =
-            sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)").fetch_one(&mut *self.transaction).await?;
-        Ok(open == 1)
+        let connection: &mut AnyConnection = &mut self.transaction;
+        match connection.execute(dialect::GALERA_TRANSACTION_MARK).await {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(error))
+                if error
+                    .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                    .is_some_and(|mysql| mysql.number() == dialect::SAVEPOINT_DOES_NOT_EXIST) =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Runs `sql` (text, no parameters) in this transaction. For tests of what the database
+    /// does to a transaction under it; the service never calls it.
+    ///
+    /// # Errors
+    /// The driver error.
+    #[doc(hidden)]
+    pub async fn on_session(&mut self, sql: &str) -> Result<u64, sqlx::Error> {
+        let connection: &mut AnyConnection = &mut self.transaction;
+        Ok(connection.execute(sql).await?.rows_affected())
     }
 
     /// # Errors

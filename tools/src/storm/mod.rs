@@ -759,6 +759,14 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     for url in &settings.database_url[1..] {
         node_urls.push(database.on_node(url)?);
     }
+    // Every node answers before the load starts (an instance would wait for its database,
+    // and the storm would find out only at its end).
+    for url in &node_urls {
+        let node = <sqlx::AnyConnection as sqlx::Connection>::connect(url)
+            .await
+            .map_err(|error| format!("cannot reach the database at {}: {error}", payledger::store::redacted(url)))?;
+        let _ = sqlx::Connection::close(node).await;
+    }
     // Migrated once, before any instance starts: a MySQL named lock (GET_LOCK), which keeps
     // instances that start together from migrating at once, holds on one Galera node only.
     Store::connect(&database.url, &check_pool()).await?.migrate().await?;
