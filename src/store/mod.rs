@@ -187,8 +187,9 @@ impl Store {
         })
     }
 
-    /// True when the database is a MariaDB Galera cluster node: its sessions then read with
-    /// `wsrep_sync_wait` (see [`Dialect::session_setup`]) and its health is the node's state.
+    /// True when the database is a MariaDB Galera cluster node: a causal wait then precedes
+    /// each transaction and read, write transactions guard against silent aborts (see
+    /// [`Dialect::session_setup`]), and health is the node's state.
     pub fn is_galera(&self) -> bool {
         self.galera
     }
@@ -296,7 +297,14 @@ impl Store {
         let begin = if self.galera { dialect::GALERA_BEGIN } else { self.dialect.begin_statement() };
         // What `Pool::begin_with` does, after the acquire is timed.
         let transaction = Transaction::begin(connection, Some(begin.into())).await?;
-        Ok(Tx { transaction, dialect: self.dialect, _write_permit: write_permit, cas_retries: 0, galera: self.galera })
+        Ok(Tx {
+            transaction,
+            dialect: self.dialect,
+            _write_permit: write_permit,
+            cas_retries: 0,
+            galera: self.galera,
+            checked: false,
+        })
     }
 
     /// Takes a pooled connection for reads outside a write transaction (each statement sees
@@ -442,6 +450,8 @@ pub struct Tx {
     cas_retries: u32,
     /// On a Galera node, see [`Tx::still_open`].
     galera: bool,
+    /// True once [`Tx::still_open`] has released the savepoint.
+    checked: bool,
 }
 
 impl Tx {
@@ -465,9 +475,10 @@ impl Tx {
     /// # Errors
     /// The driver error of the check.
     pub async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
-        if !self.galera {
+        if !self.galera || self.checked {
             return Ok(true);
         }
+        self.checked = true;
         let connection: &mut AnyConnection = &mut self.transaction;
         match connection.execute(dialect::GALERA_TRANSACTION_MARK).await {
             Ok(_) => Ok(true),
@@ -493,9 +504,18 @@ impl Tx {
         Ok(connection.execute(sql).await?.rows_affected())
     }
 
+    /// Commits; on a Galera node, only the transaction that began ([`Tx::still_open`],
+    /// unless the caller asked already): one the cluster aborted under it rolls back instead.
+    ///
     /// # Errors
-    /// The driver error; the transaction is then rolled back by the database.
-    pub async fn commit(self) -> Result<(), sqlx::Error> {
+    /// The driver error, the transaction then rolled back by the database; on a Galera node
+    /// whose cluster aborted the transaction, an I/O error (UNAVAILABLE: retry with the same
+    /// key), after a rollback.
+    pub async fn commit(mut self) -> Result<(), sqlx::Error> {
+        if !self.still_open().await? {
+            let _ = self.transaction.rollback().await;
+            return Err(sqlx::Error::Io(std::io::Error::other("the Galera cluster aborted the transaction under it")));
+        }
         self.transaction.commit().await
     }
 
