@@ -37,6 +37,27 @@ struct Cluster {
     clients: Vec<PayledgerClient>,
 }
 
+/// A ledger on the node at `url` as `serve` opens one (migrations, Galera detection, the
+/// funding shards' default when `funding_account_shards` is `None`).
+async fn open_node(
+    url: &str,
+    pool_size: u32,
+    funding_account_shards: Option<u32>,
+) -> Result<Ledger, payledger::startup::StartupError> {
+    let database = DatabaseSettings {
+        database_url: url.to_owned(),
+        pool_size,
+        pool_acquire_timeout_ms: 5_000,
+        lock_timeout_ms: 5_000,
+        pay_batch_max: 64,
+        pay_batch_workers: 1,
+        pay_queue_max: 1024,
+        database_wait_seconds: 10,
+        funding_account_shards,
+    };
+    payledger::startup::open_ledger(&database, &IdempotencySettings::default()).await
+}
+
 /// A pool of one connection on a node, which gives up within 5 s when the node is down.
 async fn admin_pool(url: &str) -> Result<sqlx::AnyPool, sqlx::Error> {
     sqlx::any::AnyPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5)).connect(url).await
@@ -63,20 +84,7 @@ impl Cluster {
         let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
         let mut instances = Vec::new();
         for url in &node_urls {
-            let database = DatabaseSettings {
-                database_url: url.clone(),
-                pool_size: 8,
-                pool_acquire_timeout_ms: 5_000,
-                lock_timeout_ms: 5_000,
-                pay_batch_max: 64,
-                pay_batch_workers: 1,
-                pay_queue_max: 1024,
-                database_wait_seconds: 10,
-                funding_account_shards,
-            };
-            let ledger = payledger::startup::open_ledger(&database, &IdempotencySettings::default())
-                .await
-                .expect("an instance opens its node");
+            let ledger = open_node(url, 8, funding_account_shards).await.expect("an instance opens its node");
             assert!(ledger.store().is_galera(), "{url} is a Galera node");
             instances.push(common::serve_ledger(ledger).await);
         }
@@ -161,6 +169,24 @@ fn single_attempt() -> RetrySettings {
     RetrySettings { max_attempts: 1, throttling: None, ..RetrySettings::default() }
 }
 
+/// The answers to one call sent through every node at once: all OK, one fresh and the others
+/// replays, all with the same id.
+fn one_original_and_replays<T>(
+    call: &str,
+    answers: Vec<Result<tonic::Response<T>, tonic::Status>>,
+    id: impl Fn(T) -> String,
+) {
+    let mut ids = Vec::new();
+    let mut fresh = 0;
+    for answer in answers {
+        let answer = answer.unwrap_or_else(|status| panic!("{call}: {status:?}"));
+        fresh += usize::from(!was_replayed(&answer));
+        ids.push(id(answer.into_inner()));
+    }
+    assert!(ids.windows(2).all(|pair| pair[0] == pair[1]), "{call}: one id, got {ids:?}");
+    assert_eq!(fresh, 1, "{call}: one fresh answer, the others replays");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_same_pays_and_refunds_through_three_nodes_move_money_once() {
     let Some(admin_urls) = node_admin_urls() else { return };
@@ -181,15 +207,7 @@ async fn the_same_pays_and_refunds_through_three_nodes_move_money_once() {
             currency: "USD".into(),
         };
         let answers = futures::future::join_all(cluster.clients.iter().map(|client| client.pay(pay.clone()))).await;
-        let mut trade_nos = Vec::new();
-        let mut fresh = 0;
-        for answer in answers {
-            let answer = answer.unwrap_or_else(|status| panic!("Pay {n}: {status:?}"));
-            fresh += usize::from(!was_replayed(&answer));
-            trade_nos.push(answer.into_inner().payment.unwrap().trade_no);
-        }
-        assert!(trade_nos.windows(2).all(|pair| pair[0] == pair[1]), "Pay {n}: one trade_no, got {trade_nos:?}");
-        assert_eq!(fresh, 1, "Pay {n}: one fresh answer and two replays");
+        one_original_and_replays(&format!("Pay {n}"), answers, |answer| answer.payment.unwrap().trade_no);
 
         let refund = proto::RefundRequest {
             merchant_id: "m1".into(),
@@ -201,15 +219,7 @@ async fn the_same_pays_and_refunds_through_three_nodes_move_money_once() {
         };
         let answers =
             futures::future::join_all(cluster.clients.iter().map(|client| client.refund(refund.clone()))).await;
-        let mut refund_nos = Vec::new();
-        let mut fresh = 0;
-        for answer in answers {
-            let answer = answer.unwrap_or_else(|status| panic!("Refund {n}: {status:?}"));
-            fresh += usize::from(!was_replayed(&answer));
-            refund_nos.push(answer.into_inner().refund.unwrap().refund_no);
-        }
-        assert!(refund_nos.windows(2).all(|pair| pair[0] == pair[1]), "Refund {n}: one refund_no, got {refund_nos:?}");
-        assert_eq!(fresh, 1, "Refund {n}: one fresh answer and two replays");
+        one_original_and_replays(&format!("Refund {n}"), answers, |answer| answer.refund.unwrap().refund_no);
     }
     // 40 Pays of 10.00 and 40 Refunds of 4.00, each once.
     assert_eq!(cluster.balance("payer").await, "760.00");
@@ -381,21 +391,8 @@ async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     // MySQL's migration lock holds on one node: the instances race through three nodes, and
     // those that lose wait for the winner's migrations instead of failing to start.
-    let opened = futures::future::join_all(admin_urls.iter().map(|url| {
-        let database = DatabaseSettings {
-            database_url: common::database_url(url, &name),
-            pool_size: 2,
-            pool_acquire_timeout_ms: 5_000,
-            lock_timeout_ms: 5_000,
-            pay_batch_max: 64,
-            pay_batch_workers: 1,
-            pay_queue_max: 1024,
-            database_wait_seconds: 10,
-            funding_account_shards: None,
-        };
-        async move { payledger::startup::open_ledger(&database, &IdempotencySettings::default()).await }
-    }))
-    .await;
+    let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
+    let opened = futures::future::join_all(node_urls.iter().map(|url| open_node(url, 2, None))).await;
     for (url, ledger) in admin_urls.iter().zip(&opened) {
         assert!(ledger.is_ok(), "the instance on {url} did not open: {:?}", ledger.as_ref().err());
     }
