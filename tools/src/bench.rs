@@ -37,6 +37,12 @@ const QUERIES_PER_ORDER: u64 = 10;
 pub enum Scenario {
     /// Pay fresh orders; payers and merchants spread over many accounts (no contention).
     Pay,
+    /// As `pay`, each Pay with an `idempotency-key` of its own (the keyed path: its dedup
+    /// record claimed and completed in the Pay's transaction; not group-committed).
+    KeyedPay,
+    /// Transfers of 0.01 from a payer to a shop, each with an `idempotency-key` of its own,
+    /// payers and shops spread over many accounts.
+    Transfer,
     /// The same Pay re-sent: its out_trade_no is already paid (the read-only replay path).
     Replay,
     /// Every Pay credits one merchant account (with `--zipf`, payers are skewed too).
@@ -189,7 +195,8 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
         .collect::<Result<Vec<_>, _>>()?;
 
     let order_count = match settings.scenario {
-        Scenario::Pay | Scenario::Hot => settings.total,
+        Scenario::Pay | Scenario::KeyedPay | Scenario::Hot => settings.total,
+        Scenario::Transfer => 0,
         Scenario::Replay => 1,
         Scenario::Refund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
@@ -233,7 +240,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
     let to_pay = match settings.scenario {
         Scenario::Replay | Scenario::Refund | Scenario::Query => prepared.orders.len(),
         Scenario::Mixed => usize::try_from(settings.total / 5).unwrap_or(0),
-        Scenario::Pay | Scenario::Hot => 0,
+        Scenario::Pay | Scenario::KeyedPay | Scenario::Hot | Scenario::Transfer => 0,
     };
     let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
         .map(|(n, (merchant, order_no, payer))| {
@@ -278,6 +285,16 @@ async fn call(
             let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");
             clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
+        Scenario::KeyedPay => {
+            let (merchant, order_no, payer) = &prepared.orders[index % prepared.orders.len()];
+            let request = pay_request(merchant, &format!("{order_no}-pay"), order_no, &prepared.payers[*payer], "1.00");
+            let request = payledger_client::with_idempotency_key(request, &format!("b{}-k{n}", prepared.run))
+                .map_err(|s| s.code())?;
+            clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        Scenario::Transfer => {
+            transfer(n, index, &prepared.payers[index % prepared.payers.len()], prepared, clients).await
+        }
         Scenario::Replay => {
             let (merchant, out_trade_no) = &prepared.paid[0];
             let request = pay_request(merchant, out_trade_no, "o0", &prepared.payers[0], "1.00");
@@ -312,6 +329,28 @@ async fn call(
             outcome
         }
     }
+}
+
+/// Transfer number `n` of 0.01 from `payer` to a shop, with an idempotency-key of its own.
+async fn transfer(
+    n: u64,
+    index: usize,
+    payer: &str,
+    prepared: &Prepared,
+    clients: &Clients,
+) -> Result<bool, tonic::Code> {
+    let replayed = |metadata: &tonic::metadata::MetadataMap| metadata.get(payledger_client::REPLAYED_HEADER).is_some();
+    let to = &prepared.shops[index % prepared.shops.len()];
+    let request = proto::TransferRequest {
+        from_account_id: payer.to_owned(),
+        to_account_id: to.clone(),
+        amount: "0.01".into(),
+        currency: "USD".into(),
+        memo: String::new(),
+    };
+    let request =
+        payledger_client::with_idempotency_key(request, &format!("b{}-t{n}", prepared.run)).map_err(|s| s.code())?;
+    clients.account(n).transfer(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
 }
 
 /// Queries a paid order by its out_trade_no (never a replay: Query changes nothing).
@@ -391,19 +430,7 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
             };
             clients.account(n).deposit(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
-        _ => {
-            let to = &prepared.shops[index % prepared.shops.len()];
-            let request = proto::TransferRequest {
-                from_account_id: payer.clone(),
-                to_account_id: to.clone(),
-                amount: "0.01".into(),
-                currency: "USD".into(),
-                memo: String::new(),
-            };
-            let request = payledger_client::with_idempotency_key(request, &format!("b{}-t{n}", prepared.run))
-                .map_err(|s| s.code())?;
-            clients.account(n).transfer(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
-        }
+        _ => transfer(n, index, payer, prepared, clients).await,
     }
 }
 
