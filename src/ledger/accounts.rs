@@ -202,21 +202,8 @@ impl IdempotentCall for OpenAccount {
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<AccountRow>, Error> {
         let code = self.currency.code();
-        let account = AccountRow {
-            account_id: self.account_id.as_str().to_owned(),
-            currency: code.to_owned(),
-            kind: KIND_CUSTOMER.to_owned(),
-            balance: 0,
-            version: 0,
-            created_at: now,
-            updated_at: now,
-            held: 0,
-        };
-        let external_id = external_account_id(code);
-        if queries.find_account(&external_id).await?.is_none() {
-            let external = AccountRow { account_id: external_id, kind: KIND_EXTERNAL.to_owned(), ..account.clone() };
-            queries.insert_account(&external).await?;
-        }
+        let account = new_account(self.account_id.as_str(), code, KIND_CUSTOMER, now);
+        ensure_funding_account(queries, &external_account_id(code), code, now).await?;
         if !queries.insert_account(&account).await? {
             return Ok(Inserted::KeyTaken);
         }
@@ -433,17 +420,22 @@ async fn ensure_funding_account(
     if let Some(row) = queries.find_account(account_id).await? {
         return Ok(Some(row));
     }
-    let row = AccountRow {
+    let row = new_account(account_id, currency, KIND_EXTERNAL, now);
+    Ok(queries.insert_account(&row).await?.then_some(row))
+}
+
+/// A new account's row: no money, no holds, version 0.
+fn new_account(account_id: &str, currency: &str, kind: &str, now: i64) -> AccountRow {
+    AccountRow {
         account_id: account_id.to_owned(),
         currency: currency.to_owned(),
-        kind: KIND_EXTERNAL.to_owned(),
+        kind: kind.to_owned(),
         balance: 0,
         version: 0,
         created_at: now,
         updated_at: now,
         held: 0,
-    };
-    Ok(queries.insert_account(&row).await?.then_some(row))
+    }
 }
 
 /// The account as it stood right after the entry of a Deposit or Withdraw (`funding_id`, its
