@@ -6,6 +6,7 @@
 //! The idempotency algorithm (what to insert first, what zero rows means, what to replay) is
 //! not here: it is written once in `crate::ledger`.
 
+mod batch;
 mod dialect;
 mod queries;
 mod rows;

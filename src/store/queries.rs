@@ -1,11 +1,12 @@
 //! The statements, each written once (see [`Sql`] for how it is rendered per backend).
 
 use sqlx::any::{AnyArguments, AnyRow};
-use sqlx::query::Query;
+use sqlx::query::{Query, QueryAs};
 use sqlx::AnyConnection;
 use sqlx::{Any, Row};
 
-use super::dialect::{render, Dialect, Sql};
+use super::batch::{self, Value};
+use super::dialect::{Dialect, Sql};
 use super::rows::{
     AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
     PaymentRow, RefundRow, TokenRow, TransferRow,
@@ -17,6 +18,7 @@ macro_rules! account_columns {
         "account_id, currency, kind, balance, version, created_at, updated_at, held"
     };
 }
+pub(super) use account_columns;
 macro_rules! entry_columns {
     () => {
         "entry_id, account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
@@ -29,22 +31,23 @@ macro_rules! order_columns {
          created_at, updated_at, expires_at, close_reason"
     };
 }
-/// The start of the INSERTs that write these rows, written once for the one-row and the
-/// multi-row statements.
+pub(super) use order_columns;
+/// The start of the INSERTs that write these rows, written once for the one-row statements and
+/// the batch statements of `batch`.
 macro_rules! insert_payment_into {
     () => {
         "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, \
-         payee_account_id, amount, currency, status, created_at, created_by) VALUES "
+         payee_account_id, amount, currency, status, created_at, created_by)"
     };
 }
+pub(super) use insert_payment_into;
 macro_rules! insert_entry_into {
     () => {
         "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
-         posting_id, counterparty_account_id, created_at, created_by) VALUES "
+         posting_id, counterparty_account_id, created_at, created_by)"
     };
 }
-/// The placeholders of one payment or one entry row (both have eleven columns).
-const ELEVEN_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+pub(super) use insert_entry_into;
 macro_rules! refund_columns {
     () => {
         "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, created_by"
@@ -74,8 +77,10 @@ static RESERVE_HELD: Sql = Sql::new(
 /// Releases `?` of an account's holds.
 static RELEASE_HELD: Sql =
     Sql::new("UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?");
-static INSERT_ENTRY_PAIR: Sql =
-    Sql::new(concat!(insert_entry_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+static INSERT_ENTRY_PAIR: Sql = Sql::new(concat!(
+    insert_entry_into!(),
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+));
 static FIND_ENTRY: Sql =
     Sql::new(concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"));
 static LIST_ENTRIES: Sql = Sql::new(concat!(
@@ -187,10 +192,11 @@ macro_rules! payment_and_order_select {
          FROM payment_flow p JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no"
     };
 }
+pub(super) use payment_and_order_select;
 static FIND_PAYMENT_AND_ORDER: Sql =
     Sql::new(concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"));
 static INSERT_PAYMENT: Sql =
-    Sql::new(concat!(insert_payment_into!(), "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
+    Sql::new(concat!(insert_payment_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
 static FIND_REFUND: Sql =
     Sql::new(concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"));
@@ -954,18 +960,9 @@ impl<'c> Queries<'c> {
         &mut self,
         keys: &[(&str, &str)],
     ) -> Result<Vec<(PaymentRow, OrderRow)>, sqlx::Error> {
-        let keys = KeyGroups::new(keys.iter().copied());
-        let sql = render(
-            &format!(
-                concat!(payment_and_order_select!(), " WHERE {}"),
-                keys.predicate(self.dialect, "p.merchant_id", "p.out_trade_no")
-            ),
-            self.dialect,
-        );
-        let mut query = sqlx::query(&sql);
-        for value in keys.binds(self.dialect) {
-            query = query.bind(value);
-        }
+        let rows: Vec<[Value<'_>; 2]> =
+            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        let query = sqlx::query(batch::FIND_PAYMENTS_AND_ORDERS.text(self.dialect)).bind_rows(self.dialect, &rows);
         let rows = query.fetch_all(&mut *self.connection).await?;
         rows.iter().map(payment_and_order).collect()
     }
@@ -1138,58 +1135,29 @@ impl<'c> Queries<'c> {
         Ok(())
     }
 
-    /// Reads the given orders and locks their rows until the transaction ends, in key order
-    /// (so two transactions locking overlapping sets cannot deadlock on them). Missing keys
-    /// are simply absent from the result.
+    /// Reads the given orders and locks their rows until the transaction ends, in the order
+    /// given, which must be key order (byte order of merchant_id, then order_no: so two
+    /// transactions locking overlapping sets cannot deadlock on them). Missing keys are simply
+    /// absent from the result, which comes in no particular order.
     pub async fn lock_orders(&mut self, keys: &[(&str, &str)]) -> Result<Vec<OrderRow>, sqlx::Error> {
-        let keys = KeyGroups::new(keys.iter().copied());
-        // Byte order on every backend, as `lock_accounts`: PostgreSQL would otherwise sort by
-        // the database's collation.
-        let order_by = match self.dialect {
-            Dialect::Postgres => "merchant_id COLLATE \"C\", order_no COLLATE \"C\"",
-            Dialect::MySql | Dialect::Sqlite => "merchant_id, order_no",
-        };
-        let sql = render(
-            &format!(
-                concat!("SELECT ", order_columns!(), " FROM orders WHERE {} ORDER BY {} FOR UPDATE"),
-                keys.predicate(self.dialect, "merchant_id", "order_no"),
-                order_by
-            ),
-            self.dialect,
-        );
-        let mut query = sqlx::query_as(&sql);
-        for value in keys.binds(self.dialect) {
-            query = query.bind(value);
-        }
-        query.fetch_all(&mut *self.connection).await
+        let rows: Vec<[Value<'_>; 2]> =
+            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        sqlx::query_as(batch::LOCK_ORDERS.text(self.dialect))
+            .bind_rows(self.dialect, &rows)
+            .fetch_all(&mut *self.connection)
+            .await
     }
 
-    /// Reads the given accounts and locks their rows until the transaction ends, in
-    /// ascending byte order of account_id: the order in which single postings take their
-    /// row locks too (PostgreSQL sorts by the "C" collation for that; MySQL's keys are
-    /// ascii_bin and SQLite's BINARY). Missing ids are absent from the result.
+    /// Reads the given accounts and locks their rows until the transaction ends, in the order
+    /// given, which must be ascending byte order of account_id: the order in which single
+    /// postings take their row locks too. Missing ids are absent from the result, which comes
+    /// in no particular order.
     pub async fn lock_accounts(&mut self, account_ids: &[&str]) -> Result<Vec<AccountRow>, sqlx::Error> {
-        let order_by = match self.dialect {
-            Dialect::Postgres => "account_id COLLATE \"C\"",
-            Dialect::MySql | Dialect::Sqlite => "account_id",
-        };
-        let sql = render(
-            &format!(
-                concat!(
-                    "SELECT ",
-                    account_columns!(),
-                    " FROM accounts WHERE account_id IN ({}) ORDER BY {} FOR UPDATE"
-                ),
-                repeated("?", account_ids.len(), ", "),
-                order_by
-            ),
-            self.dialect,
-        );
-        let mut query = sqlx::query_as(&sql);
-        for account_id in account_ids {
-            query = query.bind(*account_id);
-        }
-        query.fetch_all(&mut *self.connection).await
+        let rows: Vec<[Value<'_>; 1]> = account_ids.iter().map(|account_id| [Value::Text(account_id)]).collect();
+        sqlx::query_as(batch::LOCK_ACCOUNTS.text(self.dialect))
+            .bind_rows(self.dialect, &rows)
+            .fetch_all(&mut *self.connection)
+            .await
     }
 
     /// Writes what a group commit accepted, all or nothing: the payments (one multi-row
@@ -1198,57 +1166,60 @@ impl<'c> Queries<'c> {
     /// given (entry ids follow it). True when every row was written; false when a key
     /// (out_trade_no, an order's one payment), an order's state or an account's version was
     /// taken under the batch: the caller must roll back. On PostgreSQL this is one statement
-    /// (data-modifying CTEs, each run exactly once), elsewhere four.
-    pub async fn write_pays(&mut self, batch: &PaidBatch<'_>) -> Result<bool, sqlx::Error> {
-        let n = batch.payments.len();
-        let (balances, entries) = (batch.balances.len(), batch.entries.len());
-        if self.dialect == Dialect::Postgres {
-            let sql = render(
-                &format!(
-                    "WITH p AS ({} ON CONFLICT DO NOTHING RETURNING 1), o AS ({} RETURNING 1), \
-                     a AS ({} RETURNING 1), e AS ({} RETURNING 1) \
-                     SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), \
-                     (SELECT COUNT(*) FROM e)",
-                    insert_payments_sql(n),
-                    mark_orders_paid_sql(self.dialect, batch),
-                    cas_balances_sql(balances),
-                    insert_entries_sql(entries)
-                ),
-                self.dialect,
-            );
-            let query = bind_entries(
-                bind_balances(bind_orders(self.dialect, bind_payments(sqlx::query(&sql), batch), batch), batch),
-                batch,
-            );
+    /// (data-modifying CTEs, each run exactly once), elsewhere four; each has one text
+    /// whatever the batch holds (see `batch`).
+    pub async fn write_pays(&mut self, paid: &PaidBatch<'_>) -> Result<bool, sqlx::Error> {
+        let dialect = self.dialect;
+        let payments: Vec<[Value<'_>; batch::PAYMENT_COLUMNS]> = paid.payments.iter().map(payment_values).collect();
+        let orders: Vec<[Value<'_>; 3]> = paid
+            .payments
+            .iter()
+            .map(|row| [Value::Text(&row.merchant_id), Value::Text(&row.order_no), Value::Text(&row.out_trade_no)])
+            .collect();
+        let balances: Vec<[Value<'_>; 4]> = paid
+            .balances
+            .iter()
+            .map(|update| {
+                [
+                    Value::Text(update.account_id),
+                    Value::Int(update.balance),
+                    Value::Int(update.expected_version),
+                    Value::Int(update.version),
+                ]
+            })
+            .collect();
+        let entries: Vec<[Value<'_>; batch::ENTRY_COLUMNS]> = paid.entries.iter().map(entry_values).collect();
+        let expected = [payments.len(), orders.len(), balances.len(), entries.len()].map(|count| count as u64);
+        if dialect == Dialect::Postgres {
+            let query = sqlx::query(batch::WRITE_PAYS_POSTGRES)
+                .bind_rows(dialect, &payments)
+                .bind_rows(dialect, &orders)
+                .bind_rows(dialect, &balances)
+                .bind_rows(dialect, &entries)
+                .bind(paid.now);
             let row = query.fetch_one(&mut *self.connection).await?;
             let counts: [i64; 4] = [row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?];
-            let expected = [n, n, balances, entries].map(|count| count as i64);
-            return Ok(counts == expected);
+            return Ok(counts == expected.map(|count| count as i64));
         }
-        let sql = render(&format!("{} ON CONFLICT DO NOTHING", insert_payments_sql(n)), self.dialect);
-        match bind_payments(sqlx::query(&sql), batch).execute(&mut *self.connection).await {
-            Ok(result) if result.rows_affected() == n as u64 => {}
+        let insert = sqlx::query(batch::INSERT_PAYMENTS.text(dialect)).bind_rows(dialect, &payments);
+        match insert.execute(&mut *self.connection).await {
+            Ok(result) if result.rows_affected() == expected[0] => {}
             Ok(_) => return Ok(false),
-            Err(sqlx::Error::Database(error)) if self.dialect == Dialect::MySql && error.is_unique_violation() => {
+            Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => {
                 return Ok(false)
             }
             Err(error) => return Err(error),
         }
-        let sql = render(&mark_orders_paid_sql(self.dialect, batch), self.dialect);
-        if bind_orders(self.dialect, sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected()
-            != n as u64
-        {
+        let mark = sqlx::query(batch::MARK_ORDERS_PAID.text(dialect)).bind_rows(dialect, &orders).bind(paid.now);
+        if mark.execute(&mut *self.connection).await?.rows_affected() != expected[1] {
             return Ok(false);
         }
-        let sql = render(&cas_balances_sql(balances), self.dialect);
-        if bind_balances(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected()
-            != balances as u64
-        {
+        let cas = sqlx::query(batch::CAS_BALANCES.text(dialect)).bind_rows(dialect, &balances).bind(paid.now);
+        if cas.execute(&mut *self.connection).await?.rows_affected() != expected[2] {
             return Ok(false);
         }
-        let sql = render(&insert_entries_sql(entries), self.dialect);
-        let inserted = bind_entries(sqlx::query(&sql), batch).execute(&mut *self.connection).await?.rows_affected();
-        Ok(inserted == entries as u64)
+        let insert = sqlx::query(batch::INSERT_ENTRIES.text(dialect)).bind_rows(dialect, &entries);
+        Ok(insert.execute(&mut *self.connection).await?.rows_affected() == expected[3])
     }
 
     /// Accounts in the ledger (also: whether the schema is there at all).
@@ -1311,8 +1282,56 @@ pub struct PaidBatch<'a> {
     pub now: i64,
 }
 
-fn insert_payments_sql(n: usize) -> String {
-    format!(concat!(insert_payment_into!(), "{}"), repeated(ELEVEN_VALUES, n, ", "))
+/// Binds the rows of a batch statement (see [`batch::bind_rows`]), to a query with or without
+/// a row type.
+trait BindRows: Sized {
+    fn bind_rows<const N: usize>(self, dialect: Dialect, rows: &[[Value<'_>; N]]) -> Self;
+}
+
+impl BindRows for AnyQuery<'_> {
+    fn bind_rows<const N: usize>(self, dialect: Dialect, rows: &[[Value<'_>; N]]) -> Self {
+        batch::bind_rows(dialect, rows).into_iter().fold(self, |query, value| query.bind(value))
+    }
+}
+
+impl<'q, O> BindRows for QueryAs<'q, Any, O, AnyArguments<'q>> {
+    fn bind_rows<const N: usize>(self, dialect: Dialect, rows: &[[Value<'_>; N]]) -> Self {
+        batch::bind_rows(dialect, rows).into_iter().fold(self, |query, value| query.bind(value))
+    }
+}
+
+/// A payment as a row of [`batch::INSERT_PAYMENTS`], in `insert_payment_into!`'s column order.
+fn payment_values(row: &PaymentRow) -> [Value<'_>; batch::PAYMENT_COLUMNS] {
+    [
+        Value::Text(&row.trade_no),
+        Value::Text(&row.merchant_id),
+        Value::Text(&row.out_trade_no),
+        Value::Text(&row.order_no),
+        Value::Text(&row.payer_account_id),
+        Value::Text(&row.payee_account_id),
+        Value::Int(row.amount),
+        Value::Text(&row.currency),
+        Value::Text(&row.status),
+        Value::Int(row.created_at),
+        Value::Text(&row.created_by),
+    ]
+}
+
+/// An entry as a row of [`batch::INSERT_ENTRIES`], in `insert_entry_into!`'s column order.
+fn entry_values<'a>(entry: &NewEntry<'a>) -> [Value<'a>; batch::ENTRY_COLUMNS] {
+    [
+        Value::Text(entry.account_id),
+        Value::Text(entry.currency),
+        Value::Int(entry.amount),
+        Value::Int(entry.balance_after),
+        Value::Int(entry.version_after),
+        Value::Text(entry.kind),
+        Value::Text(entry.reference),
+        Value::Text(entry.posting_id),
+        Value::Text(entry.counterparty_account_id),
+        Value::Int(entry.created_at),
+        Value::Text(entry.created_by),
+    ]
 }
 
 fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
@@ -1330,61 +1349,6 @@ fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
         .bind(row.created_by.as_str())
 }
 
-fn bind_payments<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    batch.payments.iter().fold(query, bind_payment)
-}
-
-fn paid_order_keys<'q>(batch: &PaidBatch<'q>) -> KeyGroups<'q> {
-    KeyGroups::new(batch.payments.iter().map(|row| (row.merchant_id.as_str(), row.order_no.as_str())))
-}
-
-fn mark_orders_paid_sql(dialect: Dialect, batch: &PaidBatch<'_>) -> String {
-    format!(
-        "UPDATE orders SET status = 'PAID', updated_at = ?, pending_deadline = NULL, out_trade_no = CASE {} END \
-         WHERE status = 'PENDING' AND ({})",
-        repeated("WHEN merchant_id = ? AND order_no = ? THEN ?", batch.payments.len(), " "),
-        paid_order_keys(batch).predicate(dialect, "merchant_id", "order_no")
-    )
-}
-
-fn bind_orders<'q>(dialect: Dialect, mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    query = query.bind(batch.now);
-    for row in batch.payments {
-        query = query.bind(row.merchant_id.as_str()).bind(row.order_no.as_str()).bind(row.out_trade_no.as_str());
-    }
-    for value in paid_order_keys(batch).binds(dialect) {
-        query = query.bind(value);
-    }
-    query
-}
-
-fn cas_balances_sql(n: usize) -> String {
-    format!(
-        "UPDATE accounts SET balance = CASE {} END, version = CASE {} END, updated_at = ? WHERE {}",
-        repeated("WHEN account_id = ? THEN ?", n, " "),
-        repeated("WHEN account_id = ? THEN ?", n, " "),
-        repeated("(account_id = ? AND version = ?)", n, " OR ")
-    )
-}
-
-fn bind_balances<'q>(mut query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    for update in batch.balances {
-        query = query.bind(update.account_id).bind(update.balance);
-    }
-    for update in batch.balances {
-        query = query.bind(update.account_id).bind(update.version);
-    }
-    query = query.bind(batch.now);
-    for update in batch.balances {
-        query = query.bind(update.account_id).bind(update.expected_version);
-    }
-    query
-}
-
-fn insert_entries_sql(n: usize) -> String {
-    format!(concat!(insert_entry_into!(), "{}"), repeated(ELEVEN_VALUES, n, ", "))
-}
-
 fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
     query
         .bind(entry.account_id)
@@ -1398,10 +1362,6 @@ fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
         .bind(entry.counterparty_account_id)
         .bind(entry.created_at)
         .bind(entry.created_by)
-}
-
-fn bind_entries<'q>(query: AnyQuery<'q>, batch: &PaidBatch<'q>) -> AnyQuery<'q> {
-    batch.entries.iter().fold(query, bind_entry)
 }
 
 /// A row of `payment_and_order_select!`.
@@ -1425,73 +1385,6 @@ fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error
     Ok((payment, order))
 }
 
-/// A list of two-column keys, written as a predicate each database runs as one index lookup
-/// per key. PostgreSQL gets `(a, b) IN (VALUES (?, ?), ...)`, which it joins against the
-/// primary key. Written as `(a = ? AND b = ?) OR ...`, PostgreSQL factors a first column that
-/// every term shares out of the OR (`a = ? AND (b = ? OR ...)`) and may then scan every row
-/// with that `a` (its OR-clause simplification; seen with `EXPLAIN ANALYZE` on a hot merchant).
-/// MySQL and SQLite get the keys grouped by their first column, `(a = ? AND b IN (?, ?)) OR
-/// ...`, which their range optimizers run as one range per key.
-struct KeyGroups<'a>(Vec<(&'a str, Vec<&'a str>)>);
-
-impl<'a> KeyGroups<'a> {
-    fn new(keys: impl Iterator<Item = (&'a str, &'a str)>) -> Self {
-        let mut groups: Vec<(&'a str, Vec<&'a str>)> = Vec::new();
-        for (first, second) in keys {
-            match groups.iter_mut().find(|(group, _)| *group == first) {
-                Some((_, seconds)) => seconds.push(second),
-                None => groups.push((first, vec![second])),
-            }
-        }
-        Self(groups)
-    }
-
-    fn predicate(&self, dialect: Dialect, first_column: &str, second_column: &str) -> String {
-        if dialect == Dialect::Postgres {
-            let count = self.0.iter().map(|(_, seconds)| seconds.len()).sum();
-            return format!("({first_column}, {second_column}) IN (VALUES {})", repeated("(?, ?)", count, ", "));
-        }
-        let terms: Vec<String> = self
-            .0
-            .iter()
-            .map(|(_, seconds)| {
-                format!("({first_column} = ? AND {second_column} IN ({}))", repeated("?", seconds.len(), ", "))
-            })
-            .collect();
-        terms.join(" OR ")
-    }
-
-    /// The values to bind, in the order [`KeyGroups::predicate`] names them.
-    fn binds(&self, dialect: Dialect) -> Vec<&'a str> {
-        let mut binds = Vec::new();
-        for (first, seconds) in &self.0 {
-            if dialect == Dialect::Postgres {
-                for second in seconds {
-                    binds.extend([*first, *second]);
-                }
-            } else {
-                binds.push(*first);
-                binds.extend(seconds.iter().copied());
-            }
-        }
-        binds
-    }
-}
-
-/// `n` copies of `group` joined by `separator`: the row list or predicate of a statement over
-/// `n` rows.
-fn repeated(group: &str, n: usize, separator: &str) -> String {
-    assert!(n > 0, "a statement over rows needs at least one row");
-    let mut text = String::with_capacity((group.len() + separator.len()) * n);
-    for i in 0..n {
-        if i > 0 {
-            text.push_str(separator);
-        }
-        text.push_str(group);
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1509,17 +1402,5 @@ mod tests {
             assert!(ranges > 0 && sql.placeholders() == 2 * ranges, "{check}: {text}");
             assert!(sql.text(Dialect::Postgres).contains(&format!("${}", 2 * ranges)), "{check}");
         }
-    }
-
-    #[test]
-    fn keys_are_grouped_by_their_first_column_and_bound_in_the_order_named() {
-        let keys = KeyGroups::new([("m1", "a"), ("m2", "b"), ("m1", "c")].into_iter());
-        assert_eq!(keys.predicate(Dialect::MySql, "x", "y"), "(x = ? AND y IN (?, ?)) OR (x = ? AND y IN (?))");
-        assert_eq!(keys.binds(Dialect::MySql), ["m1", "a", "c", "m2", "b"]);
-        assert_eq!(
-            render(&keys.predicate(Dialect::Postgres, "x", "y"), Dialect::Postgres),
-            "(x, y) IN (VALUES ($1, $2), ($3, $4), ($5, $6))"
-        );
-        assert_eq!(keys.binds(Dialect::Postgres), ["m1", "a", "m1", "c", "m2", "b"]);
     }
 }

@@ -86,3 +86,44 @@ pub async fn serve_ledger(ledger: payledger::ledger::Ledger) -> Served {
     });
     Served { ledger, address, stop, server }
 }
+
+/// A database of its own on a shared server, dropped at the end.
+pub struct ServerDatabase {
+    admin: String,
+    name: String,
+    pub url: String,
+}
+
+impl ServerDatabase {
+    /// A new database named `payledger_<purpose>_<uuid>` on the server of `admin`.
+    pub async fn create(admin: &str, purpose: &str) -> Self {
+        sqlx::any::install_default_drivers();
+        let name = format!("payledger_{purpose}_{}", uuid::Uuid::new_v4().simple());
+        let pool = sqlx::AnyPool::connect(admin).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&pool).await.unwrap();
+        pool.close().await;
+        Self { admin: admin.to_owned(), url: database_url(admin, &name), name }
+    }
+}
+
+async fn drop_database(admin: String, name: String) {
+    if let Ok(pool) = sqlx::AnyPool::connect(&admin).await {
+        let force = if admin.starts_with("postgres") { " WITH (FORCE)" } else { "" };
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}{force}")).execute(&pool).await;
+        pool.close().await;
+    }
+}
+
+/// Dropped with the test, passed or failed (from a thread of its own: the test's runtime may
+/// be unwinding).
+impl Drop for ServerDatabase {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            if let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                runtime.block_on(drop_database(admin, name));
+            }
+        })
+        .join();
+    }
+}

@@ -1,0 +1,355 @@
+//! The statements of a group commit, each one fixed text per backend whatever the number of
+//! rows: the rows travel as bound values, never as SQL. A server therefore prepares the same
+//! few statements for a batch of 1 and one of 1,000 (MariaDB refuses new statements past
+//! `max_prepared_stmt_count` with error 1461; PostgreSQL keeps each prepared statement in the
+//! session's memory), and the number of bound values is fixed too (PostgreSQL takes at most
+//! 65,535 a statement).
+//!
+//! - PostgreSQL: one array a column, bound as its text form (`$n::text[]`, `$n::bigint[]`;
+//!   PostgreSQL manual, 8.15.6 "Array Value Input": sqlx's `Any` driver binds no arrays) and read
+//!   by `UNNEST` or `= ANY`. A custom plan knows each array's length, so the planner estimates
+//!   exactly as many rows as the batch holds.
+//! - MySQL/MariaDB: one JSON array of rows, read by `JSON_TABLE` (MariaDB 10.6, MySQL 8.0.4).
+//!   Key columns are read as `ascii_bin`, the tables' own, so that each key is one index lookup;
+//!   written columns as wide `utf8mb4` strings, so that the table's column (under strict mode)
+//!   still refuses a value too long or not ASCII, as a one-row INSERT does. Rows that lock are
+//!   joined with `STRAIGHT_JOIN` from the JSON rows, whose order the caller chose (key order):
+//!   InnoDB locks rows in the order the join reads them.
+//! - SQLite: one JSON array of rows, read by `json_each`; `?NNN` placeholders name the values.
+//!
+//! Every value is a string or a 64-bit integer (see `crate::store`): JSON numbers written from
+//! an `i64` are read back exactly by all three.
+
+use serde::ser::{Serialize, Serializer};
+
+use super::dialect::Dialect;
+
+/// One statement's text on each backend.
+pub(super) struct BatchSql {
+    postgres: &'static str,
+    mysql: &'static str,
+    sqlite: &'static str,
+}
+
+impl BatchSql {
+    pub(super) fn text(&self, dialect: Dialect) -> &'static str {
+        match dialect {
+            Dialect::Postgres => self.postgres,
+            Dialect::MySql => self.mysql,
+            Dialect::Sqlite => self.sqlite,
+        }
+    }
+}
+
+/// One step of a group commit's write on MySQL and SQLite; PostgreSQL writes the whole batch
+/// in one statement, [`WRITE_PAYS_POSTGRES`].
+pub(super) struct StepSql {
+    mysql: &'static str,
+    sqlite: &'static str,
+}
+
+impl StepSql {
+    pub(super) fn text(&self, dialect: Dialect) -> &'static str {
+        match dialect {
+            Dialect::MySql => self.mysql,
+            Dialect::Sqlite => self.sqlite,
+            Dialect::Postgres => unreachable!("PostgreSQL writes a group commit with WRITE_PAYS_POSTGRES"),
+        }
+    }
+}
+
+/// One value of a batch row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Value<'a> {
+    Text(&'a str),
+    Int(i64),
+}
+
+impl Serialize for Value<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Value::Text(text) => serializer.serialize_str(text),
+            Value::Int(int) => serializer.serialize_i64(*int),
+        }
+    }
+}
+
+/// The values that bind `rows` (each of `N` columns) to a [`BatchSql`], in order: on
+/// PostgreSQL one array literal a column, elsewhere one JSON document of rows.
+pub(super) fn bind_rows<const N: usize>(dialect: Dialect, rows: &[[Value<'_>; N]]) -> Vec<String> {
+    match dialect {
+        Dialect::Postgres => (0..N).map(|column| postgres_array(rows.iter().map(|row| row[column]))).collect(),
+        Dialect::MySql | Dialect::Sqlite => {
+            let rows: Vec<&[Value<'_>]> = rows.iter().map(|row| row.as_slice()).collect();
+            vec![serde_json::to_string(&rows).expect("strings and integers always serialize")]
+        }
+    }
+}
+
+/// The text form of a one-dimensional PostgreSQL array: integers as they are, every string
+/// double-quoted with `"` and `\` escaped by a backslash, so that no string is read as NULL,
+/// split at a comma or trimmed (PostgreSQL manual, 8.15.6).
+fn postgres_array<'a>(values: impl Iterator<Item = Value<'a>>) -> String {
+    let mut text = String::from("{");
+    for (index, value) in values.enumerate() {
+        if index > 0 {
+            text.push(',');
+        }
+        match value {
+            Value::Int(int) => text.push_str(&int.to_string()),
+            Value::Text(string) => {
+                text.push('"');
+                for c in string.chars() {
+                    if matches!(c, '"' | '\\') {
+                        text.push('\\');
+                    }
+                    text.push(c);
+                }
+                text.push('"');
+            }
+        }
+    }
+    text.push('}');
+    text
+}
+
+/// The key columns of a MySQL JSON row `[first, second]`.
+macro_rules! mysql_key_pair {
+    ($first:literal, $second:literal) => {
+        concat!(
+            "JSON_TABLE(?, '$[*]' COLUMNS (",
+            $first,
+            " VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', ",
+            $second,
+            " VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]')) AS k"
+        )
+    };
+}
+
+/// The payments (with their orders) of rows `[merchant_id, out_trade_no]`; a read.
+pub(super) static FIND_PAYMENTS_AND_ORDERS: BatchSql = BatchSql {
+    postgres: concat!(
+        super::queries::payment_and_order_select!(),
+        " WHERE (p.merchant_id, p.out_trade_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))"
+    ),
+    mysql: concat!(
+        super::queries::payment_and_order_select!(),
+        " WHERE (p.merchant_id, p.out_trade_no) IN (SELECT k.k_merchant_id, k.k_out_trade_no FROM ",
+        mysql_key_pair!("k_merchant_id", "k_out_trade_no"),
+        ")"
+    ),
+    sqlite: concat!(
+        super::queries::payment_and_order_select!(),
+        " WHERE (p.merchant_id, p.out_trade_no) IN \
+         (SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]') FROM json_each(?1) AS k)"
+    ),
+};
+
+/// The orders of rows `[merchant_id, order_no]` (sorted by the caller), row-locked in that
+/// order. PostgreSQL locks after its sort, so its ORDER BY sets the order; MySQL's locks follow
+/// the join from the JSON rows.
+pub(super) static LOCK_ORDERS: BatchSql = BatchSql {
+    postgres: concat!(
+        "SELECT ",
+        super::queries::order_columns!(),
+        " FROM orders WHERE (merchant_id, order_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+         ORDER BY merchant_id COLLATE \"C\", order_no COLLATE \"C\" FOR NO KEY UPDATE"
+    ),
+    mysql: concat!(
+        "SELECT ",
+        super::queries::order_columns!(),
+        " FROM ",
+        mysql_key_pair!("k_merchant_id", "k_order_no"),
+        " STRAIGHT_JOIN orders ON orders.merchant_id = k.k_merchant_id AND orders.order_no = k.k_order_no FOR UPDATE"
+    ),
+    // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
+    sqlite: concat!(
+        "SELECT ",
+        super::queries::order_columns!(),
+        " FROM orders WHERE (merchant_id, order_no) IN \
+         (SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]') FROM json_each(?1) AS k)"
+    ),
+};
+
+/// The accounts of rows `[account_id]` (sorted by the caller, in byte order), row-locked in that
+/// order: the order in which single postings take their row locks too.
+pub(super) static LOCK_ACCOUNTS: BatchSql = BatchSql {
+    postgres: concat!(
+        "SELECT ",
+        super::queries::account_columns!(),
+        " FROM accounts WHERE account_id = ANY($1::text[]) ORDER BY account_id COLLATE \"C\" FOR NO KEY UPDATE"
+    ),
+    mysql: concat!(
+        "SELECT ",
+        super::queries::account_columns!(),
+        " FROM JSON_TABLE(?, '$[*]' COLUMNS (k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin \
+         PATH '$[0]')) AS k STRAIGHT_JOIN accounts ON accounts.account_id = k.k_account_id FOR UPDATE"
+    ),
+    sqlite: concat!(
+        "SELECT ",
+        super::queries::account_columns!(),
+        " FROM accounts WHERE account_id IN (SELECT json_extract(k.value, '$[0]') FROM json_each(?1) AS k)"
+    ),
+};
+
+/// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_PAYS`] gives, in order.
+pub(super) const PAYMENT_COLUMNS: usize = 11;
+/// The columns a journal entry row gives, in order.
+pub(super) const ENTRY_COLUMNS: usize = 11;
+
+/// Rows `[trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id,
+/// amount, currency, status, created_at, created_by]`; a taken key fails the statement on MySQL
+/// (duplicate key) and inserts fewer rows elsewhere.
+pub(super) static INSERT_PAYMENTS: StepSql = StepSql {
+    mysql: concat!(
+        super::queries::insert_payment_into!(),
+        " SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, \
+         status, created_at, created_by FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         trade_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         merchant_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         out_trade_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+         order_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[3]', \
+         payer_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+         payee_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[5]', \
+         amount BIGINT PATH '$[6]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
+         status VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[8]', \
+         created_at BIGINT PATH '$[9]', \
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[10]')) AS k"
+    ),
+    // WHERE true: an INSERT ... SELECT with an upsert clause needs a WHERE (SQLite manual,
+    // "UPSERT", parsing ambiguity).
+    sqlite: concat!(
+        super::queries::insert_payment_into!(),
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]'), json_extract(k.value, '$[8]'), \
+         json_extract(k.value, '$[9]'), json_extract(k.value, '$[10]') FROM json_each(?1) AS k WHERE true \
+         ON CONFLICT DO NOTHING"
+    ),
+};
+
+/// PENDING -> PAID for rows `[merchant_id, order_no, out_trade_no]`, then `updated_at`.
+pub(super) static MARK_ORDERS_PAID: StepSql = StepSql {
+    mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_merchant_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
+            k_order_no VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]', \
+            k_out_trade_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]')) AS k \
+            STRAIGHT_JOIN orders ON orders.merchant_id = k.k_merchant_id AND orders.order_no = k.k_order_no \
+            SET orders.status = 'PAID', orders.updated_at = ?, orders.pending_deadline = NULL, \
+            orders.out_trade_no = k.k_out_trade_no WHERE orders.status = 'PENDING'",
+    sqlite: "UPDATE orders SET status = 'PAID', updated_at = ?2, pending_deadline = NULL, \
+             out_trade_no = json_extract(k.value, '$[2]') FROM json_each(?1) AS k \
+             WHERE orders.merchant_id = json_extract(k.value, '$[0]') AND orders.order_no = json_extract(k.value, '$[1]') \
+             AND orders.status = 'PENDING'",
+};
+
+/// One version CAS an account, for rows `[account_id, balance, expected_version, version]`,
+/// then `updated_at`.
+pub(super) static CAS_BALANCES: StepSql = StepSql {
+    mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
+            k_balance BIGINT PATH '$[1]', k_expected_version BIGINT PATH '$[2]', k_version BIGINT PATH '$[3]')) AS k \
+            STRAIGHT_JOIN accounts ON accounts.account_id = k.k_account_id AND accounts.version = k.k_expected_version \
+            SET accounts.balance = k.k_balance, accounts.version = k.k_version, accounts.updated_at = ?",
+    sqlite: "UPDATE accounts SET balance = json_extract(k.value, '$[1]'), version = json_extract(k.value, '$[3]'), \
+             updated_at = ?2 FROM json_each(?1) AS k \
+             WHERE accounts.account_id = json_extract(k.value, '$[0]') AND accounts.version = json_extract(k.value, '$[2]')",
+};
+
+/// Rows `[account_id, currency, amount, balance_after, version_after, kind, reference,
+/// posting_id, counterparty_account_id, created_at, created_by]`, given entry ids in row order.
+pub(super) static INSERT_ENTRIES: StepSql = StepSql {
+    mysql: concat!(
+        super::queries::insert_entry_into!(),
+        " SELECT account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+         counterparty_account_id, created_at, created_by FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         n FOR ORDINALITY, \
+         account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         amount BIGINT PATH '$[2]', \
+         balance_after BIGINT PATH '$[3]', \
+         version_after BIGINT PATH '$[4]', \
+         kind VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[5]', \
+         reference VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]', \
+         posting_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
+         counterparty_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[8]', \
+         created_at BIGINT PATH '$[9]', \
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[10]')) AS k ORDER BY k.n"
+    ),
+    sqlite: concat!(
+        super::queries::insert_entry_into!(),
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]'), json_extract(k.value, '$[8]'), \
+         json_extract(k.value, '$[9]'), json_extract(k.value, '$[10]') FROM json_each(?1) AS k ORDER BY k.key"
+    ),
+};
+
+/// PostgreSQL writes a whole group commit in one statement (data-modifying CTEs, each run
+/// exactly once): the payments ($1-$11), PENDING -> PAID ($12-$14), the version CAS ($15-$18),
+/// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30); it
+/// returns the four row counts.
+pub(super) static WRITE_PAYS_POSTGRES: &str = concat!(
+    "WITH p AS (",
+    super::queries::insert_payment_into!(),
+    " SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], \
+     $8::text[], $9::text[], $10::bigint[], $11::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
+     o AS (UPDATE orders SET status = 'PAID', updated_at = $30, pending_deadline = NULL, out_trade_no = k.out_trade_no \
+     FROM UNNEST($12::text[], $13::text[], $14::text[]) AS k(merchant_id, order_no, out_trade_no) \
+     WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no AND orders.status = 'PENDING' \
+     RETURNING 1), \
+     a AS (UPDATE accounts SET balance = k.balance, version = k.version, updated_at = $30 \
+     FROM UNNEST($15::text[], $16::bigint[], $17::bigint[], $18::bigint[]) AS k(account_id, balance, expected_version, version) \
+     WHERE accounts.account_id = k.account_id AND accounts.version = k.expected_version RETURNING 1), \
+     e AS (",
+    super::queries::insert_entry_into!(),
+    " SELECT account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+     counterparty_account_id, created_at, created_by FROM UNNEST($19::text[], $20::text[], $21::bigint[], \
+     $22::bigint[], $23::bigint[], $24::text[], $25::text[], $26::text[], $27::text[], $28::bigint[], $29::text[]) \
+     WITH ORDINALITY AS k(account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+     counterparty_account_id, created_at, created_by, n) ORDER BY k.n RETURNING 1) \
+     SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn postgres_arrays_quote_every_string_and_escape_quotes_and_backslashes() {
+        let rows = [
+            [Value::Text("a"), Value::Int(-5)],
+            [Value::Text("NULL"), Value::Int(7)],
+            [Value::Text("x,\"y\"\\ {z}"), Value::Int(i64::MAX)],
+        ];
+        assert_eq!(
+            bind_rows(Dialect::Postgres, &rows),
+            [r#"{"a","NULL","x,\"y\"\\ {z}"}"#.to_owned(), format!("{{-5,7,{}}}", i64::MAX)]
+        );
+    }
+
+    #[test]
+    fn json_rows_keep_integers_exact_and_strings_escaped() {
+        let rows = [[Value::Text("m\"1"), Value::Int(i64::MIN)]];
+        let expected = format!(r#"[["m\"1",{}]]"#, i64::MIN);
+        assert_eq!(bind_rows(Dialect::MySql, &rows), [expected.clone()]);
+        assert_eq!(bind_rows(Dialect::Sqlite, &rows), [expected]);
+    }
+
+    #[test]
+    fn no_statement_has_more_placeholders_than_its_backend_binds() {
+        // MySQL: one JSON document, plus `updated_at` for the UPDATEs.
+        let reads = [&FIND_PAYMENTS_AND_ORDERS, &LOCK_ORDERS, &LOCK_ACCOUNTS].map(|sql| (sql.mysql, sql.sqlite, 1));
+        let steps = [(&INSERT_PAYMENTS, 1), (&MARK_ORDERS_PAID, 2), (&CAS_BALANCES, 2), (&INSERT_ENTRIES, 1)]
+            .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
+        for (mysql, sqlite, values) in reads.into_iter().chain(steps) {
+            assert_eq!(mysql.matches('?').count(), values, "{mysql}");
+            assert!(
+                sqlite.contains(&format!("?{values}")) && !sqlite.contains(&format!("?{}", values + 1)),
+                "{sqlite}"
+            );
+        }
+        assert!(WRITE_PAYS_POSTGRES.contains("$30") && !WRITE_PAYS_POSTGRES.contains("$31"));
+    }
+}

@@ -1,0 +1,147 @@
+//! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
+//! Pays, over one to five merchants, each with a rejected Pay and a replay in it, prepare no
+//! statement that a batch of two did not already prepare.
+//!
+//! A server over a pool of one connection serves the calls, so every statement runs on that
+//! connection, whose server-side prepared statements are counted: PostgreSQL's
+//! `pg_prepared_statements` of the session, MariaDB's session `Com_stmt_prepare` less
+//! `Com_stmt_close` (sqlx keeps each statement it prepared, up to 100 a connection, and closes
+//! the ones it evicts).
+
+mod common;
+
+use payledger::domain::{AccountId, Actor, Amount, Currency, MerchantId, OrderNo, OutTradeNo};
+use payledger::ledger::Pay;
+use payledger::proto;
+use payledger::proto::account_service_client::AccountServiceClient;
+use payledger::proto::payment_service_client::PaymentServiceClient;
+use sqlx::Row;
+
+/// The most statements that one group commit prepares, whatever its size: PostgreSQL reads
+/// the replays, locks the orders, locks the accounts and writes the rest in one statement;
+/// MariaDB writes in four.
+const POSTGRES_BATCH_STATEMENTS: i64 = 4;
+const MYSQL_BATCH_STATEMENTS: i64 = 7;
+
+/// The batch sizes of the second phase (none of them 2, the first phase's size).
+const SIZES: [usize; 8] = [1, 3, 5, 8, 13, 21, 34, 4];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_prepares_the_same_statements_for_every_batch_size() {
+    let Some(admin) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    every_batch_size_prepares_nothing_new(
+        &admin,
+        "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_prepared_statements",
+        POSTGRES_BATCH_STATEMENTS,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_prepares_the_same_statements_for_every_batch_size() {
+    let Some(admin) = common::admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
+    let open_statements = "SELECT CAST(SUM(CASE VARIABLE_NAME WHEN 'COM_STMT_PREPARE' THEN VARIABLE_VALUE \
+                           ELSE -VARIABLE_VALUE END) AS SIGNED) FROM information_schema.SESSION_STATUS \
+                           WHERE VARIABLE_NAME IN ('COM_STMT_PREPARE', 'COM_STMT_CLOSE')";
+    every_batch_size_prepares_nothing_new(&admin, open_statements, MYSQL_BATCH_STATEMENTS).await;
+}
+
+async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &str, batch_statements: i64) {
+    let database = common::ServerDatabase::create(admin, "statements").await;
+    let served = common::serve(&database.url, 1).await;
+    let target = format!("http://{}", served.address);
+    let mut accounts = AccountServiceClient::connect(target.clone()).await.unwrap();
+    let mut payments = PaymentServiceClient::connect(target).await.unwrap();
+    let prepared = || async {
+        let rows = served.ledger.store().on_pooled_session(count_statements).await.unwrap();
+        rows[0].get::<i64, _>(0)
+    };
+
+    let orders: usize = 2 + SIZES.iter().sum::<usize>();
+    for account_id in ["payer", "poor"] {
+        let request = proto::OpenAccountRequest { account_id: account_id.into(), currency: "USD".into() };
+        accounts.open_account(request).await.unwrap();
+    }
+    let deposit = proto::DepositRequest {
+        request_id: "fund-payer".into(),
+        account_id: "payer".into(),
+        amount: "1000.00".into(),
+        currency: "USD".into(),
+    };
+    accounts.deposit(deposit).await.unwrap();
+    for merchant in 0..5 {
+        let request = proto::OpenAccountRequest { account_id: format!("shop-{merchant}"), currency: "USD".into() };
+        accounts.open_account(request).await.unwrap();
+    }
+    for order in 0..orders {
+        let request = proto::CreateOrderRequest {
+            merchant_id: merchant_of(order),
+            order_no: format!("o{order}"),
+            payee_account_id: format!("shop-{}", order % 5),
+            amount: "1.00".into(),
+            currency: "USD".into(),
+            subject: format!("order {order}"),
+            expires_at: None,
+        };
+        payments.create_order(request).await.unwrap();
+    }
+    let setup = prepared().await;
+
+    // Phase 1: one batch of two, one Pay paid and one refused, then its replay.
+    let first = served.ledger.pay_together(vec![pay(0, "payer"), pay(1, "poor")]).await;
+    assert!(first[0].as_ref().is_ok_and(|paid| !paid.replayed), "{first:?}");
+    assert!(first[1].is_err(), "the poor payer's Pay is refused: {first:?}");
+    let replay = served.ledger.pay_together(vec![pay(0, "payer")]).await;
+    assert!(replay[0].as_ref().is_ok_and(|paid| paid.replayed), "{replay:?}");
+    let after_first = prepared().await;
+    assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
+
+    // Phase 2: every other size, each batch over several merchants, with the last Pay of the
+    // batch refused and the first Pay ever replayed in it.
+    let mut next = 2;
+    let before = served.ledger.counters();
+    for size in SIZES {
+        let mut batch: Vec<Pay> = (next..next + size - 1).map(|order| pay(order, "payer")).collect();
+        batch.push(pay(next + size - 1, "poor"));
+        batch.push(pay(0, "payer"));
+        let answers = served.ledger.pay_together(batch).await;
+        for (index, answer) in answers.iter().enumerate() {
+            match index {
+                _ if index + 2 < answers.len() => {
+                    assert!(answer.as_ref().is_ok_and(|paid| !paid.replayed), "{answer:?}")
+                }
+                _ if index + 2 == answers.len() => assert!(answer.is_err(), "{answer:?}"),
+                _ => assert!(answer.as_ref().is_ok_and(|paid| paid.replayed), "{answer:?}"),
+            }
+        }
+        next += size;
+    }
+    let after = served.ledger.counters();
+    let paid: usize = SIZES.iter().map(|size| size - 1).sum();
+    assert_eq!(after.group_committed_pays - before.group_committed_pays, paid as u64, "{after:?}");
+    assert_eq!(after.group_commits - before.group_commits, SIZES.iter().filter(|size| **size > 1).count() as u64);
+
+    let after_all = prepared().await;
+    assert_eq!(after_all, after_first, "batches of sizes {SIZES:?} prepared statements a batch of 2 had not");
+    eprintln!("prepared statements on the connection: {setup} after set-up, {after_all} after every batch");
+    assert!(served.ledger.audit().await.unwrap().is_empty());
+    served.shut_down().await;
+    drop(database);
+}
+
+/// Orders are spread over five merchants, interleaved, so each batch holds several.
+fn merchant_of(order: usize) -> String {
+    format!("m{}", order % 5)
+}
+
+fn pay(order: usize, payer: &str) -> Pay {
+    let currency = Currency::parse("currency", "USD").unwrap();
+    Pay {
+        merchant_id: MerchantId::parse("merchant_id", &merchant_of(order)).unwrap(),
+        out_trade_no: OutTradeNo::parse("out_trade_no", &format!("t{order}")).unwrap(),
+        order_no: OrderNo::parse("order_no", &format!("o{order}")).unwrap(),
+        payer_account_id: AccountId::parse("payer_account_id", payer).unwrap(),
+        amount: Amount::parse("amount", "1.00", currency).unwrap(),
+        created_by: Actor::Anonymous,
+    }
+}
