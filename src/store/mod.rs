@@ -1,5 +1,7 @@
 //! SQL only. One small interface ([`Store`], [`Tx`], [`Queries`]) over PostgreSQL,
-//! MySQL/MariaDB and SQLite; what differs between them lives in [`dialect`].
+//! MySQL/MariaDB and SQLite; what differs between them lives in [`dialect`], and the group
+//! commit's statements, which take any number of rows in one fixed text, are written out for
+//! each backend in `batch`.
 //!
 //! Every column is a BIGINT or a string: amounts are integer minor units and timestamps are
 //! microseconds since the Unix epoch, so all three backends store exactly the same values.

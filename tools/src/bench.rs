@@ -49,6 +49,9 @@ pub enum Scenario {
     Hot,
     /// Partial refunds of paid orders.
     Refund,
+    /// As `refund`, every order paid to one merchant: each Refund debits the same shop account
+    /// (a hot row, as `hot` credits one).
+    HotRefund,
     /// Query of paid orders by out_trade_no (the read path), each order about ten times.
     Query,
     /// 45% Pay (a third of the orders with an `expires_at` an hour ahead), 5% Authorize then
@@ -169,7 +172,8 @@ fn payer_draw(settings: &BenchSettings, count: usize) -> Box<dyn Fn(u64) -> usiz
 async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Result<Prepared, AnyError> {
     let run = uuid::Uuid::now_v7().simple().to_string()[18..].to_owned();
     let payers: Vec<String> = (0..settings.payers.max(1)).map(|n| format!("b{run}-p{n}")).collect();
-    let merchants = if settings.scenario == Scenario::Hot { 1 } else { settings.merchants.max(1) };
+    let merchants =
+        if matches!(settings.scenario, Scenario::Hot | Scenario::HotRefund) { 1 } else { settings.merchants.max(1) };
     let shops: Vec<String> = (0..merchants).map(|n| format!("b{run}-s{n}")).collect();
     let accounts = payers.iter().chain(shops.iter()).cloned().enumerate();
     stream::iter(accounts)
@@ -198,13 +202,13 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
         Scenario::Pay | Scenario::KeyedPay | Scenario::Hot => settings.total,
         Scenario::Transfer => 0,
         Scenario::Replay => 1,
-        Scenario::Refund => settings.total.div_ceil(REFUNDS_PER_ORDER),
+        Scenario::Refund | Scenario::HotRefund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
         // A fifth more than the calls: that fifth is paid during preparation, and each call
         // then has an order of its own (a Pay and an Authorize never meet on one order).
         Scenario::Mixed => settings.total + settings.total / 5,
     };
-    let amount = if settings.scenario == Scenario::Refund { "100.00" } else { "1.00" };
+    let amount = if matches!(settings.scenario, Scenario::Refund | Scenario::HotRefund) { "100.00" } else { "1.00" };
     // `mixed`: a third of the orders can expire (an hour ahead, so that every Pay is in time).
     let an_hour_ahead = {
         let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -238,7 +242,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
     let mut prepared = Prepared { run, payers, shops, orders, paid: Vec::new() };
     // Replay, refund and mixed need paid orders to start from.
     let to_pay = match settings.scenario {
-        Scenario::Replay | Scenario::Refund | Scenario::Query => prepared.orders.len(),
+        Scenario::Replay | Scenario::Refund | Scenario::HotRefund | Scenario::Query => prepared.orders.len(),
         Scenario::Mixed => usize::try_from(settings.total / 5).unwrap_or(0),
         Scenario::Pay | Scenario::KeyedPay | Scenario::Hot | Scenario::Transfer => 0,
     };
@@ -300,7 +304,7 @@ async fn call(
             let request = pay_request(merchant, out_trade_no, "o0", &prepared.payers[0], "1.00");
             clients.payment(n).pay(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
-        Scenario::Refund => {
+        Scenario::Refund | Scenario::HotRefund => {
             let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
             let request = proto::RefundRequest {
                 merchant_id: merchant.clone(),
