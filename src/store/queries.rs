@@ -1160,10 +1160,10 @@ impl<'c> Queries<'c> {
             .await
     }
 
-    /// Writes what a group commit accepted, all or nothing: the payments (one multi-row
-    /// INSERT), PENDING -> PAID for their orders (one conditional UPDATE), the new balances
-    /// (one version CAS per account, all in one UPDATE) and the journal entries in the order
-    /// given (entry ids follow it). True when every row was written; false when a key
+    /// Writes what a group commit accepted, all or nothing: the payments (one INSERT of all
+    /// rows), PENDING -> PAID for their orders (one conditional UPDATE), the new balances (one
+    /// version CAS per account, all in one UPDATE) and the journal entries in the order given
+    /// (one INSERT; entry ids follow that order). True when every row was written; false when a key
     /// (out_trade_no, an order's one payment), an order's state or an account's version was
     /// taken under the batch: the caller must roll back. On PostgreSQL this is one statement
     /// (data-modifying CTEs, each run exactly once), elsewhere four; each has one text
