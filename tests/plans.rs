@@ -4,9 +4,10 @@
 //!
 //! Each backend's test:
 //! 1. seeds a small ledger and analyzes it, so the statistics say every table is small;
-//! 2. starts a server over a pool of one connection and runs every bench scenario (Pay,
-//!    replay, hot account, Refund, Query, and the mix with Deposit and keyed Transfer), so
-//!    that connection has prepared, and PostgreSQL has planned, every hot statement;
+//! 2. starts a server over a pool of one connection and runs every bench scenario (Pay, keyed
+//!    Pay, keyed Transfer, replay, hot account, Refund, hot Refund, Query, and the mix with
+//!    Deposit, holds and Withdraw), so that connection has prepared, and PostgreSQL has
+//!    planned, every hot statement;
 //! 3. grows the tables in bulk (`payledger-tools seed`), without analyzing them;
 //! 4. runs the same scenarios again, on the same connection, and reads the database's own
 //!    counters of what those statements did:
@@ -25,7 +26,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use payledger::store::Dialect;
-use payledger_tools::bench::{bench, BenchSettings, Scenario};
 use payledger_tools::seed::{seed, SeedSettings};
 use sqlx::{AnyPool, Connection, Row};
 
@@ -53,7 +53,7 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     };
     flush().await;
     let before = counters().await;
-    run_workload(&served).await;
+    common::run_every_scenario(&served).await;
     flush().await;
     let after = counters().await;
 
@@ -96,7 +96,7 @@ async fn mysql_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     };
     sqlx::query("SET GLOBAL userstat = 1").execute(&raw).await.unwrap();
     let before = rows_read().await;
-    run_workload(&served).await;
+    common::run_every_scenario(&served).await;
     let after = rows_read().await;
     let mut scanned = Vec::new();
     for table in HOT_TABLES {
@@ -123,7 +123,7 @@ async fn sqlite_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
 
     log.statements.lock().unwrap().clear();
     log.capturing.store(true, Ordering::SeqCst);
-    run_workload(&served).await;
+    common::run_every_scenario(&served).await;
     log.capturing.store(false, Ordering::SeqCst);
     let statements = std::mem::take(&mut *log.statements.lock().unwrap());
 
@@ -174,7 +174,7 @@ async fn prepared_server(url: &str) -> common::Served {
     connection.close().await.unwrap();
 
     let served = common::serve(url, 1).await;
-    run_workload(&served).await;
+    common::run_every_scenario(&served).await;
     seed_ledger(url, 30_000).await;
     served
 }
@@ -195,31 +195,6 @@ async fn seed_ledger(url: &str, orders: u64) {
         batch_rows: 10_000,
     };
     seed(&settings).await.unwrap();
-}
-
-/// Every bench scenario, a few dozen calls each.
-async fn run_workload(served: &common::Served) {
-    for scenario in [Scenario::Pay, Scenario::Replay, Scenario::Hot, Scenario::Refund, Scenario::Query, Scenario::Mixed]
-    {
-        let settings = BenchSettings {
-            target: format!("http://{}", served.address),
-            allow_test_data: true,
-            scenario,
-            concurrency: 4,
-            total: 60,
-            duration_seconds: None,
-            payers: 10,
-            merchants: 3,
-            zipf: None,
-            duplicate_ratio: 0.2,
-            rate: None,
-            connections: 1,
-            json: false,
-            access: payledger_tools::TargetAccess::default(),
-        };
-        let report = bench(&settings).await.unwrap();
-        assert_eq!(report.status_codes.keys().collect::<Vec<_>>(), ["Ok"], "{scenario:?}: {:?}", report.status_codes);
-    }
 }
 
 async fn finish(served: common::Served) {

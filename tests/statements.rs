@@ -2,6 +2,10 @@
 //! Pays, over one to five merchants, each with a rejected Pay and a replay in it, prepare no
 //! statement that a batch of two did not already prepare.
 //!
+//! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
+//! same server, and all it prepared still fits sqlx's statement cache (100 a connection), so
+//! no statement is evicted and prepared again however long the server runs.
+//!
 //! A server over a pool of one connection serves the calls, so every statement runs on that
 //! connection, whose server-side prepared statements are counted: PostgreSQL's
 //! `pg_prepared_statements` of the session, MariaDB's session `Com_stmt_prepare` less
@@ -22,6 +26,10 @@ use sqlx::Row;
 /// MariaDB writes in four.
 const POSTGRES_BATCH_STATEMENTS: i64 = 4;
 const MYSQL_BATCH_STATEMENTS: i64 = 7;
+
+/// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
+/// larger than this would be evicted and prepared again, call after call.
+const STATEMENT_CACHE: i64 = 100;
 
 /// The batch sizes of the second phase (none of them 2, the first phase's size).
 const SIZES: [usize; 8] = [1, 3, 5, 8, 13, 21, 34, 4];
@@ -123,7 +131,15 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
 
     let after_all = prepared().await;
     assert_eq!(after_all, after_first, "batches of sizes {SIZES:?} prepared statements a batch of 2 had not");
-    eprintln!("prepared statements on the connection: {setup} after set-up, {after_all} after every batch");
+
+    // Phase 3: everything else a server runs on a connection.
+    common::run_every_scenario(&served).await;
+    let whole_set = prepared().await;
+    assert!(whole_set < STATEMENT_CACHE, "{whole_set} statements fill sqlx's cache of {STATEMENT_CACHE}");
+    eprintln!(
+        "prepared statements on the connection: {setup} after set-up, {after_all} after every batch, \
+         {whole_set} after every bench scenario"
+    );
     assert!(served.ledger.audit().await.unwrap().is_empty());
     served.shut_down().await;
     drop(database);

@@ -127,3 +127,29 @@ impl Drop for ServerDatabase {
         .join();
     }
 }
+
+/// Every bench scenario, a few dozen calls each, 4 callers; every call must answer OK.
+pub async fn run_every_scenario(served: &Served) {
+    use clap::ValueEnum as _;
+    use payledger_tools::bench::{BenchSettings, Scenario};
+    for &scenario in Scenario::value_variants() {
+        let settings = BenchSettings {
+            target: format!("http://{}", served.address),
+            allow_test_data: true,
+            scenario,
+            concurrency: 4,
+            total: 60,
+            duration_seconds: None,
+            payers: 10,
+            merchants: 3,
+            zipf: None,
+            duplicate_ratio: 0.2,
+            rate: None,
+            connections: 1,
+            json: false,
+            access: payledger_tools::TargetAccess::default(),
+        };
+        let report = payledger_tools::bench::bench(&settings).await.unwrap();
+        assert_eq!(report.status_codes.keys().collect::<Vec<_>>(), ["Ok"], "{scenario:?}: {:?}", report.status_codes);
+    }
+}
