@@ -44,11 +44,15 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use crate::error::{Error, Resource};
 use crate::store::{AccountRow, BalanceUpdate, NewEntry, OrderRow, PaidBatch, PaymentRow, Queries, Store};
 
+use prost::Message as _;
+
 use super::commands::Pay;
+use super::guards::BatchClaim;
+use super::idempotent::IdempotentCall;
 use super::payments::{check_pay, new_payment, paid_receipt, PayCheck, PayReceipt};
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
-use super::{deadline_clock, new_id, now_micros, Inserted};
+use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
 /// How Pays are grouped.
@@ -118,14 +122,25 @@ pub(super) enum Decision {
     PaidBefore,
     /// The Pay breaks a rule; nothing of it was written.
     Rejected(Error),
+    /// One of the Pay's guards (`idempotency-key` or `idempotency-token`) was found taken
+    /// when the batch claimed it; nothing of the Pay was written: the committed original
+    /// answers it.
+    GuardTaken,
     /// The batch could not decide it: run it in its own transaction.
     Alone,
     /// Refused before it was queued or started: the queue was full, or the caller had gone.
     NotStarted(Error),
 }
 
+/// A Pay as a batch takes it: the command, and the claim of its guards when it carries an
+/// `idempotency-key` or `idempotency-token`.
+pub(super) struct Batched {
+    pub(super) command: Pay,
+    pub(super) claim: Option<BatchClaim>,
+}
+
 struct Job {
-    command: Pay,
+    batched: Batched,
     presence: CallerPresence,
     /// The Pay's span, which the batch's span links to.
     link: opentelemetry::trace::SpanContext,
@@ -156,13 +171,13 @@ impl PayBatcher {
 
     /// Queues a Pay and waits for its batch. [`Decision::NotStarted`] (OVERLOADED) when its
     /// queue is full; [`Decision::Alone`] when the workers are gone.
-    pub(super) async fn submit(&self, command: Pay, presence: CallerPresence) -> Decision {
+    pub(super) async fn submit(&self, batched: Batched, presence: CallerPresence) -> Decision {
         let mut hasher = std::hash::DefaultHasher::new();
-        command.merchant_id.as_str().hash(&mut hasher);
+        batched.command.merchant_id.as_str().hash(&mut hasher);
         let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
         let (reply, decision) = oneshot::channel();
         let link = tracing::Span::current().context().span().span_context().clone();
-        match queue.try_send(Job { command, presence, link, reply }) {
+        match queue.try_send(Job { batched, presence, link, reply }) {
             Ok(()) => {
                 self.metrics.group_commit_queue_depth.inc();
             }
@@ -208,7 +223,7 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, me
                 span.add_link(job.link.clone());
             }
         }
-        let (commands, replies): (Vec<Pay>, Vec<_>) = jobs.into_iter().map(|job| (job.command, job.reply)).unzip();
+        let (commands, replies): (Vec<Batched>, Vec<_>) = jobs.into_iter().map(|job| (job.batched, job.reply)).unzip();
         let decisions = pay_together(&store, &commands, &metrics).instrument(span).await;
         for (reply, decision) in replies.into_iter().zip(decisions) {
             // The caller may be gone (client cancelled); the batch is committed regardless.
@@ -220,7 +235,7 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, me
 /// Runs `commands` as one group commit and returns one decision per command, in order:
 /// first one read (no transaction, no locks) finds the out_trade_nos already paid, then one
 /// transaction writes the rest.
-pub(super) async fn pay_together(store: &Store, commands: &[Pay], metrics: &LedgerMetrics) -> Vec<Decision> {
+pub(super) async fn pay_together(store: &Store, commands: &[Batched], metrics: &LedgerMetrics) -> Vec<Decision> {
     let mut decisions: Vec<Option<Decision>> = match find_paid(store, commands).await {
         Ok(found) => found,
         Err(error) => {
@@ -232,7 +247,7 @@ pub(super) async fn pay_together(store: &Store, commands: &[Pay], metrics: &Ledg
     if open.is_empty() {
         return decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect();
     }
-    let batch: Vec<&Pay> = open.iter().map(|index| &commands[*index]).collect();
+    let batch: Vec<&Batched> = open.iter().map(|index| &commands[*index]).collect();
     let now = now_micros();
     let trade_nos: Vec<String> = batch.iter().map(|_| new_id('T')).collect();
     let outcome = in_transaction!(store, metrics, tx => {
@@ -260,7 +275,8 @@ pub(super) async fn pay_together(store: &Store, commands: &[Pay], metrics: &Ledg
 }
 
 /// The replay read: [`Decision::Found`] for every Pay whose out_trade_no is already paid.
-async fn find_paid(store: &Store, commands: &[Pay]) -> Result<Vec<Option<Decision>>, Error> {
+async fn find_paid(store: &Store, commands: &[Batched]) -> Result<Vec<Option<Decision>>, Error> {
+    let commands: Vec<&Pay> = commands.iter().map(|batched| &batched.command).collect();
     let keys: BTreeSet<(&str, &str)> =
         commands.iter().map(|command| (command.merchant_id.as_str(), command.out_trade_no.as_str())).collect();
     let keys: Vec<(&str, &str)> = keys.into_iter().collect();
@@ -286,6 +302,7 @@ fn alone(count: usize) -> Vec<Decision> {
 }
 
 /// One account's state as the batch moves it, in memory, under its row lock.
+#[derive(Clone)]
 struct Ledgered {
     row: AccountRow,
     read_version: i64,
@@ -294,10 +311,13 @@ struct Ledgered {
 /// The batch's writes. `Inserted::KeyTaken` means "roll back, every Pay runs alone".
 async fn write_batch(
     queries: &mut Queries<'_>,
-    commands: &[&Pay],
+    batch: &[&Batched],
     trade_nos: &[String],
     now: i64,
 ) -> Result<Inserted<Vec<Decision>>, Error> {
+    let commands: Vec<&Pay> = batch.iter().map(|batched| &batched.command).collect();
+    let commands = commands.as_slice();
+    let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
     let mut decisions: Vec<Option<Decision>> = commands.iter().map(|_| None).collect();
 
     // A second Pay of the same order or out_trade_no waits for the first one's outcome: it
@@ -310,6 +330,16 @@ async fn write_batch(
         let first_of_order = orders_seen.insert((merchant_id, command.order_no.as_str()));
         let first_of_trade_no = trade_nos_seen.insert((merchant_id, command.out_trade_no.as_str()));
         if !(first_of_order && first_of_trade_no) {
+            *decision = Some(Decision::Alone);
+        }
+    }
+    // So does a second call with one idempotency key or token: alone after the batch, it is
+    // answered by the first one's record (or, when the first was refused, runs afresh).
+    let mut guards_seen = HashSet::new();
+    for (decision, claim) in decisions.iter_mut().zip(&claims) {
+        let Some(claim) = claim else { continue };
+        let first = claim.keys().fold(true, |first, key| guards_seen.insert(key) && first);
+        if !first && decision.is_none() {
             *decision = Some(Decision::Alone);
         }
     }
@@ -328,6 +358,7 @@ async fn write_batch(
         .into_iter()
         .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
         .collect();
+    let mut claimed: HashSet<usize> = HashSet::new();
     // Deadlines are judged now that the orders are locked (see `deadline_clock`).
     let checked_at = deadline_clock(now);
     let mut candidates = Vec::new();
@@ -347,37 +378,81 @@ async fn write_batch(
         }
     }
 
-    // 2. The accounts, locked, and the Pays applied in arrival order.
-    let mut receipts = Vec::new();
-    if !candidates.is_empty() {
-        let account_ids: BTreeSet<&str> = candidates
-            .iter()
-            .flat_map(|(index, order)| [commands[*index].payer_account_id.as_str(), order.payee_account_id.as_str()])
-            .collect();
-        let account_ids: Vec<&str> = account_ids.into_iter().collect();
-        let mut accounts: BTreeMap<String, Ledgered> = queries
-            .lock_accounts(&account_ids)
-            .await?
-            .into_iter()
-            .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
-            .collect();
-        for (index, order) in candidates {
-            let command = &commands[index];
-            match apply(&mut accounts, command, &order) {
-                Ok(legs) => receipts.push((index, order, legs)),
-                Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+    // 2. The accounts, locked, and the Pays applied in arrival order; then the guards of the
+    //    accepted Pays claimed (3).
+    if candidates.is_empty() {
+        return Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()));
+    }
+    let account_ids: BTreeSet<&str> = candidates
+        .iter()
+        .flat_map(|(index, order)| [commands[*index].payer_account_id.as_str(), order.payee_account_id.as_str()])
+        .collect();
+    let account_ids: Vec<&str> = account_ids.into_iter().collect();
+    let locked: BTreeMap<String, Ledgered> = queries
+        .lock_accounts(&account_ids)
+        .await?
+        .into_iter()
+        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
+        .collect();
+    let (accounts, receipts) = loop {
+        let mut accounts = locked.clone();
+        let mut receipts = Vec::new();
+        let mut refused = Vec::new();
+        for (index, order) in candidates.iter().filter(|(index, _)| decisions[*index].is_none()) {
+            match apply(&mut accounts, commands[*index], order) {
+                Ok(legs) => receipts.push((*index, order.clone(), legs)),
+                Err(error) => refused.push((*index, error)),
             }
         }
-        let payments: Vec<PaymentRow> = receipts
-            .iter()
-            .map(|(index, order, _)| new_payment(commands[*index], order, &trade_nos[*index], now))
-            .collect();
-        if !payments.is_empty() && !write_accepted(queries, &payments, &receipts, &accounts, now).await? {
+        // 3. Each accepted Pay's guards, claimed in arrival order. A guard found taken, or a
+        //    token found invalid, takes that Pay out of the batch with nothing of it written,
+        //    and the Pays after it are applied again without it: one it paid into may now
+        //    lack funds, one it spent from may now have them. The Pays before it, claimed
+        //    already, keep their outcome (each is applied after the ones before it only).
+        let mut taken_out = false;
+        for (index, _, _) in &receipts {
+            let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
+            match claim.claim(queries).await {
+                Ok(true) => {
+                    claimed.insert(*index);
+                    continue;
+                }
+                Ok(false) => decisions[*index] = Some(Decision::GuardTaken),
+                Err(error @ Error::Rejected(_)) => decisions[*index] = Some(Decision::Rejected(error)),
+                Err(error) => return Err(error),
+            }
+            taken_out = true;
+            break;
+        }
+        if !taken_out {
+            for (index, error) in refused {
+                decisions[index] = Some(Decision::Rejected(error));
+            }
+            break (accounts, receipts);
+        }
+        // A claimed Pay refused on the next pass would need its claim undone in the middle
+        // of the batch (it cannot be: it came before the one taken out): the batch would roll
+        // back instead, and every Pay of it run alone.
+        if refused.iter().any(|(index, _)| claimed.contains(index)) {
             return Ok(Inserted::KeyTaken);
         }
-        for ((index, order, _), payment) in receipts.into_iter().zip(payments) {
-            decisions[index] = Some(Decision::Paid(paid_receipt(payment, order, now)));
+    };
+
+    // 4. The writes.
+    let payments: Vec<PaymentRow> = receipts
+        .iter()
+        .map(|(index, order, _)| new_payment(commands[*index], order, &trade_nos[*index], now))
+        .collect();
+    if !payments.is_empty() && !write_accepted(queries, &payments, &receipts, &accounts, now).await? {
+        return Ok(Inserted::KeyTaken);
+    }
+    for ((index, order, _), payment) in receipts.into_iter().zip(payments) {
+        let receipt = paid_receipt(payment, order, now);
+        if let Some(claim) = claims[index] {
+            let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
+            claim.complete(queries, &receipt, &message).await?;
         }
+        decisions[index] = Some(Decision::Paid(receipt));
     }
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }

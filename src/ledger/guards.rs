@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
-use crate::store::{IdempotencyRecordRow, Queries};
+use crate::store::{IdempotencyRecordRow, Queries, Savepoint, TokenRow};
 
 use super::group_commit::CallerPresence;
 use super::idempotent::{differing, Fields};
@@ -369,22 +369,34 @@ impl GuardSession<'_> {
     /// # Errors
     /// [`Rejection::TokenInvalid`] for an unknown, expired or foreign token (database store).
     pub(super) async fn claim(&self, queries: &mut Queries<'_>, now: i64) -> Result<bool, Error> {
-        if let (Some(token), TokenStore::Database) = (self.token, &self.ledger.tokens) {
-            let consumed_now = queries.consume_token(token.as_str(), now).await?;
-            let row = queries.find_token(token.as_str()).await?.ok_or(Rejection::TokenInvalid)?;
+        if let Some(token) = self.database_token() {
+            let consumed_now = queries.consume_token(token, now).await?;
+            let row = queries.find_token(token).await?.ok_or(Rejection::TokenInvalid)?;
             // A token issued to another merchant or caller is invalid here, consumed or not.
             if !self.may_use(&token_owner(&row.merchant_id, row.caller_tag.as_deref())) {
                 return Err(Rejection::TokenInvalid.into());
             }
             if !consumed_now {
-                // Consumed before (the original committed or is in flight): taken. Unknown or
-                // expired: invalid.
-                return if row.consumed_at.is_some() { Ok(false) } else { Err(Rejection::TokenInvalid.into()) };
+                return consumed_before(Some(&row));
             }
         }
+        claim_records(queries, &self.records(now), now).await
+    }
+
+    /// The call's token when the database token store consumes it inside the transaction.
+    fn database_token(&self) -> Option<&str> {
+        match (self.token, &self.ledger.tokens) {
+            (Some(token), TokenStore::Database) => Some(token.as_str()),
+            _ => None,
+        }
+    }
+
+    /// The IN_PROGRESS records that claim the call's guards at `now`.
+    fn records(&self, now: i64) -> Vec<IdempotencyRecordRow> {
         let expires_at = now.saturating_add(self.ledger.settings.key_ttl_micros());
-        for (_, scope, key) in &self.claims {
-            let record = IdempotencyRecordRow {
+        self.claims
+            .iter()
+            .map(|(_, scope, key)| IdempotencyRecordRow {
                 scope: scope.clone(),
                 idempotency_key: key.clone(),
                 method: self.call.method.to_owned(),
@@ -396,16 +408,27 @@ impl GuardSession<'_> {
                 status: RECORD_IN_PROGRESS.to_owned(),
                 created_at: now,
                 expires_at,
-            };
-            if queries.insert_record(&record).await? {
-                continue;
-            }
-            // An expired record the reaper has not deleted yet no longer holds the key.
-            if !(queries.delete_expired_record(scope, key, now).await? && queries.insert_record(&record).await?) {
-                return Ok(false);
+            })
+            .collect()
+    }
+
+    /// Step 3 as a group commit runs it: what its transaction claims for this call at `now`
+    /// (as later given to [`GuardSession::settle`]). With the database token store the
+    /// token's owner is checked here, before the call is queued: it never changes once
+    /// issued, and a token the call may not use is refused with nothing written.
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`] for an unknown or foreign token (database store).
+    pub(super) async fn batch_claim(&self, now: i64) -> Result<BatchClaim, Error> {
+        let consume_token = self.database_token().map(str::to_owned);
+        if let Some(token) = &consume_token {
+            let mut reader = self.ledger.store.reader().await?;
+            let row = reader.queries().find_token(token).await?.ok_or(Rejection::TokenInvalid)?;
+            if !self.may_use(&token_owner(&row.merchant_id, row.caller_tag.as_deref())) {
+                return Err(Rejection::TokenInvalid.into());
             }
         }
-        Ok(true)
+        Ok(BatchClaim { records: self.records(now), consume_token, now })
     }
 
     /// True when the call claims a record, whose response [`GuardSession::complete`] then
@@ -422,14 +445,8 @@ impl GuardSession<'_> {
         answer: &T,
         message: &[u8],
     ) -> Result<(), Error> {
-        let json =
-            serde_json::to_vec(answer).map_err(|error| Error::Internal(format!("serialize response: {error}")))?;
-        for (_, scope, key) in &self.claims {
-            if !queries.complete_record(scope, key, &json, message).await? {
-                return Err(Error::Internal("a claimed idempotency record vanished".into()));
-            }
-        }
-        Ok(())
+        let keys: Vec<(&str, &str)> = self.claims.iter().map(|(_, scope, key)| (scope.as_str(), key.as_str())).collect();
+        complete_records(queries, &keys, &stored_json(answer)?, message).await
     }
 
     /// Step 5, after the transaction (`now` as given to [`GuardSession::claim`]).
@@ -479,6 +496,108 @@ impl GuardSession<'_> {
                 Err(error)
             }
         }
+    }
+}
+
+/// A token that this transaction could not consume: taken when it was consumed before (its
+/// original committed or is in flight), otherwise (unknown or expired) invalid.
+fn consumed_before(row: Option<&TokenRow>) -> Result<bool, Error> {
+    match row {
+        Some(row) if row.consumed_at.is_some() => Ok(false),
+        _ => Err(Rejection::TokenInvalid.into()),
+    }
+}
+
+/// Inserts the IN_PROGRESS `records`: false when one is taken (a concurrent uncommitted claim
+/// of the same key makes the insert wait for its outcome). An expired record the reaper has
+/// not deleted yet no longer holds its key, and is replaced.
+async fn claim_records(queries: &mut Queries<'_>, records: &[IdempotencyRecordRow], now: i64) -> Result<bool, Error> {
+    for record in records {
+        if queries.insert_record(record).await? {
+            continue;
+        }
+        let (scope, key) = (record.scope.as_str(), record.idempotency_key.as_str());
+        if !(queries.delete_expired_record(scope, key, now).await? && queries.insert_record(record).await?) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The answer as JSON of rows, as records keep it beside the response message.
+fn stored_json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Error> {
+    serde_json::to_vec(answer).map_err(|error| Error::Internal(format!("serialize response: {error}")))
+}
+
+/// Stores the response in the records of `keys` (scope, key), claimed by this transaction.
+async fn complete_records(
+    queries: &mut Queries<'_>,
+    keys: &[(&str, &str)],
+    json: &[u8],
+    message: &[u8],
+) -> Result<(), Error> {
+    for (scope, key) in keys.iter().copied() {
+        if !queries.complete_record(scope, key, json, message).await? {
+            return Err(Error::Internal("a claimed idempotency record vanished".into()));
+        }
+    }
+    Ok(())
+}
+
+/// One call's guards as a group commit claims and completes them inside its transaction
+/// (built by [`GuardSession::batch_claim`]): the IN_PROGRESS records to insert and, with
+/// the database token store, the token to consume.
+#[derive(Debug, Clone)]
+pub(super) struct BatchClaim {
+    records: Vec<IdempotencyRecordRow>,
+    consume_token: Option<String>,
+    now: i64,
+}
+
+impl BatchClaim {
+    /// The (scope, key) of each record it claims: two calls of one batch that share one are
+    /// not both claimed there.
+    pub(super) fn keys(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.records.iter().map(|record| (record.scope.as_str(), record.idempotency_key.as_str()))
+    }
+
+    /// Claims inside the batch's transaction: false when a guard is taken (then nothing of
+    /// this claim is written). A claim of more than one write (a token with its record, and
+    /// a key) runs under a savepoint, so one that fails part way is undone alone, and the
+    /// rest of the batch goes on.
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`] for a token expired since it was checked (nothing of the
+    /// claim written); a database error (the batch then fails as a whole).
+    pub(super) async fn claim(&self, queries: &mut Queries<'_>) -> Result<bool, Error> {
+        let Some(token) = &self.consume_token else {
+            return claim_records(queries, &self.records, self.now).await;
+        };
+        queries.savepoint(Savepoint::Set).await?;
+        let claimed = async {
+            if !queries.consume_token(token, self.now).await? {
+                return consumed_before(queries.find_token(token).await?.as_ref());
+            }
+            claim_records(queries, &self.records, self.now).await
+        }
+        .await;
+        if !matches!(claimed, Ok(true)) {
+            queries.savepoint(Savepoint::RollBack).await?;
+        }
+        queries.savepoint(Savepoint::Release).await?;
+        claimed
+    }
+
+    /// Stores the call's answer (its JSON of rows and response message) in the claimed
+    /// records, inside the batch's transaction.
+    pub(super) async fn complete<T: Serialize>(
+        &self,
+        queries: &mut Queries<'_>,
+        answer: &T,
+        message: &[u8],
+    ) -> Result<(), Error> {
+        let keys: Vec<(&str, &str)> = self.keys().collect();
+        complete_records(queries, &keys, &stored_json(answer)?, message).await
     }
 }
 

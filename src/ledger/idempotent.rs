@@ -81,6 +81,11 @@ pub(super) trait IdempotentCall: Sync {
     /// reported when a key or a natural key is reused for other values.
     fn fields(&self) -> Fields;
 
+    /// The call as its guards see it, for `actor`: method, scope, fields and fingerprint.
+    fn fingerprint(&self, actor: &crate::domain::Actor) -> Call {
+        Call::new(Self::METHOD, self.scope(), self.fields(), actor)
+    }
+
     /// Before the transaction, without a lock: the committed answer under the call's natural
     /// key, when there is one (a conflicting one is ALREADY_EXISTS naming the differing
     /// fields). Calls without a natural key have none.
@@ -105,6 +110,14 @@ pub(super) trait IdempotentCall: Sync {
     ) -> impl Future<Output = Result<Inserted<Self::Answer>, Error>> + Send;
 }
 
+/// The outcome of steps 1 to 3.
+pub(super) enum Prepared<'a, T> {
+    /// Answered already: a replay.
+    Answered(Replayable<Reply<T>>),
+    /// To be run: claim the guards, run the body, complete the records.
+    Ready(GuardSession<'a>),
+}
+
 /// What the driver answers, before it becomes a response message.
 pub(super) enum Reply<T> {
     /// Fresh, or replayed by the natural key.
@@ -126,10 +139,7 @@ impl Ledger {
         call: &C,
         guards: &Guards,
     ) -> Result<Replayable<C::Message>, Error> {
-        self.run_guarded(call, guards).await?.try_map(|reply| match reply {
-            Reply::Value(answer) => C::message(answer),
-            Reply::Stored(stored) => stored_message::<C>(stored),
-        })
+        self.run_guarded(call, guards).await?.try_map(reply_message::<C>)
     }
 
     /// [`Ledger::run_idempotent`] before the answer becomes a message.
@@ -138,22 +148,50 @@ impl Ledger {
         call: &C,
         guards: &Guards,
     ) -> Result<Replayable<Reply<C::Answer>>, Error> {
-        let fingerprint = Call::new(C::METHOD, call.scope(), call.fields(), &guards.actor);
-        let mut session = match self.open_guards(guards, &fingerprint).await? {
-            Opened::Replayed(stored) => return stored.try_map(|stored| Ok(Reply::Stored(stored))),
+        let fingerprint = call.fingerprint(&guards.actor);
+        let mut session = match self.prepare(call, guards, &fingerprint).await? {
+            Prepared::Answered(answer) => return Ok(answer),
+            Prepared::Ready(session) => session,
+        };
+        let now = now_micros();
+        let outcome = self.transact(call, &session, now).await;
+        self.settle_call(call, &mut session, outcome, now).await
+    }
+
+    /// Steps 1 to 3 (see the module docs): the answer when a guard's record or the natural
+    /// key already holds one, otherwise the guards ready to be claimed (the token, with
+    /// Redis, consumed).
+    pub(super) async fn prepare<'a, C: IdempotentCall>(
+        &'a self,
+        call: &C,
+        guards: &'a Guards,
+        fingerprint: &'a Call,
+    ) -> Result<Prepared<'a, C::Answer>, Error> {
+        let mut session = match self.open_guards(guards, fingerprint).await? {
+            Opened::Replayed(stored) => return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?)),
             Opened::Run(session) => session,
         };
         if let Some(answer) = call.natural_replay(self).await? {
             // The natural key's row commits together with the guards' records, so a guard of
             // this call that has a record by now answers instead: the response as first sent.
             if let Some(stored) = session.committed_replay().await? {
-                return stored.try_map(|stored| Ok(Reply::Stored(stored)));
+                return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?));
             }
-            return Ok(self.natural_replay(Reply::Value(answer)));
+            return Ok(Prepared::Answered(self.natural_replay(Reply::Value(answer))));
         }
         session.reserve_token().await?;
-        let now = now_micros();
-        let outcome = in_transaction!(self.store, &self.metrics, tx => {
+        Ok(Prepared::Ready(session))
+    }
+
+    /// Step 4 alone: one transaction that claims the guards, runs the body and completes the
+    /// guards' records (a group commit does the same for many calls in one transaction).
+    pub(super) async fn transact<C: IdempotentCall>(
+        &self,
+        call: &C,
+        session: &GuardSession<'_>,
+        now: i64,
+    ) -> Result<Inserted<C::Answer>, Error> {
+        in_transaction!(self.store, &self.metrics, tx => {
             let mut queries = tx.queries();
             if !session.claim(&mut queries, now).await? {
                 return Ok(Inserted::KeyTaken);
@@ -164,11 +202,22 @@ impl Ledger {
                 session.complete(&mut queries, answer, &message).await?;
             }
             Ok(outcome)
-        });
+        })
+    }
+
+    /// Step 5: the answer of the transaction's `outcome` (begun at `now`), or the replay of
+    /// the committed original when it found a key taken.
+    pub(super) async fn settle_call<C: IdempotentCall>(
+        &self,
+        call: &C,
+        session: &mut GuardSession<'_>,
+        outcome: Result<Inserted<C::Answer>, Error>,
+        now: i64,
+    ) -> Result<Replayable<Reply<C::Answer>>, Error> {
         match session.settle(outcome, now).await? {
             Settled::Fresh(answer) => answer.try_map(|answer| Ok(Reply::Value(answer))),
             Settled::Replayed(stored) => stored.try_map(|stored| Ok(Reply::Stored(stored))),
-            Settled::NaturalKeyTaken => self.replay_taken(call, &mut session).await,
+            Settled::NaturalKeyTaken => self.replay_taken(call, session).await,
         }
     }
 
@@ -194,6 +243,17 @@ impl Ledger {
             }
         }
         Err(Error::NotYetVisible)
+    }
+}
+
+/// The response message of the driver's answer: fresh, or the one a guard's record stored.
+///
+/// # Errors
+/// [`Error::Internal`] for a value that cannot be encoded or a record that cannot be read.
+pub(super) fn reply_message<C: IdempotentCall>(reply: Reply<C::Answer>) -> Result<C::Message, Error> {
+    match reply {
+        Reply::Value(answer) => C::message(answer),
+        Reply::Stored(stored) => stored_message::<C>(stored),
     }
 }
 

@@ -8,14 +8,14 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
-use super::group_commit::{pay_together, Decision, PayBatcher};
-use super::guards::{Guards, Scope};
+use super::group_commit::{pay_together, Batched, Decision, PayBatcher};
+use super::guards::{GuardSession, Guards, Scope};
 use super::holds::release_hold;
-use super::idempotent::{differing_from, Fields, IdempotentCall, Reply};
+use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::posting::{post, EntryKind, Posting};
 use super::response;
 use super::transaction::CAS_ATTEMPTS_MAX;
-use super::{deadline_clock, new_id, Identified, Inserted, Ledger, Replayable};
+use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -111,16 +111,69 @@ impl Ledger {
     /// [`Error::NotFound`] (order or payer), [`Rejection`]s AMOUNT_MISMATCH,
     /// CURRENCY_MISMATCH, PAYER_IS_PAYEE, INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ORDER_CLOSED;
     /// [`Error::KeyReused`] (OUT_TRADE_NO_REUSED) when the out_trade_no paid something else.
+    ///
+    /// With group commit on, a Pay is written by a batch, guarded or not: a Pay with an
+    /// `idempotency-key` or `idempotency-token` has its records claimed and completed inside
+    /// the batch's transaction (see `group_commit`).
     pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<proto::PayResponse>, Error> {
-        if guards.is_empty() {
-            if let Some(batcher) = self.pay_batcher() {
-                let decision = batcher.submit(command.clone(), guards.presence.clone()).await;
-                if let Some(answer) = self.answer_decided(&command, decision).await {
-                    return answer?.try_map(<Identified<Pay>>::message);
-                }
-            }
+        let Some(batcher) = self.pay_batcher() else {
+            return self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await;
+        };
+        if !guards.is_empty() {
+            return self.pay_guarded_in_batch(batcher, command, guards).await?.try_map(reply_message::<Identified<Pay>>);
+        }
+        let decision = batcher.submit(Batched { command: command.clone(), claim: None }, guards.presence.clone()).await;
+        if let Some(answer) = self.answer_decided(&command, decision).await {
+            return answer?.try_map(<Identified<Pay>>::message);
         }
         self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await
+    }
+
+    /// A Pay with guards through a group commit: the idempotency driver's steps 1-3 and 5 as
+    /// for any call, and step 4 (claim, body, complete) inside the batch's transaction.
+    async fn pay_guarded_in_batch(
+        &self,
+        batcher: &PayBatcher,
+        command: Pay,
+        guards: &Guards,
+    ) -> Result<Replayable<Reply<PayReceipt>>, Error> {
+        let call = Identified { command, id: new_id('T') };
+        let fingerprint = call.fingerprint(&guards.actor);
+        let mut session = match self.prepare(&call, guards, &fingerprint).await? {
+            Prepared::Answered(answer) => return Ok(answer),
+            Prepared::Ready(session) => session,
+        };
+        let now = now_micros();
+        let outcome = match session.batch_claim(now).await {
+            Ok(claim) => {
+                let batched = Batched { command: call.command.clone(), claim: Some(claim) };
+                let decision = batcher.submit(batched, guards.presence.clone()).await;
+                self.guarded_outcome(&call, &session, decision, now).await
+            }
+            Err(error) => Err(error),
+        };
+        self.settle_call(&call, &mut session, outcome, now).await
+    }
+
+    /// What a batch's decision means for a guarded Pay, as its transaction's outcome: a key of
+    /// it (a guard, its out_trade_no, its order's one payment) found taken is `KeyTaken`, and
+    /// a Pay the batch could not decide runs in its own transaction now.
+    async fn guarded_outcome(
+        &self,
+        call: &Identified<Pay>,
+        session: &GuardSession<'_>,
+        decision: Decision,
+        now: i64,
+    ) -> Result<Inserted<PayReceipt>, Error> {
+        match decision {
+            Decision::Paid(receipt) => Ok(Inserted::Done(receipt)),
+            Decision::GuardTaken | Decision::Found(..) | Decision::PaidBefore => Ok(Inserted::KeyTaken),
+            Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
+            Decision::Alone => {
+                self.metrics.group_commit_alone.inc();
+                self.transact(call, session, now).await
+            }
+        }
     }
 
     /// The receipt of a Pay whose transaction found its key taken by a committed payment: the
@@ -150,6 +203,7 @@ impl Ledger {
                 self.metrics.group_commit_alone.inc();
                 return None;
             }
+            Decision::GuardTaken => return Some(Err(Error::Internal("a Pay without guards had a guard taken".into()))),
         })
     }
 
@@ -161,7 +215,8 @@ impl Ledger {
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
-        let decisions = pay_together(&self.store, &commands, &self.metrics).await;
+        let batch: Vec<Batched> = commands.iter().map(|command| Batched { command: command.clone(), claim: None }).collect();
+        let decisions = pay_together(&self.store, &batch, &self.metrics).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
@@ -171,6 +226,59 @@ impl Ledger {
             answers.push(answer);
         }
         answers
+    }
+
+    /// [`Ledger::pay_together`] for Pays that may carry guards (`idempotency-key`,
+    /// `idempotency-token`): each call goes through the idempotency driver's steps before and
+    /// after the batch on its own, the batch claims and completes the records of those it
+    /// pays. Answers as [`Ledger::pay`] would, in the order given.
+    ///
+    /// # Errors
+    /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
+    pub async fn pay_together_guarded(&self, calls: Vec<(Pay, Guards)>) -> Vec<Result<Replayable<proto::PayResponse>, Error>> {
+        let (commands, guards): (Vec<Pay>, Vec<Guards>) = calls.into_iter().unzip();
+        let calls: Vec<Identified<Pay>> =
+            commands.into_iter().map(|command| Identified { command, id: new_id('T') }).collect();
+        let fingerprints: Vec<_> = calls.iter().zip(&guards).map(|(call, guards)| call.fingerprint(&guards.actor)).collect();
+        let now = now_micros();
+        let mut answers: Vec<Option<Result<Replayable<Reply<PayReceipt>>, Error>>> = Vec::new();
+        let mut sessions = Vec::new();
+        let mut batch = Vec::new();
+        for ((call, guards), fingerprint) in calls.iter().zip(&guards).zip(&fingerprints) {
+            let prepared = match self.prepare(call, guards, fingerprint).await {
+                Ok(Prepared::Ready(session)) => session,
+                Ok(Prepared::Answered(answer)) => {
+                    answers.push(Some(Ok(answer)));
+                    continue;
+                }
+                Err(error) => {
+                    answers.push(Some(Err(error)));
+                    continue;
+                }
+            };
+            let claim = if guards.is_empty() { Ok(None) } else { prepared.batch_claim(now).await.map(Some) };
+            match claim {
+                Ok(claim) => {
+                    answers.push(None);
+                    batch.push(Batched { command: call.command.clone(), claim });
+                    sessions.push((answers.len() - 1, prepared));
+                }
+                Err(error) => {
+                    let mut prepared = prepared;
+                    answers.push(Some(self.settle_call(call, &mut prepared, Err(error), now).await));
+                }
+            }
+        }
+        let decisions = pay_together(&self.store, &batch, &self.metrics).await;
+        for ((index, mut session), decision) in sessions.into_iter().zip(decisions) {
+            let call = &calls[index];
+            let outcome = self.guarded_outcome(call, &session, decision, now).await;
+            answers[index] = Some(self.settle_call(call, &mut session, outcome, now).await);
+        }
+        answers
+            .into_iter()
+            .map(|answer| answer.expect("every call answered").and_then(|answer| answer.try_map(reply_message::<Identified<Pay>>)))
+            .collect()
     }
 
     /// A Pay without idempotency key or token in its own transaction: its receipt.

@@ -504,6 +504,17 @@ pub struct Queries<'c> {
 
 type AnyQuery<'q> = Query<'q, Any, AnyArguments<'q>>;
 
+/// A step of [`Queries::savepoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Savepoint {
+    /// `SAVEPOINT`: what follows can be undone alone.
+    Set,
+    /// `ROLLBACK TO SAVEPOINT`: undoes what followed it (row locks taken since stay held).
+    RollBack,
+    /// `RELEASE SAVEPOINT`: keeps what followed it, as part of the transaction.
+    Release,
+}
+
 impl<'c> Queries<'c> {
     pub(super) fn new(connection: &'c mut AnyConnection, dialect: Dialect) -> Self {
         Self { connection, dialect, cas_retries: None }
@@ -1106,6 +1117,19 @@ impl<'c> Queries<'c> {
 
     pub async fn find_token(&mut self, token: &str) -> Result<Option<TokenRow>, sqlx::Error> {
         sqlx::query_as(FIND_TOKEN.text(self.dialect)).bind(token).fetch_optional(&mut *self.connection).await
+    }
+
+    /// Sets, rolls back to or releases the one savepoint a transaction's body uses at a time
+    /// (`guard_claim`; the same text on all three backends). Sent as plain text, never
+    /// prepared: MySQL prepares no savepoint statements, and they need no values.
+    pub async fn savepoint(&mut self, step: Savepoint) -> Result<(), sqlx::Error> {
+        let text = match step {
+            Savepoint::Set => "SAVEPOINT guard_claim",
+            Savepoint::RollBack => "ROLLBACK TO SAVEPOINT guard_claim",
+            Savepoint::Release => "RELEASE SAVEPOINT guard_claim",
+        };
+        sqlx::Executor::execute(&mut *self.connection, text).await?;
+        Ok(())
     }
 
     /// Consumes an unexpired, unconsumed token: true when this transaction consumed it. A

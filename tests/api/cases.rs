@@ -1190,6 +1190,182 @@ pub async fn one_group_commit_decides_each_pay_on_its_own(app: &TestApp) {
     assert_eq!(app.rows("payment_flow").await, 4);
 }
 
+/// The guards of a call: an `idempotency-key` and/or an `idempotency-token`.
+fn guards(key: Option<&str>, token: Option<&str>) -> payledger::ledger::Guards {
+    use payledger::domain::{IdempotencyKey, OneTimeToken};
+    payledger::ledger::Guards {
+        idempotency_key: key.map(|key| IdempotencyKey::parse("idempotency-key", key).unwrap()),
+        token: token.map(|token| OneTimeToken::parse("idempotency-token", token).unwrap()),
+        ..Default::default()
+    }
+}
+
+pub async fn one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own(app: &TestApp) {
+    app.funded("alice", "5.00").await;
+    app.funded("bob", "100.00").await;
+    app.open("shop", "USD").await;
+    for n in 1..=10 {
+        app.create_order("m1", &format!("o{n}"), "shop", "2.00").await.unwrap();
+    }
+    let token = app.issue_token("m1").await;
+    let foreign_token = app.issue_token("m2").await;
+    let spare_token = app.issue_token("m1").await;
+    let pay = |out_trade_no: &str, order_no: &str, payer: &str| pay_command(out_trade_no, order_no, payer, "2.00");
+
+    let answers = app
+        .ledger
+        .pay_together_guarded(vec![
+            (pay("t1", "o1", "bob"), guards(Some("k1"), None)),
+            // Two calls with one key in one batch: the second is answered by the first's record.
+            (pay("t1", "o1", "bob"), guards(Some("k1"), None)),
+            // The same key for another Pay, in the same batch.
+            (pay("t7", "o7", "bob"), guards(Some("k1"), None)),
+            (pay("t2", "o2", "alice"), guards(Some("k2"), None)),
+            (pay("t3", "o3", "alice"), guards(Some("k3"), None)),
+            // alice has 1.00 left: refused, its key left unclaimed.
+            (pay("t4", "o4", "alice"), guards(Some("k4"), None)),
+            (pay("t5", "o5", "bob"), guards(None, Some(&token))),
+            // The same token again, for another Pay, in the same batch.
+            (pay("t6", "o6", "bob"), guards(None, Some(&token))),
+            // A token issued to another merchant.
+            (pay("t8", "o8", "bob"), guards(None, Some(&foreign_token))),
+            // A key and a token on a Pay of a missing order: neither is used up.
+            (pay("t9", "missing", "bob"), guards(Some("k5"), Some(&spare_token))),
+            // A Pay without guards in the same batch.
+            (pay("t10", "o9", "bob"), guards(None, None)),
+        ])
+        .await;
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let paid = |index: usize, out_trade_no: &str| {
+        let answer = answers[index].as_ref().unwrap_or_else(|error| panic!("{out_trade_no}: {error}"));
+        assert!(!answer.replayed, "{out_trade_no}");
+        let payment = answer.value.payment.as_ref().unwrap();
+        assert_eq!(payment.out_trade_no, out_trade_no);
+        assert_eq!(answer.value.order.as_ref().unwrap().status, OrderStatus::Paid as i32);
+        payment.trade_no.clone()
+    };
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let first = paid(0, "t1");
+    let replay = answers[1].as_ref().expect("the same call with its key is a replay");
+    assert!(replay.replayed);
+    assert_eq!(replay.value.payment.as_ref().unwrap().trade_no, first, "answered by the first call's record");
+    refused(2, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    paid(3, "t2");
+    paid(4, "t3");
+    refused(5, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    paid(6, "t5");
+    refused(7, Code::AlreadyExists, "TOKEN_REUSED");
+    refused(8, Code::FailedPrecondition, "TOKEN_INVALID");
+    refused(9, Code::NotFound, "ORDER_NOT_FOUND");
+    paid(10, "t10");
+
+    let counters = app.ledger.counters();
+    assert_eq!(counters.group_committed_pays, 5, "t1, t2, t3, t5 and t10 in one group commit: {counters:?}");
+    assert_eq!(counters.group_commits, 1);
+    assert_eq!(app.balance("alice").await, "1.00");
+    assert_eq!(app.balance("bob").await, "94.00");
+    assert_eq!(app.balance("shop").await, "10.00");
+    assert_eq!(app.rows("payment_flow").await, 5);
+    // k1, k2, k3 and the token's record: the refused calls left none.
+    assert_eq!(app.rows("idempotency_record").await, 4);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // The refused key runs afresh once alice has the money, and the unused key and token
+    // still guard a Pay of their own.
+    app.deposit("top-up", "alice", "5.00", "USD").await.unwrap();
+    let mut payments = app.payments.clone();
+    let retried = payments.pay(with_key(app.pay_request("m1", "t4", "o4", "alice", "2.00"), "k4")).await.unwrap();
+    assert!(!replayed(&retried));
+    let request = app.pay_request("m1", "t11", "o10", "bob", "2.00");
+    let fresh = payments.pay(with_token(request, &spare_token, Some("k5"))).await.unwrap();
+    assert!(!replayed(&fresh));
+    // Sent again together, the committed calls are replays of their records.
+    let again = app
+        .ledger
+        .pay_together_guarded(vec![
+            (pay("t5", "o5", "bob"), guards(None, Some(&token))),
+            (pay("t1", "o1", "bob"), guards(Some("k1"), None)),
+        ])
+        .await;
+    let again: Vec<_> = again.into_iter().map(|answer| answer.unwrap()).collect();
+    assert!(again.iter().all(|answer| answer.replayed));
+    assert_eq!(again[1].value.payment.as_ref().unwrap().trade_no, first);
+    assert_eq!(app.balance("bob").await, "92.00");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// An original with key `ka` commits while a group commit holding a Pay with `ka` waits to
+/// claim it: that Pay is answered by the original's record, and the Pays after it in the
+/// batch are applied again without it.
+pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_are_applied_again(app: &TestApp) {
+    use prost::Message as _;
+    use sha2::Digest as _;
+    app.funded("alice", "10.00").await;
+    app.funded("bob", "10.00").await;
+    app.open("shop", "USD").await;
+    app.open("shop2", "USD").await;
+    app.create_order("m1", "oa", "shop2", "2.00").await.unwrap();
+    app.create_order("m1", "ob", "shop", "2.00").await.unwrap();
+    app.create_order("m1", "oc", "shop", "2.00").await.unwrap();
+
+    // The original of ta, as its transaction writes its record, still uncommitted.
+    let fields = "out_trade_no=ta\norder_no=oa\npayer_account_id=alice\namount=200\ncurrency=USD\n";
+    let fingerprint: String =
+        sha2::Sha256::digest(format!("Pay\n{fields}")).iter().map(|byte| format!("{byte:02x}")).collect();
+    let original = proto::PayResponse {
+        payment: Some(proto::Payment { trade_no: "T-original".into(), out_trade_no: "ta".into(), ..Default::default() }),
+        order: None,
+    };
+    let message_hex: String = original.encode_to_vec().iter().map(|byte| format!("{byte:02x}")).collect();
+    let message = match app.backend {
+        crate::helpers::Backend::Postgres => format!("decode('{message_hex}', 'hex')"),
+        _ => format!("X'{message_hex}'"),
+    };
+    let mut holder = app.raw.begin().await.unwrap();
+    let sql = format!(
+        "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, response, \
+         response_message, caller_scope, status, created_at, expires_at) VALUES ('merchant:m1', 'ka', 'Pay', \
+         '{fingerprint}', {}, {}, {message}, 'merchant:m1', 'COMPLETED', 0, 9000000000000000)",
+        app.bytes_literal(fields),
+        app.bytes_literal("{}"),
+    );
+    sqlx::query(&sql).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .pay_together_guarded(vec![
+                (pay_command("ta", "oa", "alice", "2.00"), guards(Some("ka"), None)),
+                // shop2 pays with what ta would bring it.
+                (pay_command("tb", "ob", "shop2", "2.00"), guards(None, None)),
+                (pay_command("tc", "oc", "bob", "2.00"), guards(Some("kc"), None)),
+            ])
+            .await
+    });
+    app.wait_for_a_write_waiting_on("idempotency_record").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> =
+        batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let ta = answers[0].as_ref().expect("ta is answered by the original's record");
+    assert!(ta.replayed);
+    assert_eq!(ta.value, original);
+    assert_status(answers[1].as_ref().expect_err("tb"), Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    let tc = answers[2].as_ref().expect("tc is paid");
+    assert!(!tc.replayed);
+    let counters = app.ledger.counters();
+    assert_eq!(counters.in_flight_waits, 1, "ta's claim met the original committed under the batch: {counters:?}");
+    assert_eq!(counters.group_committed_pays, 1);
+    assert_eq!(app.balance("alice").await, "10.00");
+    assert_eq!(app.balance("shop2").await, "0.00");
+    assert_eq!(app.balance("bob").await, "8.00");
+    assert_eq!(app.balance("shop").await, "2.00");
+    assert_eq!(app.rows("payment_flow").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
 pub async fn concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_once(app: &TestApp) {
     app.open("shop", "USD").await;
     for n in 0..40 {

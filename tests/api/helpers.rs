@@ -589,6 +589,35 @@ impl TestApp {
         self.create_order("m1", order_no, "shop", amount).await.expect("CreateOrder");
     }
 
+    /// Waits (at most 10 s) until a session of this test's database waits in a statement
+    /// that writes `table`: on PostgreSQL for a lock, on MySQL/MariaDB (whose INFORMATION_SCHEMA
+    /// does not always list the waiting transaction) in the statement; on SQLite, whose
+    /// writers wait on the database's one write lock unseen, 300 ms.
+    pub async fn wait_for_a_write_waiting_on(&self, table: &str) {
+        let TestDatabase::Server { name, .. } = &self.database else {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        };
+        let sql = match self.backend {
+            Backend::Postgres => format!(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = '{name}' AND wait_event_type = 'Lock' \
+                 AND query LIKE '%INTO {table} %'"
+            ),
+            _ => format!(
+                "SELECT COUNT(*) FROM information_schema.processlist WHERE db = '{name}' \
+                 AND command IN ('Query', 'Execute') AND info LIKE '%INTO {table} %'"
+            ),
+        };
+        for _ in 0..1000 {
+            let row = sqlx::query(&sql).fetch_one(&self.raw).await.expect("lock waits");
+            if row.try_get::<i64, _>(0).expect("a count") > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no session waited in a write of {table}");
+    }
+
     /// Sessions of this test's database left idle inside a transaction (PostgreSQL and
     /// MySQL; SQLite has no sessions).
     pub async fn sessions_idle_in_transaction(&self) -> i64 {
