@@ -338,8 +338,9 @@ async fn write_batch(
     let mut guards_seen = HashSet::new();
     for (decision, claim) in decisions.iter_mut().zip(&claims) {
         let Some(claim) = claim else { continue };
-        let first = claim.keys().fold(true, |first, key| guards_seen.insert(key) && first);
-        if !first && decision.is_none() {
+        // Every key of the call is noted, even after one already seen.
+        let seen: Vec<bool> = claim.keys().map(|key| !guards_seen.insert(key)).collect();
+        if seen.contains(&true) && decision.is_none() {
             *decision = Some(Decision::Alone);
         }
     }
