@@ -1,6 +1,7 @@
 //! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
-//! Pays, over one to five merchants, each with a rejected Pay and a replay in it, prepare no
-//! statement that a batch of two did not already prepare.
+//! Pays, over one to five merchants, each with a rejected Pay, a replay and Pays with an
+//! idempotency key and a token in it, prepare no statement that the first batch did not
+//! already prepare.
 //!
 //! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
 //! same server, and all it prepared still fits sqlx's statement cache (100 a connection), so
@@ -14,18 +15,22 @@
 
 mod common;
 
-use payledger::domain::{AccountId, Actor, Amount, Currency, MerchantId, OrderNo, OutTradeNo};
-use payledger::ledger::Pay;
+use payledger::domain::{
+    AccountId, Actor, Amount, Currency, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutTradeNo,
+};
+use payledger::ledger::{Guards, Pay};
 use payledger::proto;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use sqlx::Row;
 
-/// The most statements that one group commit prepares, whatever its size: PostgreSQL reads
-/// the replays, locks the orders, locks the accounts and writes the rest in one statement;
-/// MariaDB writes in four.
-const POSTGRES_BATCH_STATEMENTS: i64 = 4;
-const MYSQL_BATCH_STATEMENTS: i64 = 7;
+/// The most statements that the first group commits prepare, whatever their size: PostgreSQL
+/// reads the replays, locks the orders, locks the accounts and writes the rest in one
+/// statement (MariaDB writes in four); then the guards: the replay read of a record and of a
+/// payment, the token's owner, and in the batch the token consumed (and read back when it
+/// was not) and the records inserted.
+const POSTGRES_BATCH_STATEMENTS: i64 = 9;
+const MYSQL_BATCH_STATEMENTS: i64 = 12;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.
@@ -65,6 +70,7 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         rows[0].get::<i64, _>(0)
     };
 
+    // One more order than the Pays to come, which the poor payer's first Pay is refused.
     let orders: usize = 2 + SIZES.iter().sum::<usize>();
     for account_id in ["payer", "poor"] {
         let request = proto::OpenAccountRequest { account_id: account_id.into(), currency: "USD".into() };
@@ -81,7 +87,7 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         let request = proto::OpenAccountRequest { account_id: format!("shop-{merchant}"), currency: "USD".into() };
         accounts.open_account(request).await.unwrap();
     }
-    for order in 0..orders {
+    for order in 0..=orders {
         let request = proto::CreateOrderRequest {
             merchant_id: merchant_of(order),
             order_no: format!("o{order}"),
@@ -93,26 +99,49 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         };
         payments.create_order(request).await.unwrap();
     }
+    // A token for each Pay that presents one: order 1, then each batch's second Pay.
+    let token_orders = std::iter::once(1).chain(SIZES.iter().scan(2, |next, size| {
+        let order = *next + 1;
+        *next += size;
+        Some(order)
+    }));
+    let mut tokens = Vec::new();
+    for order in token_orders {
+        let request = proto::IssueTokenRequest { merchant_id: merchant_of(order), purpose: "statements".into() };
+        tokens.push(payments.issue_token(request).await.unwrap().into_inner().token);
+    }
     let setup = prepared().await;
 
-    // Phase 1: one batch of two, one Pay paid and one refused, then its replay.
-    let first = served.ledger.pay_together(vec![pay(0, "payer"), pay(1, "poor")]).await;
-    assert!(first[0].as_ref().is_ok_and(|paid| !paid.replayed), "{first:?}");
+    // Phase 1: one batch of two Pays, one with a key, one with a token, then the same two
+    // Pays and a refused one, then a plain replay.
+    let keyed = |order: usize, payer: &str| (pay(order, payer), guards(Some(&format!("k{order}")), None));
+    let with_token = |order: usize, payer: &str, token: &str| (pay(order, payer), guards(None, Some(token)));
+    let first = served.ledger.pay_together_guarded(vec![keyed(0, "payer"), with_token(1, "payer", &tokens[0])]).await;
+    assert!(first.iter().all(|paid| paid.as_ref().is_ok_and(|paid| !paid.replayed)), "{first:?}");
+    let first = served.ledger.pay_together(vec![pay(0, "payer"), pay(orders, "poor")]).await;
+    assert!(first[0].as_ref().is_ok_and(|paid| paid.replayed), "{first:?}");
     assert!(first[1].is_err(), "the poor payer's Pay is refused: {first:?}");
-    let replay = served.ledger.pay_together(vec![pay(0, "payer")]).await;
-    assert!(replay[0].as_ref().is_ok_and(|paid| paid.replayed), "{replay:?}");
+    let replay = served.ledger.pay_together_guarded(vec![keyed(0, "payer"), with_token(1, "payer", &tokens[0])]).await;
+    assert!(replay.iter().all(|paid| paid.as_ref().is_ok_and(|paid| paid.replayed)), "{replay:?}");
     let after_first = prepared().await;
     assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
 
-    // Phase 2: every other size, each batch over several merchants, with the last Pay of the
-    // batch refused and the first Pay ever replayed in it.
+    // Phase 2: every other size, each batch over several merchants, its first Pay with a key
+    // and its second with a token, with the last Pay of the batch refused and the first Pay
+    // ever replayed in it.
     let mut next = 2;
     let before = served.ledger.counters();
-    for size in SIZES {
-        let mut batch: Vec<Pay> = (next..next + size - 1).map(|order| pay(order, "payer")).collect();
-        batch.push(pay(next + size - 1, "poor"));
-        batch.push(pay(0, "payer"));
-        let answers = served.ledger.pay_together(batch).await;
+    for (round, size) in SIZES.into_iter().enumerate() {
+        let mut batch: Vec<_> = (next..next + size - 1)
+            .map(|order| match order - next {
+                0 => keyed(order, "payer"),
+                1 => with_token(order, "payer", &tokens[round + 1]),
+                _ => (pay(order, "payer"), guards(None, None)),
+            })
+            .collect();
+        batch.push((pay(next + size - 1, "poor"), guards(None, None)));
+        batch.push((pay(0, "payer"), guards(None, None)));
+        let answers = served.ledger.pay_together_guarded(batch).await;
         for (index, answer) in answers.iter().enumerate() {
             match index {
                 _ if index + 2 < answers.len() => {
@@ -130,7 +159,7 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     assert_eq!(after.group_commits - before.group_commits, SIZES.iter().filter(|size| **size > 1).count() as u64);
 
     let after_all = prepared().await;
-    assert_eq!(after_all, after_first, "batches of sizes {SIZES:?} prepared statements a batch of 2 had not");
+    assert_eq!(after_all, after_first, "batches of sizes {SIZES:?} prepared statements the first batches had not");
 
     // Phase 3: everything else a server runs on a connection.
     common::run_every_scenario(&served).await;
@@ -148,6 +177,15 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
 /// Orders are spread over five merchants, interleaved, so each batch holds several.
 fn merchant_of(order: usize) -> String {
     format!("m{}", order % 5)
+}
+
+/// The guards of a call: an `idempotency-key` and/or an `idempotency-token`.
+fn guards(key: Option<&str>, token: Option<&str>) -> Guards {
+    Guards {
+        idempotency_key: key.map(|key| IdempotencyKey::parse("idempotency-key", key).unwrap()),
+        token: token.map(|token| OneTimeToken::parse("idempotency-token", token).unwrap()),
+        ..Guards::default()
+    }
 }
 
 fn pay(order: usize, payer: &str) -> Pay {

@@ -21,9 +21,20 @@
 //! whose batch did commit after all is then answered as a replay.
 //!
 //! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
-//! while the workers before it are busy; under light load a batch holds one Pay. Calls with an
-//! `idempotency-key` or `idempotency-token` are not batched: their records are written by
-//! their own transaction.
+//! while the workers before it are busy; under light load a batch holds one Pay.
+//!
+//! Pays with an `idempotency-key` or `idempotency-token` (guarded) are batched too. Each goes
+//! through the idempotency driver's steps before the batch on its own (a committed record
+//! answers it; a token's owner is checked), and the batch does step 4 for all of them in its
+//! one transaction: once the accepted Pays are known (after 2), it claims each accepted
+//! Pay's records in arrival order, inserting them already COMPLETED with the response that Pay
+//! gets if the batch commits (one statement a record; a token with the database store is
+//! consumed there too, under a savepoint, so a claim that fails part way leaves nothing). A guard found taken (its original committed, or was in
+//! flight, under the batch) or a token found invalid takes that Pay out with nothing of it
+//! written, and the Pays after it are applied again without it; the Pay is then answered as
+//! the driver answers a key taken: the original's stored response, or ALREADY_EXISTS. Two
+//! Pays of one batch with one key or token: the second runs alone after it (a replay of the
+//! first's record, or, when the first was refused, afresh).
 //!
 //! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a Pay that finds it
 //! full is refused RESOURCE_EXHAUSTED (OVERLOADED) before anything is read or written. A
@@ -405,15 +416,18 @@ async fn write_batch(
                 Err(error) => refused.push((*index, error)),
             }
         }
-        // 3. Each accepted Pay's guards, claimed in arrival order. A guard found taken, or a
+        // 3. Each accepted Pay's guards, claimed in arrival order, their records written with
+        //    the answer the Pay gets if the batch commits. A guard found taken, or a
         //    token found invalid, takes that Pay out of the batch with nothing of it written,
         //    and the Pays after it are applied again without it: one it paid into may now
         //    lack funds, one it spent from may now have them. The Pays before it, claimed
         //    already, keep their outcome (each is applied after the ones before it only).
         let mut taken_out = false;
-        for (index, _, _) in &receipts {
+        for (index, order, _) in &receipts {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
-            match claim.claim(queries).await {
+            let receipt = paid_receipt(new_payment(commands[*index], order, &trade_nos[*index], now), order.clone(), now);
+            let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
+            match claim.claim(queries, &receipt, &message).await {
                 Ok(true) => {
                     claimed.insert(*index);
                     continue;
@@ -448,12 +462,7 @@ async fn write_batch(
         return Ok(Inserted::KeyTaken);
     }
     for ((index, order, _), payment) in receipts.into_iter().zip(payments) {
-        let receipt = paid_receipt(payment, order, now);
-        if let Some(claim) = claims[index] {
-            let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
-            claim.complete(queries, &receipt, &message).await?;
-        }
-        decisions[index] = Some(Decision::Paid(receipt));
+        decisions[index] = Some(Decision::Paid(paid_receipt(payment, order, now)));
     }
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }

@@ -34,6 +34,7 @@ use crate::metrics::Mechanism;
 pub use payledger_client::{IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 
 const RECORD_IN_PROGRESS: &str = "IN_PROGRESS";
+const RECORD_COMPLETED: &str = "COMPLETED";
 /// The scope of records that hold the response of a consumed one-time token (tokens are
 /// random and global, so they need no caller scope).
 const TOKEN_SCOPE: &str = "token";
@@ -544,9 +545,9 @@ async fn complete_records(
     Ok(())
 }
 
-/// One call's guards as a group commit claims and completes them inside its transaction
-/// (built by [`GuardSession::batch_claim`]): the IN_PROGRESS records to insert and, with
-/// the database token store, the token to consume.
+/// One call's guards as a group commit claims them inside its transaction (built by
+/// [`GuardSession::batch_claim`]): the records to insert and, with the database token store,
+/// the token to consume.
 #[derive(Debug, Clone)]
 pub(super) struct BatchClaim {
     records: Vec<IdempotencyRecordRow>,
@@ -561,43 +562,59 @@ impl BatchClaim {
         self.records.iter().map(|record| (record.scope.as_str(), record.idempotency_key.as_str()))
     }
 
-    /// Claims inside the batch's transaction: false when a guard is taken (then nothing of
-    /// this claim is written). A claim of more than one write (a token with its record, and
-    /// a key) runs under a savepoint, so one that fails part way is undone alone, and the
-    /// rest of the batch goes on.
+    /// Claims inside the batch's transaction, once the batch has decided the call's answer:
+    /// the records are inserted already COMPLETED with it (its JSON of rows and response
+    /// message), as the single-call path leaves them at commit; no other transaction sees a
+    /// record before its commit, and the batch's writes commit with it or not at all. False
+    /// when a guard is taken, and then nothing of this claim is written: a claim of more than
+    /// one write (a token consumed, two records) runs under a savepoint, undone alone when
+    /// it fails part way, so the rest of the batch goes on.
     ///
     /// # Errors
     /// [`Rejection::TokenInvalid`] for a token expired since it was checked (nothing of the
     /// claim written); a database error (the batch then fails as a whole).
-    pub(super) async fn claim(&self, queries: &mut Queries<'_>) -> Result<bool, Error> {
-        let Some(token) = &self.consume_token else {
-            return claim_records(queries, &self.records, self.now).await;
-        };
-        queries.savepoint(Savepoint::Set).await?;
-        let claimed = async {
-            if !queries.consume_token(token, self.now).await? {
-                return consumed_before(queries.find_token(token).await?.as_ref());
-            }
-            claim_records(queries, &self.records, self.now).await
-        }
-        .await;
-        if !matches!(claimed, Ok(true)) {
-            queries.savepoint(Savepoint::RollBack).await?;
-        }
-        queries.savepoint(Savepoint::Release).await?;
-        claimed
-    }
-
-    /// Stores the call's answer (its JSON of rows and response message) in the claimed
-    /// records, inside the batch's transaction.
-    pub(super) async fn complete<T: Serialize>(
+    pub(super) async fn claim<T: Serialize>(
         &self,
         queries: &mut Queries<'_>,
         answer: &T,
         message: &[u8],
-    ) -> Result<(), Error> {
-        let keys: Vec<(&str, &str)> = self.keys().collect();
-        complete_records(queries, &keys, &stored_json(answer)?, message).await
+    ) -> Result<bool, Error> {
+        let json = stored_json(answer)?;
+        let records: Vec<IdempotencyRecordRow> = self
+            .records
+            .iter()
+            .map(|record| IdempotencyRecordRow {
+                response: Some(json.clone()),
+                response_message: Some(message.to_vec()),
+                status: RECORD_COMPLETED.to_owned(),
+                ..record.clone()
+            })
+            .collect();
+        if self.consume_token.is_none() && records.len() == 1 {
+            return claim_records(queries, &records, self.now).await;
+        }
+        queries.savepoint(Savepoint::Set).await?;
+        let claimed = async {
+            if let Some(token) = &self.consume_token {
+                if !queries.consume_token(token, self.now).await? {
+                    return consumed_before(queries.find_token(token).await?.as_ref());
+                }
+            }
+            claim_records(queries, &records, self.now).await
+        }
+        .await;
+        match claimed {
+            Ok(true) => queries.savepoint(Savepoint::Release).await?,
+            Ok(false) | Err(Error::Rejected(_)) => {
+                queries.savepoint(Savepoint::RollBack).await?;
+                queries.savepoint(Savepoint::Release).await?;
+            }
+            // The batch fails as a whole on this error, which is what it must see: after a
+            // deadlock MySQL has rolled the transaction back, savepoint and all, and a
+            // ROLLBACK TO would fail with "no such savepoint" instead.
+            Err(_) => {}
+        }
+        claimed
     }
 }
 

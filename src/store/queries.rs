@@ -233,8 +233,8 @@ static FIND_RECORD: Sql = Sql::new(
 );
 static INSERT_RECORD: Sql = Sql::new(
     "INSERT INTO idempotency_record \
-     (scope, idempotency_key, method, request_fingerprint, request_fields, response, caller_scope, status, created_at, \
-     expires_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+     (scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, caller_scope, \
+     status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 );
 static DELETE_EXPIRED_RECORD: Sql =
     Sql::new("DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?");
@@ -1055,9 +1055,10 @@ impl<'c> Queries<'c> {
         sqlx::query_as(FIND_RECORD.text(self.dialect)).bind(scope).bind(key).fetch_optional(&mut *self.connection).await
     }
 
-    /// Claims (scope, key) with an IN_PROGRESS record: false when it is taken. A concurrent
-    /// claim of the same key waits here, bounded by the lock timeout, for the first
-    /// transaction's outcome.
+    /// Claims (scope, key) with a record (IN_PROGRESS, or already COMPLETED with its
+    /// response when the transaction knows it): false when it is taken. A concurrent claim of
+    /// the same key waits here, bounded by the lock timeout, for the first transaction's
+    /// outcome.
     pub async fn insert_record(&mut self, row: &IdempotencyRecordRow) -> Result<bool, sqlx::Error> {
         let query = self
             .query(&INSERT_RECORD)
@@ -1066,6 +1067,8 @@ impl<'c> Queries<'c> {
             .bind(row.method.clone())
             .bind(row.request_fingerprint.clone())
             .bind(row.request_fields.clone())
+            .bind(row.response.clone())
+            .bind(row.response_message.clone())
             .bind(row.caller_scope.clone())
             .bind(row.status.clone())
             .bind(row.created_at)
