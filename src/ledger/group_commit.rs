@@ -29,12 +29,13 @@
 //! one transaction: once the accepted Pays are known (after 2), it claims each accepted
 //! Pay's records in arrival order, inserting them already COMPLETED with the response that Pay
 //! gets if the batch commits (one statement a record; a token with the database store is
-//! consumed there too, under a savepoint, so a claim that fails part way leaves nothing). A guard found taken (its original committed, or was in
-//! flight, under the batch) or a token found invalid takes that Pay out with nothing of it
-//! written, and the Pays after it are applied again without it; the Pay is then answered as
-//! the driver answers a key taken: the original's stored response, or ALREADY_EXISTS. Two
-//! Pays of one batch with one key or token: the second runs alone after it (a replay of the
-//! first's record, or, when the first was refused, afresh).
+//! consumed there too, under a savepoint, so a claim that fails part way leaves nothing). A
+//! guard found taken (its original committed, or was in flight, under the batch) or a token
+//! found invalid takes that Pay out with nothing of it written, and the Pays after it are
+//! applied again without it; the Pay is then answered as the driver answers a key taken: the
+//! original's stored response, or ALREADY_EXISTS. Two Pays of one batch with one key or token:
+//! the second runs alone after it (a replay of the first's record, or, when the first was
+//! refused, afresh).
 //!
 //! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a Pay that finds it
 //! full is refused RESOURCE_EXHAUSTED (OVERLOADED) before anything is read or written. A
@@ -425,7 +426,8 @@ async fn write_batch(
         let mut taken_out = false;
         for (index, order, _) in &receipts {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
-            let receipt = paid_receipt(new_payment(commands[*index], order, &trade_nos[*index], now), order.clone(), now);
+            let receipt =
+                paid_receipt(new_payment(commands[*index], order, &trade_nos[*index], now), order.clone(), now);
             let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
             match claim.claim(queries, &receipt, &message).await {
                 Ok(true) => {

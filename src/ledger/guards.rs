@@ -446,7 +446,8 @@ impl GuardSession<'_> {
         answer: &T,
         message: &[u8],
     ) -> Result<(), Error> {
-        let keys: Vec<(&str, &str)> = self.claims.iter().map(|(_, scope, key)| (scope.as_str(), key.as_str())).collect();
+        let keys: Vec<(&str, &str)> =
+            self.claims.iter().map(|(_, scope, key)| (scope.as_str(), key.as_str())).collect();
         complete_records(queries, &keys, &stored_json(answer)?, message).await
     }
 

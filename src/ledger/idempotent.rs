@@ -168,7 +168,9 @@ impl Ledger {
         fingerprint: &'a Call,
     ) -> Result<Prepared<'a, C::Answer>, Error> {
         let mut session = match self.open_guards(guards, fingerprint).await? {
-            Opened::Replayed(stored) => return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?)),
+            Opened::Replayed(stored) => {
+                return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?))
+            }
             Opened::Run(session) => session,
         };
         if let Some(answer) = call.natural_replay(self).await? {

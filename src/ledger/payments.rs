@@ -120,7 +120,10 @@ impl Ledger {
             return self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await;
         };
         if !guards.is_empty() {
-            return self.pay_guarded_in_batch(batcher, command, guards).await?.try_map(reply_message::<Identified<Pay>>);
+            return self
+                .pay_guarded_in_batch(batcher, command, guards)
+                .await?
+                .try_map(reply_message::<Identified<Pay>>);
         }
         let decision = batcher.submit(Batched { command: command.clone(), claim: None }, guards.presence.clone()).await;
         if let Some(answer) = self.answer_decided(&command, decision).await {
@@ -215,7 +218,8 @@ impl Ledger {
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
-        let batch: Vec<Batched> = commands.iter().map(|command| Batched { command: command.clone(), claim: None }).collect();
+        let batch: Vec<Batched> =
+            commands.iter().map(|command| Batched { command: command.clone(), claim: None }).collect();
         let decisions = pay_together(&self.store, &batch, &self.metrics).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
@@ -235,11 +239,15 @@ impl Ledger {
     ///
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
-    pub async fn pay_together_guarded(&self, calls: Vec<(Pay, Guards)>) -> Vec<Result<Replayable<proto::PayResponse>, Error>> {
+    pub async fn pay_together_guarded(
+        &self,
+        calls: Vec<(Pay, Guards)>,
+    ) -> Vec<Result<Replayable<proto::PayResponse>, Error>> {
         let (commands, guards): (Vec<Pay>, Vec<Guards>) = calls.into_iter().unzip();
         let calls: Vec<Identified<Pay>> =
             commands.into_iter().map(|command| Identified { command, id: new_id('T') }).collect();
-        let fingerprints: Vec<_> = calls.iter().zip(&guards).map(|(call, guards)| call.fingerprint(&guards.actor)).collect();
+        let fingerprints: Vec<_> =
+            calls.iter().zip(&guards).map(|(call, guards)| call.fingerprint(&guards.actor)).collect();
         let now = now_micros();
         let mut answers: Vec<Option<Result<Replayable<Reply<PayReceipt>>, Error>>> = Vec::new();
         let mut sessions = Vec::new();
@@ -277,7 +285,9 @@ impl Ledger {
         }
         answers
             .into_iter()
-            .map(|answer| answer.expect("every call answered").and_then(|answer| answer.try_map(reply_message::<Identified<Pay>>)))
+            .map(|answer| {
+                answer.expect("every call answered").and_then(|answer| answer.try_map(reply_message::<Identified<Pay>>))
+            })
             .collect()
     }
 

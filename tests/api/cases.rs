@@ -1315,7 +1315,11 @@ pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_
     let fingerprint: String =
         sha2::Sha256::digest(format!("Pay\n{fields}")).iter().map(|byte| format!("{byte:02x}")).collect();
     let original = proto::PayResponse {
-        payment: Some(proto::Payment { trade_no: "T-original".into(), out_trade_no: "ta".into(), ..Default::default() }),
+        payment: Some(proto::Payment {
+            trade_no: "T-original".into(),
+            out_trade_no: "ta".into(),
+            ..Default::default()
+        }),
         order: None,
     };
     let message_hex: String = original.encode_to_vec().iter().map(|byte| format!("{byte:02x}")).collect();
@@ -1346,8 +1350,7 @@ pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_
     });
     app.wait_for_a_write_waiting_on("idempotency_record").await;
     holder.commit().await.unwrap();
-    let answers: Vec<_> =
-        batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
 
     let ta = answers[0].as_ref().expect("ta is answered by the original's record");
     assert!(ta.replayed);
