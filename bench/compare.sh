@@ -89,7 +89,7 @@ if [ "$TARGETS" = all ] || [ "$TARGETS" = postgres ]; then
   pgbench -h "$PG_HOST" -U postgres -i -q -s "$CONCURRENCY" pgbench_reference >/dev/null 2>&1
   create_pg payledger_bench
   echo "  statistics: $(autovacuum_pg)"
-  payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" pgbench_run 1.0 \
+  payledger_suite "postgres://postgres@$PG_HOST:5432/payledger_bench" "pgbench tpcb-like" pgbench_run 1.3 \
     "analyze_pg payledger_bench"
 fi
 
@@ -100,7 +100,7 @@ if [ "$TARGETS" = all ] || [ "$TARGETS" = mysql ]; then
   $SB prepare >/dev/null
   create_my payledger_bench
   echo "  statistics: $(autovacuum_my)"
-  payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" sysbench_run 0.8 \
+  payledger_suite "mysql://root@127.0.0.1:3306/payledger_bench" "sysbench oltp_write_only" sysbench_run 1.0 \
     "analyze_my payledger_bench"
 fi
 
