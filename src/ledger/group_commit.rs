@@ -429,7 +429,7 @@ async fn write_batch(
             let receipt =
                 paid_receipt(new_payment(commands[*index], order, &trade_nos[*index], now), order.clone(), now);
             let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
-            match claim.claim(queries, &receipt, &message).await {
+            match claim.claim(queries, &receipt, &message, now).await {
                 Ok(true) => {
                     claimed.insert(*index);
                     continue;

@@ -429,7 +429,7 @@ impl GuardSession<'_> {
                 return Err(Rejection::TokenInvalid.into());
             }
         }
-        Ok(BatchClaim { records: self.records(now), consume_token, now })
+        Ok(BatchClaim { records: self.records(now), consume_token })
     }
 
     /// True when the call claims a record, whose response [`GuardSession::complete`] then
@@ -553,7 +553,6 @@ async fn complete_records(
 pub(super) struct BatchClaim {
     records: Vec<IdempotencyRecordRow>,
     consume_token: Option<String>,
-    now: i64,
 }
 
 impl BatchClaim {
@@ -574,11 +573,16 @@ impl BatchClaim {
     /// # Errors
     /// [`Rejection::TokenInvalid`] for a token expired since it was checked (nothing of the
     /// claim written); a database error (the batch then fails as a whole).
+    ///
+    /// `checked_at` is the batch transaction's time (microseconds since the Unix epoch): a
+    /// token's or an old record's expiry is judged at it, not when the call was queued. The
+    /// records keep the call's own time, which its answer's `idempotency-expires-at` reports.
     pub(super) async fn claim<T: Serialize>(
         &self,
         queries: &mut Queries<'_>,
         answer: &T,
         message: &[u8],
+        checked_at: i64,
     ) -> Result<bool, Error> {
         let json = stored_json(answer)?;
         let records: Vec<IdempotencyRecordRow> = self
@@ -592,16 +596,16 @@ impl BatchClaim {
             })
             .collect();
         if self.consume_token.is_none() && records.len() == 1 {
-            return claim_records(queries, &records, self.now).await;
+            return claim_records(queries, &records, checked_at).await;
         }
         queries.savepoint(Savepoint::Set).await?;
         let claimed = async {
             if let Some(token) = &self.consume_token {
-                if !queries.consume_token(token, self.now).await? {
+                if !queries.consume_token(token, checked_at).await? {
                     return consumed_before(queries.find_token(token).await?.as_ref());
                 }
             }
-            claim_records(queries, &records, self.now).await
+            claim_records(queries, &records, checked_at).await
         }
         .await;
         match claimed {
