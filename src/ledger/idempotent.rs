@@ -18,6 +18,9 @@
 //!
 //! A body that fails rolls everything back with it, the guards' claims included, so a retry
 //! runs afresh.
+//!
+//! A group commit of Pays (`group_commit`) runs steps 1-3 and 5 here for each Pay, and step 4
+//! for the whole batch in its one transaction.
 
 use std::future::Future;
 use std::time::Duration;
@@ -111,11 +114,12 @@ pub(super) trait IdempotentCall: Sync {
 }
 
 /// The outcome of steps 1 to 3.
-pub(super) enum Prepared<'a, T> {
+pub(super) enum Prepared<T, R> {
     /// Answered already: a replay.
     Answered(Replayable<Reply<T>>),
-    /// To be run: claim the guards, run the body, complete the records.
-    Ready(GuardSession<'a>),
+    /// To be run (the guards' session, with what else the caller prepared): claim the
+    /// guards, run the body, complete the records.
+    Ready(R),
 }
 
 /// What the driver answers, before it becomes a response message.
@@ -166,7 +170,7 @@ impl Ledger {
         call: &C,
         guards: &'a Guards,
         fingerprint: &'a Call,
-    ) -> Result<Prepared<'a, C::Answer>, Error> {
+    ) -> Result<Prepared<C::Answer, GuardSession<'a>>, Error> {
         let mut session = match self.open_guards(guards, fingerprint).await? {
             Opened::Replayed(stored) => {
                 return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?))

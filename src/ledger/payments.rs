@@ -9,7 +9,7 @@ use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
 use super::group_commit::{pay_together, Batched, Decision, PayBatcher};
-use super::guards::{GuardSession, Guards, Scope};
+use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::posting::{post, EntryKind, Posting};
@@ -142,20 +142,38 @@ impl Ledger {
     ) -> Result<Replayable<Reply<PayReceipt>>, Error> {
         let call = Identified { command, id: new_id('T') };
         let fingerprint = call.fingerprint(&guards.actor);
-        let mut session = match self.prepare(&call, guards, &fingerprint).await? {
-            Prepared::Answered(answer) => return Ok(answer),
-            Prepared::Ready(session) => session,
-        };
         let now = now_micros();
-        let outcome = match session.batch_claim(now).await {
+        let (mut session, claim) = match self.prepare_for_batch(&call, guards, &fingerprint, now).await? {
+            Prepared::Answered(answer) => return Ok(answer),
+            Prepared::Ready(ready) => ready,
+        };
+        let outcome = match claim {
             Ok(claim) => {
-                let batched = Batched { command: call.command.clone(), claim: Some(claim) };
-                let decision = batcher.submit(batched, guards.presence.clone()).await;
+                let decision =
+                    batcher.submit(Batched { command: call.command.clone(), claim }, guards.presence.clone()).await;
                 self.guarded_outcome(&call, &session, decision, now).await
             }
             Err(error) => Err(error),
         };
         self.settle_call(&call, &mut session, outcome, now).await
+    }
+
+    /// Steps 1-3 of a Pay bound for a group commit at `now`, and the claim of its guards
+    /// (`None` without guards; the error, to settle, for a token it may not use).
+    async fn prepare_for_batch<'a>(
+        &'a self,
+        call: &Identified<Pay>,
+        guards: &'a Guards,
+        fingerprint: &'a Call,
+        now: i64,
+    ) -> Result<Prepared<PayReceipt, (GuardSession<'a>, Result<Option<BatchClaim>, Error>)>, Error> {
+        Ok(match self.prepare(call, guards, fingerprint).await? {
+            Prepared::Answered(answer) => Prepared::Answered(answer),
+            Prepared::Ready(session) => {
+                let claim = if guards.is_empty() { Ok(None) } else { session.batch_claim(now).await.map(Some) };
+                Prepared::Ready((session, claim))
+            }
+        })
     }
 
     /// What a batch's decision means for a guarded Pay, as its transaction's outcome: a key of
@@ -253,28 +271,17 @@ impl Ledger {
         let mut sessions = Vec::new();
         let mut batch = Vec::new();
         for ((call, guards), fingerprint) in calls.iter().zip(&guards).zip(&fingerprints) {
-            let prepared = match self.prepare(call, guards, fingerprint).await {
-                Ok(Prepared::Ready(session)) => session,
-                Ok(Prepared::Answered(answer)) => {
-                    answers.push(Some(Ok(answer)));
-                    continue;
-                }
-                Err(error) => {
-                    answers.push(Some(Err(error)));
-                    continue;
-                }
-            };
-            let claim = if guards.is_empty() { Ok(None) } else { prepared.batch_claim(now).await.map(Some) };
-            match claim {
-                Ok(claim) => {
+            match self.prepare_for_batch(call, guards, fingerprint, now).await {
+                Ok(Prepared::Ready((session, Ok(claim)))) => {
                     answers.push(None);
                     batch.push(Batched { command: call.command.clone(), claim });
-                    sessions.push((answers.len() - 1, prepared));
+                    sessions.push((answers.len() - 1, session));
                 }
-                Err(error) => {
-                    let mut prepared = prepared;
-                    answers.push(Some(self.settle_call(call, &mut prepared, Err(error), now).await));
+                Ok(Prepared::Ready((mut session, Err(error)))) => {
+                    answers.push(Some(self.settle_call(call, &mut session, Err(error), now).await));
                 }
+                Ok(Prepared::Answered(answer)) => answers.push(Some(Ok(answer))),
+                Err(error) => answers.push(Some(Err(error))),
             }
         }
         let decisions = pay_together(&self.store, &batch, &self.metrics).await;
