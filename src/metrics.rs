@@ -101,6 +101,7 @@ pub struct LedgerMetrics {
     pub holds_expired: Counter,
     pub group_commits: Counter,
     pub group_committed_pays: Counter,
+    pub group_committed_refunds: Counter,
     pub group_commit_batch: Histogram,
     pub group_commit_queue_depth: Gauge,
     pub group_commit_alone: Counter,
@@ -126,6 +127,7 @@ impl Default for LedgerMetrics {
             holds_expired: Counter::default(),
             group_commits: Counter::default(),
             group_committed_pays: Counter::default(),
+            group_committed_refunds: Counter::default(),
             group_commit_batch: batch_buckets(),
             group_commit_queue_depth: Gauge::default(),
             group_commit_alone: Counter::default(),
@@ -236,7 +238,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commits",
-            "Group-commit transactions that committed at least one Pay",
+            "Group-commit transactions that committed at least one Pay or Refund",
             self.group_commits.clone(),
         );
         registry.register(
@@ -245,18 +247,23 @@ impl LedgerMetrics {
             self.group_committed_pays.clone(),
         );
         registry.register(
+            "payledger_group_committed_refunds",
+            "Refunds committed by group commits",
+            self.group_committed_refunds.clone(),
+        );
+        registry.register(
             "payledger_group_commit_batch_pays",
-            "Pays committed per group commit",
+            "Pays and Refunds committed per group commit",
             self.group_commit_batch.clone(),
         );
         registry.register(
             "payledger_group_commit_queue_depth",
-            "Pays queued for group commit, not yet taken by a batch",
+            "Pays and Refunds queued for group commit, not yet taken by a batch",
             self.group_commit_queue_depth.clone(),
         );
         registry.register(
             "payledger_group_commit_alone",
-            "Pays run in a transaction of their own after their batch could not decide them",
+            "Pays and Refunds run in a transaction of their own after their batch could not decide them",
             self.group_commit_alone.clone(),
         );
         registry.register(

@@ -403,6 +403,7 @@ impl Application {
             reaper_deletions = counters.reaper_deletions,
             group_commits = counters.group_commits,
             group_committed_pays = counters.group_committed_pays,
+            group_committed_refunds = counters.group_committed_refunds,
             "stopped"
         );
         Ok(())

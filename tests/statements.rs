@@ -1,7 +1,7 @@
 //! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
-//! Pays, over one to five merchants, each with a rejected Pay, a replay and Pays with an
-//! idempotency key and a token in it, prepare no statement that the first batch did not
-//! already prepare.
+//! Pays, over one to five merchants, each with a rejected Pay, a replay, Pays with an
+//! idempotency key and a token and a Refund in it, prepare no statement that the first
+//! batches did not already prepare.
 //!
 //! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
 //! same server, and all it prepared still fits sqlx's statement cache (100 a connection), so
@@ -16,9 +16,10 @@
 mod common;
 
 use payledger::domain::{
-    AccountId, Actor, Amount, Currency, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutTradeNo,
+    AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
+    OutTradeNo,
 };
-use payledger::ledger::{Guards, Pay};
+use payledger::ledger::{BatchCall, Guards, Pay, Refund};
 use payledger::proto;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
@@ -28,9 +29,11 @@ use sqlx::Row;
 /// reads the replays, locks the orders, locks the accounts and writes the rest in one
 /// statement (MariaDB writes in four); then the guards: the replay read of a record and of a
 /// payment, the token's owner, and in the batch the token consumed (and read back when it
-/// was not) and the records inserted.
-const POSTGRES_BATCH_STATEMENTS: i64 = 9;
-const MYSQL_BATCH_STATEMENTS: i64 = 12;
+/// was not) and the records inserted; then the Refunds: the replay read of a refund and its
+/// order, and in the batch the refunds read under the orders' locks (MariaDB writes the
+/// refunds and the orders' refund CAS in two more).
+const POSTGRES_BATCH_STATEMENTS: i64 = 12;
+const MYSQL_BATCH_STATEMENTS: i64 = 17;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.
@@ -123,6 +126,21 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     assert!(first[1].is_err(), "the poor payer's Pay is refused: {first:?}");
     let replay = served.ledger.pay_together_guarded(vec![keyed(0, "payer"), with_token(1, "payer", &tokens[0])]).await;
     assert!(replay.iter().all(|paid| paid.as_ref().is_ok_and(|paid| paid.replayed)), "{replay:?}");
+    // And Refunds in a batch: one with a key, two of one order, one refused (more than paid),
+    // then the same again: replays, and the refusal again.
+    let refunds = || {
+        vec![
+            (BatchCall::Refund(refund(0, "ra", "0.10")), guards(Some("kra"), None)),
+            (BatchCall::Refund(refund(1, "rb", "0.10")), guards(None, None)),
+            (BatchCall::Refund(refund(1, "rc", "0.10")), guards(None, None)),
+            (BatchCall::Refund(refund(0, "rd", "5.00")), guards(None, None)),
+        ]
+    };
+    for replayed in [false, true] {
+        let answers = served.ledger.write_together(refunds()).await;
+        assert!(answers[..3].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
+        assert!(answers[3].is_err(), "{answers:?}");
+    }
     let after_first = prepared().await;
     assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
 
@@ -141,7 +159,18 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
             .collect();
         batch.push((pay(next + size - 1, "poor"), guards(None, None)));
         batch.push((pay(0, "payer"), guards(None, None)));
-        let answers = served.ledger.pay_together_guarded(batch).await;
+        // A refund of the first Pay in every batch, with a key every other round.
+        let refund_key = format!("kr{round}");
+        let refund_call = (
+            BatchCall::Refund(refund(0, &format!("r{round}"), "0.01")),
+            guards((round % 2 == 0).then_some(refund_key.as_str()), None),
+        );
+        let mut batch: Vec<_> = batch.into_iter().map(|(pay, guards)| (BatchCall::Pay(pay), guards)).collect();
+        let middle = batch.len() / 2;
+        batch.insert(middle, refund_call);
+        let mut answers = served.ledger.write_together(batch).await;
+        let refunded = answers.remove(middle);
+        assert!(refunded.as_ref().is_ok_and(|refunded| !refunded.replayed), "{refunded:?}");
         for (index, answer) in answers.iter().enumerate() {
             match index {
                 _ if index + 2 < answers.len() => {
@@ -156,7 +185,8 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     let after = served.ledger.counters();
     let paid: usize = SIZES.iter().map(|size| size - 1).sum();
     assert_eq!(after.group_committed_pays - before.group_committed_pays, paid as u64, "{after:?}");
-    assert_eq!(after.group_commits - before.group_commits, SIZES.iter().filter(|size| **size > 1).count() as u64);
+    assert_eq!(after.group_committed_refunds - before.group_committed_refunds, SIZES.len() as u64, "{after:?}");
+    assert_eq!(after.group_commits - before.group_commits, SIZES.len() as u64);
 
     let after_all = prepared().await;
     assert_eq!(after_all, after_first, "batches of sizes {SIZES:?} prepared statements the first batches had not");
@@ -196,6 +226,19 @@ fn pay(order: usize, payer: &str) -> Pay {
         order_no: OrderNo::parse("order_no", &format!("o{order}")).unwrap(),
         payer_account_id: AccountId::parse("payer_account_id", payer).unwrap(),
         amount: Amount::parse("amount", "1.00", currency).unwrap(),
+        created_by: Actor::Anonymous,
+    }
+}
+
+/// A refund of order `order`'s Pay (`t{order}`).
+fn refund(order: usize, out_refund_no: &str, amount: &str) -> Refund {
+    let currency = Currency::parse("currency", "USD").unwrap();
+    Refund {
+        merchant_id: MerchantId::parse("merchant_id", &merchant_of(order)).unwrap(),
+        out_trade_no: OutTradeNo::parse("out_trade_no", &format!("t{order}")).unwrap(),
+        out_refund_no: OutRefundNo::parse("out_refund_no", out_refund_no).unwrap(),
+        amount: Amount::parse("amount", amount, currency).unwrap(),
+        reason: FreeText::parse("reason", "statements").unwrap(),
         created_by: Actor::Anonymous,
     }
 }

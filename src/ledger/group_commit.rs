@@ -53,15 +53,20 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
+use crate::domain::Rejection;
 use crate::error::{Error, Resource};
-use crate::store::{AccountRow, BalanceUpdate, NewEntry, OrderRow, PaidBatch, PaymentRow, Queries, Store};
+use crate::store::{
+    AccountRow, BalanceUpdate, BatchWrite, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+};
 
 use prost::Message as _;
 
-use super::commands::Pay;
+use super::commands::{Pay, Refund};
 use super::guards::BatchClaim;
 use super::idempotent::IdempotentCall;
-use super::payments::{check_pay, new_payment, paid_receipt, PayCheck, PayReceipt};
+use super::payments::{
+    check_pay, new_payment, new_refund, paid_receipt, refunded_order, PayCheck, PayReceipt, RefundReceipt,
+};
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
@@ -122,20 +127,25 @@ impl Drop for CallGuard {
     }
 }
 
-/// What the batch decided for one Pay.
+/// What the batch decided for one write.
 #[derive(Debug)]
 pub(super) enum Decision {
     /// Paid and committed by the batch.
     Paid(PayReceipt),
+    /// Refunded and committed by the batch.
+    Refunded(RefundReceipt),
     /// A payment under this out_trade_no was already committed (with its order): a replay,
     /// or OUT_TRADE_NO_REUSED if it paid something else.
     Found(PaymentRow, OrderRow),
     /// The order was already paid under this out_trade_no: replay it.
     PaidBefore,
-    /// The Pay breaks a rule; nothing of it was written.
+    /// A refund under this out_refund_no was committed before the batch locked its order:
+    /// replay it by out_refund_no.
+    RefundedBefore,
+    /// The write breaks a rule; nothing of it was written.
     Rejected(Error),
-    /// One of the Pay's guards (`idempotency-key` or `idempotency-token`) was found taken
-    /// when the batch claimed it; nothing of the Pay was written: the committed original
+    /// One of the write's guards (`idempotency-key` or `idempotency-token`) was found taken
+    /// when the batch claimed it; nothing of the write was written: the committed original
     /// answers it.
     GuardTaken,
     /// The batch could not decide it: run it in its own transaction.
@@ -144,10 +154,46 @@ pub(super) enum Decision {
     NotStarted(Error),
 }
 
-/// A Pay as a batch takes it: the command, and the claim of its guards when it carries an
+/// A write a batch takes.
+#[derive(Debug, Clone)]
+pub(super) enum Write {
+    Pay(Pay),
+    /// A Refund, with the refund_no its row gets (the same the call's own transaction
+    /// would write, should it run alone).
+    Refund {
+        command: Refund,
+        refund_no: String,
+    },
+}
+
+impl Write {
+    fn merchant_id(&self) -> &str {
+        match self {
+            Write::Pay(command) => command.merchant_id.as_str(),
+            Write::Refund { command, .. } => command.merchant_id.as_str(),
+        }
+    }
+
+    /// The (merchant_id, out_trade_no) the write pays, or refunds the payment of.
+    fn trade_key(&self) -> (&str, &str) {
+        match self {
+            Write::Pay(command) => (command.merchant_id.as_str(), command.out_trade_no.as_str()),
+            Write::Refund { command, .. } => (command.merchant_id.as_str(), command.out_trade_no.as_str()),
+        }
+    }
+}
+
+/// A call a group commit can write: its write, and its answer out of the batch's decision
+/// (the decision back when the batch did not write it).
+pub(super) trait Batchable: IdempotentCall {
+    fn write(&self) -> Write;
+    fn written(decision: Decision) -> Result<Self::Answer, Box<Decision>>;
+}
+
+/// A write as a batch takes it: the write, and the claim of its guards when it carries an
 /// `idempotency-key` or `idempotency-token`.
 pub(super) struct Batched {
-    pub(super) command: Pay,
+    pub(super) write: Write,
     pub(super) claim: Option<BatchClaim>,
 }
 
@@ -163,12 +209,12 @@ struct Job {
 /// so concurrent batches touch different orders and (when each merchant is paid into its own
 /// account) different payee accounts, and do not queue on each other's row locks. Dropping
 /// the last clone ends the workers.
-pub(super) struct PayBatcher {
+pub(super) struct Batcher {
     queues: Vec<mpsc::Sender<Job>>,
     metrics: LedgerMetrics,
 }
 
-impl PayBatcher {
+impl Batcher {
     /// Starts `settings.workers` workers on the current tokio runtime.
     pub(super) fn start(store: Store, settings: GroupCommitSettings, metrics: LedgerMetrics) -> Self {
         let queues = (0..settings.workers.max(1))
@@ -185,7 +231,7 @@ impl PayBatcher {
     /// queue is full; [`Decision::Alone`] when the workers are gone.
     pub(super) async fn submit(&self, batched: Batched, presence: CallerPresence) -> Decision {
         let mut hasher = std::hash::DefaultHasher::new();
-        batched.command.merchant_id.as_str().hash(&mut hasher);
+        batched.write.merchant_id().hash(&mut hasher);
         let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
         let (reply, decision) = oneshot::channel();
         let link = tracing::Span::current().context().span().span_context().clone();
@@ -229,14 +275,14 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, me
         if jobs.is_empty() {
             continue;
         }
-        let span = tracing::info_span!("group_commit", pays = jobs.len());
+        let span = tracing::info_span!("group_commit", calls = jobs.len());
         for job in &jobs {
             if job.link.is_valid() {
                 span.add_link(job.link.clone());
             }
         }
         let (commands, replies): (Vec<Batched>, Vec<_>) = jobs.into_iter().map(|job| (job.batched, job.reply)).unzip();
-        let decisions = pay_together(&store, &commands, &metrics).instrument(span).await;
+        let decisions = write_together(&store, &commands, &metrics).instrument(span).await;
         for (reply, decision) in replies.into_iter().zip(decisions) {
             // The caller may be gone (client cancelled); the batch is committed regardless.
             let _ = reply.send(decision);
@@ -245,13 +291,13 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, me
 }
 
 /// Runs `commands` as one group commit and returns one decision per command, in order:
-/// first one read (no transaction, no locks) finds the out_trade_nos already paid, then one
-/// transaction writes the rest.
-pub(super) async fn pay_together(store: &Store, commands: &[Batched], metrics: &LedgerMetrics) -> Vec<Decision> {
-    let mut decisions: Vec<Option<Decision>> = match find_paid(store, commands).await {
-        Ok(found) => found,
+/// first one read (no transaction, no locks) finds the out_trade_nos already paid and the
+/// payments the Refunds refund, then one transaction writes the rest.
+pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics: &LedgerMetrics) -> Vec<Decision> {
+    let (mut decisions, payments) = match read_payments(store, commands).await {
+        Ok(read) => read,
         Err(error) => {
-            tracing::debug!(%error, pays = commands.len(), "group commit could not read; every Pay of it runs alone");
+            tracing::debug!(%error, calls = commands.len(), "group commit could not read; every call of it runs alone");
             return alone(commands.len());
         }
     };
@@ -264,21 +310,23 @@ pub(super) async fn pay_together(store: &Store, commands: &[Batched], metrics: &
     let trade_nos: Vec<String> = batch.iter().map(|_| new_id('T')).collect();
     let outcome = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
-        write_batch(&mut queries, &batch, &trade_nos, now).await
+        write_batch(&mut queries, &batch, &payments, &trade_nos, now).await
     });
     let written = match outcome {
         Ok(Inserted::Done(written)) => written,
         Ok(Inserted::KeyTaken) => alone(batch.len()),
         Err(error) => {
-            tracing::debug!(%error, pays = batch.len(), "group commit failed; every Pay of it runs alone");
+            tracing::debug!(%error, calls = batch.len(), "group commit failed; every call of it runs alone");
             alone(batch.len())
         }
     };
     let paid = written.iter().filter(|decision| matches!(decision, Decision::Paid(_))).count();
-    if paid > 0 {
+    let refunded = written.iter().filter(|decision| matches!(decision, Decision::Refunded(_))).count();
+    if paid + refunded > 0 {
         metrics.group_commits.inc();
         metrics.group_committed_pays.inc_by(paid as u64);
-        metrics.group_commit_batch.observe(paid as f64);
+        metrics.group_committed_refunds.inc_by(refunded as u64);
+        metrics.group_commit_batch.observe((paid + refunded) as f64);
     }
     for (index, decision) in open.into_iter().zip(written) {
         decisions[index] = Some(decision);
@@ -286,27 +334,32 @@ pub(super) async fn pay_together(store: &Store, commands: &[Batched], metrics: &
     decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()
 }
 
-/// The replay read: [`Decision::Found`] for every Pay whose out_trade_no is already paid.
-async fn find_paid(store: &Store, commands: &[Batched]) -> Result<Vec<Option<Decision>>, Error> {
-    let commands: Vec<&Pay> = commands.iter().map(|batched| &batched.command).collect();
-    let keys: BTreeSet<(&str, &str)> =
-        commands.iter().map(|command| (command.merchant_id.as_str(), command.out_trade_no.as_str())).collect();
+/// Payments found by (merchant_id, out_trade_no).
+type PaymentsRead = HashMap<(String, String), (PaymentRow, OrderRow)>;
+
+/// The read before the batch, one statement for the Pays and Refunds of it: a
+/// [`Decision::Found`] for every Pay whose out_trade_no is already paid, and the payments
+/// (immutable once written) the Refunds refund.
+async fn read_payments(store: &Store, commands: &[Batched]) -> Result<(Vec<Option<Decision>>, PaymentsRead), Error> {
+    let keys: BTreeSet<(&str, &str)> = commands.iter().map(|batched| batched.write.trade_key()).collect();
     let keys: Vec<(&str, &str)> = keys.into_iter().collect();
     let mut reader = store.reader().await?;
-    let found: HashMap<(String, String), (PaymentRow, OrderRow)> = reader
+    let found: PaymentsRead = reader
         .queries()
         .find_payments_and_orders(&keys)
         .await?
         .into_iter()
         .map(|(payment, order)| ((payment.merchant_id.clone(), payment.out_trade_no.clone()), (payment, order)))
         .collect();
-    Ok(commands
+    let decisions = commands
         .iter()
-        .map(|command| {
+        .map(|batched| {
+            let Write::Pay(command) = &batched.write else { return None };
             let key = (command.merchant_id.as_str().to_owned(), command.out_trade_no.as_str().to_owned());
             found.get(&key).map(|(payment, order)| Decision::Found(payment.clone(), order.clone()))
         })
-        .collect())
+        .collect();
+    Ok((decisions, found))
 }
 
 fn alone(count: usize) -> Vec<Decision> {
@@ -320,28 +373,99 @@ struct Ledgered {
     read_version: i64,
 }
 
-/// The batch's writes. `Inserted::KeyTaken` means "roll back, every Pay runs alone".
+/// What the batch can go on with for one write, its rows locked and read.
+#[allow(clippy::large_enum_variant)] // one a call of one batch, never moved
+enum Candidate<'a> {
+    /// A Pay of this order (as read under its lock).
+    Pay(&'a Pay, OrderRow),
+    /// A Refund of this payment.
+    Refund(&'a Refund, &'a str, &'a PaymentRow),
+}
+
+/// What one accepted write does, in the order the batch applied it.
+enum Accepted {
+    /// The receipt of a Pay if the batch commits, and its legs (payer, payee).
+    Paid(PayReceipt, Legs),
+    /// The receipt of a Refund if the batch commits (its order as this refund leaves it), its
+    /// legs and the accounts they move, from and to (the payment's payee, then its payer).
+    Refunded(RefundReceipt, Legs, [String; 2]),
+}
+
+impl Accepted {
+    /// The response message the write's guards record.
+    fn message(&self) -> Result<Vec<u8>, Error> {
+        Ok(match self {
+            Accepted::Paid(receipt, _) => {
+                <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec()
+            }
+            Accepted::Refunded(receipt, ..) => {
+                <Identified<Refund> as IdempotentCall>::message(receipt.clone())?.encode_to_vec()
+            }
+        })
+    }
+
+    fn into_decision(self) -> Decision {
+        match self {
+            Accepted::Paid(receipt, _) => Decision::Paid(receipt),
+            Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
+        }
+    }
+}
+
+/// An order key, owned.
+type OrderKey = (String, String);
+
+fn order_key(merchant_id: &str, order_no: &str) -> OrderKey {
+    (merchant_id.to_owned(), order_no.to_owned())
+}
+
+/// The batch's writes. `Inserted::KeyTaken` means "roll back, every call runs alone".
 async fn write_batch(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
+    payments: &PaymentsRead,
     trade_nos: &[String],
     now: i64,
 ) -> Result<Inserted<Vec<Decision>>, Error> {
-    let commands: Vec<&Pay> = batch.iter().map(|batched| &batched.command).collect();
-    let commands = commands.as_slice();
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
-    let mut decisions: Vec<Option<Decision>> = commands.iter().map(|_| None).collect();
+    let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
+    // The payment each Refund refunds, as read before the batch.
+    let refunded: Vec<Option<&PaymentRow>> = batch
+        .iter()
+        .map(|batched| match &batched.write {
+            Write::Refund { command, .. } => payments
+                .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
+                .map(|(payment, _)| payment),
+            Write::Pay(_) => None,
+        })
+        .collect();
 
     // A second Pay of the same order or out_trade_no waits for the first one's outcome: it
     // runs alone after the batch (then it is a replay, ORDER_ALREADY_PAID or
     // OUT_TRADE_NO_REUSED, exactly as if it had come second on its own).
-    let mut orders_seen = HashSet::new();
+    let mut orders_paid = HashSet::new();
     let mut trade_nos_seen = HashSet::new();
-    for (decision, command) in decisions.iter_mut().zip(commands) {
+    for (decision, batched) in decisions.iter_mut().zip(batch) {
+        let Write::Pay(command) = &batched.write else { continue };
         let merchant_id = command.merchant_id.as_str();
-        let first_of_order = orders_seen.insert((merchant_id, command.order_no.as_str()));
+        let first_of_order = orders_paid.insert((merchant_id, command.order_no.as_str()));
         let first_of_trade_no = trade_nos_seen.insert((merchant_id, command.out_trade_no.as_str()));
         if !(first_of_order && first_of_trade_no) {
+            *decision = Some(Decision::Alone);
+        }
+    }
+    // So does a second Refund of one out_refund_no (it is then a replay of the first), one
+    // whose payment the read did not find (it may be paid by this very batch: alone it
+    // finds it, or answers PAYMENT_NOT_FOUND), and one of an order a Pay of the batch
+    // names, so that no order is both paid and refunded by one batch. Refunds of one order
+    // are applied one after another to its state in memory.
+    let mut refund_nos_seen = HashSet::new();
+    for ((decision, batched), payment) in decisions.iter_mut().zip(batch).zip(&refunded) {
+        let Write::Refund { command, .. } = &batched.write else { continue };
+        let first = refund_nos_seen.insert((command.merchant_id.as_str(), command.out_refund_no.as_str()));
+        let paid_here =
+            |payment: &PaymentRow| orders_paid.contains(&(payment.merchant_id.as_str(), payment.order_no.as_str()));
+        if !first || payment.is_none_or(paid_here) {
             *decision = Some(Decision::Alone);
         }
     }
@@ -357,48 +481,78 @@ async fn write_batch(
         }
     }
 
-    // 1. The orders, locked.
-    let order_keys: BTreeSet<(&str, &str)> = commands
-        .iter()
-        .zip(&decisions)
-        .filter(|(_, decision)| decision.is_none())
-        .map(|(command, _)| (command.merchant_id.as_str(), command.order_no.as_str()))
-        .collect();
+    // 1. The orders, locked; then the refunds committed before the lock was taken (a
+    //    Refund locks its order before it inserts its row, so none can commit after).
+    let order_of = |index: usize| -> (&str, &str) {
+        match &batch[index].write {
+            Write::Pay(command) => (command.merchant_id.as_str(), command.order_no.as_str()),
+            Write::Refund { .. } => {
+                let payment = refunded[index].expect("a Refund without its payment runs alone");
+                (payment.merchant_id.as_str(), payment.order_no.as_str())
+            }
+        }
+    };
+    let undecided: Vec<usize> = (0..batch.len()).filter(|index| decisions[*index].is_none()).collect();
+    let order_keys: BTreeSet<(&str, &str)> = undecided.iter().map(|index| order_of(*index)).collect();
     let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
-    let mut orders: HashMap<(String, String), OrderRow> = queries
+    let orders: HashMap<OrderKey, OrderRow> = queries
         .lock_orders(&order_keys)
         .await?
         .into_iter()
         .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
         .collect();
+    let refund_keys: Vec<(&str, &str)> = undecided
+        .iter()
+        .filter_map(|index| match &batch[*index].write {
+            Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
+            Write::Pay(_) => None,
+        })
+        .collect();
+    let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
+        HashSet::new()
+    } else {
+        queries.find_refunds(&refund_keys).await?.into_iter().map(|row| (row.merchant_id, row.out_refund_no)).collect()
+    };
     let mut claimed: HashSet<usize> = HashSet::new();
     // Deadlines are judged now that the orders are locked (see `deadline_clock`).
     let checked_at = deadline_clock(now);
     let mut candidates = Vec::new();
-    for (index, command) in commands.iter().enumerate() {
-        if decisions[index].is_some() {
-            continue;
-        }
-        let key = (command.merchant_id.as_str().to_owned(), command.order_no.as_str().to_owned());
-        let Some(order) = orders.remove(&key) else {
+    for index in undecided {
+        let (merchant_id, order_no) = order_of(index);
+        let Some(order) = orders.get(&order_key(merchant_id, order_no)) else {
             decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
             continue;
         };
-        match check_pay(&order, command, checked_at) {
-            Ok(PayCheck::Proceed) => candidates.push((index, order)),
-            Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
-            Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+        match &batch[index].write {
+            Write::Pay(command) => match check_pay(order, command, checked_at) {
+                Ok(PayCheck::Proceed) => candidates.push((index, Candidate::Pay(command, order.clone()))),
+                Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
+                Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+            },
+            Write::Refund { command, refund_no } => {
+                let payment = refunded[index].expect("a Refund without its payment runs alone");
+                if refunded_before.contains(&order_key(merchant_id, command.out_refund_no.as_str())) {
+                    decisions[index] = Some(Decision::RefundedBefore);
+                } else if payment.currency != command.amount.currency().code() {
+                    decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
+                } else {
+                    candidates.push((index, Candidate::Refund(command, refund_no, payment)));
+                }
+            }
         }
     }
 
-    // 2. The accounts, locked, and the Pays applied in arrival order; then the guards of the
-    //    accepted Pays claimed (3).
+    // 2. The accounts, locked, and the writes applied in arrival order; then the guards of
+    //    the accepted ones claimed (3).
     if candidates.is_empty() {
         return Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()));
     }
     let account_ids: BTreeSet<&str> = candidates
         .iter()
-        .flat_map(|(index, order)| [commands[*index].payer_account_id.as_str(), order.payee_account_id.as_str()])
+        .flat_map(|(_, candidate)| match candidate {
+            Candidate::Pay(command, order) => [command.payer_account_id.as_str(), order.payee_account_id.as_str()],
+            Candidate::Refund(_, _, payment) => [payment.payee_account_id.as_str(), payment.payer_account_id.as_str()],
+        })
         .collect();
     let account_ids: Vec<&str> = account_ids.into_iter().collect();
     let locked: BTreeMap<String, Ledgered> = queries
@@ -407,29 +561,51 @@ async fn write_batch(
         .into_iter()
         .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
         .collect();
-    let (accounts, receipts) = loop {
+    let (accounts, refunded_orders, accepted) = loop {
         let mut accounts = locked.clone();
-        let mut receipts = Vec::new();
+        // The orders the batch refunds, as its refunds so far leave them.
+        let mut refunded_orders: BTreeMap<OrderKey, OrderRow> = BTreeMap::new();
+        let mut accepted = Vec::new();
         let mut refused = Vec::new();
-        for (index, order) in candidates.iter().filter(|(index, _)| decisions[*index].is_none()) {
-            match apply(&mut accounts, commands[*index], order) {
-                Ok(legs) => receipts.push((*index, order.clone(), legs)),
+        for (index, candidate) in candidates.iter().filter(|(index, _)| decisions[*index].is_none()) {
+            let applied = match candidate {
+                Candidate::Pay(command, order) => apply_pay(&mut accounts, command, order).map(|legs| {
+                    let payment = new_payment(command, order, &trade_nos[*index], now);
+                    Accepted::Paid(paid_receipt(payment, order.clone(), now), legs)
+                }),
+                Candidate::Refund(command, refund_no, payment) => {
+                    let key = order_key(&payment.merchant_id, &payment.order_no);
+                    let order = refunded_orders.get(&key).or_else(|| orders.get(&key)).expect("locked above");
+                    apply_refund(&mut accounts, command, refund_no, payment, order.clone(), now).map(
+                        |(receipt, legs)| {
+                            refunded_orders.insert(key, receipt.order.clone());
+                            let moved = [payment.payee_account_id.clone(), payment.payer_account_id.clone()];
+                            Accepted::Refunded(receipt, legs, moved)
+                        },
+                    )
+                }
+            };
+            match applied {
+                Ok(accepted_one) => accepted.push((*index, accepted_one)),
                 Err(error) => refused.push((*index, error)),
             }
         }
-        // 3. Each accepted Pay's guards, claimed in arrival order, their records written with
-        //    the answer the Pay gets if the batch commits. A guard found taken, or a
-        //    token found invalid, takes that Pay out of the batch with nothing of it written,
-        //    and the Pays after it are applied again without it: one it paid into may now
-        //    lack funds, one it spent from may now have them. The Pays before it, claimed
-        //    already, keep their outcome (each is applied after the ones before it only).
+        // 3. Each accepted write's guards, claimed in arrival order, their records written
+        //    with the answer the write gets if the batch commits. A guard found taken, or a
+        //    token found invalid, takes that write out of the batch with nothing of it
+        //    written, and the writes after it are applied again without it: one it paid into
+        //    may now lack funds, one it spent from may now have them, a refund after it may
+        //    now fit its order. The writes before it, claimed already, keep their outcome
+        //    (each is applied after the ones before it only).
         let mut taken_out = false;
-        for (index, order, _) in &receipts {
+        for (index, accepted_one) in &accepted {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
-            let receipt =
-                paid_receipt(new_payment(commands[*index], order, &trade_nos[*index], now), order.clone(), now);
-            let message = <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
-            match claim.claim(queries, &receipt, &message, now).await {
+            let message = accepted_one.message()?;
+            let claimed_now = match accepted_one {
+                Accepted::Paid(receipt, _) => claim.claim(queries, receipt, &message, now).await,
+                Accepted::Refunded(receipt, ..) => claim.claim(queries, receipt, &message, now).await,
+            };
+            match claimed_now {
                 Ok(true) => {
                     claimed.insert(*index);
                     continue;
@@ -445,48 +621,73 @@ async fn write_batch(
             for (index, error) in refused {
                 decisions[index] = Some(Decision::Rejected(error));
             }
-            break (accounts, receipts);
+            break (accounts, refunded_orders, accepted);
         }
-        // A claimed Pay refused on the next pass would need its claim undone in the middle
+        // A claimed write refused on the next pass would need its claim undone in the middle
         // of the batch (it cannot be: it came before the one taken out): the batch would roll
-        // back instead, and every Pay of it run alone.
+        // back instead, and every call of it run alone.
         if refused.iter().any(|(index, _)| claimed.contains(index)) {
             return Ok(Inserted::KeyTaken);
         }
     };
 
     // 4. The writes.
-    let payments: Vec<PaymentRow> = receipts
-        .iter()
-        .map(|(index, order, _)| new_payment(commands[*index], order, &trade_nos[*index], now))
-        .collect();
-    if !payments.is_empty() && !write_accepted(queries, &payments, &receipts, &accounts, now).await? {
+    if !accepted.is_empty() && !write_accepted(queries, &accepted, &orders, &refunded_orders, &accounts, now).await? {
         return Ok(Inserted::KeyTaken);
     }
-    for ((index, order, _), payment) in receipts.into_iter().zip(payments) {
-        decisions[index] = Some(Decision::Paid(paid_receipt(payment, order, now)));
+    for (index, accepted_one) in accepted {
+        decisions[index] = Some(accepted_one.into_decision());
     }
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }
 
-/// The (balance, version) after each leg of one Pay: (payer, payee).
+/// The (balance, version) after each leg of one posting: (from, to).
 type Legs = [(i64, i64); 2];
 
 /// Moves the Pay's money between the in-memory accounts, or changes nothing and says why.
-/// Legs are checked in account_id order, as a single posting checks them.
-fn apply(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &OrderRow) -> Result<Legs, Error> {
-    let (payer_id, payee_id) = (command.payer_account_id.as_str(), order.payee_account_id.as_str());
+fn apply_pay(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &OrderRow) -> Result<Legs, Error> {
+    let payer_id = command.payer_account_id.as_str();
     let payer = accounts.get(payer_id).ok_or(Error::NotFound(Resource::Account))?;
     if payer.row.currency != order.currency {
-        return Err(crate::domain::Rejection::CurrencyMismatch.into());
+        return Err(Rejection::CurrencyMismatch.into());
     }
-    let minor_units = command.amount.minor_units();
+    move_money(accounts, payer_id, &order.payee_account_id, &order.currency, command.amount.minor_units())
+}
+
+/// Applies a Refund to its order's state (`order`, as the batch's refunds before it leave it)
+/// by the state machine, as the one-refund transaction does, then moves its money from the
+/// payee back to the payer; or changes nothing and says why.
+fn apply_refund(
+    accounts: &mut BTreeMap<String, Ledgered>,
+    command: &Refund,
+    refund_no: &str,
+    payment: &PaymentRow,
+    order: OrderRow,
+    now: i64,
+) -> Result<(RefundReceipt, Legs), Error> {
+    let refund = new_refund(command, payment, refund_no, now);
+    let order = refunded_order(order, refund.amount, now)?;
+    let legs =
+        move_money(accounts, &payment.payee_account_id, &payment.payer_account_id, &refund.currency, refund.amount)?;
+    Ok((RefundReceipt { refund, order }, legs))
+}
+
+/// Moves `minor_units` from one in-memory account to another with the rules of a single
+/// posting (legs checked in account_id order, as a single posting checks them), or changes
+/// nothing and says why.
+fn move_money(
+    accounts: &mut BTreeMap<String, Ledgered>,
+    from_id: &str,
+    to_id: &str,
+    currency: &str,
+    minor_units: i64,
+) -> Result<Legs, Error> {
     let mut after = [(0, 0); 2];
-    let mut legs = [(payer_id, -minor_units, 0), (payee_id, minor_units, 1)];
+    let mut legs = [(from_id, -minor_units, 0), (to_id, minor_units, 1)];
     legs.sort_by(|a, b| a.0.cmp(b.0));
     for (account_id, delta, slot) in legs {
         let account = accounts.get(account_id).ok_or(Error::NotFound(Resource::Account))?;
-        after[slot] = (balance_after(&account.row, &order.currency, delta)?, account.row.version + 1);
+        after[slot] = (balance_after(&account.row, currency, delta)?, account.row.version + 1);
     }
     for (account_id, _, slot) in legs {
         let account = accounts.get_mut(account_id).expect("checked above");
@@ -495,11 +696,26 @@ fn apply(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &Order
     Ok(after)
 }
 
-/// Step 3: false when a key or a version was taken under the batch (roll back).
+/// The journal side of one accepted write: what its two entries share.
+struct EntryPair<'a> {
+    posting_id: &'a str,
+    kind: EntryKind,
+    reference: &'a str,
+    from_account_id: &'a str,
+    to_account_id: &'a str,
+    /// Minor units.
+    amount: i64,
+    currency: &'a str,
+    created_by: &'a str,
+}
+
+/// Step 4: false when a key, an order's state or a version was taken under the batch (roll
+/// back).
 async fn write_accepted(
     queries: &mut Queries<'_>,
-    payments: &[PaymentRow],
-    receipts: &[(usize, OrderRow, Legs)],
+    accepted: &[(usize, Accepted)],
+    orders: &HashMap<OrderKey, OrderRow>,
+    refunded_orders: &BTreeMap<OrderKey, OrderRow>,
     accounts: &BTreeMap<String, Ledgered>,
     now: i64,
 ) -> Result<bool, Error> {
@@ -513,38 +729,86 @@ async fn write_accepted(
             version: account.row.version,
         })
         .collect();
-    let kind = EntryKind::Pay.as_str();
-    let mut entries = Vec::with_capacity(payments.len() * 2);
-    for (payment, (_, _, [(payer_balance, payer_version), (payee_balance, payee_version)])) in
-        payments.iter().zip(receipts)
-    {
+    let mut payments = Vec::new();
+    let mut refunds = Vec::new();
+    let mut entries = Vec::with_capacity(accepted.len() * 2);
+    for (_, accepted_one) in accepted {
+        // The two legs of a posting, from then to, as a single posting writes them.
+        let (posting, [(from_balance, from_version), (to_balance, to_version)]) = match accepted_one {
+            Accepted::Paid(receipt, legs) => {
+                let payment = &receipt.payment;
+                payments.push(payment.clone());
+                let posting = EntryPair {
+                    posting_id: &payment.trade_no,
+                    kind: EntryKind::Pay,
+                    reference: &payment.out_trade_no,
+                    from_account_id: &payment.payer_account_id,
+                    to_account_id: &payment.payee_account_id,
+                    amount: payment.amount,
+                    currency: &payment.currency,
+                    created_by: &payment.created_by,
+                };
+                (posting, legs)
+            }
+            Accepted::Refunded(receipt, legs, [from, to]) => {
+                let refund = &receipt.refund;
+                refunds.push(refund.clone());
+                let posting = EntryPair {
+                    posting_id: &refund.refund_no,
+                    kind: EntryKind::Refund,
+                    reference: &refund.out_refund_no,
+                    from_account_id: from,
+                    to_account_id: to,
+                    amount: refund.amount,
+                    currency: &refund.currency,
+                    created_by: &refund.created_by,
+                };
+                (posting, legs)
+            }
+        };
         let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
             account_id,
-            currency: &payment.currency,
+            currency: posting.currency,
             amount,
             balance_after,
             version_after,
-            kind,
-            reference: &payment.out_trade_no,
-            posting_id: &payment.trade_no,
+            kind: posting.kind.as_str(),
+            reference: posting.reference,
+            posting_id: posting.posting_id,
             counterparty_account_id,
             created_at: now,
-            created_by: &payment.created_by,
+            created_by: posting.created_by,
         };
         entries.push(leg(
-            &payment.payer_account_id,
-            &payment.payee_account_id,
-            -payment.amount,
-            *payer_balance,
-            *payer_version,
+            posting.from_account_id,
+            posting.to_account_id,
+            -posting.amount,
+            *from_balance,
+            *from_version,
         ));
-        entries.push(leg(
-            &payment.payee_account_id,
-            &payment.payer_account_id,
-            payment.amount,
-            *payee_balance,
-            *payee_version,
-        ));
+        entries.push(leg(posting.to_account_id, posting.from_account_id, posting.amount, *to_balance, *to_version));
     }
-    Ok(queries.write_pays(&PaidBatch { payments, balances: &balances, entries: &entries, now }).await?)
+    let order_refunds: Vec<OrderRefund<'_>> = refunded_orders
+        .iter()
+        .map(|(key, after)| {
+            let before = &orders[key];
+            OrderRefund {
+                merchant_id: &after.merchant_id,
+                order_no: &after.order_no,
+                from_status: &before.status,
+                from_refunded: before.refunded_amount,
+                to_status: &after.status,
+                to_refunded: after.refunded_amount,
+            }
+        })
+        .collect();
+    let written = BatchWrite {
+        payments: &payments,
+        refunds: &refunds,
+        refunded_orders: &order_refunds,
+        balances: &balances,
+        entries: &entries,
+        now,
+    };
+    Ok(queries.write_batch(&written).await?)
 }

@@ -51,7 +51,7 @@ pub use commands::{
 pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use holds::{CaptureReceipt, HoldReceipt};
-pub use payments::{OrderDetails, PayReceipt, RefundReceipt};
+pub use payments::{BatchAnswer, BatchCall, OrderDetails, PayReceipt, RefundReceipt};
 pub use posting::FUNDING_ACCOUNT_SHARDS_MAX;
 pub use reaper::{spawn_reaper, ExpiryReport, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
@@ -136,6 +136,7 @@ pub struct CountersSnapshot {
     pub reaper_deletions: u64,
     pub group_commits: u64,
     pub group_committed_pays: u64,
+    pub group_committed_refunds: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
@@ -145,8 +146,8 @@ pub struct Ledger {
     tokens: TokenStore,
     settings: LedgerSettings,
     metrics: LedgerMetrics,
-    /// Started on the first Pay that can be batched.
-    batcher: Arc<OnceLock<group_commit::PayBatcher>>,
+    /// Started on the first Pay or Refund that can be batched.
+    batcher: Arc<OnceLock<group_commit::Batcher>>,
 }
 
 impl Ledger {
@@ -180,6 +181,7 @@ impl Ledger {
             reaper_deletions: metrics.reaper_deletions.get(),
             group_commits: metrics.group_commits.get(),
             group_committed_pays: metrics.group_committed_pays.get(),
+            group_committed_refunds: metrics.group_committed_refunds.get(),
         }
     }
 

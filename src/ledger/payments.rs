@@ -8,7 +8,7 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::commands::{CreateOrder, Pay, QueryKey, Refund};
-use super::group_commit::{pay_together, Batched, Decision, PayBatcher};
+use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
@@ -32,6 +32,59 @@ pub struct PayReceipt {
 pub struct RefundReceipt {
     pub refund: RefundRow,
     pub order: OrderRow,
+}
+
+/// A call for [`Ledger::write_together`].
+#[derive(Debug, Clone)]
+pub enum BatchCall {
+    Pay(Pay),
+    Refund(Refund),
+}
+
+/// The response of one call of [`Ledger::write_together`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchAnswer {
+    Pay(proto::PayResponse),
+    Refund(proto::RefundResponse),
+}
+
+/// A call of [`Ledger::write_together`] with the id its row gets.
+enum Together {
+    Pay(Identified<Pay>),
+    Refund(Identified<Refund>),
+}
+
+/// One call of [`Ledger::write_together`] after steps 1-3.
+#[allow(clippy::large_enum_variant)] // one a call of a test's batch
+enum Step<'a> {
+    Answered(Result<Replayable<BatchAnswer>, Error>),
+    Queued(GuardSession<'a>, Batched),
+}
+
+impl Batchable for Identified<Pay> {
+    fn write(&self) -> Write {
+        Write::Pay(self.command.clone())
+    }
+
+    fn written(decision: Decision) -> Result<PayReceipt, Box<Decision>> {
+        match decision {
+            Decision::Paid(receipt) => Ok(receipt),
+            other => Err(Box::new(other)),
+        }
+    }
+}
+
+impl Batchable for Identified<Refund> {
+    fn write(&self) -> Write {
+        Write::Refund { command: self.command.clone(), refund_no: self.id.clone() }
+    }
+
+    fn written(decision: Decision) -> Result<RefundReceipt, Box<Decision>> {
+        match decision {
+            Decision::Refunded(receipt) => Ok(receipt),
+            other => Err(Box::new(other)),
+        }
+    }
 }
 
 /// The answer to a Query.
@@ -116,57 +169,54 @@ impl Ledger {
     /// `idempotency-key` or `idempotency-token` has its records claimed and completed inside
     /// the batch's transaction (see `group_commit`).
     pub async fn pay(&self, command: Pay, guards: &Guards) -> Result<Replayable<proto::PayResponse>, Error> {
-        let Some(batcher) = self.pay_batcher() else {
+        let Some(batcher) = self.batcher() else {
             return self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await;
         };
         if !guards.is_empty() {
-            return self
-                .pay_guarded_in_batch(batcher, command, guards)
-                .await?
-                .try_map(reply_message::<Identified<Pay>>);
+            let call = Identified { command, id: new_id('T') };
+            return self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<Identified<Pay>>);
         }
-        let decision = batcher.submit(Batched { command: command.clone(), claim: None }, guards.presence.clone()).await;
+        let decision =
+            batcher.submit(Batched { write: Write::Pay(command.clone()), claim: None }, guards.presence.clone()).await;
         if let Some(answer) = self.answer_decided(&command, decision).await {
             return answer?.try_map(<Identified<Pay>>::message);
         }
         self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await
     }
 
-    /// A Pay with guards through a group commit: the idempotency driver's steps 1-3 and 5 as
-    /// for any call, and step 4 (claim, body, complete) inside the batch's transaction.
-    async fn pay_guarded_in_batch(
+    /// A call through a group commit: the idempotency driver's steps 1-3 and 5 as for any
+    /// call, and step 4 (claim, body, complete) inside the batch's transaction.
+    async fn run_in_batch<C: Batchable>(
         &self,
-        batcher: &PayBatcher,
-        command: Pay,
+        batcher: &Batcher,
+        call: &C,
         guards: &Guards,
-    ) -> Result<Replayable<Reply<PayReceipt>>, Error> {
-        let call = Identified { command, id: new_id('T') };
+    ) -> Result<Replayable<Reply<C::Answer>>, Error> {
         let fingerprint = call.fingerprint(&guards.actor);
         let now = now_micros();
-        let (mut session, claim) = match self.prepare_for_batch(&call, guards, &fingerprint, now).await? {
+        let (mut session, claim) = match self.prepare_for_batch(call, guards, &fingerprint, now).await? {
             Prepared::Answered(answer) => return Ok(answer),
             Prepared::Ready(ready) => ready,
         };
         let outcome = match claim {
             Ok(claim) => {
-                let decision =
-                    batcher.submit(Batched { command: call.command.clone(), claim }, guards.presence.clone()).await;
-                self.guarded_outcome(&call, &session, decision, now).await
+                let decision = batcher.submit(Batched { write: call.write(), claim }, guards.presence.clone()).await;
+                self.batched_outcome(call, &session, decision, now).await
             }
             Err(error) => Err(error),
         };
-        self.settle_call(&call, &mut session, outcome, now).await
+        self.settle_call(call, &mut session, outcome, now).await
     }
 
-    /// Steps 1-3 of a Pay bound for a group commit at `now`, and the claim of its guards
+    /// Steps 1-3 of a call bound for a group commit at `now`, and the claim of its guards
     /// (`None` without guards; the error, to settle, for a token it may not use).
-    async fn prepare_for_batch<'a>(
+    async fn prepare_for_batch<'a, C: Batchable>(
         &'a self,
-        call: &Identified<Pay>,
+        call: &C,
         guards: &'a Guards,
         fingerprint: &'a Call,
         now: i64,
-    ) -> Result<Prepared<PayReceipt, (GuardSession<'a>, Result<Option<BatchClaim>, Error>)>, Error> {
+    ) -> Result<Prepared<C::Answer, (GuardSession<'a>, Result<Option<BatchClaim>, Error>)>, Error> {
         Ok(match self.prepare(call, guards, fingerprint).await? {
             Prepared::Answered(answer) => Prepared::Answered(answer),
             Prepared::Ready(session) => {
@@ -176,23 +226,31 @@ impl Ledger {
         })
     }
 
-    /// What a batch's decision means for a guarded Pay, as its transaction's outcome: a key of
-    /// it (a guard, its out_trade_no, its order's one payment) found taken is `KeyTaken`, and
-    /// a Pay the batch could not decide runs in its own transaction now.
-    async fn guarded_outcome(
+    /// What a batch's decision means for a call, as its transaction's outcome: a key of it (a
+    /// guard, its out_trade_no or out_refund_no, its order's one payment) found taken is
+    /// `KeyTaken`, and a call the batch could not decide runs in its own transaction now.
+    async fn batched_outcome<C: Batchable>(
         &self,
-        call: &Identified<Pay>,
+        call: &C,
         session: &GuardSession<'_>,
         decision: Decision,
         now: i64,
-    ) -> Result<Inserted<PayReceipt>, Error> {
+    ) -> Result<Inserted<C::Answer>, Error> {
+        let decision = match C::written(decision) {
+            Ok(answer) => return Ok(Inserted::Done(answer)),
+            Err(decision) => *decision,
+        };
         match decision {
-            Decision::Paid(receipt) => Ok(Inserted::Done(receipt)),
-            Decision::GuardTaken | Decision::Found(..) | Decision::PaidBefore => Ok(Inserted::KeyTaken),
+            Decision::GuardTaken | Decision::Found(..) | Decision::PaidBefore | Decision::RefundedBefore => {
+                Ok(Inserted::KeyTaken)
+            }
             Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
             Decision::Alone => {
                 self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
+            }
+            Decision::Paid(_) | Decision::Refunded(_) => {
+                Err(Error::Internal(format!("a group commit wrote a {} as another call", C::METHOD)))
             }
         }
     }
@@ -205,10 +263,10 @@ impl Ledger {
     }
 
     /// The group-commit queue, started on first use; `None` when group commit is off.
-    fn pay_batcher(&self) -> Option<&PayBatcher> {
+    fn batcher(&self) -> Option<&Batcher> {
         let settings = self.settings.group_commit;
         (settings.max_batch > 1)
-            .then(|| self.batcher.get_or_init(|| PayBatcher::start(self.store.clone(), settings, self.metrics.clone())))
+            .then(|| self.batcher.get_or_init(|| Batcher::start(self.store.clone(), settings, self.metrics.clone())))
     }
 
     /// The answer a group commit gave a Pay; `None` when the Pay must run alone.
@@ -225,6 +283,9 @@ impl Ledger {
                 return None;
             }
             Decision::GuardTaken => return Some(Err(Error::Internal("a Pay without guards had a guard taken".into()))),
+            Decision::Refunded(_) | Decision::RefundedBefore => {
+                return Some(Err(Error::Internal("a group commit answered a Pay as a Refund".into())))
+            }
         })
     }
 
@@ -237,8 +298,8 @@ impl Ledger {
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
         let batch: Vec<Batched> =
-            commands.iter().map(|command| Batched { command: command.clone(), claim: None }).collect();
-        let decisions = pay_together(&self.store, &batch, &self.metrics).await;
+            commands.iter().map(|command| Batched { write: Write::Pay(command.clone()), claim: None }).collect();
+        let decisions = write_together(&self.store, &batch, &self.metrics).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
@@ -251,9 +312,7 @@ impl Ledger {
     }
 
     /// [`Ledger::pay_together`] for Pays that may carry guards (`idempotency-key`,
-    /// `idempotency-token`): each call goes through the idempotency driver's steps before and
-    /// after the batch on its own, the batch claims and completes the records of those it
-    /// pays. Answers as [`Ledger::pay`] would, in the order given.
+    /// `idempotency-token`): [`Ledger::write_together`] of Pays only.
     ///
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
@@ -261,41 +320,108 @@ impl Ledger {
         &self,
         calls: Vec<(Pay, Guards)>,
     ) -> Vec<Result<Replayable<proto::PayResponse>, Error>> {
-        let (commands, guards): (Vec<Pay>, Vec<Guards>) = calls.into_iter().unzip();
-        let calls: Vec<Identified<Pay>> =
-            commands.into_iter().map(|command| Identified { command, id: new_id('T') }).collect();
-        let fingerprints: Vec<_> =
-            calls.iter().zip(&guards).map(|(call, guards)| call.fingerprint(&guards.actor)).collect();
-        let now = now_micros();
-        let mut answers: Vec<Option<Result<Replayable<Reply<PayReceipt>>, Error>>> = Vec::new();
-        let mut sessions = Vec::new();
-        let mut batch = Vec::new();
-        for ((call, guards), fingerprint) in calls.iter().zip(&guards).zip(&fingerprints) {
-            match self.prepare_for_batch(call, guards, fingerprint, now).await {
-                Ok(Prepared::Ready((session, Ok(claim)))) => {
-                    answers.push(None);
-                    batch.push(Batched { command: call.command.clone(), claim });
-                    sessions.push((answers.len() - 1, session));
-                }
-                Ok(Prepared::Ready((mut session, Err(error)))) => {
-                    answers.push(Some(self.settle_call(call, &mut session, Err(error), now).await));
-                }
-                Ok(Prepared::Answered(answer)) => answers.push(Some(Ok(answer))),
-                Err(error) => answers.push(Some(Err(error))),
-            }
-        }
-        let decisions = pay_together(&self.store, &batch, &self.metrics).await;
-        for ((index, mut session), decision) in sessions.into_iter().zip(decisions) {
-            let call = &calls[index];
-            let outcome = self.guarded_outcome(call, &session, decision, now).await;
-            answers[index] = Some(self.settle_call(call, &mut session, outcome, now).await);
-        }
+        let calls = calls.into_iter().map(|(command, guards)| (BatchCall::Pay(command), guards)).collect();
+        let answers = self.write_together(calls).await;
         answers
             .into_iter()
             .map(|answer| {
-                answer.expect("every call answered").and_then(|answer| answer.try_map(reply_message::<Identified<Pay>>))
+                answer?.try_map(|answer| match answer {
+                    BatchAnswer::Pay(response) => Ok(response),
+                    BatchAnswer::Refund(_) => Err(Error::Internal("a Pay was answered as a Refund".into())),
+                })
             })
             .collect()
+    }
+
+    /// Writes Pays and Refunds, each with or without guards (`idempotency-key`,
+    /// `idempotency-token`), as one group commit, the way concurrent calls of one merchant
+    /// are written: each call goes through the idempotency driver's steps before and after
+    /// the batch on its own, and the batch claims and completes the records of those it
+    /// writes. Answers as [`Ledger::pay`] and [`Ledger::refund`] would, in the order given.
+    ///
+    /// # Errors
+    /// Per call, in its own `Result`: the errors of [`Ledger::pay`] or [`Ledger::refund`].
+    pub async fn write_together(&self, calls: Vec<(BatchCall, Guards)>) -> Vec<Result<Replayable<BatchAnswer>, Error>> {
+        let (calls, guards): (Vec<BatchCall>, Vec<Guards>) = calls.into_iter().unzip();
+        let calls: Vec<Together> = calls
+            .into_iter()
+            .map(|call| match call {
+                BatchCall::Pay(command) => Together::Pay(Identified { command, id: new_id('T') }),
+                BatchCall::Refund(command) => Together::Refund(Identified { command, id: new_id('R') }),
+            })
+            .collect();
+        let fingerprints: Vec<Call> = calls
+            .iter()
+            .zip(&guards)
+            .map(|(call, guards)| match call {
+                Together::Pay(call) => call.fingerprint(&guards.actor),
+                Together::Refund(call) => call.fingerprint(&guards.actor),
+            })
+            .collect();
+        let now = now_micros();
+        let mut answers = Vec::with_capacity(calls.len());
+        let mut sessions = Vec::new();
+        let mut batch = Vec::new();
+        for ((call, guards), fingerprint) in calls.iter().zip(&guards).zip(&fingerprints) {
+            let step = match call {
+                Together::Pay(call) => self.queue_together(call, guards, fingerprint, now, BatchAnswer::Pay).await,
+                Together::Refund(call) => {
+                    self.queue_together(call, guards, fingerprint, now, BatchAnswer::Refund).await
+                }
+            };
+            match step {
+                Step::Answered(answer) => answers.push(Some(answer)),
+                Step::Queued(session, batched) => {
+                    answers.push(None);
+                    batch.push(batched);
+                    sessions.push((answers.len() - 1, session));
+                }
+            }
+        }
+        let decisions = write_together(&self.store, &batch, &self.metrics).await;
+        for ((index, mut session), decision) in sessions.into_iter().zip(decisions) {
+            answers[index] = Some(match &calls[index] {
+                Together::Pay(call) => self.settle_together(call, &mut session, decision, now, BatchAnswer::Pay).await,
+                Together::Refund(call) => {
+                    self.settle_together(call, &mut session, decision, now, BatchAnswer::Refund).await
+                }
+            });
+        }
+        answers.into_iter().map(|answer| answer.expect("every call answered")).collect()
+    }
+
+    /// Steps 1-3 of one call of [`Ledger::write_together`]: its answer, or what it queues.
+    async fn queue_together<'a, C: Batchable>(
+        &'a self,
+        call: &C,
+        guards: &'a Guards,
+        fingerprint: &'a Call,
+        now: i64,
+        wrap: fn(C::Message) -> BatchAnswer,
+    ) -> Step<'a> {
+        let answered =
+            |answer: Replayable<Reply<C::Answer>>| answer.try_map(|reply| reply_message::<C>(reply).map(wrap));
+        match self.prepare_for_batch(call, guards, fingerprint, now).await {
+            Ok(Prepared::Ready((session, Ok(claim)))) => Step::Queued(session, Batched { write: call.write(), claim }),
+            Ok(Prepared::Ready((mut session, Err(error)))) => {
+                Step::Answered(self.settle_call(call, &mut session, Err(error), now).await.and_then(answered))
+            }
+            Ok(Prepared::Answered(answer)) => Step::Answered(answered(answer)),
+            Err(error) => Step::Answered(Err(error)),
+        }
+    }
+
+    /// Step 5 of one call of [`Ledger::write_together`], from its batch's decision.
+    async fn settle_together<C: Batchable>(
+        &self,
+        call: &C,
+        session: &mut GuardSession<'_>,
+        decision: Decision,
+        now: i64,
+        wrap: fn(C::Message) -> BatchAnswer,
+    ) -> Result<Replayable<BatchAnswer>, Error> {
+        let outcome = self.batched_outcome(call, session, decision, now).await;
+        self.settle_call(call, session, outcome, now).await?.try_map(|reply| reply_message::<C>(reply).map(wrap))
     }
 
     /// A Pay without idempotency key or token in its own transaction: its receipt.
@@ -343,8 +469,17 @@ impl Ledger {
     /// [`Error::NotFound`] (PAYMENT_NOT_FOUND), [`Rejection`]s REFUND_EXCEEDS_PAID,
     /// CURRENCY_MISMATCH, INSUFFICIENT_FUNDS (the payee spent the money);
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
+    ///
+    /// With group commit on, a Refund is written by a batch, guarded or not (see
+    /// `group_commit`), together with the Pays and Refunds of its merchant that queued with it.
     pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<proto::RefundResponse>, Error> {
-        self.run_idempotent(&Identified { command, id: new_id('R') }, guards).await
+        let call = Identified { command, id: new_id('R') };
+        match self.batcher() {
+            Some(batcher) => {
+                self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<Identified<Refund>>)
+            }
+            None => self.run_idempotent(&call, guards).await,
+        }
     }
 
     /// An order with its payment and refunds, found by any of its business numbers.
@@ -806,18 +941,7 @@ async fn refund_in_transaction(
     if payment.currency != command.amount.currency().code() {
         return Err(Rejection::CurrencyMismatch.into());
     }
-    let refund = RefundRow {
-        refund_no: refund_no.to_owned(),
-        merchant_id: merchant_id.to_owned(),
-        out_refund_no: command.out_refund_no.as_str().to_owned(),
-        out_trade_no: payment.out_trade_no.clone(),
-        order_no: payment.order_no.clone(),
-        amount: command.amount.minor_units(),
-        currency: payment.currency.clone(),
-        reason: command.reason.as_str().to_owned(),
-        created_at: now,
-        created_by: command.created_by.created_by().to_owned(),
-    };
+    let refund = new_refund(command, &payment, refund_no, now);
     // The order's row lock orders every refund of this order (see pay_in_transaction).
     let order =
         queries.find_order_for_update(merchant_id, &payment.order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
@@ -839,6 +963,42 @@ async fn refund_in_transaction(
     Ok(Inserted::Done(RefundReceipt { refund, order }))
 }
 
+/// The refund row of a Refund of `payment`, as it is recorded when the Refund succeeds.
+pub(super) fn new_refund(command: &Refund, payment: &PaymentRow, refund_no: &str, now: i64) -> RefundRow {
+    RefundRow {
+        refund_no: refund_no.to_owned(),
+        merchant_id: command.merchant_id.as_str().to_owned(),
+        out_refund_no: command.out_refund_no.as_str().to_owned(),
+        out_trade_no: payment.out_trade_no.clone(),
+        order_no: payment.order_no.clone(),
+        amount: command.amount.minor_units(),
+        currency: payment.currency.clone(),
+        reason: command.reason.as_str().to_owned(),
+        created_at: now,
+        created_by: command.created_by.created_by().to_owned(),
+    }
+}
+
+/// The order after a refund of `amount` minor units at `now`, by the state machine (PAID or
+/// PARTIALLY_REFUNDED to PARTIALLY_REFUNDED or REFUNDED, the refunded amount within the
+/// order's amount).
+///
+/// # Errors
+/// The state machine's [`Rejection`]s: REFUND_EXCEEDS_PAID, and an order in a state that
+/// takes no refund.
+pub(super) fn refunded_order(order: OrderRow, amount: i64, now: i64) -> Result<OrderRow, Error> {
+    let from = order_state(&order, now)?;
+    let Transition::To(to) = from.apply(OrderEvent::Refund { amount_minor_units: amount })? else {
+        return Err(Error::Internal("a refund is never already applied".into()));
+    };
+    Ok(OrderRow {
+        status: to.status.as_str().to_owned(),
+        refunded_amount: to.refunded_minor_units,
+        updated_at: now,
+        ..order
+    })
+}
+
 /// Applies a refund to the order with a CAS on (status, refunded_amount), starting from the
 /// row `read` in this transaction, re-reading under a row lock and retrying if another writer
 /// won. Returns the order after.
@@ -853,28 +1013,20 @@ async fn refund_order(queries: &mut Queries<'_>, read: OrderRow, amount: i64, no
                 queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?
             }
         };
-        let from = order_state(&order, now)?;
-        let Transition::To(to) = from.apply(OrderEvent::Refund { amount_minor_units: amount })? else {
-            return Err(Error::Internal("a refund is never already applied".into()));
-        };
+        let after = refunded_order(order.clone(), amount, now)?;
         let moved = queries
             .transition_order(
                 merchant_id,
                 order_no,
-                from.status.as_str(),
-                from.refunded_minor_units,
-                to.status.as_str(),
-                to.refunded_minor_units,
+                &order.status,
+                order.refunded_amount,
+                &after.status,
+                after.refunded_amount,
                 now,
             )
             .await?;
         if moved {
-            return Ok(OrderRow {
-                status: to.status.as_str().to_owned(),
-                refunded_amount: to.refunded_minor_units,
-                updated_at: now,
-                ..order
-            });
+            return Ok(after);
         }
         tracing::debug!(merchant_id, order_no, attempt, "order CAS lost; re-reading the order under a row lock");
         queries.count_cas_retry();

@@ -46,7 +46,7 @@ impl BatchSql {
 }
 
 /// One step of a group commit's write on MySQL and SQLite; PostgreSQL writes the whole batch
-/// in one statement, [`WRITE_PAYS_POSTGRES`].
+/// in one statement, [`WRITE_BATCH_POSTGRES`].
 pub(super) struct StepSql {
     mysql: &'static str,
     sqlite: &'static str,
@@ -57,7 +57,7 @@ impl StepSql {
         match dialect {
             Dialect::MySql => self.mysql,
             Dialect::Sqlite => self.sqlite,
-            Dialect::Postgres => unreachable!("PostgreSQL writes a group commit with WRITE_PAYS_POSTGRES"),
+            Dialect::Postgres => unreachable!("PostgreSQL writes a group commit with WRITE_BATCH_POSTGRES"),
         }
     }
 }
@@ -149,6 +149,32 @@ pub(super) static FIND_PAYMENTS_AND_ORDERS: BatchSql = BatchSql {
     ),
 };
 
+/// The refunds of rows `[merchant_id, out_refund_no]`; a read.
+pub(super) static FIND_REFUNDS: BatchSql = BatchSql {
+    postgres: concat!(
+        "SELECT ",
+        super::queries::refund_columns!(),
+        " FROM refunds WHERE (merchant_id, out_refund_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))"
+    ),
+    mysql: concat!(
+        "SELECT ",
+        super::queries::refund_columns!(),
+        " FROM ",
+        mysql_key_pair!("k_merchant_id", "k_out_refund_no"),
+        " STRAIGHT_JOIN refunds FORCE INDEX (refunds_out_refund_no) ON refunds.merchant_id = k.k_merchant_id \
+         AND refunds.out_refund_no = k.k_out_refund_no"
+    ),
+    // CROSS JOIN fixes the join order in SQLite (its manual, "The SQLite Query Optimizer
+    // Overview", manual control of query plans using CROSS JOIN): one
+    // index lookup a key, whatever the statistics say of a young refunds table.
+    sqlite: concat!(
+        "SELECT ",
+        super::queries::refund_columns!(),
+        " FROM json_each(?1) AS k CROSS JOIN refunds ON refunds.merchant_id = json_extract(k.value, '$[0]') \
+         AND refunds.out_refund_no = json_extract(k.value, '$[1]')"
+    ),
+};
+
 /// The orders of rows `[merchant_id, order_no]` (sorted by the caller), row-locked in that
 /// order. PostgreSQL locks after its sort, so its ORDER BY sets the order; MySQL's locks follow
 /// the join from the JSON rows.
@@ -196,7 +222,7 @@ pub(super) static LOCK_ACCOUNTS: BatchSql = BatchSql {
     ),
 };
 
-/// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_PAYS`] gives, in order.
+/// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
 pub(super) const PAYMENT_COLUMNS: usize = 11;
 /// The columns a journal entry row gives, in order.
 pub(super) const ENTRY_COLUMNS: usize = 11;
@@ -290,11 +316,66 @@ pub(super) static INSERT_ENTRIES: StepSql = StepSql {
     ),
 };
 
+/// The columns a refund row of [`INSERT_REFUNDS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
+pub(super) const REFUND_COLUMNS: usize = 10;
+
+/// Rows `[refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency,
+/// reason, created_at, created_by]`; a taken key fails the statement on MySQL (duplicate key)
+/// and inserts fewer rows elsewhere.
+pub(super) static INSERT_REFUNDS: StepSql = StepSql {
+    mysql: concat!(
+        super::queries::insert_refund_into!(),
+        " SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, \
+         created_by FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         refund_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         merchant_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         out_refund_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+         out_trade_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[3]', \
+         order_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+         amount BIGINT PATH '$[5]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]', \
+         reason VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
+         created_at BIGINT PATH '$[8]', \
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[9]')) AS k"
+    ),
+    sqlite: concat!(
+        super::queries::insert_refund_into!(),
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]'), json_extract(k.value, '$[8]'), \
+         json_extract(k.value, '$[9]') FROM json_each(?1) AS k WHERE true ON CONFLICT DO NOTHING"
+    ),
+};
+
+/// The refund CAS of each order, for rows `[merchant_id, order_no, from_status,
+/// from_refunded, to_status, to_refunded]`, then `updated_at`: an order moves only from the
+/// state read, and only to a refunded amount within its amount (as the one-refund
+/// statement).
+pub(super) static REFUND_ORDERS: StepSql = StepSql {
+    mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_merchant_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
+            k_order_no VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]', \
+            k_from_status VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[2]', \
+            k_from_refunded BIGINT PATH '$[3]', \
+            k_to_status VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+            k_to_refunded BIGINT PATH '$[5]')) AS k \
+            STRAIGHT_JOIN orders FORCE INDEX (PRIMARY) ON orders.merchant_id = k.k_merchant_id AND orders.order_no = k.k_order_no \
+            SET orders.status = k.k_to_status, orders.refunded_amount = k.k_to_refunded, orders.updated_at = ? \
+            WHERE orders.status = k.k_from_status AND orders.refunded_amount = k.k_from_refunded \
+            AND k.k_to_refunded <= orders.amount",
+    sqlite: "UPDATE orders SET status = json_extract(k.value, '$[4]'), refunded_amount = json_extract(k.value, '$[5]'), \
+             updated_at = ?2 FROM json_each(?1) AS k \
+             WHERE orders.merchant_id = json_extract(k.value, '$[0]') AND orders.order_no = json_extract(k.value, '$[1]') \
+             AND orders.status = json_extract(k.value, '$[2]') AND orders.refunded_amount = json_extract(k.value, '$[3]') \
+             AND json_extract(k.value, '$[5]') <= orders.amount",
+};
+
 /// PostgreSQL writes a whole group commit in one statement (data-modifying CTEs, each run
 /// exactly once): the payments ($1-$11), PENDING -> PAID ($12-$14), the version CAS ($15-$18),
-/// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30); it
-/// returns the four row counts.
-pub(super) static WRITE_PAYS_POSTGRES: &str = concat!(
+/// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30), the
+/// refunds ($31-$40) and the orders' refund CAS ($41-$46); it returns the six row counts. A
+/// batch never pays and refunds one order, so no order row is updated twice.
+pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
     "WITH p AS (",
     super::queries::insert_payment_into!(),
     " SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], \
@@ -312,8 +393,18 @@ pub(super) static WRITE_PAYS_POSTGRES: &str = concat!(
      counterparty_account_id, created_at, created_by FROM UNNEST($19::text[], $20::text[], $21::bigint[], \
      $22::bigint[], $23::bigint[], $24::text[], $25::text[], $26::text[], $27::text[], $28::bigint[], $29::text[]) \
      WITH ORDINALITY AS k(account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
-     counterparty_account_id, created_at, created_by, n) ORDER BY k.n RETURNING 1) \
-     SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)"
+     counterparty_account_id, created_at, created_by, n) ORDER BY k.n RETURNING 1), \
+     r AS (",
+    super::queries::insert_refund_into!(),
+    " SELECT * FROM UNNEST($31::text[], $32::text[], $33::text[], $34::text[], $35::text[], $36::bigint[], \
+     $37::text[], $38::text[], $39::bigint[], $40::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
+     t AS (UPDATE orders SET status = k.to_status, refunded_amount = k.to_refunded, updated_at = $30 \
+     FROM UNNEST($41::text[], $42::text[], $43::text[], $44::bigint[], $45::text[], $46::bigint[]) \
+     AS k(merchant_id, order_no, from_status, from_refunded, to_status, to_refunded) \
+     WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no AND orders.status = k.from_status \
+     AND orders.refunded_amount = k.from_refunded AND k.to_refunded <= orders.amount RETURNING 1) \
+     SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e), \
+     (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t)"
 );
 
 #[cfg(test)]
@@ -344,9 +435,17 @@ mod tests {
     #[test]
     fn no_statement_has_more_placeholders_than_its_backend_binds() {
         // MySQL: one JSON document, plus `updated_at` for the UPDATEs.
-        let reads = [&FIND_PAYMENTS_AND_ORDERS, &LOCK_ORDERS, &LOCK_ACCOUNTS].map(|sql| (sql.mysql, sql.sqlite, 1));
-        let steps = [(&INSERT_PAYMENTS, 1), (&MARK_ORDERS_PAID, 2), (&CAS_BALANCES, 2), (&INSERT_ENTRIES, 1)]
-            .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
+        let reads = [&FIND_PAYMENTS_AND_ORDERS, &FIND_REFUNDS, &LOCK_ORDERS, &LOCK_ACCOUNTS]
+            .map(|sql| (sql.mysql, sql.sqlite, 1));
+        let steps = [
+            (&INSERT_PAYMENTS, 1),
+            (&MARK_ORDERS_PAID, 2),
+            (&CAS_BALANCES, 2),
+            (&INSERT_ENTRIES, 1),
+            (&INSERT_REFUNDS, 1),
+            (&REFUND_ORDERS, 2),
+        ]
+        .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
         for (mysql, sqlite, values) in reads.into_iter().chain(steps) {
             assert_eq!(mysql.matches('?').count(), values, "{mysql}");
             assert!(
@@ -354,6 +453,6 @@ mod tests {
                 "{sqlite}"
             );
         }
-        assert!(WRITE_PAYS_POSTGRES.contains("$30") && !WRITE_PAYS_POSTGRES.contains("$31"));
+        assert!(WRITE_BATCH_POSTGRES.contains("$46") && !WRITE_BATCH_POSTGRES.contains("$47"));
     }
 }

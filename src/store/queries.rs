@@ -48,11 +48,19 @@ macro_rules! insert_entry_into {
     };
 }
 pub(super) use insert_entry_into;
+macro_rules! insert_refund_into {
+    () => {
+        "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, \
+         created_at, created_by)"
+    };
+}
+pub(super) use insert_refund_into;
 macro_rules! refund_columns {
     () => {
         "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, created_by"
     };
 }
+pub(super) use refund_columns;
 
 static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
 static FIND_ACCOUNT_FOR_UPDATE: Sql =
@@ -205,10 +213,8 @@ static LIST_REFUNDS: Sql = Sql::new(concat!(
     refund_columns!(),
     " FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no"
 ));
-static INSERT_REFUND: Sql = Sql::new(
-    "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, \
-     created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-);
+static INSERT_REFUND: Sql =
+    Sql::new(concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
 static FIND_DEPOSIT: Sql = Sql::new(
     "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
@@ -920,20 +926,20 @@ impl<'c> Queries<'c> {
         &mut self,
         merchant_id: &str,
         order_no: &str,
-        from_status: &'static str,
+        from_status: &str,
         from_refunded: i64,
-        to_status: &'static str,
+        to_status: &str,
         to_refunded: i64,
         now: i64,
     ) -> Result<bool, sqlx::Error> {
         let query = self
             .query(&TRANSITION_ORDER)
-            .bind(to_status)
+            .bind(to_status.to_owned())
             .bind(to_refunded)
             .bind(now)
             .bind(merchant_id.to_owned())
             .bind(order_no.to_owned())
-            .bind(from_status)
+            .bind(from_status.to_owned())
             .bind(from_refunded)
             .bind(to_refunded);
         self.update_one(query).await
@@ -992,6 +998,17 @@ impl<'c> Queries<'c> {
             .bind(merchant_id)
             .bind(out_refund_no)
             .fetch_optional(&mut *self.connection)
+            .await
+    }
+
+    /// The refunds of the given (merchant_id, out_refund_no) keys that exist, in one round
+    /// trip, in no particular order.
+    pub async fn find_refunds(&mut self, keys: &[(&str, &str)]) -> Result<Vec<RefundRow>, sqlx::Error> {
+        let rows: Vec<[Value<'_>; 2]> =
+            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        sqlx::query_as(batch::FIND_REFUNDS.text(self.dialect))
+            .bind_rows(self.dialect, &rows)
+            .fetch_all(&mut *self.connection)
             .await
     }
 
@@ -1188,22 +1205,23 @@ impl<'c> Queries<'c> {
     }
 
     /// Writes what a group commit accepted, all or nothing: the payments (one INSERT of all
-    /// rows), PENDING -> PAID for their orders (one conditional UPDATE), the new balances (one
-    /// version CAS per account, all in one UPDATE) and the journal entries in the order given
-    /// (one INSERT; entry ids follow that order). True when every row was written; false when a key
-    /// (out_trade_no, an order's one payment), an order's state or an account's version was
-    /// taken under the batch: the caller must roll back. On PostgreSQL this is one statement
-    /// (data-modifying CTEs, each run exactly once), elsewhere four; each has one text
-    /// whatever the batch holds (see `batch`).
-    pub async fn write_pays(&mut self, paid: &PaidBatch<'_>) -> Result<bool, sqlx::Error> {
+    /// rows), PENDING -> PAID for their orders (one conditional UPDATE), the refunds (one
+    /// INSERT) and the refund CAS of their orders (one conditional UPDATE), the new balances
+    /// (one version CAS per account, all in one UPDATE) and the journal entries in the order
+    /// given (one INSERT; entry ids follow that order). True when every row was written; false
+    /// when a key (out_trade_no, an order's one payment, out_refund_no), an order's state or an
+    /// account's version was taken under the batch: the caller must roll back. On PostgreSQL
+    /// this is one statement (data-modifying CTEs, each run exactly once), elsewhere one a kind
+    /// of row the batch has; each has one text whatever the batch holds (see `batch`).
+    pub async fn write_batch(&mut self, written: &BatchWrite<'_>) -> Result<bool, sqlx::Error> {
         let dialect = self.dialect;
-        let payments: Vec<[Value<'_>; batch::PAYMENT_COLUMNS]> = paid.payments.iter().map(payment_values).collect();
-        let orders: Vec<[Value<'_>; 3]> = paid
+        let payments: Vec<[Value<'_>; batch::PAYMENT_COLUMNS]> = written.payments.iter().map(payment_values).collect();
+        let orders: Vec<[Value<'_>; 3]> = written
             .payments
             .iter()
             .map(|row| [Value::Text(&row.merchant_id), Value::Text(&row.order_no), Value::Text(&row.out_trade_no)])
             .collect();
-        let balances: Vec<[Value<'_>; 4]> = paid
+        let balances: Vec<[Value<'_>; 4]> = written
             .balances
             .iter()
             .map(|update| {
@@ -1215,38 +1233,93 @@ impl<'c> Queries<'c> {
                 ]
             })
             .collect();
-        let entries: Vec<[Value<'_>; batch::ENTRY_COLUMNS]> = paid.entries.iter().map(entry_values).collect();
-        let expected = [payments.len(), orders.len(), balances.len(), entries.len()].map(|count| count as u64);
+        let entries: Vec<[Value<'_>; batch::ENTRY_COLUMNS]> = written.entries.iter().map(entry_values).collect();
+        let refunds: Vec<[Value<'_>; batch::REFUND_COLUMNS]> = written.refunds.iter().map(refund_values).collect();
+        let refunded: Vec<[Value<'_>; 6]> = written
+            .refunded_orders
+            .iter()
+            .map(|order| {
+                [
+                    Value::Text(order.merchant_id),
+                    Value::Text(order.order_no),
+                    Value::Text(order.from_status),
+                    Value::Int(order.from_refunded),
+                    Value::Text(order.to_status),
+                    Value::Int(order.to_refunded),
+                ]
+            })
+            .collect();
+        let expected = [payments.len(), orders.len(), balances.len(), entries.len(), refunds.len(), refunded.len()]
+            .map(|count| count as u64);
         if dialect == Dialect::Postgres {
-            let query = sqlx::query(batch::WRITE_PAYS_POSTGRES)
+            let query = sqlx::query(batch::WRITE_BATCH_POSTGRES)
                 .bind_rows(dialect, &payments)
                 .bind_rows(dialect, &orders)
                 .bind_rows(dialect, &balances)
                 .bind_rows(dialect, &entries)
-                .bind(paid.now);
+                .bind(written.now)
+                .bind_rows(dialect, &refunds)
+                .bind_rows(dialect, &refunded);
             let row = query.fetch_one(&mut *self.connection).await?;
-            let counts: [i64; 4] = [row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?];
+            let mut counts = [0_i64; 6];
+            for (index, count) in counts.iter_mut().enumerate() {
+                *count = row.try_get(index)?;
+            }
             return Ok(counts == expected.map(|count| count as i64));
         }
-        let insert = sqlx::query(batch::INSERT_PAYMENTS.text(dialect)).bind_rows(dialect, &payments);
-        match insert.execute(&mut *self.connection).await {
-            Ok(result) if result.rows_affected() == expected[0] => {}
-            Ok(_) => return Ok(false),
-            Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => {
-                return Ok(false)
-            }
-            Err(error) => return Err(error),
-        }
-        let mark = sqlx::query(batch::MARK_ORDERS_PAID.text(dialect)).bind_rows(dialect, &orders).bind(paid.now);
-        if mark.execute(&mut *self.connection).await?.rows_affected() != expected[1] {
+        // Each step runs only when the batch has rows of its kind: a batch of Refunds sends
+        // no payment statements, and the other way round.
+        if !payments.is_empty() && !self.insert_rows(&batch::INSERT_PAYMENTS, &payments, expected[0]).await? {
             return Ok(false);
         }
-        let cas = sqlx::query(batch::CAS_BALANCES.text(dialect)).bind_rows(dialect, &balances).bind(paid.now);
-        if cas.execute(&mut *self.connection).await?.rows_affected() != expected[2] {
+        if !orders.is_empty() && !self.update_rows(&batch::MARK_ORDERS_PAID, &orders, written.now, expected[1]).await? {
             return Ok(false);
         }
-        let insert = sqlx::query(batch::INSERT_ENTRIES.text(dialect)).bind_rows(dialect, &entries);
-        Ok(insert.execute(&mut *self.connection).await?.rows_affected() == expected[3])
+        if !refunds.is_empty() && !self.insert_rows(&batch::INSERT_REFUNDS, &refunds, expected[4]).await? {
+            return Ok(false);
+        }
+        if !refunded.is_empty() && !self.update_rows(&batch::REFUND_ORDERS, &refunded, written.now, expected[5]).await?
+        {
+            return Ok(false);
+        }
+        if !balances.is_empty() && !self.update_rows(&batch::CAS_BALANCES, &balances, written.now, expected[2]).await? {
+            return Ok(false);
+        }
+        if entries.is_empty() {
+            return Ok(true);
+        }
+        self.insert_rows(&batch::INSERT_ENTRIES, &entries, expected[3]).await
+    }
+
+    /// One multi-row INSERT step of [`Queries::write_batch`] (MySQL, SQLite): false when fewer
+    /// than `expected` rows went in (a key taken: a duplicate-key error on MySQL, a row
+    /// skipped by `ON CONFLICT DO NOTHING` on SQLite).
+    async fn insert_rows<const N: usize>(
+        &mut self,
+        sql: &batch::StepSql,
+        rows: &[[Value<'_>; N]],
+        expected: u64,
+    ) -> Result<bool, sqlx::Error> {
+        let dialect = self.dialect;
+        match sqlx::query(sql.text(dialect)).bind_rows(dialect, rows).execute(&mut *self.connection).await {
+            Ok(result) => Ok(result.rows_affected() == expected),
+            Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// One conditional multi-row UPDATE step of [`Queries::write_batch`] (MySQL, SQLite), with
+    /// `updated_at = now`: false when fewer than `expected` rows moved.
+    async fn update_rows<const N: usize>(
+        &mut self,
+        sql: &batch::StepSql,
+        rows: &[[Value<'_>; N]],
+        now: i64,
+        expected: u64,
+    ) -> Result<bool, sqlx::Error> {
+        let dialect = self.dialect;
+        let query = sqlx::query(sql.text(dialect)).bind_rows(dialect, rows).bind(now);
+        Ok(query.execute(&mut *self.connection).await?.rows_affected() == expected)
     }
 
     /// Accounts in the ledger (also: whether the schema is there at all).
@@ -1300,13 +1373,28 @@ fn audit_violations(check: &'static str, rows: &[AnyRow]) -> Result<Vec<AuditVio
     rows.iter().map(|row| Ok(AuditViolation { check, subject: row.try_get(0)?, detail: row.try_get(1)? })).collect()
 }
 
-/// What one group commit writes (see [`Queries::write_pays`]).
-pub struct PaidBatch<'a> {
+/// What one group commit writes (see [`Queries::write_batch`]).
+pub struct BatchWrite<'a> {
     pub payments: &'a [PaymentRow],
+    pub refunds: &'a [RefundRow],
+    /// One refund CAS an order the batch refunds (from its state read under the lock to its
+    /// state after the batch's last refund of it).
+    pub refunded_orders: &'a [OrderRefund<'a>],
     pub balances: &'a [BalanceUpdate<'a>],
-    /// Two legs per payment, in the order the balances moved.
+    /// Two legs per payment and refund, in the order the balances moved.
     pub entries: &'a [NewEntry<'a>],
     pub now: i64,
+}
+
+/// An order's refund CAS in a group commit: from (`from_status`, `from_refunded`) to
+/// (`to_status`, `to_refunded`), refunded amounts in minor units.
+pub struct OrderRefund<'a> {
+    pub merchant_id: &'a str,
+    pub order_no: &'a str,
+    pub from_status: &'a str,
+    pub from_refunded: i64,
+    pub to_status: &'a str,
+    pub to_refunded: i64,
 }
 
 /// Binds the rows of a batch statement (see [`batch::bind_rows`]), to a query with or without
@@ -1339,6 +1427,22 @@ fn payment_values(row: &PaymentRow) -> [Value<'_>; batch::PAYMENT_COLUMNS] {
         Value::Int(row.amount),
         Value::Text(&row.currency),
         Value::Text(&row.status),
+        Value::Int(row.created_at),
+        Value::Text(&row.created_by),
+    ]
+}
+
+/// A refund as a row of [`batch::INSERT_REFUNDS`], in `insert_refund_into!`'s column order.
+fn refund_values(row: &RefundRow) -> [Value<'_>; batch::REFUND_COLUMNS] {
+    [
+        Value::Text(&row.refund_no),
+        Value::Text(&row.merchant_id),
+        Value::Text(&row.out_refund_no),
+        Value::Text(&row.out_trade_no),
+        Value::Text(&row.order_no),
+        Value::Int(row.amount),
+        Value::Text(&row.currency),
+        Value::Text(&row.reason),
         Value::Int(row.created_at),
         Value::Text(&row.created_by),
     ]

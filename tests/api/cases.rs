@@ -618,6 +618,7 @@ pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_si
 // ---- Idempotency keys, one-time tokens and their lifecycle -------------------------------
 
 use crate::helpers::{one_dollar_order, transfer_request, with_key, with_token};
+use payledger::ledger::{BatchAnswer, BatchCall};
 
 fn header(metadata: &tonic::metadata::MetadataMap, name: &str) -> Option<String> {
     metadata.get(name).and_then(|value| value.to_str().ok()).map(str::to_owned)
@@ -1366,6 +1367,233 @@ pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_
     assert_eq!(app.balance("bob").await, "8.00");
     assert_eq!(app.balance("shop").await, "2.00");
     assert_eq!(app.rows("payment_flow").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A Refund command, in USD unless `currency` says otherwise.
+fn refund_command(out_trade_no: &str, out_refund_no: &str, amount: &str, currency: &str) -> payledger::ledger::Refund {
+    use payledger::domain::{Amount, Currency, FreeText, MerchantId, OutRefundNo, OutTradeNo};
+    let currency = Currency::parse("currency", currency).unwrap();
+    payledger::ledger::Refund {
+        merchant_id: MerchantId::parse("merchant_id", "m1").unwrap(),
+        out_trade_no: OutTradeNo::parse("out_trade_no", out_trade_no).unwrap(),
+        out_refund_no: OutRefundNo::parse("out_refund_no", out_refund_no).unwrap(),
+        amount: Amount::parse("amount", amount, currency).unwrap(),
+        reason: FreeText::parse("reason", "batched").unwrap(),
+        created_by: payledger::domain::Actor::Anonymous,
+    }
+}
+
+/// The refund of a batch's answer, fresh or replayed as `replayed` says.
+fn refunded(
+    answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>,
+    replayed: bool,
+) -> proto::RefundResponse {
+    let answer = answer.as_ref().unwrap_or_else(|error| panic!("a refund: {error}"));
+    assert_eq!(answer.replayed, replayed, "{answer:?}");
+    match &answer.value {
+        BatchAnswer::Refund(response) => response.clone(),
+        BatchAnswer::Pay(response) => panic!("a Refund answered as a Pay: {response:?}"),
+    }
+}
+
+pub async fn one_group_commit_of_pays_and_refunds_decides_each_on_its_own(app: &TestApp) {
+    app.funded("alice", "20.00").await;
+    app.funded("bob", "10.00").await;
+    app.open("shop", "USD").await;
+    app.open("lean", "USD").await;
+    app.open("carol", "USD").await;
+    for (order_no, payee, amount) in [
+        ("o1", "shop", "5.00"),
+        ("o2", "shop", "5.00"),
+        ("o3", "shop", "2.00"),
+        ("o6", "lean", "3.00"),
+        ("o7", "lean", "2.00"),
+    ] {
+        app.create_order("m1", order_no, payee, amount).await.unwrap();
+    }
+    let mut payments = app.payments.clone();
+    for (out_trade_no, order_no, payer, amount) in
+        [("t1", "o1", "alice", "5.00"), ("t2", "o2", "alice", "5.00"), ("t6", "o6", "bob", "3.00")]
+    {
+        payments.pay(app.pay_request("m1", out_trade_no, order_no, payer, amount)).await.unwrap();
+    }
+    // lean keeps 1.00 of the 3.00 it was paid.
+    app.accounts.clone().transfer(with_key(transfer_request("lean", "carol", "2.00"), "move-out")).await.unwrap();
+    let token = app.issue_token("m1").await;
+    let before = app.ledger.counters();
+
+    let refund = |out_trade_no: &str, out_refund_no: &str, amount: &str| {
+        BatchCall::Refund(refund_command(out_trade_no, out_refund_no, amount, "USD"))
+    };
+    let answers = app
+        .ledger
+        .write_together(vec![
+            (refund("t1", "r1", "1.00"), guards(Some("kr1"), None)),
+            // A second refund of one order in one batch: applied after the first.
+            (refund("t1", "r2", "4.00"), guards(None, None)),
+            // o1 is refunded in full by the two before it.
+            (refund("t1", "r3", "1.00"), guards(None, None)),
+            // r1 again, the same request without its key: a replay of it.
+            (refund("t1", "r1", "1.00"), guards(None, None)),
+            (BatchCall::Refund(refund_command("t2", "r4", "1.00", "EUR")), guards(None, None)),
+            (BatchCall::Pay(pay_command("t3", "o3", "alice", "2.00")), guards(Some("kp3"), None)),
+            // A refund of the Pay just before it, in the same batch.
+            (refund("t3", "r5", "1.00"), guards(None, None)),
+            (refund("t-missing", "r6", "1.00"), guards(None, None)),
+            // The key of r1 for another refund, in the same batch.
+            (refund("t2", "r7", "1.00"), guards(Some("kr1"), None)),
+            (refund("t2", "r8", "2.00"), guards(None, Some(&token))),
+            // The same token again, for another refund.
+            (refund("t2", "r9", "1.00"), guards(None, Some(&token))),
+            // lean has 1.00 of the 3.00: refused; the Pay after it brings lean 2.00, so the
+            // refund after that fits.
+            (refund("t6", "r10", "3.00"), guards(None, None)),
+            (BatchCall::Pay(pay_command("t7", "o7", "bob", "2.00")), guards(None, None)),
+            (refund("t6", "r11", "2.00"), guards(Some("kr11"), None)),
+        ])
+        .await;
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let r1 = refunded(&answers[0], false);
+    assert_eq!(r1.order.as_ref().unwrap().status, OrderStatus::PartiallyRefunded as i32);
+    assert_eq!(r1.order.as_ref().unwrap().refunded_amount, "1.00");
+    let r2 = refunded(&answers[1], false);
+    assert_eq!(r2.order.as_ref().unwrap().status, OrderStatus::Refunded as i32, "r2 applies after r1");
+    assert_eq!(r2.order.as_ref().unwrap().refunded_amount, "5.00");
+    refused(2, Code::FailedPrecondition, "REFUND_EXCEEDS_PAID");
+    let r1_again = refunded(&answers[3], true);
+    assert_eq!(r1_again.refund.as_ref().unwrap().refund_no, r1.refund.as_ref().unwrap().refund_no);
+    refused(4, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    match &answers[5].as_ref().expect("t3 is paid").value {
+        BatchAnswer::Pay(response) => assert_eq!(response.payment.as_ref().unwrap().out_trade_no, "t3"),
+        BatchAnswer::Refund(response) => panic!("a Pay answered as a Refund: {response:?}"),
+    }
+    let r5 = refunded(&answers[6], false);
+    assert_eq!(r5.order.as_ref().unwrap().refunded_amount, "1.00", "r5 ran alone after t3 committed");
+    refused(7, Code::NotFound, "PAYMENT_NOT_FOUND");
+    refused(8, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    refunded(&answers[9], false);
+    refused(10, Code::AlreadyExists, "TOKEN_REUSED");
+    refused(11, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert!(answers[12].is_ok(), "t7: {:?}", answers[12]);
+    let r11 = refunded(&answers[13], false);
+    assert_eq!(r11.order.as_ref().unwrap().refunded_amount, "2.00", "r10 left o6 as it was");
+
+    let counters = app.ledger.counters();
+    let refunds = counters.group_committed_refunds - before.group_committed_refunds;
+    let pays = counters.group_committed_pays - before.group_committed_pays;
+    assert_eq!((refunds, pays), (4, 2), "r1, r2, r8, r11, t3 and t7 in one group commit: {counters:?}");
+    assert_eq!(counters.group_commits - before.group_commits, 1);
+    // alice: 20 - 5 - 5 (t1, t2), then r1 + r2, t3, r8, and r5 alone after the batch.
+    assert_eq!(app.balance("alice").await, "16.00");
+    assert_eq!(app.balance("shop").await, "4.00");
+    assert_eq!(app.balance("bob").await, "7.00");
+    assert_eq!(app.balance("lean").await, "1.00");
+    assert_eq!(app.rows("refunds").await, 5);
+    // kr1, kp3, kr11, the token's record and the Transfer's key: the refused calls left none.
+    assert_eq!(app.rows("idempotency_record").await, 5);
+    // The shop's entries follow the order its balance moved: t1, t2, r1, r2, t3, r8, r5.
+    let entries = app
+        .accounts
+        .clone()
+        .list_entries(proto::ListEntriesRequest { account_id: "shop".into(), page_size: 10, page_token: String::new() })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    let balances: Vec<&str> = entries.iter().map(|entry| entry.balance_after.as_str()).collect();
+    assert_eq!(balances, ["4.00", "5.00", "7.00", "5.00", "9.00", "10.00", "5.00"], "newest first");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // Sent again together, the committed refunds are replays, by their key or out_refund_no.
+    let again = app
+        .ledger
+        .write_together(vec![
+            (refund("t1", "r1", "1.00"), guards(Some("kr1"), None)),
+            (refund("t1", "r2", "4.00"), guards(None, None)),
+            (refund("t6", "r11", "2.00"), guards(Some("kr11"), None)),
+        ])
+        .await;
+    let again: Vec<_> = again.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    assert_eq!(refunded(&again[0], true).refund.unwrap().refund_no, r1.refund.unwrap().refund_no);
+    assert_eq!(refunded(&again[1], true).refund.unwrap().refund_no, r2.refund.unwrap().refund_no);
+    assert_eq!(refunded(&again[2], true).refund.unwrap().refund_no, r11.refund.unwrap().refund_no);
+    assert_eq!(app.balance("alice").await, "16.00");
+    assert_eq!(app.rows("refunds").await, 5);
+}
+
+/// A Refund commits its row while a group commit holding a Refund with the same
+/// out_refund_no waits for the order's lock: that Refund is a replay of it, and the batch's
+/// other refund of the order applies on top of it.
+pub async fn a_refund_committed_under_a_group_commit_is_replayed_and_the_next_refund_applies_on_top(app: &TestApp) {
+    use sqlx::Row as _;
+    app.funded("alice", "10.00").await;
+    app.open("shop", "USD").await;
+    app.create_order("m1", "o1", "shop", "5.00").await.unwrap();
+    app.payments.clone().pay(app.pay_request("m1", "t1", "o1", "alice", "5.00")).await.unwrap();
+
+    // The other writer of ra: it holds o1's row lock, writes its refund row and moves the
+    // order, and commits once the batch waits for that lock.
+    let mut holder = app.raw.begin().await.unwrap();
+    let lock = match app.backend {
+        crate::helpers::Backend::Sqlite => None,
+        _ => Some("SELECT status FROM orders WHERE merchant_id = 'm1' AND order_no = 'o1' FOR UPDATE"),
+    };
+    if let Some(lock) = lock {
+        sqlx::query(lock).execute(&mut *holder).await.unwrap();
+    }
+    // The whole of ra, as its own transaction writes it: the row, the order's refund CAS,
+    // 1.00 from shop back to alice by version CAS, and the two journal entries.
+    let mut writes = vec![
+        "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, \
+         created_at, created_by) VALUES ('R-original', 'm1', 'ra', 't1', 'o1', 100, 'USD', 'batched', 1, 'anonymous')"
+            .to_owned(),
+        "UPDATE orders SET status = 'PARTIALLY_REFUNDED', refunded_amount = 100 WHERE merchant_id = 'm1' AND order_no = 'o1'"
+            .to_owned(),
+    ];
+    for (account_id, counterparty, amount) in [("shop", "alice", -100_i64), ("alice", "shop", 100)] {
+        let row = sqlx::query(&format!("SELECT balance, version FROM accounts WHERE account_id = '{account_id}'"))
+            .fetch_one(&mut *holder)
+            .await
+            .unwrap();
+        let (balance, version): (i64, i64) = (row.try_get(0).unwrap(), row.try_get(1).unwrap());
+        let (balance, version) = (balance + amount, version + 1);
+        writes.push(format!(
+            "UPDATE accounts SET balance = {balance}, version = {version} WHERE account_id = '{account_id}'"
+        ));
+        writes.push(format!(
+            "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+             posting_id, counterparty_account_id, created_at, created_by) VALUES ('{account_id}', 'USD', {amount}, \
+             {balance}, {version}, 'REFUND', 'ra', 'R-original', '{counterparty}', 1, 'anonymous')"
+        ));
+    }
+    for write in &writes {
+        sqlx::query(write).execute(&mut *holder).await.unwrap();
+    }
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (BatchCall::Refund(refund_command("t1", "ra", "1.00", "USD")), guards(None, None)),
+                (BatchCall::Refund(refund_command("t1", "rb", "2.00", "USD")), guards(Some("kb"), None)),
+            ])
+            .await
+    });
+    app.wait_for_a_session_in("%orders%FOR%UPDATE%").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let ra = refunded(&answers[0], true);
+    assert_eq!(ra.refund.as_ref().unwrap().refund_no, "R-original", "answered by the committed row");
+    let rb = refunded(&answers[1], false);
+    assert_eq!(rb.order.as_ref().unwrap().refunded_amount, "3.00", "rb applies on top of ra");
+    assert_eq!(app.ledger.counters().group_committed_refunds, 1);
+    assert_eq!(app.rows("refunds").await, 2);
+    assert_eq!(app.balance("alice").await, "8.00");
+    assert_eq!(app.balance("shop").await, "2.00");
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 

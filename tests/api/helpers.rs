@@ -594,6 +594,12 @@ impl TestApp {
     /// does not always list the waiting transaction) in the statement; on SQLite, whose
     /// writers wait on the database's one write lock unseen, 300 ms.
     pub async fn wait_for_a_write_waiting_on(&self, table: &str) {
+        self.wait_for_a_session_in(&format!("%INTO {table} %")).await;
+    }
+
+    /// Waits until a session of this test's database waits for a lock in a statement whose
+    /// text is `LIKE pattern` (on SQLite, which has no sessions to see: 300 ms).
+    pub async fn wait_for_a_session_in(&self, pattern: &str) {
         let TestDatabase::Server { name, .. } = &self.database else {
             tokio::time::sleep(Duration::from_millis(300)).await;
             return;
@@ -601,11 +607,11 @@ impl TestApp {
         let sql = match self.backend {
             Backend::Postgres => format!(
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = '{name}' AND wait_event_type = 'Lock' \
-                 AND query LIKE '%INTO {table} %'"
+                 AND query LIKE '{pattern}'"
             ),
             _ => format!(
                 "SELECT COUNT(*) FROM information_schema.processlist WHERE db = '{name}' \
-                 AND command IN ('Query', 'Execute') AND info LIKE '%INTO {table} %'"
+                 AND command IN ('Query', 'Execute') AND info LIKE '{pattern}'"
             ),
         };
         for _ in 0..1000 {
@@ -615,7 +621,7 @@ impl TestApp {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        panic!("no session waited in a write of {table}");
+        panic!("no session waited in a statement like {pattern}");
     }
 
     /// Sessions of this test's database left idle inside a transaction (PostgreSQL and

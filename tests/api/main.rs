@@ -93,6 +93,8 @@ backend_suite!(
     one_group_commit_decides_each_pay_on_its_own,
     one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own,
     a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_are_applied_again,
+    one_group_commit_of_pays_and_refunds_decides_each_on_its_own,
+    a_refund_committed_under_a_group_commit_is_replayed_and_the_next_refund_applies_on_top,
     concurrent_pays_to_one_merchant_are_grouped_and_each_moves_money_once,
     idempotency_keys_that_differ_by_spaces_or_case_mean_the_same_on_every_backend,
     business_numbers_tokens_and_currencies_compare_byte_for_byte_on_every_backend,
