@@ -25,21 +25,21 @@ pub struct DatabaseSettings {
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
-    /// Most Pays written together by one transaction (group commit: Pays that arrive while
-    /// the database is busy share one transaction and one commit); 1 turns it off. Pays with
-    /// an idempotency-key or idempotency-token always run alone.
-    /// At most 500, which keeps every statement of a batch within the databases' limits on
-    /// bound parameters (65,535 on PostgreSQL and MySQL, 32,766 on SQLite).
+    /// Most Pays and Refunds written together by one transaction (group commit: the Pays and
+    /// Refunds that arrive while the database is busy share one transaction and one commit,
+    /// with or without an idempotency-key or idempotency-token); 1 turns it off.
+    /// At most 500, which bounds the rows one batch statement carries (its bound values are a
+    /// fixed few whatever the batch holds).
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_MAX", default_value_t = 64,
           value_parser = clap::value_parser!(u16).range(1..=500))]
     pub pay_batch_max: u16,
-    /// Group-commit transactions in flight at once, each with its own queue (Pays are routed
-    /// by merchant_id) and one pooled connection while it runs.
+    /// Group-commit transactions in flight at once, each with its own queue (Pays and Refunds
+    /// are routed by merchant_id) and one pooled connection while it runs.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
-    /// Most Pays waiting in one group-commit worker's queue; a Pay that finds it full is
-    /// refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
+    /// Most Pays and Refunds waiting in one group-commit worker's queue; a call that finds it
+    /// full is refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
     #[arg(long, env = "PAYLEDGER_PAY_QUEUE_MAX", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub pay_queue_max: u32,

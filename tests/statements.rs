@@ -27,7 +27,7 @@ use sqlx::Row;
 
 /// The most statements that the first group commits prepare, whatever their size: PostgreSQL
 /// reads the replays, locks the orders, locks the accounts and writes the rest in one
-/// statement (MariaDB writes in four); then the guards: the replay read of a record and of a
+/// statement (MariaDB writes in up to six, one a kind of row); then the guards: the replay read of a record and of a
 /// payment, the token's owner, and in the batch the token consumed (and read back when it
 /// was not) and the records inserted; then the Refunds: the replay read of a refund and its
 /// order, and in the batch the refunds read under the orders' locks (MariaDB writes the

@@ -1,45 +1,58 @@
-//! Group commit of Pays: Pays that arrive while the database is busy are written together,
-//! in one transaction, with one statement per kind of row instead of one per Pay:
+//! Group commit of Pays and Refunds: the Pays and Refunds that arrive while the database is
+//! busy are written together (each worker takes the calls of the merchants routed to it), in
+//! one transaction, with one statement per kind of row instead of one per call:
 //!
-//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order) and check each
-//!    Pay against its order ([`check_pay`]: terms and state machine);
+//! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
+//!    Pays are replays) and the payments the Refunds refund (payments never change);
+//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order), check each
+//!    Pay against its order ([`check_pay`]: terms and state machine), and read the Refunds'
+//!    out_refund_nos (one SELECT): one committed before the lock was taken is a replay (a
+//!    Refund locks its order before it inserts its row, so none can commit after);
 //! 2. lock every account the batch touches (one `SELECT ... FOR UPDATE`, in account_id order)
-//!    and apply the Pays one after another in arrival order, in memory, with the same leg rules
-//!    as a single posting ([`balance_after`]); a Pay that breaks a rule is rejected alone and
-//!    changes nothing;
-//! 3. write what the accepted Pays did: one multi-row INSERT of payments, one conditional
-//!    UPDATE of the orders (`WHERE status = 'PENDING'`), one version CAS per account (all in
-//!    one UPDATE; an account paid N times in the batch moves N versions at once), one
-//!    multi-row INSERT of journal entries (two legs per Pay, in order, so every entry records
-//!    the balance and version right after it), then one COMMIT.
+//!    and apply the calls one after another in arrival order, in memory, with the same rules
+//!    as the one-call transactions: a Pay's legs ([`balance_after`]); a Refund's order state
+//!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
+//!    after another to its state), then its legs, payee to payer. A call that breaks a rule is
+//!    rejected alone and changes nothing;
+//! 3. write what the accepted calls did: one multi-row INSERT of payments, one conditional
+//!    UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
+//!    one refund CAS of the refunded orders (from the state read under the lock, the new
+//!    refunded amount within the order's amount), one version CAS per account (all in one
+//!    UPDATE; an account moved N times in the batch moves N versions at once), one multi-row
+//!    INSERT of journal entries (two legs per call, in order, so every entry records the
+//!    balance and version right after it), then one COMMIT. PostgreSQL sends all of it as
+//!    one statement; MySQL and SQLite one a kind of row the batch has.
 //!
-//! Each Pay keeps its own outcome: a rejection is that Pay's answer only, a replay stays a
+//! Each call keeps its own outcome: a rejection is that call's answer only, a replay stays a
 //! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
-//! out_trade_no in one batch, a key taken under it by a concurrent writer, any database error
-//! that is not a transient conflict) makes those Pays, or the whole batch after a rollback, run
-//! alone through the ordinary one-Pay transaction, which is idempotent by out_trade_no: a Pay
-//! whose batch did commit after all is then answered as a replay.
+//! out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the read did
+//! not find or whose order a Pay of the batch names, a key taken under it by a concurrent
+//! writer, any database error that is not a transient conflict) makes those calls, or the
+//! whole batch after a rollback, run alone through the ordinary one-call transaction, which
+//! is idempotent by out_trade_no and out_refund_no: a call whose batch did commit after all
+//! is then answered as a replay.
 //!
 //! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
-//! while the workers before it are busy; under light load a batch holds one Pay.
+//! while the workers before it are busy; under light load a batch holds one call.
 //!
-//! Pays with an `idempotency-key` or `idempotency-token` (guarded) are batched too. Each goes
-//! through the idempotency driver's steps before the batch on its own (a committed record
+//! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
+//! Refund goes through the idempotency driver: each call runs the driver's steps before the
+//! batch on its own (a committed record answers it; a Refund's committed out_refund_no
 //! answers it; a token's owner is checked), and the batch does step 4 for all of them in its
-//! one transaction: once the accepted Pays are known (after 2), it claims each accepted
-//! Pay's records in arrival order, inserting them already COMPLETED with the response that Pay
-//! gets if the batch commits (one statement a record; a token with the database store is
-//! consumed there too, under a savepoint, so a claim that fails part way leaves nothing). A
-//! guard found taken (its original committed, or was in flight, under the batch) or a token
-//! found invalid takes that Pay out with nothing of it written, and the Pays after it are
-//! applied again without it; the Pay is then answered as the driver answers a key taken: the
-//! original's stored response, or ALREADY_EXISTS. Two Pays of one batch with one key or token:
-//! the second runs alone after it (a replay of the first's record, or, when the first was
-//! refused, afresh).
+//! one transaction: once the accepted calls are known (after 2), it claims each accepted
+//! call's records in arrival order, inserting them already COMPLETED with the response that
+//! call gets if the batch commits (one statement a record; a token with the database store
+//! is consumed there too, under a savepoint, so a claim that fails part way leaves nothing).
+//! A guard found taken (its original committed, or was in flight, under the batch) or a
+//! token found invalid takes that call out with nothing of it written, and the calls after
+//! it are applied again without it; the call is then answered as the driver answers a key
+//! taken: the original's stored response, or ALREADY_EXISTS. Two calls of one batch with one
+//! key or token: the second runs alone after it (a replay of the first's record, or, when the
+//! first was refused, afresh).
 //!
-//! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a Pay that finds it
+//! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a call that finds it
 //! full is refused RESOURCE_EXHAUSTED (OVERLOADED) before anything is read or written. A
-//! queued Pay whose caller has gone (cancelled, or past its deadline) when its batch is
+//! queued call whose caller has gone (cancelled, or past its deadline) when its batch is
 //! formed is dropped unstarted; one already in a batch completes with it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -72,14 +85,14 @@ use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
-/// How Pays are grouped.
+/// How Pays and Refunds are grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
-    /// Most Pays written by one transaction; 1 turns group commit off.
+    /// Most calls (Pays and Refunds) written by one transaction; 1 turns group commit off.
     pub max_batch: usize,
     /// Batches in flight at once (each holds one pooled connection while it runs).
     pub workers: usize,
-    /// Most Pays waiting in one worker's queue; a Pay that finds it full is refused
+    /// Most calls waiting in one worker's queue; a call that finds it full is refused
     /// RESOURCE_EXHAUSTED (OVERLOADED).
     pub queue_max: usize,
 }
@@ -92,7 +105,7 @@ impl Default for GroupCommitSettings {
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
 /// whether the transport dropped the call (cancelled by the client, or the connection
-/// closed). A queued Pay whose caller has gone is not started.
+/// closed). A queued call whose caller has gone is not started.
 #[derive(Debug, Clone, Default)]
 pub struct CallerPresence {
     deadline: Option<Instant>,
@@ -200,12 +213,12 @@ pub(super) struct Batched {
 struct Job {
     batched: Batched,
     presence: CallerPresence,
-    /// The Pay's span, which the batch's span links to.
+    /// The call's span, which the batch's span links to.
     link: opentelemetry::trace::SpanContext,
     reply: oneshot::Sender<Decision>,
 }
 
-/// The queues in front of the batch workers, one per worker. Pays are routed by merchant_id,
+/// The queues in front of the batch workers, one per worker. Calls are routed by merchant_id,
 /// so concurrent batches touch different orders and (when each merchant is paid into its own
 /// account) different payee accounts, and do not queue on each other's row locks. Dropping
 /// the last clone ends the workers.
@@ -227,7 +240,7 @@ impl Batcher {
         Self { queues, metrics }
     }
 
-    /// Queues a Pay and waits for its batch. [`Decision::NotStarted`] (OVERLOADED) when its
+    /// Queues a call and waits for its batch. [`Decision::NotStarted`] (OVERLOADED) when its
     /// queue is full; [`Decision::Alone`] when the workers are gone.
     pub(super) async fn submit(&self, batched: Batched, presence: CallerPresence) -> Decision {
         let mut hasher = std::hash::DefaultHasher::new();
@@ -250,7 +263,7 @@ impl Batcher {
 }
 
 /// A worker: takes whatever has queued up (at most `max_batch`) while its last batch ran, and
-/// runs it as one batch. Under light load a batch holds one Pay and starts at once. A Pay
+/// runs it as one batch. Under light load a batch holds one call and starts at once. A call
 /// whose caller has gone by then is answered [`Decision::NotStarted`] and left out.
 async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, metrics: LedgerMetrics) {
     while let Some(first) = queue.recv().await {
@@ -301,6 +314,13 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
             return alone(commands.len());
         }
     };
+    let open: Vec<usize> = (0..commands.len()).filter(|index| decisions[*index].is_none()).collect();
+    let batch: Vec<&Batched> = open.iter().map(|index| &commands[*index]).collect();
+    for (index, alone) in open.iter().zip(runs_alone(&batch, &payments)) {
+        if alone {
+            decisions[*index] = Some(Decision::Alone);
+        }
+    }
     let open: Vec<usize> = (0..commands.len()).filter(|index| decisions[*index].is_none()).collect();
     if open.is_empty() {
         return decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect();
@@ -419,27 +439,14 @@ fn order_key(merchant_id: &str, order_no: &str) -> OrderKey {
     (merchant_id.to_owned(), order_no.to_owned())
 }
 
-/// The batch's writes. `Inserted::KeyTaken` means "roll back, every call runs alone".
-async fn write_batch(
-    queries: &mut Queries<'_>,
-    batch: &[&Batched],
-    payments: &PaymentsRead,
-    trade_nos: &[String],
-    now: i64,
-) -> Result<Inserted<Vec<Decision>>, Error> {
+/// The calls of `batch` that run alone after it, known before any lock: a second Pay of one
+/// order or out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the
+/// read did not find or whose order a Pay of the batch names, a second call with one
+/// idempotency key or token.
+fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
+    let refunded = refunded_payments(batch, payments);
     let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
-    // The payment each Refund refunds, as read before the batch.
-    let refunded: Vec<Option<&PaymentRow>> = batch
-        .iter()
-        .map(|batched| match &batched.write {
-            Write::Refund { command, .. } => payments
-                .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
-                .map(|(payment, _)| payment),
-            Write::Pay(_) => None,
-        })
-        .collect();
-
     // A second Pay of the same order or out_trade_no waits for the first one's outcome: it
     // runs alone after the batch (then it is a replay, ORDER_ALREADY_PAID or
     // OUT_TRADE_NO_REUSED, exactly as if it had come second on its own).
@@ -480,9 +487,39 @@ async fn write_batch(
             *decision = Some(Decision::Alone);
         }
     }
+    decisions.iter().map(Option::is_some).collect()
+}
+
+/// The payment each Refund of `batch` refunds, as read before the batch.
+fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<Option<&'a PaymentRow>> {
+    batch
+        .iter()
+        .map(|batched| match &batched.write {
+            Write::Refund { command, .. } => payments
+                .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
+                .map(|(payment, _)| payment),
+            Write::Pay(_) => None,
+        })
+        .collect()
+}
+
+/// The batch's writes (none of its calls is one [`runs_alone`] names). `Inserted::KeyTaken`
+/// means "roll back, every call runs alone".
+async fn write_batch(
+    queries: &mut Queries<'_>,
+    batch: &[&Batched],
+    payments: &PaymentsRead,
+    trade_nos: &[String],
+    now: i64,
+) -> Result<Inserted<Vec<Decision>>, Error> {
+    let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
+    let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
+    let refunded = refunded_payments(batch, payments);
 
     // 1. The orders, locked; then the refunds committed before the lock was taken (a
-    //    Refund locks its order before it inserts its row, so none can commit after).
+    //    Refund locks its order before it inserts its row, so none of these orders can
+    //    gain one after; one of the same out_refund_no on another order would fail the
+    //    refunds' INSERT below, and the batch would run alone).
     let order_of = |index: usize| -> (&str, &str) {
         match &batch[index].write {
             Write::Pay(command) => (command.merchant_id.as_str(), command.order_no.as_str()),
@@ -518,6 +555,14 @@ async fn write_batch(
     let checked_at = deadline_clock(now);
     let mut candidates = Vec::new();
     for index in undecided {
+        // A Refund's checks in the one-refund transaction's order: currency, order, key.
+        if let Write::Refund { command, .. } = &batch[index].write {
+            let payment = refunded[index].expect("a Refund without its payment runs alone");
+            if payment.currency != command.amount.currency().code() {
+                decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
+                continue;
+            }
+        }
         let (merchant_id, order_no) = order_of(index);
         let Some(order) = orders.get(&order_key(merchant_id, order_no)) else {
             decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
@@ -533,8 +578,6 @@ async fn write_batch(
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
                 if refunded_before.contains(&order_key(merchant_id, command.out_refund_no.as_str())) {
                     decisions[index] = Some(Decision::RefundedBefore);
-                } else if payment.currency != command.amount.currency().code() {
-                    decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
                 } else {
                     candidates.push((index, Candidate::Refund(command, refund_no, payment)));
                 }

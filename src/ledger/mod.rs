@@ -24,9 +24,9 @@
 //! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
 //! and the committed original is replayed.
 //!
-//! Pays take the same steps for a whole batch at once (see `group_commit`): one replay read,
-//! one transaction, one statement per kind of row, and, for Pays with an idempotency key or
-//! token, their records claimed and completed inside that transaction.
+//! Pays and Refunds take the same steps for a whole batch at once (see `group_commit`): one
+//! replay read, one transaction, one statement per kind of row, and, for calls with an
+//! idempotency key or token, their records claimed and completed inside that transaction.
 
 mod accounts;
 mod commands;
