@@ -66,8 +66,9 @@ for line in open(sys.argv[1]):
         continue
     fields = event.get("fields", {})
     if fields.get("message") == "stopped" and fields.get("group_commits"):
-        mean = fields["group_committed_pays"] / fields["group_commits"]
-        print(f"  group commits: {fields['group_commits']}, Pays in them: {fields['group_committed_pays']} (mean batch {mean:.1f})")
+        pays, refunds = fields["group_committed_pays"], fields.get("group_committed_refunds", 0)
+        mean = (pays + refunds) / fields["group_commits"]
+        print(f"  group commits: {fields['group_commits']}, Pays in them: {pays}, Refunds: {refunds} (mean batch {mean:.1f})")
 PY
 }
 
