@@ -1168,15 +1168,7 @@ pub async fn one_group_commit_decides_each_pay_on_its_own(app: &TestApp) {
     assert_eq!(counters.group_committed_pays, 4, "t1, t2, t4 and t10 in one group commit: {counters:?}");
     assert_eq!(counters.group_commits, 1);
     // Entries follow the order the balances moved: the shop's four credits are versions 1..=4.
-    let entries = app
-        .accounts
-        .clone()
-        .list_entries(proto::ListEntriesRequest { account_id: "shop".into(), page_size: 10, page_token: String::new() })
-        .await
-        .unwrap()
-        .into_inner()
-        .entries;
-    let balances: Vec<&str> = entries.iter().map(|entry| entry.balance_after.as_str()).collect();
+    let balances = app.balances_after("shop").await;
     assert_eq!(balances, ["8.00", "6.00", "4.00", "2.00"], "newest first");
     assert!(app.ledger.audit().await.unwrap().is_empty());
 
@@ -1496,15 +1488,7 @@ pub async fn one_group_commit_of_pays_and_refunds_decides_each_on_its_own(app: &
     // kr1, kp3, kr11, the token's record and the Transfer's key: the refused calls left none.
     assert_eq!(app.rows("idempotency_record").await, 5);
     // The shop's entries follow the order its balance moved: t1, t2, r1, r2, t3, r8, r5.
-    let entries = app
-        .accounts
-        .clone()
-        .list_entries(proto::ListEntriesRequest { account_id: "shop".into(), page_size: 10, page_token: String::new() })
-        .await
-        .unwrap()
-        .into_inner()
-        .entries;
-    let balances: Vec<&str> = entries.iter().map(|entry| entry.balance_after.as_str()).collect();
+    let balances = app.balances_after("shop").await;
     assert_eq!(balances, ["4.00", "5.00", "7.00", "5.00", "9.00", "10.00", "5.00"], "newest first");
     assert!(app.ledger.audit().await.unwrap().is_empty());
 

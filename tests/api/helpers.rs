@@ -497,6 +497,14 @@ impl TestApp {
         self.deposit(&format!("fund-{account_id}"), account_id, amount, "USD").await.expect("Deposit");
     }
 
+    /// The `balance_after` of the account's latest ten journal entries, newest first.
+    pub async fn balances_after(&self, account_id: &str) -> Vec<String> {
+        let request =
+            proto::ListEntriesRequest { account_id: account_id.into(), page_size: 10, page_token: String::new() };
+        let entries = self.accounts.clone().list_entries(request).await.expect("ListEntries").into_inner().entries;
+        entries.into_iter().map(|entry| entry.balance_after).collect()
+    }
+
     pub async fn balance(&self, account_id: &str) -> String {
         let request = proto::GetAccountRequest { account_id: account_id.into() };
         self.accounts.clone().get_account(request).await.expect("GetAccount").into_inner().account.unwrap().balance
