@@ -67,8 +67,10 @@ for line in open(sys.argv[1]):
     fields = event.get("fields", {})
     if fields.get("message") == "stopped" and fields.get("group_commits"):
         pays, refunds = fields["group_committed_pays"], fields.get("group_committed_refunds", 0)
-        mean = (pays + refunds) / fields["group_commits"]
-        print(f"  group commits: {fields['group_commits']}, Pays in them: {pays}, Refunds: {refunds} (mean batch {mean:.1f})")
+        transfers = fields.get("group_committed_transfers", 0)
+        mean = (pays + refunds + transfers) / fields["group_commits"]
+        print(f"  group commits: {fields['group_commits']}, Pays in them: {pays}, Refunds: {refunds}, "
+              f"Transfers: {transfers} (mean batch {mean:.1f})")
 PY
 }
 

@@ -102,6 +102,7 @@ pub struct LedgerMetrics {
     pub group_commits: Counter,
     pub group_committed_pays: Counter,
     pub group_committed_refunds: Counter,
+    pub group_committed_transfers: Counter,
     pub group_commit_batch: Histogram,
     pub group_commit_queue_depth: Gauge,
     pub group_commit_alone: Counter,
@@ -128,6 +129,7 @@ impl Default for LedgerMetrics {
             group_commits: Counter::default(),
             group_committed_pays: Counter::default(),
             group_committed_refunds: Counter::default(),
+            group_committed_transfers: Counter::default(),
             group_commit_batch: batch_buckets(),
             group_commit_queue_depth: Gauge::default(),
             group_commit_alone: Counter::default(),
@@ -238,7 +240,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commits",
-            "Group-commit transactions that committed at least one Pay or Refund",
+            "Group-commit transactions that committed at least one Pay, Refund or Transfer",
             self.group_commits.clone(),
         );
         registry.register(
@@ -252,18 +254,23 @@ impl LedgerMetrics {
             self.group_committed_refunds.clone(),
         );
         registry.register(
+            "payledger_group_committed_transfers",
+            "Transfers committed by group commits",
+            self.group_committed_transfers.clone(),
+        );
+        registry.register(
             "payledger_group_commit_batch_pays",
-            "Pays and Refunds committed per group commit",
+            "Pays, Refunds and Transfers committed per group commit",
             self.group_commit_batch.clone(),
         );
         registry.register(
             "payledger_group_commit_queue_depth",
-            "Pays and Refunds queued for group commit, not yet taken by a batch",
+            "Pays, Refunds and Transfers queued for group commit, not yet taken by a batch",
             self.group_commit_queue_depth.clone(),
         );
         registry.register(
             "payledger_group_commit_alone",
-            "Pays and Refunds run in a transaction of their own after their batch could not decide them",
+            "Pays, Refunds and Transfers run in a transaction of their own after their batch could not decide them, or refused them while they carried an idempotency key or token",
             self.group_commit_alone.clone(),
         );
         registry.register(

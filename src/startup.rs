@@ -404,6 +404,7 @@ impl Application {
             group_commits = counters.group_commits,
             group_committed_pays = counters.group_committed_pays,
             group_committed_refunds = counters.group_committed_refunds,
+            group_committed_transfers = counters.group_committed_transfers,
             "stopped"
         );
         Ok(())

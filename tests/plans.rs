@@ -3,7 +3,8 @@
 //! `idempotency_record`) however the tables grew since the statistics were taken.
 //!
 //! Each backend's test:
-//! 1. seeds a small ledger and analyzes it, so the statistics say every table is small;
+//! 1. seeds a small ledger and analyzes it, so the statistics say every table is small (a
+//!    second PostgreSQL test never analyzes it: no statistics at all, as after a restore);
 //! 2. starts a server over a pool of one connection and runs every bench scenario (Pay, keyed
 //!    Pay, keyed Transfer, replay, hot account, Refund, hot Refund, Query, and the mix with
 //!    Deposit, holds and Withdraw), so that connection has prepared, and PostgreSQL has
@@ -34,9 +35,23 @@ const HOT_TABLES: [&str; 6] =
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
+    postgres_hot_paths_never_scan(Statistics::Stale).await;
+}
+
+/// As a database just restored, or one whose autovacuum is off, holds: no statistics at all,
+/// so that PostgreSQL guesses the selectivity of every condition on a column (0.5% of the
+/// rows a value for equality) and a lookup by a column that is not unique on its own, of a
+/// few dozen values, looks like a large share of the table. The scenarios run at 32 callers,
+/// so that batches hold a few dozen calls, on a ledger grown to over 10,000 rows a hot table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_hot_paths_never_scan_a_grown_ledger_never_analyzed() {
+    postgres_hot_paths_never_scan(Statistics::None).await;
+}
+
+async fn postgres_hot_paths_never_scan(statistics: Statistics) {
     let Some(admin) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
     let database = common::ServerDatabase::create(&admin, "plans").await;
-    let served = prepared_server(&database.url).await;
+    let served = prepared_server(&database.url, statistics).await;
     let raw = AnyPool::connect(&database.url).await.unwrap();
 
     let flush =
@@ -53,7 +68,12 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     };
     flush().await;
     let before = counters().await;
-    common::run_every_scenario(&served).await;
+    match statistics {
+        Statistics::Stale => common::run_every_scenario(&served).await,
+        // Large batches: a batch statement's keys are then a large share of what a guess
+        // without statistics makes of a small table.
+        Statistics::None => common::run_every_scenario_at(&served, 32, 320).await,
+    }
     flush().await;
     let after = counters().await;
 
@@ -62,7 +82,8 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
         let (seq_before, _) = before[table];
         let (seq_after, _) = after[table];
         if seq_after != seq_before {
-            scanned.push(format!("{table}: {} sequential scans", seq_after - seq_before));
+            let rows: i64 = sqlx::query(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&raw).await.unwrap().get(0);
+            scanned.push(format!("{table}: {} sequential scans of {rows} rows", seq_after - seq_before));
         }
     }
     // The counters moved: these are the server session's statistics, flushed.
@@ -77,7 +98,7 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
 async fn mysql_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     let Some(admin) = common::admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
     let database = common::ServerDatabase::create(&admin, "plans").await;
-    let served = prepared_server(&database.url).await;
+    let served = prepared_server(&database.url, Statistics::Stale).await;
 
     // The batch statements read their rows from JSON_TABLE, and those reads count in the
     // session's Handler_read_rnd_next as a table scan's would; so the rows each hot table
@@ -119,7 +140,7 @@ async fn sqlite_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     let directory = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
     let log = statement_log();
-    let served = prepared_server(&url).await;
+    let served = prepared_server(&url, Statistics::Stale).await;
 
     log.statements.lock().unwrap().clear();
     log.capturing.store(true, Ordering::SeqCst);
@@ -156,17 +177,35 @@ async fn sqlite_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     finish(served).await;
 }
 
-/// Steps 1 to 3 of the module docs: a small analyzed ledger, a server over one connection
-/// that has run every statement on it, then the tables grown behind that server's back.
-async fn prepared_server(url: &str) -> common::Served {
+/// What the database knows of its tables when they grow.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Statistics {
+    /// Taken of the small ledger, before it grew.
+    Stale,
+    /// Never taken.
+    None,
+}
+
+/// Steps 1 to 3 of the module docs: a small ledger (analyzed, unless `statistics` says
+/// none), a server over one connection that has run every statement on it, then the tables
+/// grown behind that server's back.
+async fn prepared_server(url: &str, statistics: Statistics) -> common::Served {
     seed_ledger(url, 200).await;
     let dialect = Dialect::from_url(url).unwrap();
     let mut connection = sqlx::AnyConnection::connect(url).await.unwrap();
-    match dialect {
-        Dialect::Postgres | Dialect::Sqlite => {
+    match (dialect, statistics) {
+        (Dialect::Postgres, Statistics::None) => {
+            // Not even autovacuum's: whatever the server's setting, these tables keep none.
+            for table in HOT_TABLES {
+                let off = format!("ALTER TABLE {table} SET (autovacuum_enabled = false)");
+                sqlx::raw_sql(&off).execute(&mut connection).await.unwrap();
+            }
+        }
+        (_, Statistics::None) => {}
+        (Dialect::Postgres | Dialect::Sqlite, Statistics::Stale) => {
             sqlx::raw_sql("ANALYZE").execute(&mut connection).await.unwrap();
         }
-        Dialect::MySql => {
+        (Dialect::MySql, Statistics::Stale) => {
             let tables = HOT_TABLES.join(", ");
             sqlx::raw_sql(&format!("ANALYZE TABLE {tables}")).fetch_all(&mut connection).await.unwrap();
         }
@@ -175,7 +214,13 @@ async fn prepared_server(url: &str) -> common::Served {
 
     let served = common::serve(url, 1).await;
     common::run_every_scenario(&served).await;
-    seed_ledger(url, 30_000).await;
+    match statistics {
+        Statistics::Stale => seed_ledger(url, 30_000).await,
+        // Every hot table tens of thousands of rows: refunds and records too, so that a scan of
+        // any of them is one of a large table (a hash join over a scan of a few thousand rows
+        // can be the planner's right choice for a batch of 32 keys).
+        Statistics::None => grow_every_hot_table(url).await,
+    }
     served
 }
 
@@ -192,6 +237,22 @@ async fn seed_ledger(url: &str, orders: u64) {
         merchants: 20,
         refunded_percent: 10,
         idempotency_records: None,
+        batch_rows: 10_000,
+    };
+    seed(&settings).await.unwrap();
+}
+
+/// As [`seed_ledger`] of 30,000 orders, with 40% of them refunded and 30,000 idempotency
+/// records: every hot table then holds over 10,000 rows.
+async fn grow_every_hot_table(url: &str) {
+    let settings = SeedSettings {
+        database_url: url.to_owned(),
+        allow_test_data: true,
+        orders: 30_000,
+        payers: 30_000,
+        merchants: 20,
+        refunded_percent: 40,
+        idempotency_records: Some(30_000),
         batch_rows: 10_000,
     };
     seed(&settings).await.unwrap();

@@ -1,7 +1,7 @@
 //! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
 //! Pays, over one to five merchants, each with a rejected Pay, a replay, Pays with an
-//! idempotency key and a token and a Refund in it, prepare no statement that the first
-//! batches did not already prepare.
+//! idempotency key and a token, a Refund and a Transfer in it, prepare no statement that the
+//! first batches did not already prepare.
 //!
 //! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
 //! same server, and all it prepared still fits sqlx's statement cache (100 a connection), so
@@ -19,7 +19,7 @@ use payledger::domain::{
     AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
     OutTradeNo,
 };
-use payledger::ledger::{BatchCall, Guards, Pay, Refund};
+use payledger::ledger::{BatchCall, Guards, Pay, Refund, Transfer};
 use payledger::proto;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
@@ -31,9 +31,10 @@ use sqlx::Row;
 /// payment, the token's owner, and in the batch the token consumed (and read back when it
 /// was not) and the records inserted; then the Refunds: the replay read of a refund and its
 /// order, and in the batch the refunds read under the orders' locks (MariaDB writes the
-/// refunds and the orders' refund CAS in two more).
-const POSTGRES_BATCH_STATEMENTS: i64 = 12;
-const MYSQL_BATCH_STATEMENTS: i64 = 17;
+/// refunds and the orders' refund CAS in two more); then the Transfers: in the batch their
+/// entries read back and their records completed (MariaDB writes the transfers in one more).
+const POSTGRES_BATCH_STATEMENTS: i64 = 14;
+const MYSQL_BATCH_STATEMENTS: i64 = 20;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.
@@ -141,6 +142,20 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         assert!(answers[..3].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
         assert!(answers[3].is_err(), "{answers:?}");
     }
+    // And Transfers in a batch (each with its key): two fresh, one refused (the poor account
+    // has nothing), then the same again: replays, and the refusal again.
+    let transfers = || {
+        vec![
+            (BatchCall::Transfer(transfer("payer", "shop-0")), guards(Some("kta"), None)),
+            (BatchCall::Transfer(transfer("payer", "shop-1")), guards(Some("ktb"), None)),
+            (BatchCall::Transfer(transfer("poor", "shop-1")), guards(Some("ktc"), None)),
+        ]
+    };
+    for replayed in [false, true] {
+        let answers = served.ledger.write_together(transfers()).await;
+        assert!(answers[..2].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
+        assert!(answers[2].is_err(), "{answers:?}");
+    }
     let after_first = prepared().await;
     assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
 
@@ -168,7 +183,12 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         let mut batch: Vec<_> = batch.into_iter().map(|(pay, guards)| (BatchCall::Pay(pay), guards)).collect();
         let middle = batch.len() / 2;
         batch.insert(middle, refund_call);
+        // And a Transfer with a key of its own first in every batch.
+        let transfer_key = format!("kt{round}");
+        batch.insert(0, (BatchCall::Transfer(transfer("payer", "shop-2")), guards(Some(&transfer_key), None)));
         let mut answers = served.ledger.write_together(batch).await;
+        let transferred = answers.remove(0);
+        assert!(transferred.as_ref().is_ok_and(|transferred| !transferred.replayed), "{transferred:?}");
         let refunded = answers.remove(middle);
         assert!(refunded.as_ref().is_ok_and(|refunded| !refunded.replayed), "{refunded:?}");
         for (index, answer) in answers.iter().enumerate() {
@@ -186,6 +206,7 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     let paid: usize = SIZES.iter().map(|size| size - 1).sum();
     assert_eq!(after.group_committed_pays - before.group_committed_pays, paid as u64, "{after:?}");
     assert_eq!(after.group_committed_refunds - before.group_committed_refunds, SIZES.len() as u64, "{after:?}");
+    assert_eq!(after.group_committed_transfers - before.group_committed_transfers, SIZES.len() as u64, "{after:?}");
     assert_eq!(after.group_commits - before.group_commits, SIZES.len() as u64);
 
     let after_all = prepared().await;
@@ -239,6 +260,18 @@ fn refund(order: usize, out_refund_no: &str, amount: &str) -> Refund {
         out_refund_no: OutRefundNo::parse("out_refund_no", out_refund_no).unwrap(),
         amount: Amount::parse("amount", amount, currency).unwrap(),
         reason: FreeText::parse("reason", "statements").unwrap(),
+        created_by: Actor::Anonymous,
+    }
+}
+
+/// A Transfer of 0.01 from `from` to `to`.
+fn transfer(from: &str, to: &str) -> Transfer {
+    let currency = Currency::parse("currency", "USD").unwrap();
+    Transfer {
+        from_account_id: AccountId::parse("from_account_id", from).unwrap(),
+        to_account_id: AccountId::parse("to_account_id", to).unwrap(),
+        amount: Amount::parse("amount", "0.01", currency).unwrap(),
+        memo: FreeText::parse("memo", "statements").unwrap(),
         created_by: Actor::Anonymous,
     }
 }

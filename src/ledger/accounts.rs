@@ -6,8 +6,9 @@ use crate::proto;
 use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
+use super::group_commit::{Batchable, Decision, Write};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
-use super::idempotent::{differing_from, Fields, IdempotentCall};
+use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
 use super::posting::{
     external_account_id, funding_account_id, funding_shard, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL,
 };
@@ -101,19 +102,23 @@ impl Ledger {
     /// [`Error::InvalidArgument`] without an idempotency key; [`Error::NotFound`] (account);
     /// [`crate::domain::Rejection`]s INSUFFICIENT_FUNDS, CURRENCY_MISMATCH;
     /// [`Error::IdempotencyKeyReused`].
+    ///
+    /// With group commit on, a Transfer is written by a batch (routed by its
+    /// from_account_id), its key's record claimed and completed inside the batch's
+    /// transaction (see `group_commit`).
     pub async fn transfer(
         &self,
         command: Transfer,
         guards: &Guards,
     ) -> Result<Replayable<proto::TransferResponse>, Error> {
-        if guards.idempotency_key.is_none() {
-            return Err(FieldViolation::new(
-                IDEMPOTENCY_KEY_HEADER,
-                "is required on Transfer, which has no natural key",
-            )
-            .into());
+        check_transfer(&command, guards)?;
+        let call = Identified { command, id: new_id('X') };
+        match self.batcher() {
+            Some(batcher) => {
+                self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<Identified<Transfer>>)
+            }
+            None => self.run_idempotent(&call, guards).await,
         }
-        self.run_idempotent(&Identified { command, id: new_id('X') }, guards).await
     }
 
     /// Issues a one-time token to `merchant_id` and the caller `actor`, for the
@@ -164,6 +169,23 @@ impl Ledger {
         };
         Ok(EntryPage { entries, next_before_entry_id })
     }
+}
+
+/// What a Transfer needs before anything is read: an `idempotency-key` (it has no natural
+/// key), and two accounts (the edge checks this too; a posting on one account is a bug).
+///
+/// # Errors
+/// [`Error::InvalidArgument`].
+pub(super) fn check_transfer(command: &Transfer, guards: &Guards) -> Result<(), Error> {
+    if guards.idempotency_key.is_none() {
+        return Err(
+            FieldViolation::new(IDEMPOTENCY_KEY_HEADER, "is required on Transfer, which has no natural key").into()
+        );
+    }
+    if command.from_account_id == command.to_account_id {
+        return Err(FieldViolation::new("to_account_id", "must differ from from_account_id").into());
+    }
+    Ok(())
 }
 
 /// OpenAccount's business fields, from a request or a stored account.
@@ -379,16 +401,7 @@ impl IdempotentCall for Identified<Transfer> {
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<TransferReceipt>, Error> {
         let Identified { command, id: transfer_id } = self;
-        let transfer = TransferRow {
-            transfer_id: transfer_id.clone(),
-            from_account_id: command.from_account_id.as_str().to_owned(),
-            to_account_id: command.to_account_id.as_str().to_owned(),
-            amount: command.amount.minor_units(),
-            currency: command.amount.currency().code().to_owned(),
-            memo: command.memo.as_str().to_owned(),
-            created_at: now,
-            created_by: command.created_by.created_by().to_owned(),
-        };
+        let transfer = transfer_row(command, transfer_id, now);
         let posting = Posting {
             posting_id: transfer_id,
             kind: EntryKind::Transfer,
@@ -405,6 +418,33 @@ impl IdempotentCall for Identified<Transfer> {
         let from_entry = queries.find_entry(transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
         let to_entry = queries.find_entry(transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
         Ok(Inserted::Done(TransferReceipt { transfer, from_entry, to_entry }))
+    }
+}
+
+impl Batchable for Identified<Transfer> {
+    fn write(&self) -> Write {
+        Write::Transfer { command: self.command.clone(), transfer_id: self.id.clone() }
+    }
+
+    fn written(decision: Decision) -> Result<TransferReceipt, Box<Decision>> {
+        match decision {
+            Decision::Transferred(receipt) => Ok(receipt),
+            other => Err(Box::new(other)),
+        }
+    }
+}
+
+/// The row a Transfer writes at `now`, as its own transaction and a group commit write it.
+pub(super) fn transfer_row(command: &Transfer, transfer_id: &str, now: i64) -> TransferRow {
+    TransferRow {
+        transfer_id: transfer_id.to_owned(),
+        from_account_id: command.from_account_id.as_str().to_owned(),
+        to_account_id: command.to_account_id.as_str().to_owned(),
+        amount: command.amount.minor_units(),
+        currency: command.amount.currency().code().to_owned(),
+        memo: command.memo.as_str().to_owned(),
+        created_at: now,
+        created_by: command.created_by.created_by().to_owned(),
     }
 }
 

@@ -1,9 +1,11 @@
-//! Group commit of Pays and Refunds: the Pays and Refunds that arrive while the database is
-//! busy are written together (each worker takes the calls of the merchants routed to it), in
-//! one transaction, with one statement per kind of row instead of one per call:
+//! Group commit of Pays, Refunds and Transfers: the calls that arrive while the database is
+//! busy are written together (each worker takes the calls routed to it: Pays and Refunds by
+//! merchant_id, Transfers by from_account_id), in one transaction, with one statement per
+//! kind of row instead of one per call:
 //!
 //! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
-//!    Pays are replays) and the payments the Refunds refund (payments never change);
+//!    Pays are replays) and the payments the Refunds refund (payments never change); there is
+//!    nothing to read for a Transfer, and a batch of Transfers alone skips this read;
 //! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order), check each
 //!    Pay against its order ([`check_pay`]: terms and state machine), and read the Refunds'
 //!    out_refund_nos (one SELECT): one committed before the lock was taken is a replay (a
@@ -12,16 +14,19 @@
 //!    and apply the calls one after another in arrival order, in memory, with the same rules
 //!    as the one-call transactions: a Pay's legs ([`balance_after`]); a Refund's order state
 //!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
-//!    after another to its state), then its legs, payee to payer. A call that breaks a rule is
+//!    after another to its state), then its legs, payee to payer; a Transfer's legs, from to
+//!    to ([`move_money`], the rules of a single posting). A call that breaks a rule is
 //!    rejected alone and changes nothing;
 //! 3. write what the accepted calls did: one multi-row INSERT of payments, one conditional
 //!    UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
 //!    one refund CAS of the refunded orders (from the state read under the lock, the new
-//!    refunded amount within the order's amount), one version CAS per account (all in one
-//!    UPDATE; an account moved N times in the batch moves N versions at once), one multi-row
-//!    INSERT of journal entries (two legs per call, in order, so every entry records the
-//!    balance and version right after it), then one COMMIT. PostgreSQL sends all of it as
-//!    one statement; MySQL and SQLite one a kind of row the batch has.
+//!    refunded amount within the order's amount), one multi-row INSERT of transfers, one
+//!    version CAS per account (all in one UPDATE; an account moved N times in the batch
+//!    moves N versions at once), one multi-row INSERT of journal entries (two legs per call,
+//!    in order, so every entry records the balance and version right after it), then one
+//!    COMMIT. PostgreSQL sends all of it as one statement; MySQL and SQLite one a kind of row
+//!    the batch has. A Transfer's answer holds its entries, whose ids the database assigns:
+//!    one read after the write fetches the Transfers' entries.
 //!
 //! Each call keeps its own outcome: a rejection is that call's answer only, a replay stays a
 //! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
@@ -43,6 +48,10 @@
 //! call's records in arrival order, inserting them already COMPLETED with the response that
 //! call gets if the batch commits (one statement a record; a token with the database store
 //! is consumed there too, under a savepoint, so a claim that fails part way leaves nothing).
+//! A Transfer's records are inserted IN_PROGRESS instead, as the one-call path claims them,
+//! and completed with its receipt once its entries are read back (one UPDATE for all the
+//! batch's Transfers, in the same transaction: no other transaction sees a record before the
+//! commit).
 //! A guard found taken (its original committed, or was in flight, under the batch) or a
 //! token found invalid takes that call out with nothing of it written, and the calls after
 //! it are applied again without it; the call is then answered as the driver answers a key
@@ -69,13 +78,15 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+    AccountRow, BalanceUpdate, BatchWrite, EntryRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+    TransferRow,
 };
 
 use prost::Message as _;
 
-use super::commands::{Pay, Refund};
-use super::guards::BatchClaim;
+use super::accounts::{transfer_row, TransferReceipt};
+use super::commands::{Pay, Refund, Transfer};
+use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
 use super::payments::{
     check_pay, new_payment, new_refund, paid_receipt, refunded_order, PayCheck, PayReceipt, RefundReceipt,
@@ -85,10 +96,11 @@ use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
-/// How Pays and Refunds are grouped.
+/// How Pays, Refunds and Transfers are grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
-    /// Most calls (Pays and Refunds) written by one transaction; 1 turns group commit off.
+    /// Most calls (Pays, Refunds and Transfers) written by one transaction; 1 turns group
+    /// commit off.
     pub max_batch: usize,
     /// Batches in flight at once (each holds one pooled connection while it runs).
     pub workers: usize,
@@ -147,6 +159,8 @@ pub(super) enum Decision {
     Paid(PayReceipt),
     /// Refunded and committed by the batch.
     Refunded(RefundReceipt),
+    /// Transferred and committed by the batch.
+    Transferred(TransferReceipt),
     /// A payment under this out_trade_no was already committed (with its order): a replay,
     /// or OUT_TRADE_NO_REUSED if it paid something else.
     Found(PaymentRow, OrderRow),
@@ -177,21 +191,31 @@ pub(super) enum Write {
         command: Refund,
         refund_no: String,
     },
+    /// A Transfer (always with an `idempotency-key`), with the transfer_id its row gets.
+    Transfer {
+        command: Transfer,
+        transfer_id: String,
+    },
 }
 
 impl Write {
-    fn merchant_id(&self) -> &str {
+    /// What routes the write to its worker: a Pay's or Refund's merchant_id, a Transfer's
+    /// from_account_id.
+    fn route(&self) -> &str {
         match self {
             Write::Pay(command) => command.merchant_id.as_str(),
             Write::Refund { command, .. } => command.merchant_id.as_str(),
+            Write::Transfer { command, .. } => command.from_account_id.as_str(),
         }
     }
 
-    /// The (merchant_id, out_trade_no) the write pays, or refunds the payment of.
-    fn trade_key(&self) -> (&str, &str) {
+    /// The (merchant_id, out_trade_no) the write pays, or refunds the payment of; none for a
+    /// Transfer.
+    fn trade_key(&self) -> Option<(&str, &str)> {
         match self {
-            Write::Pay(command) => (command.merchant_id.as_str(), command.out_trade_no.as_str()),
-            Write::Refund { command, .. } => (command.merchant_id.as_str(), command.out_trade_no.as_str()),
+            Write::Pay(command) => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
+            Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
+            Write::Transfer { .. } => None,
         }
     }
 }
@@ -218,10 +242,13 @@ struct Job {
     reply: oneshot::Sender<Decision>,
 }
 
-/// The queues in front of the batch workers, one per worker. Calls are routed by merchant_id,
-/// so concurrent batches touch different orders and (when each merchant is paid into its own
-/// account) different payee accounts, and do not queue on each other's row locks. Dropping
-/// the last clone ends the workers.
+/// The queues in front of the batch workers, one per worker. Pays and Refunds are routed by
+/// merchant_id, so concurrent batches touch different orders and (when each merchant is paid
+/// into its own account) different payee accounts, and do not queue on each other's row
+/// locks; Transfers by from_account_id, so the Transfers of one account share a worker (their
+/// to-accounts, and a merchant's account that also sends Transfers, may be another worker's
+/// too: those batches then wait for each other's row locks, taken in account_id order).
+/// Dropping the last clone ends the workers.
 pub(super) struct Batcher {
     queues: Vec<mpsc::Sender<Job>>,
     metrics: LedgerMetrics,
@@ -244,7 +271,7 @@ impl Batcher {
     /// queue is full; [`Decision::Alone`] when the workers are gone.
     pub(super) async fn submit(&self, batched: Batched, presence: CallerPresence) -> Decision {
         let mut hasher = std::hash::DefaultHasher::new();
-        batched.write.merchant_id().hash(&mut hasher);
+        batched.write.route().hash(&mut hasher);
         let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
         let (reply, decision) = oneshot::channel();
         let link = tracing::Span::current().context().span().span_context().clone();
@@ -342,11 +369,13 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
     };
     let paid = written.iter().filter(|decision| matches!(decision, Decision::Paid(_))).count();
     let refunded = written.iter().filter(|decision| matches!(decision, Decision::Refunded(_))).count();
-    if paid + refunded > 0 {
+    let transferred = written.iter().filter(|decision| matches!(decision, Decision::Transferred(_))).count();
+    if paid + refunded + transferred > 0 {
         metrics.group_commits.inc();
         metrics.group_committed_pays.inc_by(paid as u64);
         metrics.group_committed_refunds.inc_by(refunded as u64);
-        metrics.group_commit_batch.observe((paid + refunded) as f64);
+        metrics.group_committed_transfers.inc_by(transferred as u64);
+        metrics.group_commit_batch.observe((paid + refunded + transferred) as f64);
     }
     for (index, decision) in open.into_iter().zip(written) {
         decisions[index] = Some(decision);
@@ -361,8 +390,12 @@ type PaymentsRead = HashMap<(String, String), (PaymentRow, OrderRow)>;
 /// [`Decision::Found`] for every Pay whose out_trade_no is already paid, and the payments
 /// (immutable once written) the Refunds refund.
 async fn read_payments(store: &Store, commands: &[Batched]) -> Result<(Vec<Option<Decision>>, PaymentsRead), Error> {
-    let keys: BTreeSet<(&str, &str)> = commands.iter().map(|batched| batched.write.trade_key()).collect();
+    let keys: BTreeSet<(&str, &str)> = commands.iter().filter_map(|batched| batched.write.trade_key()).collect();
     let keys: Vec<(&str, &str)> = keys.into_iter().collect();
+    if keys.is_empty() {
+        // Transfers only: nothing to read.
+        return Ok((commands.iter().map(|_| None).collect(), PaymentsRead::new()));
+    }
     let mut reader = store.reader().await?;
     let found: PaymentsRead = reader
         .queries()
@@ -400,6 +433,8 @@ enum Candidate<'a> {
     Pay(&'a Pay, OrderRow),
     /// A Refund of this payment.
     Refund(&'a Refund, &'a str, &'a PaymentRow),
+    /// A Transfer, with its transfer_id.
+    Transfer(&'a Transfer, &'a str),
 }
 
 /// What one accepted write does, in the order the batch applied it.
@@ -409,26 +444,24 @@ enum Accepted {
     /// The receipt of a Refund if the batch commits (its order as this refund leaves it), its
     /// legs and the accounts they move, from and to (the payment's payee, then its payer).
     Refunded(RefundReceipt, Legs, [String; 2]),
+    /// The row of a Transfer and its legs (from, to). Its receipt holds its entries, whose
+    /// ids only the write gives: its guards are claimed IN_PROGRESS and completed after it.
+    Transferred(TransferRow, Legs),
 }
 
 impl Accepted {
-    /// The response message the write's guards record.
-    fn message(&self) -> Result<Vec<u8>, Error> {
+    /// The response message of a Pay or Refund, which its guards record when claimed; `None`
+    /// for a Transfer.
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
         Ok(match self {
             Accepted::Paid(receipt, _) => {
-                <Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec()
+                Some(<Identified<Pay> as IdempotentCall>::message(receipt.clone())?.encode_to_vec())
             }
             Accepted::Refunded(receipt, ..) => {
-                <Identified<Refund> as IdempotentCall>::message(receipt.clone())?.encode_to_vec()
+                Some(<Identified<Refund> as IdempotentCall>::message(receipt.clone())?.encode_to_vec())
             }
+            Accepted::Transferred(..) => None,
         })
-    }
-
-    fn into_decision(self) -> Decision {
-        match self {
-            Accepted::Paid(receipt, _) => Decision::Paid(receipt),
-            Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
-        }
     }
 }
 
@@ -498,7 +531,7 @@ fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<
             Write::Refund { command, .. } => payments
                 .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
                 .map(|(payment, _)| payment),
-            Write::Pay(_) => None,
+            Write::Pay(_) | Write::Transfer { .. } => None,
         })
         .collect()
 }
@@ -520,29 +553,35 @@ async fn write_batch(
     //    Refund locks its order before it inserts its row, so none of these orders can
     //    gain one after; one of the same out_refund_no on another order would fail the
     //    refunds' INSERT below, and the batch would run alone).
-    let order_of = |index: usize| -> (&str, &str) {
+    // A Transfer has no order.
+    let order_of = |index: usize| -> Option<(&str, &str)> {
         match &batch[index].write {
-            Write::Pay(command) => (command.merchant_id.as_str(), command.order_no.as_str()),
+            Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
             Write::Refund { .. } => {
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
-                (payment.merchant_id.as_str(), payment.order_no.as_str())
+                Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
             }
+            Write::Transfer { .. } => None,
         }
     };
     let undecided: Vec<usize> = (0..batch.len()).filter(|index| decisions[*index].is_none()).collect();
-    let order_keys: BTreeSet<(&str, &str)> = undecided.iter().map(|index| order_of(*index)).collect();
+    let order_keys: BTreeSet<(&str, &str)> = undecided.iter().filter_map(|index| order_of(*index)).collect();
     let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
-    let orders: HashMap<OrderKey, OrderRow> = queries
-        .lock_orders(&order_keys)
-        .await?
-        .into_iter()
-        .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
-        .collect();
+    let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
+        HashMap::new()
+    } else {
+        queries
+            .lock_orders(&order_keys)
+            .await?
+            .into_iter()
+            .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
+            .collect()
+    };
     let refund_keys: Vec<(&str, &str)> = undecided
         .iter()
         .filter_map(|index| match &batch[*index].write {
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
-            Write::Pay(_) => None,
+            Write::Pay(_) | Write::Transfer { .. } => None,
         })
         .collect();
     let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
@@ -556,14 +595,21 @@ async fn write_batch(
     let mut candidates = Vec::new();
     for index in undecided {
         // A Refund's checks in the one-refund transaction's order: currency, order, key.
-        if let Write::Refund { command, .. } = &batch[index].write {
-            let payment = refunded[index].expect("a Refund without its payment runs alone");
-            if payment.currency != command.amount.currency().code() {
-                decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
+        match &batch[index].write {
+            Write::Refund { command, .. } => {
+                let payment = refunded[index].expect("a Refund without its payment runs alone");
+                if payment.currency != command.amount.currency().code() {
+                    decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
+                    continue;
+                }
+            }
+            Write::Transfer { command, transfer_id } => {
+                candidates.push((index, Candidate::Transfer(command, transfer_id)));
                 continue;
             }
+            Write::Pay(_) => {}
         }
-        let (merchant_id, order_no) = order_of(index);
+        let (merchant_id, order_no) = order_of(index).expect("a Pay or Refund has its order");
         let Some(order) = orders.get(&order_key(merchant_id, order_no)) else {
             decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
             continue;
@@ -582,6 +628,7 @@ async fn write_batch(
                     candidates.push((index, Candidate::Refund(command, refund_no, payment)));
                 }
             }
+            Write::Transfer { .. } => unreachable!("a Transfer is a candidate above"),
         }
     }
 
@@ -595,6 +642,7 @@ async fn write_batch(
         .flat_map(|(_, candidate)| match candidate {
             Candidate::Pay(command, order) => [command.payer_account_id.as_str(), order.payee_account_id.as_str()],
             Candidate::Refund(_, _, payment) => [payment.payee_account_id.as_str(), payment.payer_account_id.as_str()],
+            Candidate::Transfer(command, _) => [command.from_account_id.as_str(), command.to_account_id.as_str()],
         })
         .collect();
     let account_ids: Vec<&str> = account_ids.into_iter().collect();
@@ -627,6 +675,12 @@ async fn write_batch(
                         },
                     )
                 }
+                Candidate::Transfer(command, transfer_id) => {
+                    let transfer = transfer_row(command, transfer_id, now);
+                    let (from, to) = (&transfer.from_account_id, &transfer.to_account_id);
+                    move_money(&mut accounts, from, to, &transfer.currency, transfer.amount)
+                        .map(|legs| Accepted::Transferred(transfer, legs))
+                }
             };
             match applied {
                 Ok(accepted_one) => accepted.push((*index, accepted_one)),
@@ -644,9 +698,13 @@ async fn write_batch(
         for (index, accepted_one) in &accepted {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
             let message = accepted_one.message()?;
-            let claimed_now = match accepted_one {
-                Accepted::Paid(receipt, _) => claim.claim(queries, receipt, &message, now).await,
-                Accepted::Refunded(receipt, ..) => claim.claim(queries, receipt, &message, now).await,
+            let claimed_now = match (accepted_one, message) {
+                (Accepted::Paid(receipt, _), Some(message)) => claim.claim(queries, receipt, &message, now).await,
+                (Accepted::Refunded(receipt, ..), Some(message)) => claim.claim(queries, receipt, &message, now).await,
+                (Accepted::Transferred(..), None) => claim.claim_in_progress(queries, now).await,
+                (Accepted::Paid(..) | Accepted::Refunded(..), None) | (Accepted::Transferred(..), Some(_)) => {
+                    unreachable!("a Pay's or Refund's message is known before the write, a Transfer's after it")
+                }
             };
             match claimed_now {
                 Ok(true) => {
@@ -674,14 +732,58 @@ async fn write_batch(
         }
     };
 
-    // 4. The writes.
+    // 4. The writes; then the Transfers' entries read back (their ids are the database's),
+    //    and the records of the Transfers claimed IN_PROGRESS completed with their receipts.
     if !accepted.is_empty() && !write_accepted(queries, &accepted, &orders, &refunded_orders, &accounts, now).await? {
         return Ok(Inserted::KeyTaken);
     }
+    let mut entries = transfer_entries(queries, &accepted).await?;
+    let mut completions = Vec::new();
     for (index, accepted_one) in accepted {
-        decisions[index] = Some(accepted_one.into_decision());
+        decisions[index] = Some(match accepted_one {
+            Accepted::Paid(receipt, _) => Decision::Paid(receipt),
+            Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
+            Accepted::Transferred(transfer, _) => {
+                let mut entry = |account_id: &str| {
+                    entries
+                        .remove(&(transfer.transfer_id.clone(), account_id.to_owned()))
+                        .ok_or_else(|| Error::Internal("a transfer's entry is missing".into()))
+                };
+                let (from_entry, to_entry) = (entry(&transfer.from_account_id)?, entry(&transfer.to_account_id)?);
+                let receipt = TransferReceipt { transfer, from_entry, to_entry };
+                if let Some(claim) = claims[index] {
+                    let message = <Identified<Transfer> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
+                    completions.push(claim.completion(&receipt, message)?);
+                }
+                Decision::Transferred(receipt)
+            }
+        });
     }
+    complete_claims(queries, &completions).await?;
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
+}
+
+/// The journal entries of the accepted Transfers (both legs of each), by (posting_id,
+/// account_id): one read, none without Transfers.
+async fn transfer_entries(
+    queries: &mut Queries<'_>,
+    accepted: &[(usize, Accepted)],
+) -> Result<HashMap<(String, String), EntryRow>, Error> {
+    let legs: Vec<(&str, &str)> = accepted
+        .iter()
+        .flat_map(|(_, accepted_one)| match accepted_one {
+            Accepted::Transferred(transfer, _) => {
+                let transfer_id = transfer.transfer_id.as_str();
+                vec![(transfer_id, transfer.from_account_id.as_str()), (transfer_id, transfer.to_account_id.as_str())]
+            }
+            Accepted::Paid(..) | Accepted::Refunded(..) => Vec::new(),
+        })
+        .collect();
+    if legs.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let entries = queries.find_entries(&legs).await?;
+    Ok(entries.into_iter().map(|entry| ((entry.posting_id.clone(), entry.account_id.clone()), entry)).collect())
 }
 
 /// The (balance, version) after each leg of one posting: (from, to).
@@ -725,6 +827,11 @@ fn move_money(
     currency: &str,
     minor_units: i64,
 ) -> Result<Legs, Error> {
+    if from_id == to_id {
+        // The edge refuses it (and a Pay's payer cannot be its payee): both legs on one row
+        // would leave only the second.
+        return Err(Error::Internal("a posting moves money between two accounts".into()));
+    }
     let mut after = [(0, 0); 2];
     let mut legs = [(from_id, -minor_units, 0), (to_id, minor_units, 1)];
     legs.sort_by(|a, b| a.0.cmp(b.0));
@@ -774,6 +881,7 @@ async fn write_accepted(
         .collect();
     let mut payments = Vec::new();
     let mut refunds = Vec::new();
+    let mut transfers = Vec::new();
     let mut entries = Vec::with_capacity(accepted.len() * 2);
     for (_, accepted_one) in accepted {
         // The two legs of a posting, from then to, as a single posting writes them.
@@ -805,6 +913,20 @@ async fn write_accepted(
                     amount: refund.amount,
                     currency: &refund.currency,
                     created_by: &refund.created_by,
+                };
+                (posting, legs)
+            }
+            Accepted::Transferred(transfer, legs) => {
+                transfers.push(transfer.clone());
+                let posting = EntryPair {
+                    posting_id: &transfer.transfer_id,
+                    kind: EntryKind::Transfer,
+                    reference: &transfer.transfer_id,
+                    from_account_id: &transfer.from_account_id,
+                    to_account_id: &transfer.to_account_id,
+                    amount: transfer.amount,
+                    currency: &transfer.currency,
+                    created_by: &transfer.created_by,
                 };
                 (posting, legs)
             }
@@ -848,6 +970,7 @@ async fn write_accepted(
     let written = BatchWrite {
         payments: &payments,
         refunds: &refunds,
+        transfers: &transfers,
         refunded_orders: &order_refunds,
         balances: &balances,
         entries: &entries,

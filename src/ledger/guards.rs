@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
-use crate::store::{IdempotencyRecordRow, Queries, Savepoint, TokenRow};
+use crate::store::{IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
 
 use super::group_commit::CallerPresence;
 use super::idempotent::{differing, Fields};
@@ -546,6 +546,39 @@ async fn complete_records(
     Ok(())
 }
 
+/// The answer of one call claimed IN_PROGRESS by a group commit, for its records.
+pub(super) struct Completion<'a> {
+    claim: &'a BatchClaim,
+    response: Vec<u8>,
+    message: Vec<u8>,
+}
+
+/// Completes the records of the calls a group commit claimed IN_PROGRESS, all in one
+/// statement, inside its transaction.
+///
+/// # Errors
+/// [`Error::Internal`] when a claimed record is not there to complete; a database error.
+pub(super) async fn complete_claims(queries: &mut Queries<'_>, completions: &[Completion<'_>]) -> Result<(), Error> {
+    let records: Vec<RecordCompletion<'_>> = completions
+        .iter()
+        .flat_map(|completion| {
+            completion.claim.keys().map(|(scope, idempotency_key)| RecordCompletion {
+                scope,
+                idempotency_key,
+                response: &completion.response,
+                response_message: &completion.message,
+            })
+        })
+        .collect();
+    if records.is_empty() {
+        return Ok(());
+    }
+    if queries.complete_records(&records).await? != records.len() as u64 {
+        return Err(Error::Internal("a claimed idempotency record vanished".into()));
+    }
+    Ok(())
+}
+
 /// One call's guards as a group commit claims them inside its transaction (built by
 /// [`GuardSession::batch_claim`]): the records to insert and, with the database token store,
 /// the token to consume.
@@ -595,8 +628,36 @@ impl BatchClaim {
                 ..record.clone()
             })
             .collect();
+        self.claim_records(queries, &records, checked_at).await
+    }
+
+    /// [`BatchClaim::claim`] for a call whose answer holds what only the batch's write makes
+    /// (a Transfer's entry ids): the records are inserted IN_PROGRESS, as the single-call
+    /// path claims them, and [`complete_claims`] stores the answer after the write, in the
+    /// same transaction (no other transaction sees either before the commit).
+    ///
+    /// # Errors
+    /// As [`BatchClaim::claim`].
+    pub(super) async fn claim_in_progress(&self, queries: &mut Queries<'_>, checked_at: i64) -> Result<bool, Error> {
+        self.claim_records(queries, &self.records, checked_at).await
+    }
+
+    /// The answer for the records [`BatchClaim::claim_in_progress`] claimed, as
+    /// [`GuardSession::complete`] stores it, for [`complete_claims`].
+    pub(super) fn completion<T: Serialize>(&self, answer: &T, message: Vec<u8>) -> Result<Completion<'_>, Error> {
+        Ok(Completion { claim: self, response: stored_json(answer)?, message })
+    }
+
+    /// Inserts `records` (and consumes the token, under a savepoint when the claim writes more
+    /// than one row): false, with nothing of it written, when a guard is taken.
+    async fn claim_records(
+        &self,
+        queries: &mut Queries<'_>,
+        records: &[IdempotencyRecordRow],
+        checked_at: i64,
+    ) -> Result<bool, Error> {
         if self.consume_token.is_none() && records.len() == 1 {
-            return claim_records(queries, &records, checked_at).await;
+            return claim_records(queries, records, checked_at).await;
         }
         queries.savepoint(Savepoint::Set).await?;
         let claimed = async {
@@ -605,7 +666,7 @@ impl BatchClaim {
                     return consumed_before(queries.find_token(token).await?.as_ref());
                 }
             }
-            claim_records(queries, &records, checked_at).await
+            claim_records(queries, records, checked_at).await
         }
         .await;
         match claimed {

@@ -24,7 +24,7 @@
 //! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
 //! and the committed original is replayed.
 //!
-//! Pays and Refunds take the same steps for a whole batch at once (see `group_commit`): one
+//! Pays, Refunds and Transfers take the same steps for a whole batch at once (see `group_commit`): one
 //! replay read, one transaction, one statement per kind of row, and, for calls with an
 //! idempotency key or token, their records claimed and completed inside that transaction.
 
@@ -137,6 +137,7 @@ pub struct CountersSnapshot {
     pub group_commits: u64,
     pub group_committed_pays: u64,
     pub group_committed_refunds: u64,
+    pub group_committed_transfers: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
@@ -146,7 +147,7 @@ pub struct Ledger {
     tokens: TokenStore,
     settings: LedgerSettings,
     metrics: LedgerMetrics,
-    /// Started on the first Pay or Refund that can be batched.
+    /// Started on the first Pay, Refund or Transfer that can be batched.
     batcher: Arc<OnceLock<group_commit::Batcher>>,
 }
 
@@ -182,6 +183,7 @@ impl Ledger {
             group_commits: metrics.group_commits.get(),
             group_committed_pays: metrics.group_committed_pays.get(),
             group_committed_refunds: metrics.group_committed_refunds.get(),
+            group_committed_transfers: metrics.group_committed_transfers.get(),
         }
     }
 

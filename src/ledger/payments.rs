@@ -7,7 +7,8 @@ use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
-use super::commands::{CreateOrder, Pay, QueryKey, Refund};
+use super::accounts::check_transfer;
+use super::commands::{CreateOrder, Pay, QueryKey, Refund, Transfer};
 use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
@@ -39,6 +40,8 @@ pub struct RefundReceipt {
 pub enum BatchCall {
     Pay(Pay),
     Refund(Refund),
+    /// A Transfer: its guards must carry an `idempotency-key`, as [`Ledger::transfer`] needs.
+    Transfer(Transfer),
 }
 
 /// The response of one call of [`Ledger::write_together`].
@@ -46,12 +49,14 @@ pub enum BatchCall {
 pub enum BatchAnswer {
     Pay(proto::PayResponse),
     Refund(proto::RefundResponse),
+    Transfer(proto::TransferResponse),
 }
 
 /// A call of [`Ledger::write_together`] with the id its row gets.
 enum Together {
     Pay(Identified<Pay>),
     Refund(Identified<Refund>),
+    Transfer(Identified<Transfer>),
 }
 
 /// One call of [`Ledger::write_together`] after steps 1-3.
@@ -186,7 +191,7 @@ impl Ledger {
 
     /// A call through a group commit: the idempotency driver's steps 1-3 and 5 as for any
     /// call, and step 4 (claim, body, complete) inside the batch's transaction.
-    async fn run_in_batch<C: Batchable>(
+    pub(super) async fn run_in_batch<C: Batchable>(
         &self,
         batcher: &Batcher,
         call: &C,
@@ -228,7 +233,8 @@ impl Ledger {
 
     /// What a batch's decision means for a call, as its transaction's outcome: a key of it (a
     /// guard, its out_trade_no or out_refund_no, its order's one payment) found taken is
-    /// `KeyTaken`, and a call the batch could not decide runs in its own transaction now.
+    /// `KeyTaken`, and a call the batch could not decide, or refused while it has guards, runs
+    /// in its own transaction now.
     async fn batched_outcome<C: Batchable>(
         &self,
         call: &C,
@@ -244,12 +250,20 @@ impl Ledger {
             Decision::GuardTaken | Decision::Found(..) | Decision::PaidBefore | Decision::RefundedBefore => {
                 Ok(Inserted::KeyTaken)
             }
-            Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
-            Decision::Alone => {
+            Decision::Rejected(error) if !session.records_response() => Err(error),
+            Decision::NotStarted(error) => Err(error),
+            // A call with guards that the batch refused runs alone too: there, as every single
+            // call, its guards are claimed before its rules are checked, so a retry whose
+            // original committed after the retry's own check (or is still in flight) is
+            // answered by the original, not refused on the state the original left (a
+            // Transfer, which has no natural key, would otherwise be told INSUFFICIENT_FUNDS
+            // for money that did move), and a key reused for another call is
+            // IDEMPOTENCY_KEY_REUSED, as a single call answers it, not that call's refusal.
+            Decision::Alone | Decision::Rejected(_) => {
                 self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
             }
-            Decision::Paid(_) | Decision::Refunded(_) => {
+            Decision::Paid(_) | Decision::Refunded(_) | Decision::Transferred(_) => {
                 Err(Error::Internal(format!("a group commit wrote a {} as another call", C::METHOD)))
             }
         }
@@ -263,7 +277,7 @@ impl Ledger {
     }
 
     /// The group-commit queue, started on first use; `None` when group commit is off.
-    fn batcher(&self) -> Option<&Batcher> {
+    pub(super) fn batcher(&self) -> Option<&Batcher> {
         let settings = self.settings.group_commit;
         (settings.max_batch > 1)
             .then(|| self.batcher.get_or_init(|| Batcher::start(self.store.clone(), settings, self.metrics.clone())))
@@ -283,8 +297,8 @@ impl Ledger {
                 return None;
             }
             Decision::GuardTaken => return Some(Err(Error::Internal("a Pay without guards had a guard taken".into()))),
-            Decision::Refunded(_) | Decision::RefundedBefore => {
-                return Some(Err(Error::Internal("a group commit answered a Pay as a Refund".into())))
+            Decision::Refunded(_) | Decision::RefundedBefore | Decision::Transferred(_) => {
+                return Some(Err(Error::Internal("a group commit answered a Pay as another call".into())))
             }
         })
     }
@@ -327,20 +341,24 @@ impl Ledger {
             .map(|answer| {
                 answer?.try_map(|answer| match answer {
                     BatchAnswer::Pay(response) => Ok(response),
-                    BatchAnswer::Refund(_) => Err(Error::Internal("a Pay was answered as a Refund".into())),
+                    BatchAnswer::Refund(_) | BatchAnswer::Transfer(_) => {
+                        Err(Error::Internal("a Pay was answered as another call".into()))
+                    }
                 })
             })
             .collect()
     }
 
-    /// Writes Pays and Refunds, each with or without guards (`idempotency-key`,
-    /// `idempotency-token`), as one group commit, the way concurrent calls of one merchant
-    /// are written: each call goes through the idempotency driver's steps before and after
-    /// the batch on its own, and the batch claims and completes the records of those it
-    /// writes. Answers as [`Ledger::pay`] and [`Ledger::refund`] would, in the order given.
+    /// Writes Pays, Refunds and Transfers, each with or without guards (`idempotency-key`,
+    /// `idempotency-token`; a Transfer needs its key), as one group commit, the way
+    /// concurrent calls routed to one worker are written: each call goes through the
+    /// idempotency driver's steps before and after the batch on its own, and the batch claims
+    /// and completes the records of those it writes. Answers as [`Ledger::pay`],
+    /// [`Ledger::refund`] and [`Ledger::transfer`] would, in the order given.
     ///
     /// # Errors
-    /// Per call, in its own `Result`: the errors of [`Ledger::pay`] or [`Ledger::refund`].
+    /// Per call, in its own `Result`: the errors of [`Ledger::pay`], [`Ledger::refund`] or
+    /// [`Ledger::transfer`].
     pub async fn write_together(&self, calls: Vec<(BatchCall, Guards)>) -> Vec<Result<Replayable<BatchAnswer>, Error>> {
         let (calls, guards): (Vec<BatchCall>, Vec<Guards>) = calls.into_iter().unzip();
         let calls: Vec<Together> = calls
@@ -348,6 +366,7 @@ impl Ledger {
             .map(|call| match call {
                 BatchCall::Pay(command) => Together::Pay(Identified { command, id: new_id('T') }),
                 BatchCall::Refund(command) => Together::Refund(Identified { command, id: new_id('R') }),
+                BatchCall::Transfer(command) => Together::Transfer(Identified { command, id: new_id('X') }),
             })
             .collect();
         let fingerprints: Vec<Call> = calls
@@ -356,6 +375,7 @@ impl Ledger {
             .map(|(call, guards)| match call {
                 Together::Pay(call) => call.fingerprint(&guards.actor),
                 Together::Refund(call) => call.fingerprint(&guards.actor),
+                Together::Transfer(call) => call.fingerprint(&guards.actor),
             })
             .collect();
         let now = now_micros();
@@ -368,6 +388,10 @@ impl Ledger {
                 Together::Refund(call) => {
                     self.queue_together(call, guards, fingerprint, now, BatchAnswer::Refund).await
                 }
+                Together::Transfer(call) => match check_transfer(&call.command, guards) {
+                    Ok(()) => self.queue_together(call, guards, fingerprint, now, BatchAnswer::Transfer).await,
+                    Err(error) => Step::Answered(Err(error)),
+                },
             };
             match step {
                 Step::Answered(answer) => answers.push(Some(answer)),
@@ -384,6 +408,9 @@ impl Ledger {
                 Together::Pay(call) => self.settle_together(call, &mut session, decision, now, BatchAnswer::Pay).await,
                 Together::Refund(call) => {
                     self.settle_together(call, &mut session, decision, now, BatchAnswer::Refund).await
+                }
+                Together::Transfer(call) => {
+                    self.settle_together(call, &mut session, decision, now, BatchAnswer::Transfer).await
                 }
             });
         }
@@ -471,7 +498,7 @@ impl Ledger {
     /// [`Error::KeyReused`] (OUT_REFUND_NO_REUSED).
     ///
     /// With group commit on, a Refund is written by a batch, guarded or not (see
-    /// `group_commit`), together with the Pays and Refunds of its merchant that queued with it.
+    /// `group_commit`), together with the calls routed to its worker that queued with it.
     pub async fn refund(&self, command: Refund, guards: &Guards) -> Result<Replayable<proto::RefundResponse>, Error> {
         let call = Identified { command, id: new_id('R') };
         match self.batcher() {

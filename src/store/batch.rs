@@ -12,9 +12,11 @@
 //! - MySQL/MariaDB: one JSON array of rows, read by `JSON_TABLE` (MariaDB 10.6, MySQL 8.0.4).
 //!   Key columns are read as `ascii_bin`, the tables' own, and the primary key is forced (MariaDB
 //!   guesses 40 rows for a JSON_TABLE and would scan, and lock, a table of five rows), so that
-//!   each key is one index lookup (keys reach the store validated at the edge, at most 64
-//!   characters of `[A-Za-z0-9._:-]`, so reading them as `VARCHAR(255) ascii` loses nothing; JSON_TABLE would convert
-//!   anything else silently, with a warning only);
+//!   each key is one index lookup (keys reach the store validated at the edge: business
+//!   numbers and account ids at most 64 characters of `[A-Za-z0-9._:-]`, idempotency keys at
+//!   most 128 printable ASCII characters, record scopes at most 160, so reading them as
+//!   `VARCHAR(255) ascii` loses nothing; JSON_TABLE would convert anything else silently, with
+//!   a warning only);
 //!   written columns as wide `utf8mb4` strings, so that the table's column (under strict mode)
 //!   still refuses a value too long or not ASCII, as a one-row INSERT does. Rows that lock are
 //!   joined with `STRAIGHT_JOIN` from the JSON rows, whose order the caller chose (key order):
@@ -222,6 +224,73 @@ pub(super) static LOCK_ACCOUNTS: BatchSql = BatchSql {
     ),
 };
 
+/// The journal entries of rows `[posting_id, account_id]` (one leg each, by the entries'
+/// unique key: PostgreSQL knows each pair gives at most one row, where `posting_id` alone,
+/// without statistics, is guessed at 0.5% of the table a value and scanned); a read, inside
+/// the batch's transaction after [`INSERT_ENTRIES`], for the entry ids a Transfer's answer
+/// gives.
+pub(super) static FIND_ENTRIES: BatchSql = BatchSql {
+    postgres: concat!(
+        "SELECT ",
+        super::queries::entry_columns!(),
+        " FROM journal_entries WHERE (posting_id, account_id) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))"
+    ),
+    mysql: concat!(
+        "SELECT ",
+        super::queries::entry_columns!(),
+        " FROM ",
+        mysql_key_pair!("k_posting_id", "k_account_id"),
+        " STRAIGHT_JOIN journal_entries FORCE INDEX (journal_entries_one_leg_per_account) \
+         ON journal_entries.posting_id = k.k_posting_id AND journal_entries.account_id = k.k_account_id"
+    ),
+    sqlite: concat!(
+        "SELECT ",
+        super::queries::entry_columns!(),
+        " FROM json_each(?1) AS k CROSS JOIN journal_entries ON journal_entries.posting_id = json_extract(k.value, '$[0]') \
+         AND journal_entries.account_id = json_extract(k.value, '$[1]')"
+    ),
+};
+
+/// A batch statement of the database servers only: SQLite runs its one-row statement once a
+/// row instead (in process, no round trip to save), where its planner, trusting statistics
+/// taken of a small table, would scan the table being updated for every row of the batch.
+pub(super) struct ServerSql {
+    postgres: &'static str,
+    mysql: &'static str,
+}
+
+impl ServerSql {
+    pub(super) fn text(&self, dialect: Dialect) -> &'static str {
+        match dialect {
+            Dialect::Postgres => self.postgres,
+            Dialect::MySql => self.mysql,
+            Dialect::Sqlite => unreachable!("SQLite runs the one-row statement once a row"),
+        }
+    }
+}
+
+/// Completes claimed records, for rows `[scope, idempotency_key, response, response_message]`,
+/// the two bodies as hexadecimal text (JSON_TABLE carries no bytes; PostgreSQL's
+/// `decode(.., 'hex')` and MySQL's `UNHEX` turn them back): IN_PROGRESS -> COMPLETED, as the
+/// one-record statement does.
+pub(super) static COMPLETE_RECORDS: ServerSql = ServerSql {
+    postgres: "UPDATE idempotency_record SET response = decode(k.response, 'hex'), \
+               response_message = decode(k.response_message, 'hex'), status = 'COMPLETED' \
+               FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[]) AS k(scope, idempotency_key, response, response_message) \
+               WHERE idempotency_record.scope = k.scope AND idempotency_record.idempotency_key = k.idempotency_key \
+               AND idempotency_record.status = 'IN_PROGRESS'",
+    mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_scope VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
+            k_idempotency_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]', \
+            k_response LONGTEXT CHARACTER SET ascii PATH '$[2]', \
+            k_response_message LONGTEXT CHARACTER SET ascii PATH '$[3]')) AS k \
+            STRAIGHT_JOIN idempotency_record FORCE INDEX (idempotency_record_scope_key) \
+            ON idempotency_record.scope = k.k_scope AND idempotency_record.idempotency_key = k.k_idempotency_key \
+            SET idempotency_record.response = UNHEX(k.k_response), \
+            idempotency_record.response_message = UNHEX(k.k_response_message), idempotency_record.status = 'COMPLETED' \
+            WHERE idempotency_record.status = 'IN_PROGRESS'",
+};
+
 /// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
 pub(super) const PAYMENT_COLUMNS: usize = 11;
 /// The columns a journal entry row gives, in order.
@@ -370,11 +439,41 @@ pub(super) static REFUND_ORDERS: StepSql = StepSql {
              AND json_extract(k.value, '$[5]') <= orders.amount",
 };
 
+/// The columns a transfer row of [`INSERT_TRANSFERS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
+pub(super) const TRANSFER_COLUMNS: usize = 8;
+
+/// Rows `[transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at,
+/// created_by]`; a taken transfer_id fails the statement on MySQL (duplicate key) and inserts
+/// fewer rows elsewhere.
+pub(super) static INSERT_TRANSFERS: StepSql = StepSql {
+    mysql: concat!(
+        super::queries::insert_transfer_into!(),
+        " SELECT transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at, created_by \
+         FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         transfer_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         from_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         to_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+         amount BIGINT PATH '$[3]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+         memo VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[5]', \
+         created_at BIGINT PATH '$[6]', \
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]')) AS k"
+    ),
+    sqlite: concat!(
+        super::queries::insert_transfer_into!(),
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]') FROM json_each(?1) AS k WHERE true \
+         ON CONFLICT DO NOTHING"
+    ),
+};
+
 /// PostgreSQL writes a whole group commit in one statement (data-modifying CTEs, each run
 /// exactly once): the payments ($1-$11), PENDING -> PAID ($12-$14), the version CAS ($15-$18),
 /// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30), the
-/// refunds ($31-$40) and the orders' refund CAS ($41-$46); it returns the six row counts. A
-/// batch never pays and refunds one order, so no order row is updated twice.
+/// refunds ($31-$40), the orders' refund CAS ($41-$46) and the transfers ($47-$54); it returns
+/// the seven row counts. A batch never pays and refunds one order, so no order row is updated
+/// twice.
 pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
     "WITH p AS (",
     super::queries::insert_payment_into!(),
@@ -402,9 +501,13 @@ pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
      FROM UNNEST($41::text[], $42::text[], $43::text[], $44::bigint[], $45::text[], $46::bigint[]) \
      AS k(merchant_id, order_no, from_status, from_refunded, to_status, to_refunded) \
      WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no AND orders.status = k.from_status \
-     AND orders.refunded_amount = k.from_refunded AND k.to_refunded <= orders.amount RETURNING 1) \
+     AND orders.refunded_amount = k.from_refunded AND k.to_refunded <= orders.amount RETURNING 1), \
+     x AS (",
+    super::queries::insert_transfer_into!(),
+    " SELECT * FROM UNNEST($47::text[], $48::text[], $49::text[], $50::bigint[], $51::text[], $52::text[], \
+     $53::bigint[], $54::text[]) ON CONFLICT DO NOTHING RETURNING 1) \
      SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e), \
-     (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t)"
+     (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t), (SELECT COUNT(*) FROM x)"
 );
 
 #[cfg(test)]
@@ -435,7 +538,7 @@ mod tests {
     #[test]
     fn no_statement_has_more_placeholders_than_its_backend_binds() {
         // MySQL: one JSON document, plus `updated_at` for the UPDATEs.
-        let reads = [&FIND_PAYMENTS_AND_ORDERS, &FIND_REFUNDS, &LOCK_ORDERS, &LOCK_ACCOUNTS]
+        let reads = [&FIND_PAYMENTS_AND_ORDERS, &FIND_REFUNDS, &LOCK_ORDERS, &LOCK_ACCOUNTS, &FIND_ENTRIES]
             .map(|sql| (sql.mysql, sql.sqlite, 1));
         let steps = [
             (&INSERT_PAYMENTS, 1),
@@ -444,6 +547,7 @@ mod tests {
             (&INSERT_ENTRIES, 1),
             (&INSERT_REFUNDS, 1),
             (&REFUND_ORDERS, 2),
+            (&INSERT_TRANSFERS, 1),
         ]
         .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
         for (mysql, sqlite, values) in reads.into_iter().chain(steps) {
@@ -453,6 +557,8 @@ mod tests {
                 "{sqlite}"
             );
         }
-        assert!(WRITE_BATCH_POSTGRES.contains("$46") && !WRITE_BATCH_POSTGRES.contains("$47"));
+        assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
+        assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
+        assert!(WRITE_BATCH_POSTGRES.contains("$54") && !WRITE_BATCH_POSTGRES.contains("$55"));
     }
 }

@@ -25,6 +25,7 @@ macro_rules! entry_columns {
          counterparty_account_id, created_at, created_by"
     };
 }
+pub(super) use entry_columns;
 macro_rules! order_columns {
     () => {
         "merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
@@ -61,6 +62,13 @@ macro_rules! refund_columns {
     };
 }
 pub(super) use refund_columns;
+macro_rules! insert_transfer_into {
+    () => {
+        "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at, \
+         created_by)"
+    };
+}
+pub(super) use insert_transfer_into;
 
 static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
 static FIND_ACCOUNT_FOR_UPDATE: Sql =
@@ -271,10 +279,7 @@ static REAP_TOKENS: Sql = Sql::with_mysql(
     "DELETE FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
 );
 
-static INSERT_TRANSFER: Sql = Sql::new(
-    "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, created_at, created_by) \
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-);
+static INSERT_TRANSFER: Sql = Sql::new(concat!(insert_transfer_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"));
 
 /// The position in [`AUDIT_CHECKS`] of the check that each currency's balances sum to zero.
 const CURRENCY_SUMS: usize = 3;
@@ -1012,6 +1017,48 @@ impl<'c> Queries<'c> {
             .await
     }
 
+    /// The journal entries of the given (posting_id, account_id) legs, in no particular order;
+    /// a leg that is not there is absent.
+    pub async fn find_entries(&mut self, legs: &[(&str, &str)]) -> Result<Vec<EntryRow>, sqlx::Error> {
+        let rows: Vec<[Value<'_>; 2]> =
+            legs.iter().map(|(posting_id, account_id)| [Value::Text(posting_id), Value::Text(account_id)]).collect();
+        sqlx::query_as(batch::FIND_ENTRIES.text(self.dialect))
+            .bind_rows(self.dialect, &rows)
+            .fetch_all(&mut *self.connection)
+            .await
+    }
+
+    /// Completes the given IN_PROGRESS records of this transaction, each with its response
+    /// (JSON of rows) and response message, in one statement (SQLite: one a record, see
+    /// [`batch::ServerSql`]): how many it completed.
+    pub async fn complete_records(&mut self, records: &[RecordCompletion<'_>]) -> Result<u64, sqlx::Error> {
+        if self.dialect == Dialect::Sqlite {
+            let mut completed = 0;
+            for record in records {
+                let (scope, key) = (record.scope, record.idempotency_key);
+                completed +=
+                    u64::from(self.complete_record(scope, key, record.response, record.response_message).await?);
+            }
+            return Ok(completed);
+        }
+        let hex: Vec<[String; 2]> =
+            records.iter().map(|record| [to_hex(record.response), to_hex(record.response_message)]).collect();
+        let rows: Vec<[Value<'_>; 4]> = records
+            .iter()
+            .zip(&hex)
+            .map(|(record, [response, message])| {
+                [
+                    Value::Text(record.scope),
+                    Value::Text(record.idempotency_key),
+                    Value::Text(response),
+                    Value::Text(message),
+                ]
+            })
+            .collect();
+        let query = sqlx::query(batch::COMPLETE_RECORDS.text(self.dialect)).bind_rows(self.dialect, &rows);
+        Ok(query.execute(&mut *self.connection).await?.rows_affected())
+    }
+
     /// Refunds of one order, oldest first.
     pub async fn list_refunds(&mut self, merchant_id: &str, order_no: &str) -> Result<Vec<RefundRow>, sqlx::Error> {
         sqlx::query_as(LIST_REFUNDS.text(self.dialect))
@@ -1206,7 +1253,8 @@ impl<'c> Queries<'c> {
 
     /// Writes what a group commit accepted, all or nothing: the payments (one INSERT of all
     /// rows), PENDING -> PAID for their orders (one conditional UPDATE), the refunds (one
-    /// INSERT) and the refund CAS of their orders (one conditional UPDATE), the new balances
+    /// INSERT) and the refund CAS of their orders (one conditional UPDATE), the transfers (one
+    /// INSERT), the new balances
     /// (one version CAS per account, all in one UPDATE) and the journal entries in the order
     /// given (one INSERT; entry ids follow that order). True when every row was written; false
     /// when a key (out_trade_no, an order's one payment, out_refund_no), an order's state or an
@@ -1249,8 +1297,18 @@ impl<'c> Queries<'c> {
                 ]
             })
             .collect();
-        let expected = [payments.len(), orders.len(), balances.len(), entries.len(), refunds.len(), refunded.len()]
-            .map(|count| count as u64);
+        let transfers: Vec<[Value<'_>; batch::TRANSFER_COLUMNS]> =
+            written.transfers.iter().map(transfer_values).collect();
+        let expected = [
+            payments.len(),
+            orders.len(),
+            balances.len(),
+            entries.len(),
+            refunds.len(),
+            refunded.len(),
+            transfers.len(),
+        ]
+        .map(|count| count as u64);
         if dialect == Dialect::Postgres {
             let query = sqlx::query(batch::WRITE_BATCH_POSTGRES)
                 .bind_rows(dialect, &payments)
@@ -1259,9 +1317,10 @@ impl<'c> Queries<'c> {
                 .bind_rows(dialect, &entries)
                 .bind(written.now)
                 .bind_rows(dialect, &refunds)
-                .bind_rows(dialect, &refunded);
+                .bind_rows(dialect, &refunded)
+                .bind_rows(dialect, &transfers);
             let row = query.fetch_one(&mut *self.connection).await?;
-            let mut counts = [0_i64; 6];
+            let mut counts = [0_i64; 7];
             for (index, count) in counts.iter_mut().enumerate() {
                 *count = row.try_get(index)?;
             }
@@ -1280,6 +1339,9 @@ impl<'c> Queries<'c> {
         }
         if !refunded.is_empty() && !self.update_rows(&batch::REFUND_ORDERS, &refunded, written.now, expected[5]).await?
         {
+            return Ok(false);
+        }
+        if !transfers.is_empty() && !self.insert_rows(&batch::INSERT_TRANSFERS, &transfers, expected[6]).await? {
             return Ok(false);
         }
         if !balances.is_empty() && !self.update_rows(&batch::CAS_BALANCES, &balances, written.now, expected[2]).await? {
@@ -1377,13 +1439,34 @@ fn audit_violations(check: &'static str, rows: &[AnyRow]) -> Result<Vec<AuditVio
 pub struct BatchWrite<'a> {
     pub payments: &'a [PaymentRow],
     pub refunds: &'a [RefundRow],
+    pub transfers: &'a [TransferRow],
     /// One refund CAS an order the batch refunds (from its state read under the lock to its
     /// state after the batch's last refund of it).
     pub refunded_orders: &'a [OrderRefund<'a>],
     pub balances: &'a [BalanceUpdate<'a>],
-    /// Two legs per payment and refund, in the order the balances moved.
+    /// Two legs per payment, refund and transfer, in the order the balances moved.
     pub entries: &'a [NewEntry<'a>],
     pub now: i64,
+}
+
+/// One claimed record's answer for [`Queries::complete_records`].
+pub struct RecordCompletion<'a> {
+    pub scope: &'a str,
+    pub idempotency_key: &'a str,
+    /// The answer as JSON of rows.
+    pub response: &'a [u8],
+    /// The response message as the caller receives it (encoded protobuf).
+    pub response_message: &'a [u8],
+}
+
+/// Bytes as lowercase hexadecimal text, two digits a byte.
+fn to_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        write!(text, "{byte:02x}").expect("writing to a String cannot fail");
+    }
+    text
 }
 
 /// An order's refund CAS in a group commit: from (`from_status`, `from_refunded`) to
@@ -1443,6 +1526,20 @@ fn refund_values(row: &RefundRow) -> [Value<'_>; batch::REFUND_COLUMNS] {
         Value::Int(row.amount),
         Value::Text(&row.currency),
         Value::Text(&row.reason),
+        Value::Int(row.created_at),
+        Value::Text(&row.created_by),
+    ]
+}
+
+/// A transfer as a row of [`batch::INSERT_TRANSFERS`], in `insert_transfer_into!`'s column order.
+fn transfer_values(row: &TransferRow) -> [Value<'_>; batch::TRANSFER_COLUMNS] {
+    [
+        Value::Text(&row.transfer_id),
+        Value::Text(&row.from_account_id),
+        Value::Text(&row.to_account_id),
+        Value::Int(row.amount),
+        Value::Text(&row.currency),
+        Value::Text(&row.memo),
         Value::Int(row.created_at),
         Value::Text(&row.created_by),
     ]

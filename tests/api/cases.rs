@@ -1294,7 +1294,6 @@ pub async fn one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own(ap
 /// batch are applied again without it.
 pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_are_applied_again(app: &TestApp) {
     use prost::Message as _;
-    use sha2::Digest as _;
     app.funded("alice", "10.00").await;
     app.funded("bob", "10.00").await;
     app.open("shop", "USD").await;
@@ -1305,8 +1304,6 @@ pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_
 
     // The original of ta, as its transaction writes its record, still uncommitted.
     let fields = "out_trade_no=ta\norder_no=oa\npayer_account_id=alice\namount=200\ncurrency=USD\n";
-    let fingerprint: String =
-        sha2::Sha256::digest(format!("Pay\n{fields}")).iter().map(|byte| format!("{byte:02x}")).collect();
     let original = proto::PayResponse {
         payment: Some(proto::Payment {
             trade_no: "T-original".into(),
@@ -1315,20 +1312,8 @@ pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_
         }),
         order: None,
     };
-    let message_hex: String = original.encode_to_vec().iter().map(|byte| format!("{byte:02x}")).collect();
-    let message = match app.backend {
-        crate::helpers::Backend::Postgres => format!("decode('{message_hex}', 'hex')"),
-        _ => format!("X'{message_hex}'"),
-    };
     let mut holder = app.raw.begin().await.unwrap();
-    let sql = format!(
-        "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, response, \
-         response_message, caller_scope, status, created_at, expires_at) VALUES ('merchant:m1', 'ka', 'Pay', \
-         '{fingerprint}', {}, {}, {message}, 'merchant:m1', 'COMPLETED', 0, 9000000000000000)",
-        app.bytes_literal(fields),
-        app.bytes_literal("{}"),
-    );
-    sqlx::query(&sql).execute(&mut *holder).await.unwrap();
+    app.write_record(&mut holder, ("merchant:m1", "ka", "Pay"), fields, &original.encode_to_vec()).await;
 
     let ledger = app.ledger.clone();
     let batch = tokio::spawn(async move {
@@ -1376,17 +1361,27 @@ fn refund_command(out_trade_no: &str, out_refund_no: &str, amount: &str, currenc
     }
 }
 
+/// The response of a batch's answer of the kind `pick` takes, fresh or replayed as
+/// `replayed` says.
+fn batch_response<T: Clone>(
+    answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>,
+    replayed: bool,
+    pick: fn(&BatchAnswer) -> Option<&T>,
+) -> T {
+    let answer = answer.as_ref().unwrap_or_else(|error| panic!("{error}"));
+    assert_eq!(answer.replayed, replayed, "{answer:?}");
+    pick(&answer.value).unwrap_or_else(|| panic!("answered as another call: {answer:?}")).clone()
+}
+
 /// The refund of a batch's answer, fresh or replayed as `replayed` says.
 fn refunded(
     answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>,
     replayed: bool,
 ) -> proto::RefundResponse {
-    let answer = answer.as_ref().unwrap_or_else(|error| panic!("a refund: {error}"));
-    assert_eq!(answer.replayed, replayed, "{answer:?}");
-    match &answer.value {
-        BatchAnswer::Refund(response) => response.clone(),
-        BatchAnswer::Pay(response) => panic!("a Refund answered as a Pay: {response:?}"),
-    }
+    batch_response(answer, replayed, |answer| match answer {
+        BatchAnswer::Refund(response) => Some(response),
+        _ => None,
+    })
 }
 
 pub async fn one_group_commit_of_pays_and_refunds_decides_each_on_its_own(app: &TestApp) {
@@ -1461,7 +1456,7 @@ pub async fn one_group_commit_of_pays_and_refunds_decides_each_on_its_own(app: &
     refused(4, Code::FailedPrecondition, "CURRENCY_MISMATCH");
     match &answers[5].as_ref().expect("t3 is paid").value {
         BatchAnswer::Pay(response) => assert_eq!(response.payment.as_ref().unwrap().out_trade_no, "t3"),
-        BatchAnswer::Refund(response) => panic!("a Pay answered as a Refund: {response:?}"),
+        other => panic!("a Pay answered as another call: {other:?}"),
     }
     let r5 = refunded(&answers[6], false);
     assert_eq!(r5.order.as_ref().unwrap().refunded_amount, "1.00", "r5 ran alone after t3 committed");
@@ -1513,7 +1508,6 @@ pub async fn one_group_commit_of_pays_and_refunds_decides_each_on_its_own(app: &
 /// out_refund_no waits for the order's lock: that Refund is a replay of it, and the batch's
 /// other refund of the order applies on top of it.
 pub async fn a_refund_committed_under_a_group_commit_is_replayed_and_the_next_refund_applies_on_top(app: &TestApp) {
-    use sqlx::Row as _;
     app.funded("alice", "10.00").await;
     app.open("shop", "USD").await;
     app.create_order("m1", "o1", "shop", "5.00").await.unwrap();
@@ -1531,32 +1525,16 @@ pub async fn a_refund_committed_under_a_group_commit_is_replayed_and_the_next_re
     }
     // The whole of ra, as its own transaction writes it: the row, the order's refund CAS,
     // 1.00 from shop back to alice by version CAS, and the two journal entries.
-    let mut writes = vec![
+    let writes = [
         "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, \
-         created_at, created_by) VALUES ('R-original', 'm1', 'ra', 't1', 'o1', 100, 'USD', 'batched', 1, 'anonymous')"
-            .to_owned(),
-        "UPDATE orders SET status = 'PARTIALLY_REFUNDED', refunded_amount = 100 WHERE merchant_id = 'm1' AND order_no = 'o1'"
-            .to_owned(),
+         created_at, created_by) VALUES ('R-original', 'm1', 'ra', 't1', 'o1', 100, 'USD', 'batched', 1, 'anonymous')",
+        "UPDATE orders SET status = 'PARTIALLY_REFUNDED', refunded_amount = 100 WHERE merchant_id = 'm1' AND order_no = 'o1'",
     ];
-    for (account_id, counterparty, amount) in [("shop", "alice", -100_i64), ("alice", "shop", 100)] {
-        let row = sqlx::query(&format!("SELECT balance, version FROM accounts WHERE account_id = '{account_id}'"))
-            .fetch_one(&mut *holder)
-            .await
-            .unwrap();
-        let (balance, version): (i64, i64) = (row.try_get(0).unwrap(), row.try_get(1).unwrap());
-        let (balance, version) = (balance + amount, version + 1);
-        writes.push(format!(
-            "UPDATE accounts SET balance = {balance}, version = {version} WHERE account_id = '{account_id}'"
-        ));
-        writes.push(format!(
-            "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
-             posting_id, counterparty_account_id, created_at, created_by) VALUES ('{account_id}', 'USD', {amount}, \
-             {balance}, {version}, 'REFUND', 'ra', 'R-original', '{counterparty}', 1, 'anonymous')"
-        ));
-    }
-    for write in &writes {
+    for write in writes {
         sqlx::query(write).execute(&mut *holder).await.unwrap();
     }
+    let legs = [("shop", "alice", -100), ("alice", "shop", 100)];
+    app.write_posting(&mut holder, ("REFUND", "ra", "R-original"), legs).await;
     let ledger = app.ledger.clone();
     let batch = tokio::spawn(async move {
         ledger
@@ -1578,6 +1556,212 @@ pub async fn a_refund_committed_under_a_group_commit_is_replayed_and_the_next_re
     assert_eq!(app.rows("refunds").await, 2);
     assert_eq!(app.balance("alice").await, "8.00");
     assert_eq!(app.balance("shop").await, "2.00");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A Transfer command from `from` to `to`, in USD.
+fn transfer_command(from: &str, to: &str, amount: &str) -> payledger::ledger::Transfer {
+    use payledger::domain::{AccountId, Amount, Currency, FreeText};
+    let currency = Currency::parse("currency", "USD").unwrap();
+    payledger::ledger::Transfer {
+        from_account_id: AccountId::parse("from_account_id", from).unwrap(),
+        to_account_id: AccountId::parse("to_account_id", to).unwrap(),
+        amount: Amount::parse("amount", amount, currency).unwrap(),
+        memo: FreeText::parse("memo", "rent").unwrap(),
+        created_by: payledger::domain::Actor::Anonymous,
+    }
+}
+
+/// The transfer of a batch's answer, fresh or replayed as `replayed` says.
+fn transferred(
+    answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>,
+    replayed: bool,
+) -> proto::TransferResponse {
+    batch_response(answer, replayed, |answer| match answer {
+        BatchAnswer::Transfer(response) => Some(response),
+        _ => None,
+    })
+}
+
+pub async fn one_group_commit_of_transfers_and_pays_decides_each_on_its_own(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.funded("bob", "5.00").await;
+    app.open("shop", "USD").await;
+    app.open("euro", "EUR").await;
+    app.create_order("m1", "o1", "shop", "2.00").await.unwrap();
+    let transfer = |from: &str, to: &str, amount: &str| BatchCall::Transfer(transfer_command(from, to, amount));
+
+    let answers = app
+        .ledger
+        .write_together(vec![
+            (transfer("alice", "bob", "3.00"), guards(Some("x1"), None)),
+            // Two calls with one key in one batch: the second is answered by the first's record.
+            (transfer("alice", "bob", "3.00"), guards(Some("x1"), None)),
+            // The same key for another Transfer, in the same batch.
+            (transfer("alice", "bob", "1.00"), guards(Some("x1"), None)),
+            // bob can send 7.00 only with the 3.00 the first Transfer brought him.
+            (transfer("bob", "shop", "7.00"), guards(Some("x2"), None)),
+            // bob has 1.00 left: refused, its key left unclaimed.
+            (transfer("bob", "shop", "2.00"), guards(Some("x3"), None)),
+            (transfer("alice", "euro", "1.00"), guards(Some("x4"), None)),
+            (transfer("alice", "nobody", "1.00"), guards(Some("x5"), None)),
+            // A Transfer without a key.
+            (transfer("alice", "bob", "1.00"), guards(None, None)),
+            // A Pay in the same batch, into shop.
+            (BatchCall::Pay(pay_command("t1", "o1", "alice", "2.00")), guards(None, None)),
+            // shop sends on what the Transfer and the Pay before it brought it.
+            (transfer("shop", "alice", "9.00"), guards(Some("x6"), None)),
+        ])
+        .await;
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let first = transferred(&answers[0], false);
+    let replay = transferred(&answers[1], true);
+    assert_eq!(replay, first, "answered by the first call's record, exactly");
+    refused(2, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    let bobs = transferred(&answers[3], false);
+    refused(4, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    refused(5, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    refused(6, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    assert_eq!(answers[7].as_ref().expect_err("no key").code(), Code::InvalidArgument);
+    assert!(answers[8].is_ok(), "{:?}", answers[8]);
+    let shops = transferred(&answers[9], false);
+
+    // Each receipt's entries are the journal's, with the balance right after each leg.
+    let legs = |response: &proto::TransferResponse| {
+        let transfer_id = &response.transfer.as_ref().unwrap().transfer_id;
+        let [from, to] = [response.from_entry.as_ref().unwrap(), response.to_entry.as_ref().unwrap()];
+        assert!(from.posting_id == *transfer_id && to.posting_id == *transfer_id, "{response:?}");
+        assert!(from.entry_id > 0 && to.entry_id > from.entry_id, "{response:?}");
+        [(from.account_id.clone(), from.balance_after.clone()), (to.account_id.clone(), to.balance_after.clone())]
+    };
+    assert_eq!(legs(&first), [("alice".into(), "7.00".into()), ("bob".into(), "8.00".into())]);
+    assert_eq!(legs(&bobs), [("bob".into(), "1.00".into()), ("shop".into(), "7.00".into())]);
+    assert_eq!(legs(&shops), [("shop".into(), "0.00".into()), ("alice".into(), "14.00".into())]);
+    let request = proto::ListEntriesRequest { account_id: "shop".into(), page_size: 10, page_token: String::new() };
+    let journal = app.accounts.clone().list_entries(request).await.unwrap().into_inner().entries;
+    assert_eq!(journal.first(), shops.from_entry.as_ref(), "the newest entry of shop is the receipt's");
+    assert!(journal.contains(bobs.to_entry.as_ref().unwrap()));
+
+    let counters = app.ledger.counters();
+    assert_eq!(counters.group_committed_transfers, 3, "x1, x2 and x6 in one group commit: {counters:?}");
+    assert_eq!(counters.group_committed_pays, 1);
+    assert_eq!(counters.group_commits, 1);
+    assert_eq!(app.balance("alice").await, "14.00");
+    assert_eq!(app.balance("bob").await, "1.00");
+    assert_eq!(app.balance("shop").await, "0.00");
+    assert_eq!(app.rows("transfers").await, 3);
+    // x1, x2 and x6: the refused calls left no record.
+    assert_eq!(app.rows("idempotency_record").await, 3);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // The refused key runs afresh once bob has the money; the committed ones replay their
+    // records over the wire exactly as the batch answered them.
+    app.deposit("top-up", "bob", "5.00", "USD").await.unwrap();
+    let mut accounts = app.accounts.clone();
+    let retried = accounts.transfer(with_key(transfer_request("bob", "shop", "2.00"), "x3")).await.unwrap();
+    assert!(!replayed(&retried));
+    let again = accounts.transfer(with_key(transfer_request("alice", "bob", "3.00"), "x1")).await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner(), first);
+    assert_eq!(app.balance("bob").await, "4.00");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// An original Transfer with key `xa` commits while a group commit holding a Transfer with
+/// `xa` waits to claim it: that Transfer is answered by the original's record, and the one
+/// after it in the batch is applied again without it (it now has the money).
+pub async fn a_key_taken_under_a_group_commit_is_replayed_and_the_transfers_after_it_are_applied_again(app: &TestApp) {
+    use prost::Message as _;
+    app.funded("alice", "10.00").await;
+    app.open("bob", "USD").await;
+    app.open("shop", "USD").await;
+
+    // The original of xa, as its transaction writes its record, still uncommitted.
+    let fields = "from_account_id=alice\nto_account_id=bob\namount=800\ncurrency=USD\nmemo=rent\n";
+    let original = proto::TransferResponse {
+        transfer: Some(proto::Transfer { transfer_id: "X-original".into(), ..Default::default() }),
+        from_entry: None,
+        to_entry: None,
+    };
+    let mut holder = app.raw.begin().await.unwrap();
+    app.write_record(&mut holder, ("account:alice", "xa", "Transfer"), fields, &original.encode_to_vec()).await;
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (BatchCall::Transfer(transfer_command("alice", "bob", "8.00")), guards(Some("xa"), None)),
+                // Refused if xa were applied first: alice would have 2.00 left.
+                (BatchCall::Transfer(transfer_command("alice", "shop", "5.00")), guards(Some("xb"), None)),
+            ])
+            .await
+    });
+    app.wait_for_a_write_waiting_on("idempotency_record").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let xa = transferred(&answers[0], true);
+    assert_eq!(xa, original, "answered by the original's record");
+    let xb = transferred(&answers[1], false);
+    assert_eq!(xb.from_entry.as_ref().unwrap().balance_after, "5.00", "xb applied without xa");
+    let counters = app.ledger.counters();
+    assert_eq!(counters.in_flight_waits, 1, "xa's claim met the original committed under the batch: {counters:?}");
+    assert_eq!(counters.group_committed_transfers, 1);
+    assert_eq!(app.balance("alice").await, "5.00");
+    assert_eq!(app.balance("bob").await, "0.00");
+    assert_eq!(app.balance("shop").await, "5.00");
+    assert_eq!(app.rows("transfers").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A retry of a Transfer whose pre-check ran before its original committed, and whose batch
+/// then finds the money gone (the original moved it): the batch refuses it on the state the
+/// original left, so it runs alone, where its key is claimed first, as on the single-call
+/// path, and it is answered by the original's record instead of INSUFFICIENT_FUNDS.
+pub async fn a_transfer_retried_while_its_original_commits_is_replayed_not_refused(app: &TestApp) {
+    use prost::Message as _;
+    app.funded("alice", "10.00").await;
+    app.open("bob", "USD").await;
+
+    // The original of xr, as its own transaction writes it: alice's and bob's rows locked,
+    // its record, its transfer row, both balances by version CAS and both entries; not yet
+    // committed.
+    let fields = "from_account_id=alice\nto_account_id=bob\namount=1000\ncurrency=USD\nmemo=rent\n";
+    let original = proto::TransferResponse {
+        transfer: Some(proto::Transfer { transfer_id: "X-original".into(), ..Default::default() }),
+        from_entry: None,
+        to_entry: None,
+    };
+    let mut holder = app.raw.begin().await.unwrap();
+    if app.backend != crate::helpers::Backend::Sqlite {
+        let lock = "SELECT balance FROM accounts WHERE account_id IN ('alice', 'bob') ORDER BY account_id FOR UPDATE";
+        sqlx::query(lock).execute(&mut *holder).await.unwrap();
+    }
+    app.write_record(&mut holder, ("account:alice", "xr", "Transfer"), fields, &original.encode_to_vec()).await;
+    let transfer = "INSERT INTO transfers (transfer_id, from_account_id, to_account_id, amount, currency, memo, \
+                    created_at, created_by) VALUES ('X-original', 'alice', 'bob', 1000, 'USD', 'rent', 1, 'anonymous')";
+    sqlx::query(transfer).execute(&mut *holder).await.unwrap();
+    let legs = [("alice", "bob", -1000), ("bob", "alice", 1000)];
+    app.write_posting(&mut holder, ("TRANSFER", "X-original", "X-original"), legs).await;
+
+    // The retry: its check finds no record (the original has not committed), so it queues.
+    let ledger = app.ledger.clone();
+    let retry = tokio::spawn(async move {
+        let call = (BatchCall::Transfer(transfer_command("alice", "bob", "10.00")), guards(Some("xr"), None));
+        ledger.write_together(vec![call]).await
+    });
+    app.wait_for_a_session_in("%accounts%FOR%UPDATE%").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = retry.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    assert_eq!(transferred(&answers[0], true), original, "answered by the original's record");
+    assert_eq!(app.ledger.counters().group_committed_transfers, 0);
+    assert_eq!(app.balance("alice").await, "0.00");
+    assert_eq!(app.balance("bob").await, "10.00");
+    assert_eq!(app.rows("transfers").await, 1);
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
@@ -2155,11 +2339,13 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="idempotency_key""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="OUT_TRADE_NO_REUSED""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
-    // The two fresh Pays were written by group commits (one each, or one together).
+    // The two fresh Pays were written by group commits (one each, or one together), and so
+    // was the fresh Transfer, after them.
     assert_eq!(sample(&metrics, "payledger_group_committed_pays_total", ""), 2.0);
+    assert_eq!(sample(&metrics, "payledger_group_committed_transfers_total", ""), 1.0);
     let batches = sample(&metrics, "payledger_group_commit_batch_pays_count", "");
-    assert!((1.0..=2.0).contains(&batches), "{batches}");
-    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 2.0);
+    assert!((2.0..=3.0).contains(&batches), "{batches}");
+    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 3.0);
     assert_eq!(sample(&metrics, "payledger_group_commit_queue_depth", ""), 0.0);
     assert_eq!(sample(&metrics, "payledger_db_up", ""), 1.0);
     assert_eq!(sample(&metrics, "payledger_db_pool_max_connections", ""), 8.0);
@@ -2168,6 +2354,7 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     // The shutdown line reads the same counters.
     let counters = app.ledger.counters();
     assert_eq!((counters.replays, counters.key_conflicts, counters.group_committed_pays), (2, 2, 2));
+    assert_eq!(counters.group_committed_transfers, 1);
 }
 
 /// Takes every pooled connection of the app's ledger, so that its calls wait for one.

@@ -715,10 +715,70 @@ pub fn transfer_request(from: &str, to: &str, amount: &str) -> proto::TransferRe
 impl TestApp {
     /// A SQL literal of the bytes of `text`, for this backend's BYTEA/BLOB columns.
     pub fn bytes_literal(&self, text: &str) -> String {
-        let hex: String = text.bytes().map(|byte| format!("{byte:02x}")).collect();
+        self.blob_literal(text.as_bytes())
+    }
+
+    /// A SQL literal of `bytes`, for this backend's BYTEA/BLOB columns.
+    pub fn blob_literal(&self, bytes: &[u8]) -> String {
+        let hex: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
         match self.backend {
             Backend::Postgres => format!("decode('{hex}', 'hex')"),
             Backend::MySql | Backend::Sqlite => format!("X'{hex}'"),
+        }
+    }
+
+    /// Writes in `holder` the COMPLETED idempotency record another writer of `method` with
+    /// `fields` (the request's business fields, one `name=value` line each, as the server
+    /// fingerprints them) leaves under (`scope`, `key`), answering with `message`.
+    pub async fn write_record(
+        &self,
+        holder: &mut sqlx::Transaction<'_, sqlx::Any>,
+        (scope, key, method): (&str, &str, &str),
+        fields: &str,
+        message: &[u8],
+    ) {
+        use sha2::Digest as _;
+        let fingerprint: String =
+            sha2::Sha256::digest(format!("{method}\n{fields}")).iter().map(|byte| format!("{byte:02x}")).collect();
+        let sql = format!(
+            "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
+             response, response_message, caller_scope, status, created_at, expires_at) VALUES ('{scope}', '{key}', \
+             '{method}', '{fingerprint}', {}, {}, {}, '{scope}', 'COMPLETED', 0, 9000000000000000)",
+            self.bytes_literal(fields),
+            self.bytes_literal("{}"),
+            self.blob_literal(message),
+        );
+        sqlx::query(&sql).execute(&mut **holder).await.unwrap();
+    }
+
+    /// Writes in `holder` the two legs of posting `posting_id` (`kind`, `reference`) as a
+    /// single posting leaves them: each account's balance and version moved by its amount (USD
+    /// minor units) and one, read in `holder`, and its journal entry.
+    pub async fn write_posting(
+        &self,
+        holder: &mut sqlx::Transaction<'_, sqlx::Any>,
+        (kind, reference, posting_id): (&str, &str, &str),
+        legs: [(&str, &str, i64); 2],
+    ) {
+        for (account_id, counterparty, amount) in legs {
+            let row = sqlx::query(&format!("SELECT balance, version FROM accounts WHERE account_id = '{account_id}'"))
+                .fetch_one(&mut **holder)
+                .await
+                .unwrap();
+            let (balance, version): (i64, i64) = (row.try_get(0).unwrap(), row.try_get(1).unwrap());
+            let (balance, version) = (balance + amount, version + 1);
+            let writes = [
+                format!("UPDATE accounts SET balance = {balance}, version = {version} WHERE account_id = '{account_id}'"),
+                format!(
+                    "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, \
+                     reference, posting_id, counterparty_account_id, created_at, created_by) VALUES ('{account_id}', \
+                     'USD', {amount}, {balance}, {version}, '{kind}', '{reference}', '{posting_id}', '{counterparty}', 1, \
+                     'anonymous')"
+                ),
+            ];
+            for write in writes {
+                sqlx::query(&write).execute(&mut **holder).await.unwrap();
+            }
         }
     }
 

@@ -130,6 +130,12 @@ impl Drop for ServerDatabase {
 
 /// Every bench scenario, a few dozen calls each, 4 callers; every call must answer OK.
 pub async fn run_every_scenario(served: &Served) {
+    run_every_scenario_at(served, 4, 60).await;
+}
+
+/// [`run_every_scenario`] with `concurrency` callers and `total` calls a scenario: at 32
+/// callers a group commit holds a few dozen calls, and its statements a few dozen rows each.
+pub async fn run_every_scenario_at(served: &Served, concurrency: usize, total: u64) {
     use clap::ValueEnum as _;
     use payledger_tools::bench::{BenchSettings, Scenario};
     for &scenario in Scenario::value_variants() {
@@ -137,8 +143,8 @@ pub async fn run_every_scenario(served: &Served) {
             target: format!("http://{}", served.address),
             allow_test_data: true,
             scenario,
-            concurrency: 4,
-            total: 60,
+            concurrency,
+            total,
             duration_seconds: None,
             payers: 10,
             merchants: 3,
