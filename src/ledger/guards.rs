@@ -628,7 +628,7 @@ impl BatchClaim {
                 ..record.clone()
             })
             .collect();
-        self.claim_records(queries, &records, checked_at).await
+        self.insert_claim(queries, &records, checked_at).await
     }
 
     /// [`BatchClaim::claim`] for a call whose answer holds what only the batch's write makes
@@ -639,7 +639,7 @@ impl BatchClaim {
     /// # Errors
     /// As [`BatchClaim::claim`].
     pub(super) async fn claim_in_progress(&self, queries: &mut Queries<'_>, checked_at: i64) -> Result<bool, Error> {
-        self.claim_records(queries, &self.records, checked_at).await
+        self.insert_claim(queries, &self.records, checked_at).await
     }
 
     /// The answer for the records [`BatchClaim::claim_in_progress`] claimed, as
@@ -650,7 +650,7 @@ impl BatchClaim {
 
     /// Inserts `records` (and consumes the token, under a savepoint when the claim writes more
     /// than one row): false, with nothing of it written, when a guard is taken.
-    async fn claim_records(
+    async fn insert_claim(
         &self,
         queries: &mut Queries<'_>,
         records: &[IdempotencyRecordRow],
