@@ -68,9 +68,11 @@ for line in open(sys.argv[1]):
     if fields.get("message") == "stopped" and fields.get("group_commits"):
         pays, refunds = fields["group_committed_pays"], fields.get("group_committed_refunds", 0)
         transfers = fields.get("group_committed_transfers", 0)
-        mean = (pays + refunds + transfers) / fields["group_commits"]
+        deposits = fields.get("group_committed_deposits", 0)
+        withdrawals = fields.get("group_committed_withdrawals", 0)
+        mean = (pays + refunds + transfers + deposits + withdrawals) / fields["group_commits"]
         print(f"  group commits: {fields['group_commits']}, Pays in them: {pays}, Refunds: {refunds}, "
-              f"Transfers: {transfers} (mean batch {mean:.1f})")
+              f"Transfers: {transfers}, Deposits: {deposits}, Withdraws: {withdrawals} (mean batch {mean:.1f})")
 PY
 }
 

@@ -103,6 +103,8 @@ pub struct LedgerMetrics {
     pub group_committed_pays: Counter,
     pub group_committed_refunds: Counter,
     pub group_committed_transfers: Counter,
+    pub group_committed_deposits: Counter,
+    pub group_committed_withdrawals: Counter,
     pub group_commit_batch: Histogram,
     pub group_commit_queue_depth: Gauge,
     pub group_commit_alone: Counter,
@@ -130,6 +132,8 @@ impl Default for LedgerMetrics {
             group_committed_pays: Counter::default(),
             group_committed_refunds: Counter::default(),
             group_committed_transfers: Counter::default(),
+            group_committed_deposits: Counter::default(),
+            group_committed_withdrawals: Counter::default(),
             group_commit_batch: batch_buckets(),
             group_commit_queue_depth: Gauge::default(),
             group_commit_alone: Counter::default(),
@@ -240,7 +244,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commits",
-            "Group-commit transactions that committed at least one Pay, Refund or Transfer",
+            "Group-commit transactions that committed at least one call (Pay, Refund, Transfer, Deposit, Withdraw)",
             self.group_commits.clone(),
         );
         registry.register(
@@ -259,18 +263,28 @@ impl LedgerMetrics {
             self.group_committed_transfers.clone(),
         );
         registry.register(
+            "payledger_group_committed_deposits",
+            "Deposits committed by group commits",
+            self.group_committed_deposits.clone(),
+        );
+        registry.register(
+            "payledger_group_committed_withdrawals",
+            "Withdraws committed by group commits",
+            self.group_committed_withdrawals.clone(),
+        );
+        registry.register(
             "payledger_group_commit_batch_pays",
-            "Pays, Refunds and Transfers committed per group commit",
+            "Pays, Refunds, Transfers, Deposits and Withdraws committed per group commit",
             self.group_commit_batch.clone(),
         );
         registry.register(
             "payledger_group_commit_queue_depth",
-            "Pays, Refunds and Transfers queued for group commit, not yet taken by a batch",
+            "Pays, Refunds, Transfers, Deposits and Withdraws queued for group commit, not yet taken by a batch",
             self.group_commit_queue_depth.clone(),
         );
         registry.register(
             "payledger_group_commit_alone",
-            "Pays, Refunds and Transfers run in a transaction of their own after their batch could not decide them, or refused them while they carried an idempotency key or token",
+            "Pays, Refunds, Transfers, Deposits and Withdraws run in a transaction of their own after their batch could not decide them, or refused them while they carried an idempotency key or token",
             self.group_commit_alone.clone(),
         );
         registry.register(

@@ -405,6 +405,8 @@ impl Application {
             group_committed_pays = counters.group_committed_pays,
             group_committed_refunds = counters.group_committed_refunds,
             group_committed_transfers = counters.group_committed_transfers,
+            group_committed_deposits = counters.group_committed_deposits,
+            group_committed_withdrawals = counters.group_committed_withdrawals,
             "stopped"
         );
         Ok(())

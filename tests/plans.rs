@@ -30,8 +30,8 @@ use payledger::store::Dialect;
 use payledger_tools::seed::{seed, SeedSettings};
 use sqlx::{AnyPool, Connection, Row};
 
-const HOT_TABLES: [&str; 6] =
-    ["orders", "payment_flow", "refunds", "accounts", "journal_entries", "idempotency_record"];
+const HOT_TABLES: [&str; 7] =
+    ["orders", "payment_flow", "refunds", "accounts", "journal_entries", "idempotency_record", "deposits"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {

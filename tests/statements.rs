@@ -1,7 +1,7 @@
 //! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
 //! Pays, over one to five merchants, each with a rejected Pay, a replay, Pays with an
-//! idempotency key and a token, a Refund and a Transfer in it, prepare no statement that the
-//! first batches did not already prepare.
+//! idempotency key and a token, a Refund, a Transfer, a Deposit and a Withdraw in it, prepare
+//! no statement that the first batches did not already prepare.
 //!
 //! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
 //! same server, and all it prepared still fits sqlx's statement cache (100 a connection), so
@@ -17,24 +17,27 @@ mod common;
 
 use payledger::domain::{
     AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
-    OutTradeNo,
+    OutTradeNo, RequestId,
 };
-use payledger::ledger::{BatchCall, Guards, Pay, Refund, Transfer};
+use payledger::ledger::{BatchCall, Deposit, Guards, Pay, Refund, Transfer, Withdraw};
 use payledger::proto;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use sqlx::Row;
 
-/// The most statements that the first group commits prepare, whatever their size: PostgreSQL
-/// reads the replays, locks the orders, locks the accounts and writes the rest in one
-/// statement (MariaDB writes in up to six, one a kind of row); then the guards: the replay read of a record and of a
+/// The most statements that the first group commits prepare, whatever their size, beyond
+/// those of the set-up (whose Deposit, a group commit of its own, already prepared the accounts'
+/// lock, the request_ids' read, the entries' read back and, on PostgreSQL, the one statement that
+/// writes a batch): PostgreSQL reads the replays and locks the orders (MariaDB also writes in up
+/// to nine statements, one a kind of row); then the guards: the replay read of a record and of a
 /// payment, the token's owner, and in the batch the token consumed (and read back when it
 /// was not) and the records inserted; then the Refunds: the replay read of a refund and its
-/// order, and in the batch the refunds read under the orders' locks (MariaDB writes the
-/// refunds and the orders' refund CAS in two more); then the Transfers: in the batch their
-/// entries read back and their records completed (MariaDB writes the transfers in one more).
-const POSTGRES_BATCH_STATEMENTS: i64 = 14;
-const MYSQL_BATCH_STATEMENTS: i64 = 20;
+/// order, and in the batch the refunds read under the orders' locks; then the Transfers' and
+/// Deposits' records completed; then the Withdraws' replay read, and the refused Withdraw's
+/// own transaction (a Deposit or Withdraw the batch refuses runs alone): its request_id's
+/// insert and its account's locking read. Measured: exactly these.
+const POSTGRES_BATCH_STATEMENTS: i64 = 15;
+const MYSQL_BATCH_STATEMENTS: i64 = 21;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.
@@ -156,6 +159,20 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         assert!(answers[..2].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
         assert!(answers[2].is_err(), "{answers:?}");
     }
+    // And Deposits and Withdraws in a batch: a Deposit with a key, a Withdraw, one refused
+    // (the poor account has nothing), then the same again: replays, and the refusal again.
+    let fundings = || {
+        vec![
+            (funding("da", "payer", false), guards(Some("kda"), None)),
+            (funding("wa", "payer", true), guards(None, None)),
+            (funding("wb", "poor", true), guards(None, None)),
+        ]
+    };
+    for replayed in [false, true] {
+        let answers = served.ledger.write_together(fundings()).await;
+        assert!(answers[..2].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
+        assert!(answers[2].is_err(), "{answers:?}");
+    }
     let after_first = prepared().await;
     assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
 
@@ -186,9 +203,16 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         // And a Transfer with a key of its own first in every batch.
         let transfer_key = format!("kt{round}");
         batch.insert(0, (BatchCall::Transfer(transfer("payer", "shop-2")), guards(Some(&transfer_key), None)));
+        // And a Deposit and a Withdraw after it, one of them with a key.
+        let (deposit_key, withdraw_key) = (format!("kd{round}"), format!("kw{round}"));
+        let keyed_when = |even: bool, key| guards((round % 2 == usize::from(!even)).then_some(key), None);
+        batch.insert(1, (funding(&format!("d{round}"), "payer", false), keyed_when(false, deposit_key.as_str())));
+        batch.insert(2, (funding(&format!("w{round}"), "payer", true), keyed_when(true, withdraw_key.as_str())));
         let mut answers = served.ledger.write_together(batch).await;
-        let transferred = answers.remove(0);
-        assert!(transferred.as_ref().is_ok_and(|transferred| !transferred.replayed), "{transferred:?}");
+        for _ in 0..3 {
+            let written = answers.remove(0);
+            assert!(written.as_ref().is_ok_and(|written| !written.replayed), "{written:?}");
+        }
         let refunded = answers.remove(middle);
         assert!(refunded.as_ref().is_ok_and(|refunded| !refunded.replayed), "{refunded:?}");
         for (index, answer) in answers.iter().enumerate() {
@@ -207,6 +231,8 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     assert_eq!(after.group_committed_pays - before.group_committed_pays, paid as u64, "{after:?}");
     assert_eq!(after.group_committed_refunds - before.group_committed_refunds, SIZES.len() as u64, "{after:?}");
     assert_eq!(after.group_committed_transfers - before.group_committed_transfers, SIZES.len() as u64, "{after:?}");
+    assert_eq!(after.group_committed_deposits - before.group_committed_deposits, SIZES.len() as u64, "{after:?}");
+    assert_eq!(after.group_committed_withdrawals - before.group_committed_withdrawals, SIZES.len() as u64);
     assert_eq!(after.group_commits - before.group_commits, SIZES.len() as u64);
 
     let after_all = prepared().await;
@@ -261,6 +287,19 @@ fn refund(order: usize, out_refund_no: &str, amount: &str) -> Refund {
         amount: Amount::parse("amount", amount, currency).unwrap(),
         reason: FreeText::parse("reason", "statements").unwrap(),
         created_by: Actor::Anonymous,
+    }
+}
+
+/// A Deposit into `account_id` (`withdraw` false) or a Withdraw from it, of 0.01.
+fn funding(request_id: &str, account_id: &str, withdraw: bool) -> BatchCall {
+    let request_id = RequestId::parse("request_id", request_id).unwrap();
+    let account_id = AccountId::parse("account_id", account_id).unwrap();
+    let amount = Amount::parse("amount", "0.01", Currency::parse("currency", "USD").unwrap()).unwrap();
+    let created_by = Actor::Anonymous;
+    if withdraw {
+        BatchCall::Withdraw(Withdraw { request_id, account_id, amount, created_by })
+    } else {
+        BatchCall::Deposit(Deposit { request_id, account_id, amount, created_by })
     }
 }
 

@@ -63,13 +63,15 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (account), [`crate::domain::Rejection::CurrencyMismatch`],
     /// [`Error::KeyReused`] (REQUEST_ID_REUSED) when the request_id was used for another deposit.
+    ///
+    /// With group commit on, a Deposit or Withdraw is written by a batch, routed by its
+    /// funding account shard (see `group_commit`); one whose shard has no row yet runs alone.
     pub async fn deposit(
         &self,
         command: Deposit,
         guards: &Guards,
     ) -> Result<Replayable<proto::DepositResponse>, Error> {
-        let funding_account_id = self.funding_account_for(command.parts());
-        self.run_idempotent(&FundingCall { command, id: new_id('D'), funding_account_id }, guards).await
+        self.run_funding(self.funding_call(command, 'D'), guards).await
     }
 
     /// Pays money out of an account to the currency's external funding account, once per
@@ -79,20 +81,38 @@ impl Ledger {
     /// [`Error::NotFound`] (account), [`Rejection::CurrencyMismatch`],
     /// [`Rejection::InsufficientFunds`] when the balance is short, [`Error::KeyReused`]
     /// (REQUEST_ID_REUSED) when the request_id was used for another withdrawal.
+    ///
+    /// With group commit on, written by a batch as [`Ledger::deposit`] is; a full queue is
+    /// RESOURCE_EXHAUSTED (OVERLOADED), as for every batched call.
     pub async fn withdraw(
         &self,
         command: Withdraw,
         guards: &Guards,
     ) -> Result<Replayable<proto::WithdrawResponse>, Error> {
-        let funding_account_id = self.funding_account_for(command.parts());
-        self.run_idempotent(&FundingCall { command, id: new_id('W'), funding_account_id }, guards).await
+        self.run_funding(self.funding_call(command, 'W'), guards).await
     }
 
-    /// The funding account (shard) a Deposit or Withdraw moves money against: one of
-    /// `LedgerSettings::funding_account_shards`, chosen by its request_id.
-    fn funding_account_for(&self, (request_id, _, amount, _): (&RequestId, &AccountId, Amount, &Actor)) -> String {
-        let shards = self.settings.funding_account_shards;
-        funding_account_id(amount.currency().code(), funding_shard(request_id.as_str(), shards))
+    /// A Deposit or Withdraw with its posting id (`prefix` then a fresh id) and the funding
+    /// account (shard) it moves money against: one of `LedgerSettings::funding_account_shards`,
+    /// chosen by its request_id.
+    pub(super) fn funding_call<F: Funding>(&self, command: F, prefix: char) -> FundingCall<F> {
+        let (request_id, _, amount, _) = command.parts();
+        let shard = funding_shard(request_id.as_str(), self.settings.funding_account_shards);
+        let funding_account_id = funding_account_id(amount.currency().code(), shard);
+        FundingCall { command, id: new_id(prefix), funding_account_id }
+    }
+
+    /// A Deposit or Withdraw through the group commit when it is on (routed by its funding
+    /// account, the row every call of that shard moves), else in its own transaction.
+    async fn run_funding<F: Funding>(
+        &self,
+        call: FundingCall<F>,
+        guards: &Guards,
+    ) -> Result<Replayable<F::Message>, Error> {
+        match self.batcher() {
+            Some(batcher) => self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<FundingCall<F>>),
+            None => self.run_idempotent(&call, guards).await,
+        }
     }
 
     /// Moves money between two accounts of one currency. Transfers have no natural key, so
@@ -291,10 +311,81 @@ fn funding_fields(request_id: &str, account_id: &str, amount: i64, currency: &st
 
 /// A Deposit or Withdraw with what the server adds to it: the posting id, and the funding
 /// account (the currency's external account, or one of its shards) on the other side.
-struct FundingCall<F> {
+pub(super) struct FundingCall<F> {
     command: F,
     id: String,
     funding_account_id: String,
+}
+
+/// A Deposit or Withdraw as a group commit writes it (and its own transaction, should it run
+/// alone): every field its row and its posting take.
+#[derive(Debug, Clone)]
+pub(super) struct FundingWrite {
+    pub(super) table: FundingTable,
+    pub(super) kind: EntryKind,
+    /// True for a Deposit (the funding account pays the account), false for a Withdraw.
+    pub(super) into_account: bool,
+    pub(super) request_id: String,
+    pub(super) funding_id: String,
+    pub(super) account_id: String,
+    pub(super) amount: Amount,
+    pub(super) created_by: String,
+    pub(super) funding_account_id: String,
+}
+
+impl FundingWrite {
+    /// Its row at `now`, in the account's currency (the caller has checked the amount's).
+    pub(super) fn row(&self, now: i64) -> FundingRow {
+        FundingRow {
+            request_id: self.request_id.clone(),
+            funding_id: self.funding_id.clone(),
+            account_id: self.account_id.clone(),
+            amount: self.amount.minor_units(),
+            currency: self.amount.currency().code().to_owned(),
+            created_at: now,
+            created_by: self.created_by.clone(),
+        }
+    }
+
+    /// The accounts its posting moves money from and to.
+    pub(super) fn legs(&self) -> (&str, &str) {
+        let (account, funding) = (self.account_id.as_str(), self.funding_account_id.as_str());
+        if self.into_account {
+            (funding, account)
+        } else {
+            (account, funding)
+        }
+    }
+}
+
+impl<F: Funding> FundingCall<F> {
+    fn funding_write(&self) -> FundingWrite {
+        let (request_id, account_id, amount, created_by) = self.command.parts();
+        FundingWrite {
+            table: F::TABLE,
+            kind: F::ENTRY_KIND,
+            into_account: F::INTO_ACCOUNT,
+            request_id: request_id.as_str().to_owned(),
+            funding_id: self.id.clone(),
+            account_id: account_id.as_str().to_owned(),
+            amount,
+            created_by: created_by.created_by().to_owned(),
+            funding_account_id: self.funding_account_id.clone(),
+        }
+    }
+}
+
+impl<F: Funding> Batchable for FundingCall<F> {
+    fn write(&self) -> Write {
+        Write::Funding(self.funding_write())
+    }
+
+    fn written(decision: Decision) -> Result<DepositReceipt, Box<Decision>> {
+        match decision {
+            Decision::Funded(receipt) => Ok(receipt),
+            other => Err(Box::new(other)),
+        }
+    }
 }
 
 impl<F: Funding> IdempotentCall for FundingCall<F> {
@@ -334,35 +425,24 @@ impl<F: Funding> IdempotentCall for FundingCall<F> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
-        let (request_id, account_id, amount, created_by) = self.command.parts();
-        let account_id = account_id.as_str();
-        let account = queries.find_account(account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-        if account.currency != amount.currency().code() {
+        let write = self.funding_write();
+        let account = queries.find_account(&write.account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
+        if account.currency != write.amount.currency().code() {
             return Err(Rejection::CurrencyMismatch.into());
         }
-        let row = FundingRow {
-            request_id: request_id.as_str().to_owned(),
-            funding_id: self.id.clone(),
-            account_id: account_id.to_owned(),
-            amount: amount.minor_units(),
-            currency: account.currency.clone(),
-            created_at: now,
-            created_by: created_by.created_by().to_owned(),
-        };
-        if !queries.insert_funding(F::TABLE, &row).await? {
+        let row = write.row(now);
+        if !queries.insert_funding(write.table, &row).await? {
             return Ok(Inserted::KeyTaken);
         }
-        let external_id = self.funding_account_id.as_str();
-        let external = ensure_funding_account(queries, external_id, &account.currency, now).await?;
-        let (from_account_id, to_account_id) =
-            if F::INTO_ACCOUNT { (external_id, account_id) } else { (account_id, external_id) };
+        let external = ensure_funding_account(queries, &write.funding_account_id, &account.currency, now).await?;
+        let (from_account_id, to_account_id) = write.legs();
         let posting = Posting {
-            posting_id: &self.id,
-            kind: F::ENTRY_KIND,
-            reference: request_id.as_str(),
+            posting_id: &write.funding_id,
+            kind: write.kind,
+            reference: &write.request_id,
             from_account_id,
             to_account_id,
-            amount,
+            amount: write.amount,
             now,
             created_by: &row.created_by,
         };
@@ -489,11 +569,17 @@ async fn funding_receipt(
         .find_entry(funding_id, &account.account_id)
         .await?
         .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
+    Ok(receipt_after(account, entry))
+}
+
+/// The receipt of a Deposit or Withdraw: `account` (as read before it) as its `entry` on it
+/// left it.
+pub(super) fn receipt_after(account: AccountRow, entry: EntryRow) -> DepositReceipt {
     let account = AccountRow {
         balance: entry.balance_after,
         version: entry.version_after,
         updated_at: entry.created_at,
         ..account
     };
-    Ok(DepositReceipt { account, entry })
+    DepositReceipt { account, entry }
 }

@@ -1,57 +1,67 @@
-//! Group commit of Pays, Refunds and Transfers: the calls that arrive while the database is
-//! busy are written together (each worker takes the calls routed to it: Pays and Refunds by
-//! merchant_id, Transfers by from_account_id), in one transaction, with one statement per
-//! kind of row instead of one per call:
+//! Group commit of Pays, Refunds, Transfers, Deposits and Withdraws: the calls that arrive
+//! while the database is busy are written together (each worker takes the calls routed to it:
+//! Pays and Refunds by merchant_id, Transfers by from_account_id, Deposits and Withdraws by
+//! their funding account, the one row all of them move), in one transaction, with one
+//! statement per kind of row instead of one per call:
 //!
 //! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
 //!    Pays are replays) and the payments the Refunds refund (payments never change); there is
-//!    nothing to read for a Transfer, and a batch of Transfers alone skips this read;
+//!    nothing to read for a Transfer, Deposit or Withdraw, and a batch of those alone skips
+//!    this read;
 //! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order), check each
 //!    Pay against its order ([`check_pay`]: terms and state machine), and read the Refunds'
 //!    out_refund_nos (one SELECT): one committed before the lock was taken is a replay (a
 //!    Refund locks its order before it inserts its row, so none can commit after);
-//! 2. lock every account the batch touches (one `SELECT ... FOR UPDATE`, in account_id order)
-//!    and apply the calls one after another in arrival order, in memory, with the same rules
-//!    as the one-call transactions: a Pay's legs ([`balance_after`]); a Refund's order state
+//! 2. lock every account the batch touches (one `SELECT ... FOR UPDATE`, in account_id order),
+//!    read the Deposits' and Withdraws' request_ids (one SELECT; one committed before is a
+//!    replay; the request_id's primary key is what keeps a Deposit once only: a request_id
+//!    taken after this read fails the batch's INSERT, and the batch runs alone; the funding
+//!    account's lock, held now, makes that rare, as the calls of one request_id on servers of
+//!    one configuration all move one funding account; a call whose funding account shard has
+//!    no row yet runs alone, where its transaction creates it), and apply the calls one after
+//!    another in arrival order, in memory, with the same rules as the one-call transactions: a Pay's legs ([`balance_after`]); a Refund's order state
 //!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
 //!    after another to its state), then its legs, payee to payer; a Transfer's legs, from to
-//!    to ([`move_money`], the rules of a single posting). A call that breaks a rule is
-//!    rejected alone and changes nothing;
+//!    to ([`move_money`], the rules of a single posting); a Deposit's or Withdraw's account
+//!    and currency, then its legs ([`apply_funding`]). A call that breaks a rule is
+//!    rejected alone and changes nothing (a Deposit or Withdraw then runs alone, see
+//!    [`write_batch`]);
 //! 3. write what the accepted calls did: one multi-row INSERT of payments, one conditional
 //!    UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
 //!    one refund CAS of the refunded orders (from the state read under the lock, the new
-//!    refunded amount within the order's amount), one multi-row INSERT of transfers, one
-//!    version CAS per account (all in one UPDATE; an account moved N times in the batch
+//!    refunded amount within the order's amount), one multi-row INSERT of transfers, one of
+//!    deposits and one of withdrawals, one version CAS per account (all in one UPDATE; an account moved N times in the batch
 //!    moves N versions at once), one multi-row INSERT of journal entries (two legs per call,
 //!    in order, so every entry records the balance and version right after it), then one
 //!    COMMIT. PostgreSQL sends all of it as one statement; MySQL and SQLite one a kind of row
-//!    the batch has. A Transfer's answer holds its entries, whose ids the database assigns:
-//!    one read after the write fetches the Transfers' entries.
+//!    the batch has. A Transfer's answer holds its entries, and a Deposit's or Withdraw's its
+//!    account's entry, whose ids the database assigns: one read after the write fetches them.
 //!
 //! Each call keeps its own outcome: a rejection is that call's answer only, a replay stays a
 //! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
 //! out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the read did
-//! not find or whose order a Pay of the batch names, a key taken under it by a concurrent
+//! not find or whose order a Pay of the batch names, a second Deposit or Withdraw of one
+//! request_id, one whose funding account has no row yet, a key taken under it by a concurrent
 //! writer, any database error that is not a transient conflict) makes those calls, or the
 //! whole batch after a rollback, run alone through the ordinary one-call transaction, which
-//! is idempotent by out_trade_no and out_refund_no: a call whose batch did commit after all
+//! is idempotent by out_trade_no, out_refund_no and request_id: a call whose batch did commit after all
 //! is then answered as a replay.
 //!
 //! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
 //! while the workers before it are busy; under light load a batch holds one call.
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
-//! Refund goes through the idempotency driver: each call runs the driver's steps before the
-//! batch on its own (a committed record answers it; a Refund's committed out_refund_no
-//! answers it; a token's owner is checked), and the batch does step 4 for all of them in its
+//! Refund, Transfer, Deposit and Withdraw goes through the idempotency driver: each call runs
+//! the driver's steps before the batch on its own (a committed record answers it; a Refund's
+//! committed out_refund_no, a Deposit's or Withdraw's committed request_id answers it; a token's owner is checked), and the batch does step 4 for all of them in its
 //! one transaction: once the accepted calls are known (after 2), it claims each accepted
 //! call's records in arrival order, inserting them already COMPLETED with the response that
 //! call gets if the batch commits (one statement a record; a token with the database store
 //! is consumed there too, under a savepoint, so a claim that fails part way leaves nothing).
-//! A Transfer's records are inserted IN_PROGRESS instead, as the one-call path claims them,
-//! and completed with its receipt once its entries are read back (one UPDATE for all the
-//! batch's Transfers, in the same transaction: no other transaction sees a record before the
-//! commit).
+//! The records of a Transfer, Deposit or Withdraw are inserted IN_PROGRESS instead, as the
+//! one-call path claims them, and completed with its receipt once its entries are read back
+//! (one UPDATE for all of them, in the same transaction: no other transaction sees a record
+//! before the commit).
 //! A guard found taken (its original committed, or was in flight, under the batch) or a
 //! token found invalid takes that call out with nothing of it written, and the calls after
 //! it are applied again without it; the call is then answered as the driver answers a key
@@ -78,14 +88,14 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, EntryRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, Store,
-    TransferRow,
+    AccountRow, BalanceUpdate, BatchWrite, EntryRow, FundingRow, FundingTable, NewEntry, OrderRefund, OrderRow,
+    PaymentRow, Queries, Store, TransferRow,
 };
 
 use prost::Message as _;
 
-use super::accounts::{transfer_row, TransferReceipt};
-use super::commands::{Pay, Refund, Transfer};
+use super::accounts::{receipt_after, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt};
+use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
 use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
 use super::payments::{
@@ -96,10 +106,10 @@ use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
-/// How Pays, Refunds and Transfers are grouped.
+/// How Pays, Refunds, Transfers, Deposits and Withdraws are grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
-    /// Most calls (Pays, Refunds and Transfers) written by one transaction; 1 turns group
+    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws) written by one transaction; 1 turns group
     /// commit off.
     pub max_batch: usize,
     /// Batches in flight at once (each holds one pooled connection while it runs).
@@ -161,6 +171,8 @@ pub(super) enum Decision {
     Refunded(RefundReceipt),
     /// Transferred and committed by the batch.
     Transferred(TransferReceipt),
+    /// Deposited or withdrawn and committed by the batch.
+    Funded(DepositReceipt),
     /// A payment under this out_trade_no was already committed (with its order): a replay,
     /// or OUT_TRADE_NO_REUSED if it paid something else.
     Found(PaymentRow, OrderRow),
@@ -169,6 +181,9 @@ pub(super) enum Decision {
     /// A refund under this out_refund_no was committed before the batch locked its order:
     /// replay it by out_refund_no.
     RefundedBefore,
+    /// A Deposit or Withdraw under this request_id was committed before the batch locked its
+    /// funding account: replay it by request_id.
+    FundedBefore,
     /// The write breaks a rule; nothing of it was written.
     Rejected(Error),
     /// One of the write's guards (`idempotency-key` or `idempotency-token`) was found taken
@@ -196,26 +211,29 @@ pub(super) enum Write {
         command: Transfer,
         transfer_id: String,
     },
+    /// A Deposit or Withdraw, with the funding_id its row gets and its funding account.
+    Funding(FundingWrite),
 }
 
 impl Write {
     /// What routes the write to its worker: a Pay's or Refund's merchant_id, a Transfer's
-    /// from_account_id.
+    /// from_account_id, a Deposit's or Withdraw's funding account (the hot row of them all).
     fn route(&self) -> &str {
         match self {
             Write::Pay(command) => command.merchant_id.as_str(),
             Write::Refund { command, .. } => command.merchant_id.as_str(),
             Write::Transfer { command, .. } => command.from_account_id.as_str(),
+            Write::Funding(funding) => funding.funding_account_id.as_str(),
         }
     }
 
     /// The (merchant_id, out_trade_no) the write pays, or refunds the payment of; none for a
-    /// Transfer.
+    /// Transfer, Deposit or Withdraw.
     fn trade_key(&self) -> Option<(&str, &str)> {
         match self {
             Write::Pay(command) => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
-            Write::Transfer { .. } => None,
+            Write::Transfer { .. } | Write::Funding(_) => None,
         }
     }
 }
@@ -247,8 +265,9 @@ struct Job {
 /// into its own account) different payee accounts, and do not queue on each other's row
 /// locks; Transfers by from_account_id, so the Transfers of one account share a worker (their
 /// to-accounts, and a merchant's account that also sends Transfers, may be another worker's
-/// too: those batches then wait for each other's row locks, taken in account_id order).
-/// Dropping the last clone ends the workers.
+/// too: those batches then wait for each other's row locks, taken in account_id order);
+/// Deposits and Withdraws by their funding account (the row every one of them moves), so the
+/// calls of one shard share a worker. Dropping the last clone ends the workers.
 pub(super) struct Batcher {
     queues: Vec<mpsc::Sender<Job>>,
     metrics: LedgerMetrics,
@@ -370,12 +389,20 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
     let paid = written.iter().filter(|decision| matches!(decision, Decision::Paid(_))).count();
     let refunded = written.iter().filter(|decision| matches!(decision, Decision::Refunded(_))).count();
     let transferred = written.iter().filter(|decision| matches!(decision, Decision::Transferred(_))).count();
-    if paid + refunded + transferred > 0 {
+    let deposited = written
+        .iter()
+        .filter(|decision| matches!(decision, Decision::Funded(receipt) if receipt.entry.kind == EntryKind::Deposit.as_str()))
+        .count();
+    let withdrawn = written.iter().filter(|decision| matches!(decision, Decision::Funded(_))).count() - deposited;
+    let committed = paid + refunded + transferred + deposited + withdrawn;
+    if committed > 0 {
         metrics.group_commits.inc();
         metrics.group_committed_pays.inc_by(paid as u64);
         metrics.group_committed_refunds.inc_by(refunded as u64);
         metrics.group_committed_transfers.inc_by(transferred as u64);
-        metrics.group_commit_batch.observe((paid + refunded + transferred) as f64);
+        metrics.group_committed_deposits.inc_by(deposited as u64);
+        metrics.group_committed_withdrawals.inc_by(withdrawn as u64);
+        metrics.group_commit_batch.observe(committed as f64);
     }
     for (index, decision) in open.into_iter().zip(written) {
         decisions[index] = Some(decision);
@@ -393,7 +420,7 @@ async fn read_payments(store: &Store, commands: &[Batched]) -> Result<(Vec<Optio
     let keys: BTreeSet<(&str, &str)> = commands.iter().filter_map(|batched| batched.write.trade_key()).collect();
     let keys: Vec<(&str, &str)> = keys.into_iter().collect();
     if keys.is_empty() {
-        // Transfers only: nothing to read.
+        // Transfers, Deposits and Withdraws only: nothing to read.
         return Ok((commands.iter().map(|_| None).collect(), PaymentsRead::new()));
     }
     let mut reader = store.reader().await?;
@@ -435,6 +462,8 @@ enum Candidate<'a> {
     Refund(&'a Refund, &'a str, &'a PaymentRow),
     /// A Transfer, with its transfer_id.
     Transfer(&'a Transfer, &'a str),
+    /// A Deposit or Withdraw.
+    Funding(&'a FundingWrite),
 }
 
 /// What one accepted write does, in the order the batch applied it.
@@ -447,11 +476,13 @@ enum Accepted {
     /// The row of a Transfer and its legs (from, to). Its receipt holds its entries, whose
     /// ids only the write gives: its guards are claimed IN_PROGRESS and completed after it.
     Transferred(TransferRow, Legs),
+    /// A Deposit or Withdraw, its row and its legs (from, to); claimed as a Transfer is.
+    Funded(FundingWrite, FundingRow, Legs),
 }
 
 impl Accepted {
     /// The response message of a Pay or Refund, which its guards record when claimed; `None`
-    /// for a Transfer.
+    /// for a Transfer, Deposit or Withdraw (known only once its entries are read back).
     fn message(&self) -> Result<Option<Vec<u8>>, Error> {
         Ok(match self {
             Accepted::Paid(receipt, _) => {
@@ -460,7 +491,7 @@ impl Accepted {
             Accepted::Refunded(receipt, ..) => {
                 Some(<Identified<Refund> as IdempotentCall>::message(receipt.clone())?.encode_to_vec())
             }
-            Accepted::Transferred(..) => None,
+            Accepted::Transferred(..) | Accepted::Funded(..) => None,
         })
     }
 }
@@ -474,8 +505,8 @@ fn order_key(merchant_id: &str, order_no: &str) -> OrderKey {
 
 /// The calls of `batch` that run alone after it, known before any lock: a second Pay of one
 /// order or out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the
-/// read did not find or whose order a Pay of the batch names, a second call with one
-/// idempotency key or token.
+/// read did not find or whose order a Pay of the batch names, a second Deposit (or Withdraw)
+/// of one request_id, a second call with one idempotency key or token.
 fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
     let refunded = refunded_payments(batch, payments);
@@ -509,6 +540,15 @@ fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
             *decision = Some(Decision::Alone);
         }
     }
+    // So does a second Deposit (or Withdraw) of one request_id: alone after the batch, it is a
+    // replay of the first (or REQUEST_ID_REUSED).
+    let mut request_ids_seen = HashSet::new();
+    for (decision, batched) in decisions.iter_mut().zip(batch) {
+        let Write::Funding(funding) = &batched.write else { continue };
+        if !request_ids_seen.insert((funding.table, funding.request_id.as_str())) {
+            *decision = Some(Decision::Alone);
+        }
+    }
     // So does a second call with one idempotency key or token: alone after the batch, it is
     // answered by the first one's record (or, when the first was refused, runs afresh).
     let mut guards_seen = HashSet::new();
@@ -531,7 +571,7 @@ fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<
             Write::Refund { command, .. } => payments
                 .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
                 .map(|(payment, _)| payment),
-            Write::Pay(_) | Write::Transfer { .. } => None,
+            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) => None,
         })
         .collect()
 }
@@ -561,7 +601,7 @@ async fn write_batch(
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
                 Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
             }
-            Write::Transfer { .. } => None,
+            Write::Transfer { .. } | Write::Funding(_) => None,
         }
     };
     let undecided: Vec<usize> = (0..batch.len()).filter(|index| decisions[*index].is_none()).collect();
@@ -581,7 +621,7 @@ async fn write_batch(
         .iter()
         .filter_map(|index| match &batch[*index].write {
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
-            Write::Pay(_) | Write::Transfer { .. } => None,
+            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) => None,
         })
         .collect();
     let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
@@ -607,6 +647,10 @@ async fn write_batch(
                 candidates.push((index, Candidate::Transfer(command, transfer_id)));
                 continue;
             }
+            Write::Funding(funding) => {
+                candidates.push((index, Candidate::Funding(funding)));
+                continue;
+            }
             Write::Pay(_) => {}
         }
         let (merchant_id, order_no) = order_of(index).expect("a Pay or Refund has its order");
@@ -628,7 +672,9 @@ async fn write_batch(
                     candidates.push((index, Candidate::Refund(command, refund_no, payment)));
                 }
             }
-            Write::Transfer { .. } => unreachable!("a Transfer is a candidate above"),
+            Write::Transfer { .. } | Write::Funding(_) => {
+                unreachable!("a Transfer, Deposit or Withdraw is a candidate above")
+            }
         }
     }
 
@@ -643,6 +689,7 @@ async fn write_batch(
             Candidate::Pay(command, order) => [command.payer_account_id.as_str(), order.payee_account_id.as_str()],
             Candidate::Refund(_, _, payment) => [payment.payee_account_id.as_str(), payment.payer_account_id.as_str()],
             Candidate::Transfer(command, _) => [command.from_account_id.as_str(), command.to_account_id.as_str()],
+            Candidate::Funding(funding) => [funding.account_id.as_str(), funding.funding_account_id.as_str()],
         })
         .collect();
     let account_ids: Vec<&str> = account_ids.into_iter().collect();
@@ -652,6 +699,7 @@ async fn write_batch(
         .into_iter()
         .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
         .collect();
+    decide_fundings(queries, &candidates, &locked, &mut decisions).await?;
     let (accounts, refunded_orders, accepted) = loop {
         let mut accounts = locked.clone();
         // The orders the batch refunds, as its refunds so far leave them.
@@ -681,6 +729,8 @@ async fn write_batch(
                     move_money(&mut accounts, from, to, &transfer.currency, transfer.amount)
                         .map(|legs| Accepted::Transferred(transfer, legs))
                 }
+                Candidate::Funding(funding) => apply_funding(&mut accounts, funding)
+                    .map(|legs| Accepted::Funded((*funding).clone(), funding.row(now), legs)),
             };
             match applied {
                 Ok(accepted_one) => accepted.push((*index, accepted_one)),
@@ -701,10 +751,11 @@ async fn write_batch(
             let claimed_now = match (accepted_one, message) {
                 (Accepted::Paid(receipt, _), Some(message)) => claim.claim(queries, receipt, &message, now).await,
                 (Accepted::Refunded(receipt, ..), Some(message)) => claim.claim(queries, receipt, &message, now).await,
-                (Accepted::Transferred(..), None) => claim.claim_in_progress(queries, now).await,
-                (Accepted::Paid(..) | Accepted::Refunded(..), None) | (Accepted::Transferred(..), Some(_)) => {
-                    unreachable!("a Pay's or Refund's message is known before the write, a Transfer's after it")
-                }
+                (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.claim_in_progress(queries, now).await,
+                (Accepted::Paid(..) | Accepted::Refunded(..), None)
+                | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
+                    "a Pay's or Refund's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
+                ),
             };
             match claimed_now {
                 Ok(true) => {
@@ -720,7 +771,16 @@ async fn write_batch(
         }
         if !taken_out {
             for (index, error) in refused {
-                decisions[index] = Some(Decision::Rejected(error));
+                // A Deposit or Withdraw the batch refuses runs alone: its own transaction
+                // inserts its request_id before it checks the rules, so it waits for an
+                // original of that request_id still in flight (one that inserted it before
+                // it waited for the funding account this batch holds: invisible to the
+                // batch's read) and is answered by it, not refused on the state the
+                // original is about to leave.
+                decisions[index] = Some(match batch[index].write {
+                    Write::Funding(_) => Decision::Alone,
+                    Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } => Decision::Rejected(error),
+                });
             }
             break (accounts, refunded_orders, accepted);
         }
@@ -732,12 +792,13 @@ async fn write_batch(
         }
     };
 
-    // 4. The writes; then the Transfers' entries read back (their ids are the database's),
-    //    and the records of the Transfers claimed IN_PROGRESS completed with their receipts.
+    // 4. The writes; then the entries of the Transfers, Deposits and Withdraws read back
+    //    (their ids are the database's), and their records claimed IN_PROGRESS completed with
+    //    their receipts.
     if !accepted.is_empty() && !write_accepted(queries, &accepted, &orders, &refunded_orders, &accounts, now).await? {
         return Ok(Inserted::KeyTaken);
     }
-    let mut entries = transfer_entries(queries, &accepted).await?;
+    let mut entries = entries_read_back(queries, &accepted).await?;
     let mut completions = Vec::new();
     for (index, accepted_one) in accepted {
         decisions[index] = Some(match accepted_one {
@@ -757,15 +818,26 @@ async fn write_batch(
                 }
                 Decision::Transferred(receipt)
             }
+            Accepted::Funded(funding, _, _) => {
+                let entry = entries
+                    .remove(&(funding.funding_id.clone(), funding.account_id.clone()))
+                    .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
+                let account = locked.get(&funding.account_id).expect("locked above").row.clone();
+                let receipt = receipt_after(account, entry);
+                if let Some(claim) = claims[index] {
+                    completions.push(claim.completion(&receipt, funding_message(&funding, &receipt)?)?);
+                }
+                Decision::Funded(receipt)
+            }
         });
     }
     complete_claims(queries, &completions).await?;
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }
 
-/// The journal entries of the accepted Transfers (both legs of each), by (posting_id,
-/// account_id): one read, none without Transfers.
-async fn transfer_entries(
+/// The journal entries of the accepted Transfers (both legs of each), Deposits and Withdraws
+/// (the account's leg), by (posting_id, account_id): one read, none without them.
+async fn entries_read_back(
     queries: &mut Queries<'_>,
     accepted: &[(usize, Accepted)],
 ) -> Result<HashMap<(String, String), EntryRow>, Error> {
@@ -776,6 +848,7 @@ async fn transfer_entries(
                 let transfer_id = transfer.transfer_id.as_str();
                 vec![(transfer_id, transfer.from_account_id.as_str()), (transfer_id, transfer.to_account_id.as_str())]
             }
+            Accepted::Funded(funding, ..) => vec![(funding.funding_id.as_str(), funding.account_id.as_str())],
             Accepted::Paid(..) | Accepted::Refunded(..) => Vec::new(),
         })
         .collect();
@@ -815,6 +888,73 @@ fn apply_refund(
     let legs =
         move_money(accounts, &payment.payee_account_id, &payment.payer_account_id, &refund.currency, refund.amount)?;
     Ok((RefundReceipt { refund, order }, legs))
+}
+
+/// A Deposit's or Withdraw's checks in its own transaction's order (the account, its currency),
+/// then its money moved between the account and its funding account; or nothing changed and
+/// why.
+fn apply_funding(accounts: &mut BTreeMap<String, Ledgered>, funding: &FundingWrite) -> Result<Legs, Error> {
+    let account = accounts.get(&funding.account_id).ok_or(Error::NotFound(Resource::Account))?;
+    let currency = funding.amount.currency().code();
+    if account.row.currency != currency {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    let (from, to) = funding.legs();
+    move_money(accounts, from, to, currency, funding.amount.minor_units())
+}
+
+/// Decides, once the accounts are locked, the Deposits and Withdraws the batch cannot write:
+/// one whose request_id a committed call took ([`Decision::FundedBefore`]; one taken after
+/// this read fails the batch's INSERT on the primary key, and the batch runs alone: rare, as
+/// the calls of a request_id move one funding account, locked now), and one whose funding
+/// account (a shard not used yet) has no row: it runs alone, where its own transaction
+/// creates it.
+async fn decide_fundings(
+    queries: &mut Queries<'_>,
+    candidates: &[(usize, Candidate<'_>)],
+    locked: &BTreeMap<String, Ledgered>,
+    decisions: &mut [Option<Decision>],
+) -> Result<(), Error> {
+    let fundings: Vec<(usize, &FundingWrite)> = candidates
+        .iter()
+        .filter_map(|(index, candidate)| match candidate {
+            Candidate::Funding(funding) => Some((*index, *funding)),
+            Candidate::Pay(..) | Candidate::Refund(..) | Candidate::Transfer(..) => None,
+        })
+        .collect();
+    if fundings.is_empty() {
+        return Ok(());
+    }
+    let request_ids = |table: FundingTable| -> Vec<&str> {
+        fundings
+            .iter()
+            .filter(|(_, funding)| funding.table == table)
+            .map(|(_, funding)| funding.request_id.as_str())
+            .collect()
+    };
+    let taken: HashSet<(FundingTable, String)> = queries
+        .find_fundings(&request_ids(FundingTable::Deposits), &request_ids(FundingTable::Withdrawals))
+        .await?
+        .into_iter()
+        .collect();
+    for (index, funding) in fundings {
+        if taken.contains(&(funding.table, funding.request_id.clone())) {
+            decisions[index] = Some(Decision::FundedBefore);
+        } else if !locked.contains_key(&funding.funding_account_id) {
+            decisions[index] = Some(Decision::Alone);
+        }
+    }
+    Ok(())
+}
+
+/// The response message of a Deposit or Withdraw, which its guards record.
+fn funding_message(funding: &FundingWrite, receipt: &DepositReceipt) -> Result<Vec<u8>, Error> {
+    Ok(match funding.table {
+        FundingTable::Deposits => <FundingCall<Deposit> as IdempotentCall>::message(receipt.clone())?.encode_to_vec(),
+        FundingTable::Withdrawals => {
+            <FundingCall<Withdraw> as IdempotentCall>::message(receipt.clone())?.encode_to_vec()
+        }
+    })
 }
 
 /// Moves `minor_units` from one in-memory account to another with the rules of a single
@@ -882,6 +1022,8 @@ async fn write_accepted(
     let mut payments = Vec::new();
     let mut refunds = Vec::new();
     let mut transfers = Vec::new();
+    let mut deposits = Vec::new();
+    let mut withdrawals = Vec::new();
     let mut entries = Vec::with_capacity(accepted.len() * 2);
     for (_, accepted_one) in accepted {
         // The two legs of a posting, from then to, as a single posting writes them.
@@ -930,6 +1072,24 @@ async fn write_accepted(
                 };
                 (posting, legs)
             }
+            Accepted::Funded(funding, row, legs) => {
+                match funding.table {
+                    FundingTable::Deposits => deposits.push(row.clone()),
+                    FundingTable::Withdrawals => withdrawals.push(row.clone()),
+                }
+                let (from_account_id, to_account_id) = funding.legs();
+                let posting = EntryPair {
+                    posting_id: &row.funding_id,
+                    kind: funding.kind,
+                    reference: &row.request_id,
+                    from_account_id,
+                    to_account_id,
+                    amount: row.amount,
+                    currency: &row.currency,
+                    created_by: &row.created_by,
+                };
+                (posting, legs)
+            }
         };
         let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
             account_id,
@@ -971,6 +1131,8 @@ async fn write_accepted(
         payments: &payments,
         refunds: &refunds,
         transfers: &transfers,
+        deposits: &deposits,
+        withdrawals: &withdrawals,
         refunded_orders: &order_refunds,
         balances: &balances,
         entries: &entries,

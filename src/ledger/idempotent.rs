@@ -19,7 +19,7 @@
 //! A body that fails rolls everything back with it, the guards' claims included, so a retry
 //! runs afresh.
 //!
-//! A group commit of Pays, Refunds and Transfers (`group_commit`) runs steps 1-3 and 5 here for each
+//! A group commit of Pays, Refunds, Transfers, Deposits and Withdraws (`group_commit`) runs steps 1-3 and 5 here for each
 //! call, and step 4 for the whole batch in its one transaction.
 
 use std::future::Future;

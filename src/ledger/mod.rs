@@ -24,7 +24,7 @@
 //! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
 //! and the committed original is replayed.
 //!
-//! Pays, Refunds and Transfers take the same steps for a whole batch at once (see `group_commit`): one
+//! Pays, Refunds, Transfers, Deposits and Withdraws take the same steps for a whole batch at once (see `group_commit`): one
 //! replay read, one transaction, one statement per kind of row, and, for calls with an
 //! idempotency key or token, their records claimed and completed inside that transaction.
 
@@ -138,6 +138,8 @@ pub struct CountersSnapshot {
     pub group_committed_pays: u64,
     pub group_committed_refunds: u64,
     pub group_committed_transfers: u64,
+    pub group_committed_deposits: u64,
+    pub group_committed_withdrawals: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
@@ -147,7 +149,7 @@ pub struct Ledger {
     tokens: TokenStore,
     settings: LedgerSettings,
     metrics: LedgerMetrics,
-    /// Started on the first Pay, Refund or Transfer that can be batched.
+    /// Started on the first call that can be batched.
     batcher: Arc<OnceLock<group_commit::Batcher>>,
 }
 
@@ -184,6 +186,8 @@ impl Ledger {
             group_committed_pays: metrics.group_committed_pays.get(),
             group_committed_refunds: metrics.group_committed_refunds.get(),
             group_committed_transfers: metrics.group_committed_transfers.get(),
+            group_committed_deposits: metrics.group_committed_deposits.get(),
+            group_committed_withdrawals: metrics.group_committed_withdrawals.get(),
         }
     }
 

@@ -7,8 +7,8 @@ use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
-use super::accounts::check_transfer;
-use super::commands::{CreateOrder, Pay, QueryKey, Refund, Transfer};
+use super::accounts::{check_transfer, FundingCall};
+use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
 use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
@@ -42,6 +42,10 @@ pub enum BatchCall {
     Refund(Refund),
     /// A Transfer: its guards must carry an `idempotency-key`, as [`Ledger::transfer`] needs.
     Transfer(Transfer),
+    /// A Deposit, answered as [`Ledger::deposit`] answers.
+    Deposit(Deposit),
+    /// A Withdraw, answered as [`Ledger::withdraw`] answers.
+    Withdraw(Withdraw),
 }
 
 /// The response of one call of [`Ledger::write_together`].
@@ -50,6 +54,8 @@ pub enum BatchAnswer {
     Pay(proto::PayResponse),
     Refund(proto::RefundResponse),
     Transfer(proto::TransferResponse),
+    Deposit(proto::DepositResponse),
+    Withdraw(proto::WithdrawResponse),
 }
 
 /// A call of [`Ledger::write_together`] with the id its row gets.
@@ -57,6 +63,8 @@ enum Together {
     Pay(Identified<Pay>),
     Refund(Identified<Refund>),
     Transfer(Identified<Transfer>),
+    Deposit(FundingCall<Deposit>),
+    Withdraw(FundingCall<Withdraw>),
 }
 
 /// One call of [`Ledger::write_together`] after steps 1-3.
@@ -232,7 +240,7 @@ impl Ledger {
     }
 
     /// What a batch's decision means for a call, as its transaction's outcome: a key of it (a
-    /// guard, its out_trade_no or out_refund_no, its order's one payment) found taken is
+    /// guard, its out_trade_no, out_refund_no or request_id, its order's one payment) found taken is
     /// `KeyTaken`, and a call the batch could not decide, or refused while it has guards, runs
     /// in its own transaction now.
     async fn batched_outcome<C: Batchable>(
@@ -247,9 +255,11 @@ impl Ledger {
             Err(decision) => *decision,
         };
         match decision {
-            Decision::GuardTaken | Decision::Found(..) | Decision::PaidBefore | Decision::RefundedBefore => {
-                Ok(Inserted::KeyTaken)
-            }
+            Decision::GuardTaken
+            | Decision::Found(..)
+            | Decision::PaidBefore
+            | Decision::RefundedBefore
+            | Decision::FundedBefore => Ok(Inserted::KeyTaken),
             Decision::Rejected(error) if !session.records_response() => Err(error),
             Decision::NotStarted(error) => Err(error),
             // A call with guards that the batch refused runs alone too: there, as every single
@@ -263,7 +273,7 @@ impl Ledger {
                 self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
             }
-            Decision::Paid(_) | Decision::Refunded(_) | Decision::Transferred(_) => {
+            Decision::Paid(_) | Decision::Refunded(_) | Decision::Transferred(_) | Decision::Funded(_) => {
                 Err(Error::Internal(format!("a group commit wrote a {} as another call", C::METHOD)))
             }
         }
@@ -297,7 +307,11 @@ impl Ledger {
                 return None;
             }
             Decision::GuardTaken => return Some(Err(Error::Internal("a Pay without guards had a guard taken".into()))),
-            Decision::Refunded(_) | Decision::RefundedBefore | Decision::Transferred(_) => {
+            Decision::Refunded(_)
+            | Decision::RefundedBefore
+            | Decision::Transferred(_)
+            | Decision::Funded(_)
+            | Decision::FundedBefore => {
                 return Some(Err(Error::Internal("a group commit answered a Pay as another call".into())))
             }
         })
@@ -341,20 +355,22 @@ impl Ledger {
             .map(|answer| {
                 answer?.try_map(|answer| match answer {
                     BatchAnswer::Pay(response) => Ok(response),
-                    BatchAnswer::Refund(_) | BatchAnswer::Transfer(_) => {
-                        Err(Error::Internal("a Pay was answered as another call".into()))
-                    }
+                    BatchAnswer::Refund(_)
+                    | BatchAnswer::Transfer(_)
+                    | BatchAnswer::Deposit(_)
+                    | BatchAnswer::Withdraw(_) => Err(Error::Internal("a Pay was answered as another call".into())),
                 })
             })
             .collect()
     }
 
-    /// Writes Pays, Refunds and Transfers, each with or without guards (`idempotency-key`,
-    /// `idempotency-token`; a Transfer needs its key), as one group commit, the way
-    /// concurrent calls routed to one worker are written: each call goes through the
+    /// Writes Pays, Refunds, Transfers, Deposits and Withdraws, each with or without guards
+    /// (`idempotency-key`, `idempotency-token`; a Transfer needs its key), as one group commit,
+    /// the way concurrent calls routed to one worker are written: each call goes through the
     /// idempotency driver's steps before and after the batch on its own, and the batch claims
     /// and completes the records of those it writes. Answers as [`Ledger::pay`],
-    /// [`Ledger::refund`] and [`Ledger::transfer`] would, in the order given.
+    /// [`Ledger::refund`], [`Ledger::transfer`], [`Ledger::deposit`] and [`Ledger::withdraw`]
+    /// would, in the order given.
     ///
     /// # Errors
     /// Per call, in its own `Result`: the errors of [`Ledger::pay`], [`Ledger::refund`] or
@@ -367,6 +383,8 @@ impl Ledger {
                 BatchCall::Pay(command) => Together::Pay(Identified { command, id: new_id('T') }),
                 BatchCall::Refund(command) => Together::Refund(Identified { command, id: new_id('R') }),
                 BatchCall::Transfer(command) => Together::Transfer(Identified { command, id: new_id('X') }),
+                BatchCall::Deposit(command) => Together::Deposit(self.funding_call(command, 'D')),
+                BatchCall::Withdraw(command) => Together::Withdraw(self.funding_call(command, 'W')),
             })
             .collect();
         let fingerprints: Vec<Call> = calls
@@ -376,6 +394,8 @@ impl Ledger {
                 Together::Pay(call) => call.fingerprint(&guards.actor),
                 Together::Refund(call) => call.fingerprint(&guards.actor),
                 Together::Transfer(call) => call.fingerprint(&guards.actor),
+                Together::Deposit(call) => call.fingerprint(&guards.actor),
+                Together::Withdraw(call) => call.fingerprint(&guards.actor),
             })
             .collect();
         let now = now_micros();
@@ -392,6 +412,12 @@ impl Ledger {
                     Ok(()) => self.queue_together(call, guards, fingerprint, now, BatchAnswer::Transfer).await,
                     Err(error) => Step::Answered(Err(error)),
                 },
+                Together::Deposit(call) => {
+                    self.queue_together(call, guards, fingerprint, now, BatchAnswer::Deposit).await
+                }
+                Together::Withdraw(call) => {
+                    self.queue_together(call, guards, fingerprint, now, BatchAnswer::Withdraw).await
+                }
             };
             match step {
                 Step::Answered(answer) => answers.push(Some(answer)),
@@ -411,6 +437,12 @@ impl Ledger {
                 }
                 Together::Transfer(call) => {
                     self.settle_together(call, &mut session, decision, now, BatchAnswer::Transfer).await
+                }
+                Together::Deposit(call) => {
+                    self.settle_together(call, &mut session, decision, now, BatchAnswer::Deposit).await
+                }
+                Together::Withdraw(call) => {
+                    self.settle_together(call, &mut session, decision, now, BatchAnswer::Withdraw).await
                 }
             });
         }

@@ -251,6 +251,26 @@ pub(super) static FIND_ENTRIES: BatchSql = BatchSql {
     ),
 };
 
+/// The request_ids taken in `deposits` (rows `[request_id]` of the first value) and in
+/// `withdrawals` (of the second), each as `('D' or 'W', request_id)`; a read, inside the batch's
+/// transaction once the funding accounts are locked (every Deposit or Withdraw of a request_id
+/// moves money against the same funding account, so none of them can commit after this read
+/// while the batch holds that account's lock).
+pub(super) static FIND_FUNDINGS: BatchSql = BatchSql {
+    postgres: "SELECT 'D'::text, request_id::text FROM deposits WHERE request_id = ANY($1::text[]) \
+               UNION ALL SELECT 'W'::text, request_id::text FROM withdrawals WHERE request_id = ANY($2::text[])",
+    mysql: "SELECT 'D', deposits.request_id FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_request_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]')) AS k \
+            STRAIGHT_JOIN deposits FORCE INDEX (PRIMARY) ON deposits.request_id = k.k_request_id \
+            UNION ALL SELECT 'W', withdrawals.request_id FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+            k_request_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]')) AS k \
+            STRAIGHT_JOIN withdrawals FORCE INDEX (PRIMARY) ON withdrawals.request_id = k.k_request_id",
+    sqlite: "SELECT 'D', request_id FROM deposits WHERE request_id IN \
+             (SELECT json_extract(k.value, '$[0]') FROM json_each(?1) AS k) \
+             UNION ALL SELECT 'W', request_id FROM withdrawals WHERE request_id IN \
+             (SELECT json_extract(k.value, '$[0]') FROM json_each(?2) AS k)",
+};
+
 /// A batch statement of the database servers only: SQLite runs its one-row statement once a
 /// row instead (in process, no round trip to save), where its planner, trusting statistics
 /// taken of a small table, would scan the table being updated for every row of the batch.
@@ -468,11 +488,55 @@ pub(super) static INSERT_TRANSFERS: StepSql = StepSql {
     ),
 };
 
+/// The columns a deposit or withdrawal row of [`INSERT_DEPOSITS`], [`INSERT_WITHDRAWALS`] and
+/// [`WRITE_BATCH_POSTGRES`] gives, in order.
+pub(super) const FUNDING_COLUMNS: usize = 7;
+
+/// The MySQL rows of a deposit or withdrawal, `[request_id, funding_id, account_id, amount,
+/// currency, created_at, created_by]`.
+macro_rules! mysql_funding_rows {
+    () => {
+        " SELECT request_id, funding_id, account_id, amount, currency, created_at, created_by \
+         FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         request_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         funding_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+         amount BIGINT PATH '$[3]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+         created_at BIGINT PATH '$[5]', \
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]')) AS k"
+    };
+}
+
+/// The SQLite rows of a deposit or withdrawal, as [`mysql_funding_rows`].
+macro_rules! sqlite_funding_rows {
+    () => {
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]') FROM json_each(?1) AS k WHERE true ON CONFLICT DO NOTHING"
+    };
+}
+
+/// Deposit rows `[request_id, deposit_id, account_id, amount, currency, created_at,
+/// created_by]`; a taken request_id fails the statement on MySQL (duplicate key) and inserts
+/// fewer rows elsewhere.
+pub(super) static INSERT_DEPOSITS: StepSql = StepSql {
+    mysql: concat!(super::queries::insert_deposit_into!(), mysql_funding_rows!()),
+    sqlite: concat!(super::queries::insert_deposit_into!(), sqlite_funding_rows!()),
+};
+
+/// Withdrawal rows `[request_id, withdrawal_id, account_id, amount, currency, created_at,
+/// created_by]`, as [`INSERT_DEPOSITS`].
+pub(super) static INSERT_WITHDRAWALS: StepSql = StepSql {
+    mysql: concat!(super::queries::insert_withdrawal_into!(), mysql_funding_rows!()),
+    sqlite: concat!(super::queries::insert_withdrawal_into!(), sqlite_funding_rows!()),
+};
+
 /// PostgreSQL writes a whole group commit in one statement (data-modifying CTEs, each run
 /// exactly once): the payments ($1-$11), PENDING -> PAID ($12-$14), the version CAS ($15-$18),
 /// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30), the
-/// refunds ($31-$40), the orders' refund CAS ($41-$46) and the transfers ($47-$54); it returns
-/// the seven row counts. A batch never pays and refunds one order, so no order row is updated
+/// refunds ($31-$40), the orders' refund CAS ($41-$46), the transfers ($47-$54), the deposits
+/// ($55-$61) and the withdrawals ($62-$68); it returns the nine row counts. A batch never pays and refunds one order, so no order row is updated
 /// twice.
 pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
     "WITH p AS (",
@@ -505,9 +569,18 @@ pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
      x AS (",
     super::queries::insert_transfer_into!(),
     " SELECT * FROM UNNEST($47::text[], $48::text[], $49::text[], $50::bigint[], $51::text[], $52::text[], \
-     $53::bigint[], $54::text[]) ON CONFLICT DO NOTHING RETURNING 1) \
+     $53::bigint[], $54::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
+     d AS (",
+    super::queries::insert_deposit_into!(),
+    " SELECT * FROM UNNEST($55::text[], $56::text[], $57::text[], $58::bigint[], $59::text[], $60::bigint[], \
+     $61::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
+     w AS (",
+    super::queries::insert_withdrawal_into!(),
+    " SELECT * FROM UNNEST($62::text[], $63::text[], $64::text[], $65::bigint[], $66::text[], $67::bigint[], \
+     $68::text[]) ON CONFLICT DO NOTHING RETURNING 1) \
      SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e), \
-     (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t), (SELECT COUNT(*) FROM x)"
+     (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t), (SELECT COUNT(*) FROM x), (SELECT COUNT(*) FROM d), \
+     (SELECT COUNT(*) FROM w)"
 );
 
 #[cfg(test)]
@@ -539,7 +612,9 @@ mod tests {
     fn no_statement_has_more_placeholders_than_its_backend_binds() {
         // MySQL: one JSON document, plus `updated_at` for the UPDATEs.
         let reads = [&FIND_PAYMENTS_AND_ORDERS, &FIND_REFUNDS, &LOCK_ORDERS, &LOCK_ACCOUNTS, &FIND_ENTRIES]
-            .map(|sql| (sql.mysql, sql.sqlite, 1));
+            .map(|sql| (sql.mysql, sql.sqlite, 1))
+            .into_iter()
+            .chain([(FIND_FUNDINGS.mysql, FIND_FUNDINGS.sqlite, 2)]);
         let steps = [
             (&INSERT_PAYMENTS, 1),
             (&MARK_ORDERS_PAID, 2),
@@ -548,9 +623,11 @@ mod tests {
             (&INSERT_REFUNDS, 1),
             (&REFUND_ORDERS, 2),
             (&INSERT_TRANSFERS, 1),
+            (&INSERT_DEPOSITS, 1),
+            (&INSERT_WITHDRAWALS, 1),
         ]
         .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
-        for (mysql, sqlite, values) in reads.into_iter().chain(steps) {
+        for (mysql, sqlite, values) in reads.chain(steps) {
             assert_eq!(mysql.matches('?').count(), values, "{mysql}");
             assert!(
                 sqlite.contains(&format!("?{values}")) && !sqlite.contains(&format!("?{}", values + 1)),
@@ -559,6 +636,7 @@ mod tests {
         }
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
-        assert!(WRITE_BATCH_POSTGRES.contains("$54") && !WRITE_BATCH_POSTGRES.contains("$55"));
+        assert!(WRITE_BATCH_POSTGRES.contains("$68") && !WRITE_BATCH_POSTGRES.contains("$69"));
+        assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

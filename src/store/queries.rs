@@ -69,6 +69,18 @@ macro_rules! insert_transfer_into {
     };
 }
 pub(super) use insert_transfer_into;
+macro_rules! insert_deposit_into {
+    () => {
+        "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by)"
+    };
+}
+pub(super) use insert_deposit_into;
+macro_rules! insert_withdrawal_into {
+    () => {
+        "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by)"
+    };
+}
+pub(super) use insert_withdrawal_into;
 
 static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
 static FIND_ACCOUNT_FOR_UPDATE: Sql =
@@ -228,18 +240,14 @@ static FIND_DEPOSIT: Sql = Sql::new(
     "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
      WHERE request_id = ?",
 );
-static INSERT_DEPOSIT: Sql = Sql::new(
-    "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by) \
-     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-);
+static INSERT_DEPOSIT: Sql =
+    Sql::new(concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 static FIND_WITHDRAWAL: Sql = Sql::new(
     "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
      WHERE request_id = ?",
 );
-static INSERT_WITHDRAWAL: Sql = Sql::new(
-    "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by) \
-     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-);
+static INSERT_WITHDRAWAL: Sql =
+    Sql::new(concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
 static FIND_RECORD: Sql = Sql::new(
     "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
@@ -498,7 +506,7 @@ static SETTLED_ENTRY: Sql =
     Sql::new("SELECT entry_id FROM journal_entries WHERE created_at <= ? ORDER BY entry_id DESC LIMIT 1");
 
 /// The table of money moved between an account and its currency's external funding account.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FundingTable {
     /// `deposits`: in from outside the ledger.
     Deposits,
@@ -1017,6 +1025,28 @@ impl<'c> Queries<'c> {
             .await
     }
 
+    /// The request_ids of `deposits` and of `withdrawals` that are taken already, out of the
+    /// given ones of each table (by primary key; in no particular order).
+    pub async fn find_fundings(
+        &mut self,
+        deposits: &[&str],
+        withdrawals: &[&str],
+    ) -> Result<Vec<(FundingTable, String)>, sqlx::Error> {
+        let deposits: Vec<[Value<'_>; 1]> = deposits.iter().map(|request_id| [Value::Text(request_id)]).collect();
+        let withdrawals: Vec<[Value<'_>; 1]> = withdrawals.iter().map(|request_id| [Value::Text(request_id)]).collect();
+        let found: Vec<(String, String)> = sqlx::query_as(batch::FIND_FUNDINGS.text(self.dialect))
+            .bind_rows(self.dialect, &deposits)
+            .bind_rows(self.dialect, &withdrawals)
+            .fetch_all(&mut *self.connection)
+            .await?;
+        Ok(found
+            .into_iter()
+            .map(|(table, request_id)| {
+                (if table == "D" { FundingTable::Deposits } else { FundingTable::Withdrawals }, request_id)
+            })
+            .collect())
+    }
+
     /// The journal entries of the given (posting_id, account_id) legs, in no particular order;
     /// a leg that is not there is absent.
     pub async fn find_entries(&mut self, legs: &[(&str, &str)]) -> Result<Vec<EntryRow>, sqlx::Error> {
@@ -1299,6 +1329,9 @@ impl<'c> Queries<'c> {
             .collect();
         let transfers: Vec<[Value<'_>; batch::TRANSFER_COLUMNS]> =
             written.transfers.iter().map(transfer_values).collect();
+        let deposits: Vec<[Value<'_>; batch::FUNDING_COLUMNS]> = written.deposits.iter().map(funding_values).collect();
+        let withdrawals: Vec<[Value<'_>; batch::FUNDING_COLUMNS]> =
+            written.withdrawals.iter().map(funding_values).collect();
         let expected = [
             payments.len(),
             orders.len(),
@@ -1307,6 +1340,8 @@ impl<'c> Queries<'c> {
             refunds.len(),
             refunded.len(),
             transfers.len(),
+            deposits.len(),
+            withdrawals.len(),
         ]
         .map(|count| count as u64);
         if dialect == Dialect::Postgres {
@@ -1318,9 +1353,11 @@ impl<'c> Queries<'c> {
                 .bind(written.now)
                 .bind_rows(dialect, &refunds)
                 .bind_rows(dialect, &refunded)
-                .bind_rows(dialect, &transfers);
+                .bind_rows(dialect, &transfers)
+                .bind_rows(dialect, &deposits)
+                .bind_rows(dialect, &withdrawals);
             let row = query.fetch_one(&mut *self.connection).await?;
-            let mut counts = [0_i64; 7];
+            let mut counts = [0_i64; 9];
             for (index, count) in counts.iter_mut().enumerate() {
                 *count = row.try_get(index)?;
             }
@@ -1342,6 +1379,12 @@ impl<'c> Queries<'c> {
             return Ok(false);
         }
         if !transfers.is_empty() && !self.insert_rows(&batch::INSERT_TRANSFERS, &transfers, expected[6]).await? {
+            return Ok(false);
+        }
+        if !deposits.is_empty() && !self.insert_rows(&batch::INSERT_DEPOSITS, &deposits, expected[7]).await? {
+            return Ok(false);
+        }
+        if !withdrawals.is_empty() && !self.insert_rows(&batch::INSERT_WITHDRAWALS, &withdrawals, expected[8]).await? {
             return Ok(false);
         }
         if !balances.is_empty() && !self.update_rows(&batch::CAS_BALANCES, &balances, written.now, expected[2]).await? {
@@ -1440,6 +1483,9 @@ pub struct BatchWrite<'a> {
     pub payments: &'a [PaymentRow],
     pub refunds: &'a [RefundRow],
     pub transfers: &'a [TransferRow],
+    /// The rows of the Deposits, and of the Withdraws.
+    pub deposits: &'a [FundingRow],
+    pub withdrawals: &'a [FundingRow],
     /// One refund CAS an order the batch refunds (from its state read under the lock to its
     /// state after the batch's last refund of it).
     pub refunded_orders: &'a [OrderRefund<'a>],
@@ -1540,6 +1586,20 @@ fn transfer_values(row: &TransferRow) -> [Value<'_>; batch::TRANSFER_COLUMNS] {
         Value::Int(row.amount),
         Value::Text(&row.currency),
         Value::Text(&row.memo),
+        Value::Int(row.created_at),
+        Value::Text(&row.created_by),
+    ]
+}
+
+/// A Deposit or Withdraw as a row of [`batch::INSERT_DEPOSITS`] or
+/// [`batch::INSERT_WITHDRAWALS`], in `insert_deposit_into!`'s column order.
+fn funding_values(row: &FundingRow) -> [Value<'_>; batch::FUNDING_COLUMNS] {
+    [
+        Value::Text(&row.request_id),
+        Value::Text(&row.funding_id),
+        Value::Text(&row.account_id),
+        Value::Int(row.amount),
+        Value::Text(&row.currency),
         Value::Int(row.created_at),
         Value::Text(&row.created_by),
     ]

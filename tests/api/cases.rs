@@ -1111,6 +1111,8 @@ pub async fn one_group_commit_decides_each_pay_on_its_own(app: &TestApp) {
     let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "o-closed".into() };
     app.payments.clone().close_order(close).await.unwrap();
 
+    // The set-up's Deposits were group commits of their own.
+    let before = app.ledger.counters();
     let answers = app
         .ledger
         .pay_together(vec![
@@ -1166,7 +1168,7 @@ pub async fn one_group_commit_decides_each_pay_on_its_own(app: &TestApp) {
     assert_eq!(app.balance("shop").await, "8.00");
     let counters = app.ledger.counters();
     assert_eq!(counters.group_committed_pays, 4, "t1, t2, t4 and t10 in one group commit: {counters:?}");
-    assert_eq!(counters.group_commits, 1);
+    assert_eq!(counters.group_commits - before.group_commits, 1);
     // Entries follow the order the balances moved: the shop's four credits are versions 1..=4.
     let balances = app.balances_after("shop").await;
     assert_eq!(balances, ["8.00", "6.00", "4.00", "2.00"], "newest first");
@@ -1205,6 +1207,8 @@ pub async fn one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own(ap
     let spare_token = app.issue_token("m1").await;
     let pay = |out_trade_no: &str, order_no: &str, payer: &str| pay_command(out_trade_no, order_no, payer, "2.00");
 
+    // The set-up's Deposits were group commits of their own.
+    let before = app.ledger.counters();
     let answers = app
         .ledger
         .pay_together_guarded(vec![
@@ -1256,7 +1260,7 @@ pub async fn one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own(ap
 
     let counters = app.ledger.counters();
     assert_eq!(counters.group_committed_pays, 5, "t1, t2, t3, t5 and t10 in one group commit: {counters:?}");
-    assert_eq!(counters.group_commits, 1);
+    assert_eq!(counters.group_commits - before.group_commits, 1);
     assert_eq!(app.balance("alice").await, "1.00");
     assert_eq!(app.balance("bob").await, "94.00");
     assert_eq!(app.balance("shop").await, "10.00");
@@ -1591,6 +1595,8 @@ pub async fn one_group_commit_of_transfers_and_pays_decides_each_on_its_own(app:
     app.create_order("m1", "o1", "shop", "2.00").await.unwrap();
     let transfer = |from: &str, to: &str, amount: &str| BatchCall::Transfer(transfer_command(from, to, amount));
 
+    // The set-up's Deposits were group commits of their own.
+    let before = app.ledger.counters();
     let answers = app
         .ledger
         .write_together(vec![
@@ -1648,7 +1654,7 @@ pub async fn one_group_commit_of_transfers_and_pays_decides_each_on_its_own(app:
     let counters = app.ledger.counters();
     assert_eq!(counters.group_committed_transfers, 3, "x1, x2 and x6 in one group commit: {counters:?}");
     assert_eq!(counters.group_committed_pays, 1);
-    assert_eq!(counters.group_commits, 1);
+    assert_eq!(counters.group_commits - before.group_commits, 1);
     assert_eq!(app.balance("alice").await, "14.00");
     assert_eq!(app.balance("bob").await, "1.00");
     assert_eq!(app.balance("shop").await, "0.00");
@@ -1762,6 +1768,244 @@ pub async fn a_transfer_retried_while_its_original_commits_is_replayed_not_refus
     assert_eq!(app.balance("alice").await, "0.00");
     assert_eq!(app.balance("bob").await, "10.00");
     assert_eq!(app.rows("transfers").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A Deposit (`withdraw` false) or Withdraw command of `amount` in `currency`.
+fn funding_command(request_id: &str, account_id: &str, amount: &str, currency: &str, withdraw: bool) -> BatchCall {
+    use payledger::domain::{AccountId, Actor, Amount, Currency, RequestId};
+    let request_id = RequestId::parse("request_id", request_id).unwrap();
+    let account_id = AccountId::parse("account_id", account_id).unwrap();
+    let amount = Amount::parse("amount", amount, Currency::parse("currency", currency).unwrap()).unwrap();
+    let created_by = Actor::Anonymous;
+    if withdraw {
+        BatchCall::Withdraw(payledger::ledger::Withdraw { request_id, account_id, amount, created_by })
+    } else {
+        BatchCall::Deposit(payledger::ledger::Deposit { request_id, account_id, amount, created_by })
+    }
+}
+
+/// The (account, entry) of a batch's Deposit or Withdraw answer, fresh or replayed as
+/// `replayed` says.
+fn funded(
+    answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>,
+    replayed: bool,
+) -> (proto::Account, proto::Entry) {
+    match batch_response(answer, replayed, |answer| Some(answer)) {
+        BatchAnswer::Deposit(proto::DepositResponse { account, entry })
+        | BatchAnswer::Withdraw(proto::WithdrawResponse { account, entry }) => (account.unwrap(), entry.unwrap()),
+        other => panic!("answered as another call: {other:?}"),
+    }
+}
+
+/// The balance of the USD funding account (shard 0), in minor units, read directly.
+async fn funding_balance(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT balance FROM accounts WHERE account_id = '@external:USD'")
+        .fetch_one(&app.raw)
+        .await
+        .unwrap()
+}
+
+pub async fn one_group_commit_of_deposits_and_withdrawals_decides_each_on_its_own(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("bob", "USD").await;
+    app.open("euro", "EUR").await;
+    let deposit = |request_id: &str, account_id: &str, amount: &str| {
+        funding_command(request_id, account_id, amount, "USD", false)
+    };
+    let withdraw =
+        |request_id: &str, account_id: &str, amount: &str| funding_command(request_id, account_id, amount, "USD", true);
+
+    let answers = app
+        .ledger
+        .write_together(vec![
+            (deposit("d1", "bob", "5.00"), guards(None, None)),
+            // One request_id twice in one batch: the second is a replay of the first.
+            (deposit("d1", "bob", "5.00"), guards(None, None)),
+            // And once more for another amount.
+            (deposit("d1", "bob", "6.00"), guards(None, None)),
+            // bob can withdraw 4.00 only with the 5.00 that d1 brought him.
+            (withdraw("w1", "bob", "4.00"), guards(None, None)),
+            // bob has 1.00 left: refused (alone, where its key is claimed first), no record left.
+            (withdraw("w2", "bob", "2.00"), guards(Some("kw2"), None)),
+            (deposit("d2", "euro", "1.00"), guards(None, None)),
+            (deposit("d3", "nobody", "1.00"), guards(None, None)),
+            // A Deposit with an idempotency key: its record is completed in the batch.
+            (deposit("d4", "alice", "1.00"), guards(Some("kd4"), None)),
+            // A Withdraw's request_ids are its own: the request_id of alice's first Deposit.
+            (withdraw("fund-alice", "alice", "2.00"), guards(None, None)),
+            // A Deposit committed before the batch: answered by its request_id before it queues.
+            (deposit("fund-alice", "alice", "10.00"), guards(None, None)),
+            (BatchCall::Transfer(transfer_command("alice", "bob", "3.00")), guards(Some("x1"), None)),
+            // bob withdraws what the Transfer before it brought him.
+            (withdraw("w3", "bob", "4.00"), guards(Some("kw3"), None)),
+            // d4's key for another Deposit.
+            (deposit("d5", "alice", "1.00"), guards(Some("kd4"), None)),
+        ])
+        .await;
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let d1 = funded(&answers[0], false);
+    assert_eq!(funded(&answers[1], true), d1, "answered as the first call of d1, exactly");
+    refused(2, Code::AlreadyExists, "REQUEST_ID_REUSED");
+    let w1 = funded(&answers[3], false);
+    refused(4, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    refused(5, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    refused(6, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    let d4 = funded(&answers[7], false);
+    let alice_out = funded(&answers[8], false);
+    let _ = funded(&answers[9], true);
+    assert!(answers[10].is_ok(), "{:?}", answers[10]);
+    let w3 = funded(&answers[11], false);
+    refused(12, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+
+    // Each receipt is the account right after its entry, and the entry is the journal's.
+    let after = |(account, entry): &(proto::Account, proto::Entry)| {
+        assert_eq!(account.balance, entry.balance_after, "{account:?} {entry:?}");
+        assert_eq!(account.version, entry.version_after, "{account:?} {entry:?}");
+        assert!(entry.entry_id > 0 && !entry.posting_id.is_empty(), "{entry:?}");
+        (entry.account_id.clone(), entry.kind, entry.amount.clone(), entry.balance_after.clone())
+    };
+    assert_eq!(after(&d1), ("bob".into(), EntryKind::Deposit as i32, "5.00".into(), "5.00".into()));
+    assert_eq!(after(&w1), ("bob".into(), EntryKind::Withdrawal as i32, "-4.00".into(), "1.00".into()));
+    assert_eq!(after(&d4), ("alice".into(), EntryKind::Deposit as i32, "1.00".into(), "11.00".into()));
+    assert_eq!(after(&alice_out), ("alice".into(), EntryKind::Withdrawal as i32, "-2.00".into(), "9.00".into()));
+    assert_eq!(after(&w3), ("bob".into(), EntryKind::Withdrawal as i32, "-4.00".into(), "0.00".into()));
+    let request = proto::ListEntriesRequest { account_id: "bob".into(), page_size: 10, page_token: String::new() };
+    let journal = app.accounts.clone().list_entries(request).await.unwrap().into_inner().entries;
+    assert_eq!(journal.len(), 4, "{journal:?}");
+    assert_eq!([&journal[0], &journal[2], &journal[3]], [&w3.1, &w1.1, &d1.1], "the receipts' entries, newest first");
+
+    let counters = app.ledger.counters();
+    // alice's first Deposit was a batch of its own, then d1 and d4 in one group commit.
+    assert_eq!(counters.group_committed_deposits, 1 + 2, "{counters:?}");
+    assert_eq!(counters.group_committed_withdrawals, 3, "w1, alice's and w3: {counters:?}");
+    assert_eq!(counters.group_committed_transfers, 1);
+    assert_eq!(counters.group_commits, 2);
+    assert_eq!(app.balance("alice").await, "6.00");
+    assert_eq!(app.balance("bob").await, "0.00");
+    assert_eq!(funding_balance(app).await, -1000 - 500 - 100 + 400 + 200 + 400);
+    assert_eq!(app.rows("deposits").await, 3);
+    assert_eq!(app.rows("withdrawals").await, 3);
+    // kd4, x1 and kw3.
+    assert_eq!(app.rows("idempotency_record").await, 3);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // Over the wire, a retry by request_id rebuilds the batch's answer, and one by key replays
+    // its record, exactly.
+    let by_request_id = app.deposit("d1", "bob", "5.00", "USD").await.unwrap();
+    assert!(replayed(&by_request_id));
+    let by_request_id = by_request_id.into_inner();
+    assert_eq!((by_request_id.account.unwrap(), by_request_id.entry.unwrap()), d1);
+    let request = proto::DepositRequest {
+        request_id: "d4".into(),
+        account_id: "alice".into(),
+        amount: "1.00".into(),
+        currency: "USD".into(),
+    };
+    let by_key = app.accounts.clone().deposit(with_key(request, "kd4")).await.unwrap();
+    assert!(replayed(&by_key));
+    let by_key = by_key.into_inner();
+    assert_eq!((by_key.account.unwrap(), by_key.entry.unwrap()), d4);
+    let request = proto::WithdrawRequest {
+        request_id: "w3".into(),
+        account_id: "bob".into(),
+        amount: "4.00".into(),
+        currency: "USD".into(),
+    };
+    let by_key = app.accounts.clone().withdraw(with_key(request, "kw3")).await.unwrap();
+    assert!(replayed(&by_key));
+    let by_key = by_key.into_inner();
+    assert_eq!((by_key.account.unwrap(), by_key.entry.unwrap()), w3);
+    assert_eq!(app.rows("journal_entries").await, 2 * (3 + 3 + 1));
+}
+
+/// A Deposit of request_id `dz` commits while a group commit that holds a Deposit of `dz`
+/// waits for the funding account's lock: the batch finds `dz` taken once it holds the lock,
+/// answers that call by request_id, and writes the Withdraw after it, which has the money
+/// only with the committed `dz`.
+pub async fn a_request_id_taken_under_a_group_commit_is_replayed_and_the_rest_of_it_commits(app: &TestApp) {
+    app.open("bob", "USD").await;
+
+    // The original of dz, as its own transaction writes it: both accounts locked, its row,
+    // both balances and both entries; not yet committed.
+    let mut holder = app.raw.begin().await.unwrap();
+    if app.backend != crate::helpers::Backend::Sqlite {
+        let lock =
+            "SELECT balance FROM accounts WHERE account_id IN ('@external:USD', 'bob') ORDER BY account_id FOR UPDATE";
+        sqlx::query(lock).execute(&mut *holder).await.unwrap();
+    }
+    let deposit =
+        "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by) \
+                   VALUES ('dz', 'D-original', 'bob', 500, 'USD', 1, 'anonymous')";
+    sqlx::query(deposit).execute(&mut *holder).await.unwrap();
+    let legs = [("@external:USD", "bob", -500), ("bob", "@external:USD", 500)];
+    app.write_posting(&mut holder, ("DEPOSIT", "dz", "D-original"), legs).await;
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (funding_command("dz", "bob", "5.00", "USD", false), guards(None, None)),
+                (funding_command("wz", "bob", "5.00", "USD", true), guards(None, None)),
+            ])
+            .await
+    });
+    app.wait_for_a_session_in("%accounts%FOR%UPDATE%").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let (account, entry) = funded(&answers[0], true);
+    assert_eq!((entry.posting_id.as_str(), account.balance.as_str()), ("D-original", "5.00"), "the original's answer");
+    let (account, entry) = funded(&answers[1], false);
+    assert_eq!((entry.kind, account.balance.as_str()), (EntryKind::Withdrawal as i32, "0.00"));
+    let counters = app.ledger.counters();
+    assert_eq!(counters.group_committed_withdrawals, 1, "wz committed by the batch, not alone: {counters:?}");
+    assert_eq!(counters.group_committed_deposits, 0);
+    assert_eq!(app.balance("bob").await, "0.00");
+    assert_eq!(funding_balance(app).await, 0);
+    assert_eq!(app.rows("deposits").await, 1);
+    assert_eq!(app.rows("withdrawals").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// With four funding shards, a Deposit whose shard has no row yet runs alone (its transaction
+/// creates the shard); once every shard exists, Deposits of every shard share one batch.
+pub async fn deposits_over_funding_shards_are_group_committed_once_each_shard_exists(app: &TestApp) {
+    app.open("bob", "USD").await;
+    let shards = || async {
+        let sql = "SELECT COUNT(*) FROM accounts WHERE account_id LIKE '@external:USD%'";
+        sqlx::query_scalar::<_, i64>(sql).fetch_one(&app.raw).await.unwrap()
+    };
+    let batch = |prefix: &'static str| {
+        (0..8).map(move |n| (funding_command(&format!("{prefix}{n}"), "bob", "1.00", "USD", false), guards(None, None)))
+    };
+    let first: Vec<_> = app.ledger.write_together(batch("first-").collect()).await;
+    let first: Vec<_> = first.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    // Each entry's counterparty names the shard its Deposit moved: those of shard 0, which
+    // OpenAccount created, were batched; the others ran alone.
+    let on_shard_0 = first.iter().filter(|answer| funded(answer, false).1.counterparty_account_id == "@external:USD");
+    let on_shard_0 = on_shard_0.count() as u64;
+    assert!(shards().await > 1, "a shard other than the first was created");
+    let counters = app.ledger.counters();
+    assert_eq!(counters.group_committed_deposits, on_shard_0, "{counters:?}");
+    assert_eq!(counters.group_commits, u64::from(on_shard_0 > 0), "{counters:?}");
+    // Then more Deposits, one at a time, until every shard exists.
+    let mut n = 0;
+    while shards().await < 4 {
+        app.deposit(&format!("warm-{n}"), "bob", "1.00", "USD").await.unwrap();
+        n += 1;
+        assert!(n < 200, "four shards after 200 Deposits");
+    }
+    let before = app.ledger.counters();
+    let second: Vec<_> = app.ledger.write_together(batch("second-").collect()).await;
+    assert!(second.iter().all(|answer| answer.as_ref().is_ok_and(|answer| !answer.replayed)), "{second:?}");
+    let after = app.ledger.counters();
+    assert_eq!(after.group_committed_deposits - before.group_committed_deposits, 8, "{after:?}");
+    assert_eq!(after.group_commits - before.group_commits, 1, "{after:?}");
+    assert_eq!(app.balance("bob").await, format!("{}.00", 16 + n));
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
@@ -2339,13 +2583,15 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="idempotency_key""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="OUT_TRADE_NO_REUSED""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
-    // The two fresh Pays were written by group commits (one each, or one together), and so
-    // was the fresh Transfer, after them.
+    // The two Deposits, the two fresh Pays (one each, or one together) and the fresh Transfer
+    // were written by group commits, one after another.
+    assert_eq!(sample(&metrics, "payledger_group_committed_deposits_total", ""), 2.0);
+    assert_eq!(sample(&metrics, "payledger_group_committed_withdrawals_total", ""), 0.0);
     assert_eq!(sample(&metrics, "payledger_group_committed_pays_total", ""), 2.0);
     assert_eq!(sample(&metrics, "payledger_group_committed_transfers_total", ""), 1.0);
     let batches = sample(&metrics, "payledger_group_commit_batch_pays_count", "");
-    assert!((2.0..=3.0).contains(&batches), "{batches}");
-    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 3.0);
+    assert!((4.0..=5.0).contains(&batches), "{batches}");
+    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 5.0);
     assert_eq!(sample(&metrics, "payledger_group_commit_queue_depth", ""), 0.0);
     assert_eq!(sample(&metrics, "payledger_db_up", ""), 1.0);
     assert_eq!(sample(&metrics, "payledger_db_pool_max_connections", ""), 8.0);

@@ -43,6 +43,10 @@ pub enum Scenario {
     /// Transfers of 0.01 from a payer to a shop, each with an `idempotency-key` of its own,
     /// payers and shops spread over many accounts.
     Transfer,
+    /// Deposits of 0.01 into payers spread over many accounts, each with a request_id of its
+    /// own: every one moves the currency's funding account, the hot row
+    /// (`--funding-account-shards` on the server spreads it).
+    Deposit,
     /// The same Pay re-sent: its out_trade_no is already paid (the read-only replay path).
     Replay,
     /// Every Pay credits one merchant account (with `--zipf`, payers are skewed too).
@@ -200,7 +204,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
 
     let order_count = match settings.scenario {
         Scenario::Pay | Scenario::KeyedPay | Scenario::Hot => settings.total,
-        Scenario::Transfer => 0,
+        Scenario::Transfer | Scenario::Deposit => 0,
         Scenario::Replay => 1,
         Scenario::Refund | Scenario::HotRefund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
@@ -244,7 +248,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
     let to_pay = match settings.scenario {
         Scenario::Replay | Scenario::Refund | Scenario::HotRefund | Scenario::Query => prepared.orders.len(),
         Scenario::Mixed => usize::try_from(settings.total / 5).unwrap_or(0),
-        Scenario::Pay | Scenario::KeyedPay | Scenario::Hot | Scenario::Transfer => 0,
+        Scenario::Pay | Scenario::KeyedPay | Scenario::Hot | Scenario::Transfer | Scenario::Deposit => 0,
     };
     let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
         .map(|(n, (merchant, order_no, payer))| {
@@ -298,6 +302,15 @@ async fn call(
         }
         Scenario::Transfer => {
             transfer(n, index, &prepared.payers[index % prepared.payers.len()], prepared, clients).await
+        }
+        Scenario::Deposit => {
+            let request = proto::DepositRequest {
+                request_id: format!("b{}-d{n}", prepared.run),
+                account_id: prepared.payers[index % prepared.payers.len()].clone(),
+                amount: "0.01".into(),
+                currency: "USD".into(),
+            };
+            clients.account(n).deposit(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
         Scenario::Replay => {
             let (merchant, out_trade_no) = &prepared.paid[0];
