@@ -1971,6 +1971,49 @@ pub async fn a_request_id_taken_under_a_group_commit_is_replayed_and_the_rest_of
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
+/// A retry of a Withdraw whose original is still in flight (its request_id inserted, not
+/// committed, so the batch's read does not see it) is refused by the batch on bob's balance
+/// at its place (the Deposit after it brings the money): it then runs alone, where its
+/// request_id's insert waits for the original, and is answered by it, not INSUFFICIENT_FUNDS.
+pub async fn a_withdraw_refused_by_a_batch_while_its_original_is_in_flight_is_replayed(app: &TestApp) {
+    if app.backend == crate::helpers::Backend::Sqlite {
+        // One writer at a time: the original's open write keeps any batch from starting, so
+        // the original cannot be in flight under a batch.
+        return;
+    }
+    app.open("bob", "USD").await;
+    let mut holder = app.raw.begin().await.unwrap();
+    let original = "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, \
+                    created_by) VALUES ('wq', 'W-original', 'bob', 500, 'USD', 1, 'anonymous')";
+    sqlx::query(original).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (funding_command("wq", "bob", "5.00", "USD", true), guards(None, None)),
+                (funding_command("dq", "bob", "5.00", "USD", false), guards(None, None)),
+            ])
+            .await
+    });
+    // The retry, alone after its batch, waits on the original's request_id; the original then
+    // moves the money the batch's Deposit brought, and commits.
+    app.wait_for_a_write_waiting_on("withdrawals").await;
+    let legs = [("bob", "@external:USD", -500), ("@external:USD", "bob", 500)];
+    app.write_posting(&mut holder, ("WITHDRAWAL", "wq", "W-original"), legs).await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let (account, entry) = funded(&answers[0], true);
+    assert_eq!((entry.posting_id.as_str(), account.balance.as_str()), ("W-original", "0.00"), "the original's answer");
+    let (_, entry) = funded(&answers[1], false);
+    assert_eq!(entry.balance_after, "5.00");
+    assert_eq!(app.balance("bob").await, "0.00");
+    assert_eq!(app.rows("withdrawals").await, 1);
+    assert_eq!(app.rows("deposits").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
 /// With four funding shards, a Deposit whose shard has no row yet runs alone (its transaction
 /// creates the shard); once every shard exists, Deposits of every shard share one batch.
 pub async fn deposits_over_funding_shards_are_group_committed_once_each_shard_exists(app: &TestApp) {

@@ -599,7 +599,8 @@ impl TestApp {
 
     /// Waits (at most 10 s) until a session of this test's database waits in a statement
     /// that writes `table`: on PostgreSQL for a lock, on MySQL/MariaDB (whose INFORMATION_SCHEMA
-    /// does not always list the waiting transaction) in the statement; on SQLite, whose
+    /// does not always list the waiting transaction) in the statement (not counting the session
+    /// that asks, whose own statement holds the pattern); on SQLite, whose
     /// writers wait on the database's one write lock unseen, 300 ms.
     pub async fn wait_for_a_write_waiting_on(&self, table: &str) {
         self.wait_for_a_session_in(&format!("%INTO {table} %")).await;
@@ -619,7 +620,7 @@ impl TestApp {
             ),
             _ => format!(
                 "SELECT COUNT(*) FROM information_schema.processlist WHERE db = '{name}' \
-                 AND command IN ('Query', 'Execute') AND info LIKE '{pattern}'"
+                 AND command IN ('Query', 'Execute') AND info LIKE '{pattern}' AND id <> CONNECTION_ID()"
             ),
         };
         for _ in 0..1000 {
