@@ -109,11 +109,16 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
         assert_eq!(attribute("rpc.grpc.status_code").as_deref(), Some("0"));
     }
 
-    // Group commits link the Pays they carried: every fresh Pay exactly once, each link to a
-    // span inside that Pay's own trace; the batch's transaction is its child.
+    // Group commits link the calls they carried: every fresh Pay, and the set-up's Deposit,
+    // exactly once, each link to a span inside that call's own trace; the batch's transaction
+    // is its child.
+    let server_deposits: Vec<&SpanData> =
+        spans.iter().filter(|span| span.name == "payledger.v1.AccountService/Deposit").collect();
+    assert_eq!(server_deposits.len(), 1, "{:#?}", names(&spans));
+    let carried: Vec<&SpanData> = server_pays.iter().chain(&server_deposits).copied().collect();
     let pay_spans: HashSet<(opentelemetry::trace::TraceId, SpanId)> = spans
         .iter()
-        .filter(|span| server_pays.iter().any(|pay| pay.span_context.trace_id() == span.span_context.trace_id()))
+        .filter(|span| carried.iter().any(|call| call.span_context.trace_id() == span.span_context.trace_id()))
         .map(|span| (span.span_context.trace_id(), span.span_context.span_id()))
         .collect();
     let batches: Vec<&SpanData> = spans.iter().filter(|span| span.name == "group_commit").collect();
@@ -122,8 +127,8 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
     for batch in &batches {
         for link in &batch.links.links {
             let target = (link.span_context.trace_id(), link.span_context.span_id());
-            assert!(pay_spans.contains(&target), "a link to a span of a Pay's trace");
-            assert!(linked_traces.insert(link.span_context.trace_id()), "each Pay is linked once");
+            assert!(pay_spans.contains(&target), "a link to a span of a Pay's or the Deposit's trace");
+            assert!(linked_traces.insert(link.span_context.trace_id()), "each call is linked once");
         }
         assert!(
             spans
@@ -132,7 +137,7 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
             "the batch's transaction is its child"
         );
     }
-    assert_eq!(linked_traces.len(), pays, "every Pay was carried by a group commit and linked");
+    assert_eq!(linked_traces.len(), pays + 1, "every Pay, and the Deposit, was carried by a group commit and linked");
 }
 
 fn names(spans: &[SpanData]) -> Vec<&str> {
