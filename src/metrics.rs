@@ -105,6 +105,7 @@ pub struct LedgerMetrics {
     pub group_committed_transfers: Counter,
     pub group_committed_deposits: Counter,
     pub group_committed_withdrawals: Counter,
+    pub group_committed_orders: Counter,
     pub group_commit_batch: Histogram,
     pub group_commit_queue_depth: Gauge,
     pub group_commit_alone: Counter,
@@ -134,6 +135,7 @@ impl Default for LedgerMetrics {
             group_committed_transfers: Counter::default(),
             group_committed_deposits: Counter::default(),
             group_committed_withdrawals: Counter::default(),
+            group_committed_orders: Counter::default(),
             group_commit_batch: batch_buckets(),
             group_commit_queue_depth: Gauge::default(),
             group_commit_alone: Counter::default(),
@@ -273,8 +275,13 @@ impl LedgerMetrics {
             self.group_committed_withdrawals.clone(),
         );
         registry.register(
+            "payledger_group_committed_orders",
+            "Orders created (CreateOrder) by group commits",
+            self.group_committed_orders.clone(),
+        );
+        registry.register(
             "payledger_group_commit_batch_pays",
-            "Pays, Refunds, Transfers, Deposits and Withdraws committed per group commit",
+            "Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders committed per group commit",
             self.group_commit_batch.clone(),
         );
         registry.register(
@@ -284,7 +291,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commit_alone",
-            "Pays, Refunds, Transfers, Deposits and Withdraws run in a transaction of their own after their batch could not decide them, or refused them while they carried an idempotency key or token",
+            "Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders run in a transaction of their own after their batch could not decide them, or refused them while they carried an idempotency key or token",
             self.group_commit_alone.clone(),
         );
         registry.register(

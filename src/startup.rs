@@ -407,6 +407,7 @@ impl Application {
             group_committed_transfers = counters.group_committed_transfers,
             group_committed_deposits = counters.group_committed_deposits,
             group_committed_withdrawals = counters.group_committed_withdrawals,
+            group_committed_orders = counters.group_committed_orders,
             "stopped"
         );
         Ok(())

@@ -99,7 +99,8 @@ use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
 use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
 use super::payments::{
-    check_pay, new_payment, new_refund, paid_receipt, refunded_order, PayCheck, PayReceipt, RefundReceipt,
+    check_pay, check_payee, new_payment, new_refund, paid_receipt, refunded_order, NewOrder, PayCheck, PayReceipt,
+    RefundReceipt,
 };
 use super::posting::{balance_after, EntryKind};
 use super::transaction::in_transaction;
@@ -173,6 +174,8 @@ pub(super) enum Decision {
     Transferred(TransferReceipt),
     /// Deposited or withdrawn and committed by the batch.
     Funded(DepositReceipt),
+    /// An order created and committed by the batch.
+    Created(OrderRow),
     /// A payment under this out_trade_no was already committed (with its order): a replay,
     /// or OUT_TRADE_NO_REUSED if it paid something else.
     Found(PaymentRow, OrderRow),
@@ -184,6 +187,9 @@ pub(super) enum Decision {
     /// A Deposit or Withdraw under this request_id was committed before the batch locked its
     /// funding account: replay it by request_id.
     FundedBefore,
+    /// An order of this (merchant_id, order_no) was committed before the batch read it: replay
+    /// it (or ORDER_NO_REUSED) by its order.
+    CreatedBefore,
     /// The write breaks a rule; nothing of it was written.
     Rejected(Error),
     /// One of the write's guards (`idempotency-key` or `idempotency-token`) was found taken
@@ -213,14 +219,18 @@ pub(super) enum Write {
     },
     /// A Deposit or Withdraw, with the funding_id its row gets and its funding account.
     Funding(FundingWrite),
+    /// A CreateOrder, with the server's default lifetime of an order.
+    CreateOrder(NewOrder),
 }
 
 impl Write {
-    /// What routes the write to its worker: a Pay's or Refund's merchant_id, a Transfer's
-    /// from_account_id, a Deposit's or Withdraw's funding account (the hot row of them all).
+    /// What routes the write to its worker: a Pay's, Refund's or CreateOrder's merchant_id, a
+    /// Transfer's from_account_id, a Deposit's or Withdraw's funding account (the hot row of
+    /// them all).
     fn route(&self) -> &str {
         match self {
             Write::Pay(command) => command.merchant_id.as_str(),
+            Write::CreateOrder(call) => call.command.merchant_id.as_str(),
             Write::Refund { command, .. } => command.merchant_id.as_str(),
             Write::Transfer { command, .. } => command.from_account_id.as_str(),
             Write::Funding(funding) => funding.funding_account_id.as_str(),
@@ -228,12 +238,20 @@ impl Write {
     }
 
     /// The (merchant_id, out_trade_no) the write pays, or refunds the payment of; none for a
-    /// Transfer, Deposit or Withdraw.
+    /// Transfer, Deposit, Withdraw or CreateOrder.
     fn trade_key(&self) -> Option<(&str, &str)> {
         match self {
             Write::Pay(command) => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
-            Write::Transfer { .. } | Write::Funding(_) => None,
+            Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
+        }
+    }
+
+    /// The (merchant_id, order_no) a CreateOrder creates.
+    fn created_order(&self) -> Option<(&str, &str)> {
+        match self {
+            Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
+            Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::Funding(_) => None,
         }
     }
 }
@@ -394,7 +412,8 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
         .filter(|decision| matches!(decision, Decision::Funded(receipt) if receipt.entry.kind == EntryKind::Deposit.as_str()))
         .count();
     let withdrawn = written.iter().filter(|decision| matches!(decision, Decision::Funded(_))).count() - deposited;
-    let committed = paid + refunded + transferred + deposited + withdrawn;
+    let created = written.iter().filter(|decision| matches!(decision, Decision::Created(_))).count();
+    let committed = paid + refunded + transferred + deposited + withdrawn + created;
     if committed > 0 {
         metrics.group_commits.inc();
         metrics.group_committed_pays.inc_by(paid as u64);
@@ -402,6 +421,7 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
         metrics.group_committed_transfers.inc_by(transferred as u64);
         metrics.group_committed_deposits.inc_by(deposited as u64);
         metrics.group_committed_withdrawals.inc_by(withdrawn as u64);
+        metrics.group_committed_orders.inc_by(created as u64);
         metrics.group_commit_batch.observe(committed as f64);
     }
     for (index, decision) in open.into_iter().zip(written) {
@@ -464,6 +484,8 @@ enum Candidate<'a> {
     Transfer(&'a Transfer, &'a str),
     /// A Deposit or Withdraw.
     Funding(&'a FundingWrite),
+    /// A CreateOrder, and the order it creates.
+    CreateOrder(OrderRow),
 }
 
 /// What one accepted write does, in the order the batch applied it.
@@ -478,11 +500,14 @@ enum Accepted {
     Transferred(TransferRow, Legs),
     /// A Deposit or Withdraw, its row and its legs (from, to); claimed as a Transfer is.
     Funded(FundingWrite, FundingRow, Legs),
+    /// A new order; it moves no money.
+    Created(OrderRow),
 }
 
 impl Accepted {
-    /// The response message of a Pay or Refund, which its guards record when claimed; `None`
-    /// for a Transfer, Deposit or Withdraw (known only once its entries are read back).
+    /// The response message of a Pay, Refund or CreateOrder, which its guards record when
+    /// claimed; `None` for a Transfer, Deposit or Withdraw (known only once its entries are read
+    /// back).
     fn message(&self) -> Result<Option<Vec<u8>>, Error> {
         Ok(match self {
             Accepted::Paid(receipt, _) => {
@@ -491,6 +516,7 @@ impl Accepted {
             Accepted::Refunded(receipt, ..) => {
                 Some(<Identified<Refund> as IdempotentCall>::message(receipt.clone())?.encode_to_vec())
             }
+            Accepted::Created(order) => Some(NewOrder::message(order.clone())?.encode_to_vec()),
             Accepted::Transferred(..) | Accepted::Funded(..) => None,
         })
     }
@@ -506,11 +532,33 @@ fn order_key(merchant_id: &str, order_no: &str) -> OrderKey {
 /// The calls of `batch` that run alone after it, known before any lock: a second Pay of one
 /// order or out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the
 /// read did not find or whose order a Pay of the batch names, a second Deposit (or Withdraw)
-/// of one request_id, a second call with one idempotency key or token.
+/// of one request_id, a second CreateOrder of one order, a Pay or Refund of an order a
+/// CreateOrder of the batch creates, a second call with one idempotency key or token.
 fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
     let refunded = refunded_payments(batch, payments);
     let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
+    // A second CreateOrder of one order runs alone after the first (a replay of it, or
+    // ORDER_NO_REUSED), and so does a Pay or Refund of an order the batch creates (alone it
+    // finds the order the batch committed, or ORDER_NOT_FOUND if the batch refused it): no
+    // order is both created and moved by one batch.
+    let mut orders_created = HashSet::new();
+    for (decision, batched) in decisions.iter_mut().zip(batch) {
+        let Some(key) = batched.write.created_order() else { continue };
+        if !orders_created.insert(key) {
+            *decision = Some(Decision::Alone);
+        }
+    }
+    for ((decision, batched), payment) in decisions.iter_mut().zip(batch).zip(&refunded) {
+        let moved = match &batched.write {
+            Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
+            Write::Refund { .. } => payment.map(|payment| (payment.merchant_id.as_str(), payment.order_no.as_str())),
+            Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
+        };
+        if moved.is_some_and(|key| orders_created.contains(&key)) {
+            *decision = Some(Decision::Alone);
+        }
+    }
     // A second Pay of the same order or out_trade_no waits for the first one's outcome: it
     // runs alone after the batch (then it is a replay, ORDER_ALREADY_PAID or
     // OUT_TRADE_NO_REUSED, exactly as if it had come second on its own).
@@ -571,7 +619,7 @@ fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<
             Write::Refund { command, .. } => payments
                 .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
                 .map(|(payment, _)| payment),
-            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) => None,
+            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
         })
         .collect()
 }
@@ -593,10 +641,11 @@ async fn write_batch(
     //    Refund locks its order before it inserts its row, so none of these orders can
     //    gain one after; one of the same out_refund_no on another order would fail the
     //    refunds' INSERT below, and the batch would run alone).
-    // A Transfer has no order.
+    // A Transfer has no order; a CreateOrder's is read to find one committed before.
     let order_of = |index: usize| -> Option<(&str, &str)> {
         match &batch[index].write {
             Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
+            Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
             Write::Refund { .. } => {
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
                 Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
@@ -621,7 +670,7 @@ async fn write_batch(
         .iter()
         .filter_map(|index| match &batch[*index].write {
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
-            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) => None,
+            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
         })
         .collect();
     let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
@@ -651,6 +700,21 @@ async fn write_batch(
                 candidates.push((index, Candidate::Funding(funding)));
                 continue;
             }
+            // An order committed before is a replay (or ORDER_NO_REUSED), whatever its
+            // expires_at says now, as the driver's read before the batch answers it; then the
+            // order's own checks, as its own transaction makes them.
+            Write::CreateOrder(call) => {
+                let (merchant_id, order_no) = order_of(index).expect("a CreateOrder has its order");
+                if orders.contains_key(&order_key(merchant_id, order_no)) {
+                    decisions[index] = Some(Decision::CreatedBefore);
+                } else {
+                    match call.order_at(now) {
+                        Ok(order) => candidates.push((index, Candidate::CreateOrder(order))),
+                        Err(error) => decisions[index] = Some(Decision::Rejected(error)),
+                    }
+                }
+                continue;
+            }
             Write::Pay(_) => {}
         }
         let (merchant_id, order_no) = order_of(index).expect("a Pay or Refund has its order");
@@ -672,8 +736,8 @@ async fn write_batch(
                     candidates.push((index, Candidate::Refund(command, refund_no, payment)));
                 }
             }
-            Write::Transfer { .. } | Write::Funding(_) => {
-                unreachable!("a Transfer, Deposit or Withdraw is a candidate above")
+            Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => {
+                unreachable!("a Transfer, Deposit, Withdraw or CreateOrder is decided above")
             }
         }
     }
@@ -683,13 +747,18 @@ async fn write_batch(
     if candidates.is_empty() {
         return Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()));
     }
+    // A CreateOrder's payee is read with them (it moves no money: its lock only orders it
+    // with the batch's other rows).
     let account_ids: BTreeSet<&str> = candidates
         .iter()
         .flat_map(|(_, candidate)| match candidate {
-            Candidate::Pay(command, order) => [command.payer_account_id.as_str(), order.payee_account_id.as_str()],
-            Candidate::Refund(_, _, payment) => [payment.payee_account_id.as_str(), payment.payer_account_id.as_str()],
-            Candidate::Transfer(command, _) => [command.from_account_id.as_str(), command.to_account_id.as_str()],
-            Candidate::Funding(funding) => [funding.account_id.as_str(), funding.funding_account_id.as_str()],
+            Candidate::Pay(command, order) => vec![command.payer_account_id.as_str(), order.payee_account_id.as_str()],
+            Candidate::Refund(_, _, payment) => {
+                vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
+            }
+            Candidate::Transfer(command, _) => vec![command.from_account_id.as_str(), command.to_account_id.as_str()],
+            Candidate::Funding(funding) => vec![funding.account_id.as_str(), funding.funding_account_id.as_str()],
+            Candidate::CreateOrder(order) => vec![order.payee_account_id.as_str()],
         })
         .collect();
     let account_ids: Vec<&str> = account_ids.into_iter().collect();
@@ -731,6 +800,10 @@ async fn write_batch(
                 }
                 Candidate::Funding(funding) => apply_funding(&mut accounts, funding)
                     .map(|legs| Accepted::Funded((*funding).clone(), funding.row(now), legs)),
+                Candidate::CreateOrder(order) => {
+                    check_payee(accounts.get(&order.payee_account_id).map(|payee| &payee.row), order)
+                        .map(|()| Accepted::Created(order.clone()))
+                }
             };
             match applied {
                 Ok(accepted_one) => accepted.push((*index, accepted_one)),
@@ -751,10 +824,11 @@ async fn write_batch(
             let claimed_now = match (accepted_one, message) {
                 (Accepted::Paid(receipt, _), Some(message)) => claim.claim(queries, receipt, &message, now).await,
                 (Accepted::Refunded(receipt, ..), Some(message)) => claim.claim(queries, receipt, &message, now).await,
+                (Accepted::Created(order), Some(message)) => claim.claim(queries, order, &message, now).await,
                 (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.claim_in_progress(queries, now).await,
-                (Accepted::Paid(..) | Accepted::Refunded(..), None)
+                (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
                 | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
-                    "a Pay's or Refund's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
+                    "a Pay's, Refund's or CreateOrder's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
                 ),
             };
             match claimed_now {
@@ -779,7 +853,9 @@ async fn write_batch(
                 // original is about to leave.
                 decisions[index] = Some(match batch[index].write {
                     Write::Funding(_) => Decision::Alone,
-                    Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } => Decision::Rejected(error),
+                    Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::CreateOrder(_) => {
+                        Decision::Rejected(error)
+                    }
                 });
             }
             break (accounts, refunded_orders, accepted);
@@ -804,6 +880,7 @@ async fn write_batch(
         decisions[index] = Some(match accepted_one {
             Accepted::Paid(receipt, _) => Decision::Paid(receipt),
             Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
+            Accepted::Created(order) => Decision::Created(order),
             Accepted::Transferred(transfer, _) => {
                 let mut entry = |account_id: &str| {
                     entries
@@ -849,7 +926,7 @@ async fn entries_read_back(
                 vec![(transfer_id, transfer.from_account_id.as_str()), (transfer_id, transfer.to_account_id.as_str())]
             }
             Accepted::Funded(funding, ..) => vec![(funding.funding_id.as_str(), funding.account_id.as_str())],
-            Accepted::Paid(..) | Accepted::Refunded(..) => Vec::new(),
+            Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..) => Vec::new(),
         })
         .collect();
     if legs.is_empty() {
@@ -919,7 +996,7 @@ async fn decide_fundings(
         .iter()
         .filter_map(|(index, candidate)| match candidate {
             Candidate::Funding(funding) => Some((*index, *funding)),
-            Candidate::Pay(..) | Candidate::Refund(..) | Candidate::Transfer(..) => None,
+            Candidate::Pay(..) | Candidate::Refund(..) | Candidate::Transfer(..) | Candidate::CreateOrder(..) => None,
         })
         .collect();
     if fundings.is_empty() {
@@ -1024,10 +1101,15 @@ async fn write_accepted(
     let mut transfers = Vec::new();
     let mut deposits = Vec::new();
     let mut withdrawals = Vec::new();
+    let mut created = Vec::new();
     let mut entries = Vec::with_capacity(accepted.len() * 2);
     for (_, accepted_one) in accepted {
         // The two legs of a posting, from then to, as a single posting writes them.
         let (posting, [(from_balance, from_version), (to_balance, to_version)]) = match accepted_one {
+            Accepted::Created(order) => {
+                created.push(order.clone());
+                continue;
+            }
             Accepted::Paid(receipt, legs) => {
                 let payment = &receipt.payment;
                 payments.push(payment.clone());
@@ -1133,6 +1215,7 @@ async fn write_accepted(
         transfers: &transfers,
         deposits: &deposits,
         withdrawals: &withdrawals,
+        orders: &created,
         refunded_orders: &order_refunds,
         balances: &balances,
         entries: &entries,

@@ -140,6 +140,7 @@ pub struct CountersSnapshot {
     pub group_committed_transfers: u64,
     pub group_committed_deposits: u64,
     pub group_committed_withdrawals: u64,
+    pub group_committed_orders: u64,
 }
 
 /// The payment ledger: every use case, over one [`Store`].
@@ -188,6 +189,7 @@ impl Ledger {
             group_committed_transfers: metrics.group_committed_transfers.get(),
             group_committed_deposits: metrics.group_committed_deposits.get(),
             group_committed_withdrawals: metrics.group_committed_withdrawals.get(),
+            group_committed_orders: metrics.group_committed_orders.get(),
         }
     }
 

@@ -5,7 +5,7 @@ use crate::domain::{
 };
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
-use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
+use crate::store::{AccountRow, HoldRow, OrderRow, PaymentRow, Queries, RefundRow};
 
 use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
@@ -46,6 +46,8 @@ pub enum BatchCall {
     Deposit(Deposit),
     /// A Withdraw, answered as [`Ledger::withdraw`] answers.
     Withdraw(Withdraw),
+    /// A CreateOrder, answered as [`Ledger::create_order`] answers.
+    CreateOrder(CreateOrder),
 }
 
 /// The response of one call of [`Ledger::write_together`].
@@ -56,6 +58,7 @@ pub enum BatchAnswer {
     Transfer(proto::TransferResponse),
     Deposit(proto::DepositResponse),
     Withdraw(proto::WithdrawResponse),
+    CreateOrder(proto::CreateOrderResponse),
 }
 
 /// A call of [`Ledger::write_together`] with the id its row gets.
@@ -65,6 +68,7 @@ enum Together {
     Transfer(Identified<Transfer>),
     Deposit(FundingCall<Deposit>),
     Withdraw(FundingCall<Withdraw>),
+    CreateOrder(NewOrder),
 }
 
 /// One call of [`Ledger::write_together`] after steps 1-3.
@@ -148,13 +152,19 @@ impl Ledger {
     /// An order without `expires_at` gets the server's default (`LedgerSettings::order_ttl`
     /// from now, or none); an explicit `expires_at` must be later than now
     /// ([`Error::InvalidArgument`] otherwise, unless the call replays an existing order).
+    ///
+    /// With group commit on, an order is written by a batch, guarded or not, routed by
+    /// merchant_id with the merchant's Pays and Refunds (see `group_commit`).
     pub async fn create_order(
         &self,
         command: CreateOrder,
         guards: &Guards,
     ) -> Result<Replayable<proto::CreateOrderResponse>, Error> {
-        let default_ttl = self.settings.order_ttl_micros();
-        self.run_idempotent(&NewOrder { command, default_ttl }, guards).await
+        let call = NewOrder { command, default_ttl: self.settings.order_ttl_micros() };
+        match self.batcher() {
+            Some(batcher) => self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<NewOrder>),
+            None => self.run_idempotent(&call, guards).await,
+        }
     }
 
     /// Moves a PENDING order to CLOSED; a closed order is returned unchanged (replayed).
@@ -259,7 +269,8 @@ impl Ledger {
             | Decision::Found(..)
             | Decision::PaidBefore
             | Decision::RefundedBefore
-            | Decision::FundedBefore => Ok(Inserted::KeyTaken),
+            | Decision::FundedBefore
+            | Decision::CreatedBefore => Ok(Inserted::KeyTaken),
             Decision::Rejected(error) if !session.records_response() => Err(error),
             Decision::NotStarted(error) => Err(error),
             // A call with guards that the batch refused runs alone too: there, as every single
@@ -273,7 +284,11 @@ impl Ledger {
                 self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
             }
-            Decision::Paid(_) | Decision::Refunded(_) | Decision::Transferred(_) | Decision::Funded(_) => {
+            Decision::Paid(_)
+            | Decision::Refunded(_)
+            | Decision::Transferred(_)
+            | Decision::Funded(_)
+            | Decision::Created(_) => {
                 Err(Error::Internal(format!("a group commit wrote a {} as another call", C::METHOD)))
             }
         }
@@ -311,7 +326,9 @@ impl Ledger {
             | Decision::RefundedBefore
             | Decision::Transferred(_)
             | Decision::Funded(_)
-            | Decision::FundedBefore => {
+            | Decision::FundedBefore
+            | Decision::Created(_)
+            | Decision::CreatedBefore => {
                 return Some(Err(Error::Internal("a group commit answered a Pay as another call".into())))
             }
         })
@@ -358,23 +375,24 @@ impl Ledger {
                     BatchAnswer::Refund(_)
                     | BatchAnswer::Transfer(_)
                     | BatchAnswer::Deposit(_)
-                    | BatchAnswer::Withdraw(_) => Err(Error::Internal("a Pay was answered as another call".into())),
+                    | BatchAnswer::Withdraw(_)
+                    | BatchAnswer::CreateOrder(_) => Err(Error::Internal("a Pay was answered as another call".into())),
                 })
             })
             .collect()
     }
 
-    /// Writes Pays, Refunds, Transfers, Deposits and Withdraws, each with or without guards
-    /// (`idempotency-key`, `idempotency-token`; a Transfer needs its key), as one group commit,
+    /// Writes Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders, each with or
+    /// without guards (`idempotency-key`, `idempotency-token`; a Transfer needs its key), as one
+    /// group commit,
     /// the way concurrent calls routed to one worker are written: each call goes through the
     /// idempotency driver's steps before and after the batch on its own, and the batch claims
     /// and completes the records of those it writes. Answers as [`Ledger::pay`],
-    /// [`Ledger::refund`], [`Ledger::transfer`], [`Ledger::deposit`] and [`Ledger::withdraw`]
-    /// would, in the order given.
+    /// [`Ledger::refund`], [`Ledger::transfer`], [`Ledger::deposit`], [`Ledger::withdraw`] and
+    /// [`Ledger::create_order`] would, in the order given.
     ///
     /// # Errors
-    /// Per call, in its own `Result`: the errors of [`Ledger::pay`], [`Ledger::refund`] or
-    /// [`Ledger::transfer`].
+    /// Per call, in its own `Result`: the errors of the call's own method.
     pub async fn write_together(&self, calls: Vec<(BatchCall, Guards)>) -> Vec<Result<Replayable<BatchAnswer>, Error>> {
         let (calls, guards): (Vec<BatchCall>, Vec<Guards>) = calls.into_iter().unzip();
         let calls: Vec<Together> = calls
@@ -385,6 +403,9 @@ impl Ledger {
                 BatchCall::Transfer(command) => Together::Transfer(Identified { command, id: new_id('X') }),
                 BatchCall::Deposit(command) => Together::Deposit(self.funding_call(command, 'D')),
                 BatchCall::Withdraw(command) => Together::Withdraw(self.funding_call(command, 'W')),
+                BatchCall::CreateOrder(command) => {
+                    Together::CreateOrder(NewOrder { command, default_ttl: self.settings.order_ttl_micros() })
+                }
             })
             .collect();
         let fingerprints: Vec<Call> = calls
@@ -396,6 +417,7 @@ impl Ledger {
                 Together::Transfer(call) => call.fingerprint(&guards.actor),
                 Together::Deposit(call) => call.fingerprint(&guards.actor),
                 Together::Withdraw(call) => call.fingerprint(&guards.actor),
+                Together::CreateOrder(call) => call.fingerprint(&guards.actor),
             })
             .collect();
         let now = now_micros();
@@ -417,6 +439,9 @@ impl Ledger {
                 }
                 Together::Withdraw(call) => {
                     self.queue_together(call, guards, fingerprint, now, BatchAnswer::Withdraw).await
+                }
+                Together::CreateOrder(call) => {
+                    self.queue_together(call, guards, fingerprint, now, BatchAnswer::CreateOrder).await
                 }
             };
             match step {
@@ -443,6 +468,9 @@ impl Ledger {
                 }
                 Together::Withdraw(call) => {
                     self.settle_together(call, &mut session, decision, now, BatchAnswer::Withdraw).await
+                }
+                Together::CreateOrder(call) => {
+                    self.settle_together(call, &mut session, decision, now, BatchAnswer::CreateOrder).await
                 }
             });
         }
@@ -607,9 +635,70 @@ fn create_order_fields(
 }
 
 /// A CreateOrder call with the server's default lifetime of an order (microseconds; 0: none).
-struct NewOrder {
-    command: CreateOrder,
-    default_ttl: i64,
+#[derive(Debug, Clone)]
+pub(super) struct NewOrder {
+    pub(super) command: CreateOrder,
+    pub(super) default_ttl: i64,
+}
+
+impl NewOrder {
+    /// The PENDING order this call creates at `now` (microseconds since the Unix epoch): its
+    /// `expires_at` as given, or the server's default from `now`, or none.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an `expires_at` at or before `now`.
+    pub(super) fn order_at(&self, now: i64) -> Result<OrderRow, Error> {
+        let command = &self.command;
+        let expires_at = match command.expires_at {
+            Some(expires_at) if expires_at <= now => {
+                return Err(FieldViolation::new("expires_at", "must be later than now").into());
+            }
+            Some(expires_at) => Some(expires_at),
+            None if self.default_ttl > 0 => Some(now.saturating_add(self.default_ttl)),
+            None => None,
+        };
+        Ok(OrderRow {
+            merchant_id: command.merchant_id.as_str().to_owned(),
+            order_no: command.order_no.as_str().to_owned(),
+            payee_account_id: command.payee_account_id.as_str().to_owned(),
+            amount: command.amount.minor_units(),
+            currency: command.amount.currency().code().to_owned(),
+            subject: command.subject.as_str().to_owned(),
+            status: OrderStatus::Pending.as_str().to_owned(),
+            out_trade_no: None,
+            refunded_amount: 0,
+            created_at: now,
+            updated_at: now,
+            expires_at,
+            close_reason: None,
+        })
+    }
+}
+
+/// CreateOrder's rule on its payee account (`None`: not found): it exists and holds the
+/// order's currency.
+///
+/// # Errors
+/// [`Error::NotFound`] (ACCOUNT_NOT_FOUND), [`Rejection::CurrencyMismatch`].
+pub(super) fn check_payee(payee: Option<&AccountRow>, order: &OrderRow) -> Result<(), Error> {
+    let payee = payee.ok_or(Error::NotFound(Resource::Account))?;
+    if payee.currency != order.currency {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    Ok(())
+}
+
+impl Batchable for NewOrder {
+    fn write(&self) -> Write {
+        Write::CreateOrder(self.clone())
+    }
+
+    fn written(decision: Decision) -> Result<OrderRow, Box<Decision>> {
+        match decision {
+            Decision::Created(order) => Ok(order),
+            other => Err(Box::new(other)),
+        }
+    }
 }
 
 impl IdempotentCall for NewOrder {
@@ -659,34 +748,8 @@ impl IdempotentCall for NewOrder {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
-        let command = &self.command;
-        let expires_at = match command.expires_at {
-            Some(expires_at) if expires_at <= now => {
-                return Err(FieldViolation::new("expires_at", "must be later than now").into());
-            }
-            Some(expires_at) => Some(expires_at),
-            None if self.default_ttl > 0 => Some(now.saturating_add(self.default_ttl)),
-            None => None,
-        };
-        let order = OrderRow {
-            merchant_id: command.merchant_id.as_str().to_owned(),
-            order_no: command.order_no.as_str().to_owned(),
-            payee_account_id: command.payee_account_id.as_str().to_owned(),
-            amount: command.amount.minor_units(),
-            currency: command.amount.currency().code().to_owned(),
-            subject: command.subject.as_str().to_owned(),
-            status: OrderStatus::Pending.as_str().to_owned(),
-            out_trade_no: None,
-            refunded_amount: 0,
-            created_at: now,
-            updated_at: now,
-            expires_at,
-            close_reason: None,
-        };
-        let payee = queries.find_account(&order.payee_account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-        if payee.currency != order.currency {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
+        let order = self.order_at(now)?;
+        check_payee(queries.find_account(&order.payee_account_id).await?.as_ref(), &order)?;
         if !queries.insert_order(&order).await? {
             return Ok(Inserted::KeyTaken);
         }

@@ -532,12 +532,47 @@ pub(super) static INSERT_WITHDRAWALS: StepSql = StepSql {
     sqlite: concat!(super::queries::insert_withdrawal_into!(), sqlite_funding_rows!()),
 };
 
+/// The columns an order row of [`INSERT_ORDERS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
+pub(super) const ORDER_COLUMNS: usize = 9;
+
+/// New PENDING orders, rows `[merchant_id, order_no, payee_account_id, amount, currency,
+/// subject, status, created_at, expires_at]`, `expires_at` 0 for none (an order's expiry is
+/// always later than its creation, so 0 is never one; `NULLIF` turns it into NULL, which the
+/// rows' values cannot carry): `updated_at` is `created_at`, `pending_deadline` is
+/// `expires_at`, as the one-order INSERT writes them. A taken key fails the statement on MySQL
+/// (duplicate key) and inserts fewer rows elsewhere.
+pub(super) static INSERT_ORDERS: StepSql = StepSql {
+    mysql: concat!(
+        super::queries::insert_order_into!(),
+        " SELECT merchant_id, order_no, payee_account_id, amount, currency, subject, status, NULL, 0, created_at, \
+         created_at, NULLIF(expires_at, 0), NULL, NULLIF(expires_at, 0) FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         merchant_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+         order_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+         payee_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+         amount BIGINT PATH '$[3]', \
+         currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
+         subject VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[5]', \
+         status VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]', \
+         created_at BIGINT PATH '$[7]', \
+         expires_at BIGINT PATH '$[8]')) AS k"
+    ),
+    sqlite: concat!(
+        super::queries::insert_order_into!(),
+        " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
+         json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
+         json_extract(k.value, '$[6]'), NULL, 0, json_extract(k.value, '$[7]'), json_extract(k.value, '$[7]'), \
+         NULLIF(json_extract(k.value, '$[8]'), 0), NULL, NULLIF(json_extract(k.value, '$[8]'), 0) \
+         FROM json_each(?1) AS k WHERE true ON CONFLICT DO NOTHING"
+    ),
+};
+
 /// PostgreSQL writes a whole group commit in one statement (data-modifying CTEs, each run
 /// exactly once): the payments ($1-$11), PENDING -> PAID ($12-$14), the version CAS ($15-$18),
 /// the journal entries ($19-$29, given entry ids in array order), `updated_at` ($30), the
 /// refunds ($31-$40), the orders' refund CAS ($41-$46), the transfers ($47-$54), the deposits
-/// ($55-$61) and the withdrawals ($62-$68); it returns the nine row counts. A batch never pays and refunds one order, so no order row is updated
-/// twice.
+/// ($55-$61), the withdrawals ($62-$68) and the new orders ($69-$77); it returns the ten row
+/// counts. A batch never pays and refunds one order, nor creates one it pays or refunds, so no
+/// order row is written twice.
 pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
     "WITH p AS (",
     super::queries::insert_payment_into!(),
@@ -577,10 +612,17 @@ pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
      w AS (",
     super::queries::insert_withdrawal_into!(),
     " SELECT * FROM UNNEST($62::text[], $63::text[], $64::text[], $65::bigint[], $66::text[], $67::bigint[], \
-     $68::text[]) ON CONFLICT DO NOTHING RETURNING 1) \
+     $68::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
+     n AS (",
+    super::queries::insert_order_into!(),
+    " SELECT k.merchant_id, k.order_no, k.payee_account_id, k.amount, k.currency, k.subject, k.status, NULL, 0, \
+     k.created_at, k.created_at, NULLIF(k.expires_at, 0), NULL, NULLIF(k.expires_at, 0) \
+     FROM UNNEST($69::text[], $70::text[], $71::text[], $72::bigint[], $73::text[], $74::text[], $75::text[], \
+     $76::bigint[], $77::bigint[]) AS k(merchant_id, order_no, payee_account_id, amount, currency, subject, status, \
+     created_at, expires_at) ON CONFLICT DO NOTHING RETURNING 1) \
      SELECT (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e), \
      (SELECT COUNT(*) FROM r), (SELECT COUNT(*) FROM t), (SELECT COUNT(*) FROM x), (SELECT COUNT(*) FROM d), \
-     (SELECT COUNT(*) FROM w)"
+     (SELECT COUNT(*) FROM w), (SELECT COUNT(*) FROM n)"
 );
 
 #[cfg(test)]
@@ -625,6 +667,7 @@ mod tests {
             (&INSERT_TRANSFERS, 1),
             (&INSERT_DEPOSITS, 1),
             (&INSERT_WITHDRAWALS, 1),
+            (&INSERT_ORDERS, 1),
         ]
         .map(|(sql, values)| (sql.mysql, sql.sqlite, values));
         for (mysql, sqlite, values) in reads.chain(steps) {
@@ -636,7 +679,7 @@ mod tests {
         }
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
-        assert!(WRITE_BATCH_POSTGRES.contains("$68") && !WRITE_BATCH_POSTGRES.contains("$69"));
+        assert!(WRITE_BATCH_POSTGRES.contains("$77") && !WRITE_BATCH_POSTGRES.contains("$78"));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

@@ -81,6 +81,13 @@ macro_rules! insert_withdrawal_into {
     };
 }
 pub(super) use insert_withdrawal_into;
+macro_rules! insert_order_into {
+    () => {
+        "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, \
+         refunded_amount, created_at, updated_at, expires_at, close_reason, pending_deadline)"
+    };
+}
+pub(super) use insert_order_into;
 
 static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
 static FIND_ACCOUNT_FOR_UPDATE: Sql =
@@ -127,11 +134,10 @@ static TRY_LOCK_ORDER: Sql = Sql::new(concat!(
     order_columns!(),
     " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE SKIP LOCKED"
 ));
-static INSERT_ORDER: Sql = Sql::new(
-    "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, out_trade_no, refunded_amount, \
-     created_at, updated_at, expires_at, close_reason, pending_deadline) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?) \
-     ON CONFLICT DO NOTHING",
-);
+static INSERT_ORDER: Sql = Sql::new(concat!(
+    insert_order_into!(),
+    " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?) ON CONFLICT DO NOTHING"
+));
 /// PENDING -> CLOSED by CloseOrder (reason MERCHANT). Every transition from PENDING also
 /// clears `pending_deadline`, the sweeper's key.
 static CLOSE_ORDER: Sql = Sql::new(
@@ -1281,14 +1287,15 @@ impl<'c> Queries<'c> {
             .await
     }
 
-    /// Writes what a group commit accepted, all or nothing: the payments (one INSERT of all
-    /// rows), PENDING -> PAID for their orders (one conditional UPDATE), the refunds (one
-    /// INSERT) and the refund CAS of their orders (one conditional UPDATE), the transfers (one
-    /// INSERT), the new balances
+    /// Writes what a group commit accepted, all or nothing: the new orders (one INSERT of all
+    /// rows), the payments (one INSERT), PENDING -> PAID for their orders (one conditional
+    /// UPDATE), the refunds (one INSERT) and the refund CAS of their orders (one conditional
+    /// UPDATE), the transfers, deposits and withdrawals (one INSERT each), the new balances
     /// (one version CAS per account, all in one UPDATE) and the journal entries in the order
     /// given (one INSERT; entry ids follow that order). True when every row was written; false
-    /// when a key (out_trade_no, an order's one payment, out_refund_no), an order's state or an
-    /// account's version was taken under the batch: the caller must roll back. On PostgreSQL
+    /// when a key (an order's (merchant_id, order_no), out_trade_no, an order's one payment,
+    /// out_refund_no, a request_id), an order's state or an account's version was taken under
+    /// the batch: the caller must roll back. On PostgreSQL
     /// this is one statement (data-modifying CTEs, each run exactly once), elsewhere one a kind
     /// of row the batch has; each has one text whatever the batch holds (see `batch`).
     pub async fn write_batch(&mut self, written: &BatchWrite<'_>) -> Result<bool, sqlx::Error> {
@@ -1332,6 +1339,7 @@ impl<'c> Queries<'c> {
         let deposits: Vec<[Value<'_>; batch::FUNDING_COLUMNS]> = written.deposits.iter().map(funding_values).collect();
         let withdrawals: Vec<[Value<'_>; batch::FUNDING_COLUMNS]> =
             written.withdrawals.iter().map(funding_values).collect();
+        let created: Vec<[Value<'_>; batch::ORDER_COLUMNS]> = written.orders.iter().map(order_values).collect();
         let expected = [
             payments.len(),
             orders.len(),
@@ -1342,6 +1350,7 @@ impl<'c> Queries<'c> {
             transfers.len(),
             deposits.len(),
             withdrawals.len(),
+            created.len(),
         ]
         .map(|count| count as u64);
         if dialect == Dialect::Postgres {
@@ -1355,9 +1364,10 @@ impl<'c> Queries<'c> {
                 .bind_rows(dialect, &refunded)
                 .bind_rows(dialect, &transfers)
                 .bind_rows(dialect, &deposits)
-                .bind_rows(dialect, &withdrawals);
+                .bind_rows(dialect, &withdrawals)
+                .bind_rows(dialect, &created);
             let row = query.fetch_one(&mut *self.connection).await?;
-            let mut counts = [0_i64; 9];
+            let mut counts = [0_i64; 10];
             for (index, count) in counts.iter_mut().enumerate() {
                 *count = row.try_get(index)?;
             }
@@ -1365,6 +1375,9 @@ impl<'c> Queries<'c> {
         }
         // Each step runs only when the batch has rows of its kind: a batch of Refunds sends
         // no payment statements, and the other way round.
+        if !created.is_empty() && !self.insert_rows(&batch::INSERT_ORDERS, &created, expected[9]).await? {
+            return Ok(false);
+        }
         if !payments.is_empty() && !self.insert_rows(&batch::INSERT_PAYMENTS, &payments, expected[0]).await? {
             return Ok(false);
         }
@@ -1486,6 +1499,8 @@ pub struct BatchWrite<'a> {
     /// The rows of the Deposits, and of the Withdraws.
     pub deposits: &'a [FundingRow],
     pub withdrawals: &'a [FundingRow],
+    /// New PENDING orders (CreateOrder), none of them paid or refunded by the same batch.
+    pub orders: &'a [OrderRow],
     /// One refund CAS an order the batch refunds (from its state read under the lock to its
     /// state after the batch's last refund of it).
     pub refunded_orders: &'a [OrderRefund<'a>],
@@ -1593,6 +1608,21 @@ fn transfer_values(row: &TransferRow) -> [Value<'_>; batch::TRANSFER_COLUMNS] {
 
 /// A Deposit or Withdraw as a row of [`batch::INSERT_DEPOSITS`] or
 /// [`batch::INSERT_WITHDRAWALS`], in `insert_deposit_into!`'s column order.
+/// A new order as a row of [`batch::INSERT_ORDERS`] (`expires_at` 0 for none).
+fn order_values(row: &OrderRow) -> [Value<'_>; batch::ORDER_COLUMNS] {
+    [
+        Value::Text(&row.merchant_id),
+        Value::Text(&row.order_no),
+        Value::Text(&row.payee_account_id),
+        Value::Int(row.amount),
+        Value::Text(&row.currency),
+        Value::Text(&row.subject),
+        Value::Text(&row.status),
+        Value::Int(row.created_at),
+        Value::Int(row.expires_at.unwrap_or(0)),
+    ]
+}
+
 fn funding_values(row: &FundingRow) -> [Value<'_>; batch::FUNDING_COLUMNS] {
     [
         Value::Text(&row.request_id),

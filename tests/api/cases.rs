@@ -2626,15 +2626,16 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="idempotency_key""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="OUT_TRADE_NO_REUSED""#), 1.0);
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
-    // The two Deposits, the two fresh Pays (one each, or one together) and the fresh Transfer
-    // were written by group commits, one after another.
+    // The two Deposits, the three orders, the two fresh Pays (one each, or one together) and
+    // the fresh Transfer were written by group commits, one after another.
     assert_eq!(sample(&metrics, "payledger_group_committed_deposits_total", ""), 2.0);
     assert_eq!(sample(&metrics, "payledger_group_committed_withdrawals_total", ""), 0.0);
+    assert_eq!(sample(&metrics, "payledger_group_committed_orders_total", ""), 3.0);
     assert_eq!(sample(&metrics, "payledger_group_committed_pays_total", ""), 2.0);
     assert_eq!(sample(&metrics, "payledger_group_committed_transfers_total", ""), 1.0);
     let batches = sample(&metrics, "payledger_group_commit_batch_pays_count", "");
-    assert!((4.0..=5.0).contains(&batches), "{batches}");
-    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 5.0);
+    assert!((7.0..=8.0).contains(&batches), "{batches}");
+    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 8.0);
     assert_eq!(sample(&metrics, "payledger_group_commit_queue_depth", ""), 0.0);
     assert_eq!(sample(&metrics, "payledger_db_up", ""), 1.0);
     assert_eq!(sample(&metrics, "payledger_db_pool_max_connections", ""), 8.0);
@@ -2815,4 +2816,177 @@ pub async fn a_request_with_broken_framing_is_invalid_argument(app: &TestApp) {
         assert_status(&status, Code::InvalidArgument, "MALFORMED_REQUEST");
     }
     assert_eq!(app.all_rows().await, before);
+}
+
+// ---- CreateOrder in the group commit ------------------------------------------------------
+
+/// A CreateOrder command of merchant m1 for `amount` USD to `payee`, with `expires_at` when
+/// given (microseconds since the Unix epoch).
+fn order_command(order_no: &str, payee: &str, amount: &str, expires_at: Option<i64>) -> BatchCall {
+    use payledger::domain::{AccountId, Amount, Currency, FreeText, MerchantId, OrderNo};
+    let currency = Currency::parse("currency", "USD").unwrap();
+    BatchCall::CreateOrder(payledger::ledger::CreateOrder {
+        merchant_id: MerchantId::parse("merchant_id", "m1").unwrap(),
+        order_no: OrderNo::parse("order_no", order_no).unwrap(),
+        payee_account_id: AccountId::parse("payee_account_id", payee).unwrap(),
+        amount: Amount::parse("amount", amount, currency).unwrap(),
+        subject: FreeText::parse("subject", &format!("order {order_no}")).unwrap(),
+        expires_at,
+    })
+}
+
+/// The order of a batch's CreateOrder answer, fresh or replayed as `replayed` says.
+fn created(answer: &Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status>, replayed: bool) -> proto::Order {
+    batch_response(answer, replayed, |answer| match answer {
+        BatchAnswer::CreateOrder(response) => response.order.as_ref(),
+        _ => None,
+    })
+}
+
+pub async fn one_group_commit_of_create_orders_decides_each_on_its_own(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("shop", "USD").await;
+    app.open("euro", "EUR").await;
+    app.create_order("m1", "before", "shop", "1.00").await.unwrap();
+    let token = app.issue_token("m1").await;
+    let order = |order_no: &str, payee: &str, amount: &str| order_command(order_no, payee, amount, None);
+
+    let before = app.ledger.counters();
+    let answers = app
+        .ledger
+        .write_together(vec![
+            (order("o1", "shop", "2.00"), guards(None, None)),
+            // One order twice in one batch: the second is a replay of the first.
+            (order("o1", "shop", "2.00"), guards(None, None)),
+            // And once more for another amount.
+            (order("o1", "shop", "3.00"), guards(None, None)),
+            (order("o2", "nobody", "2.00"), guards(None, None)),
+            (order("o3", "euro", "2.00"), guards(None, None)),
+            (order_command("o4", "shop", "2.00", Some(1)), guards(None, None)),
+            // An order created before the batch: answered by it before it queues.
+            (order("before", "shop", "1.00"), guards(None, None)),
+            // A keyed CreateOrder: its record is written in the batch.
+            (order("o5", "shop", "2.00"), guards(Some("ko5"), None)),
+            // o5's key for another order.
+            (order("o6", "shop", "2.00"), guards(Some("ko5"), None)),
+            // A Pay of an order this batch creates runs alone after it, and finds it.
+            (BatchCall::Pay(pay_command("t1", "o1", "alice", "2.00")), guards(None, None)),
+            (order("o7", "shop", "2.00"), guards(None, Some(&token))),
+            // A keyed CreateOrder the batch refuses: alone, where its key is claimed first; no
+            // record is left.
+            (order("o8", "nobody", "2.00"), guards(Some("ko8"), None)),
+        ])
+        .await;
+    let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+    let refused = |index: usize, code: Code, reason: &str| {
+        assert_status(answers[index].as_ref().expect_err(reason), code, reason);
+    };
+    let o1 = created(&answers[0], false);
+    assert_eq!((o1.order_no.as_str(), o1.amount.as_str(), o1.status), ("o1", "2.00", OrderStatus::Pending as i32));
+    assert_eq!(created(&answers[1], true), o1, "answered as the first call of o1, exactly");
+    refused(2, Code::AlreadyExists, "ORDER_NO_REUSED");
+    refused(3, Code::NotFound, "ACCOUNT_NOT_FOUND");
+    refused(4, Code::FailedPrecondition, "CURRENCY_MISMATCH");
+    assert_eq!(answers[5].as_ref().unwrap_err().code(), Code::InvalidArgument, "{:?}", answers[5]);
+    assert_eq!(created(&answers[6], true).order_no, "before");
+    let o5 = created(&answers[7], false);
+    refused(8, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    let paid = answers[9].as_ref().expect("the Pay of o1, alone after the batch");
+    let BatchAnswer::Pay(paid) = &paid.value else { panic!("answered as another call: {paid:?}") };
+    assert_eq!(paid.order.as_ref().unwrap().status, OrderStatus::Paid as i32);
+    let o7 = created(&answers[10], false);
+    refused(11, Code::NotFound, "ACCOUNT_NOT_FOUND");
+
+    let after = app.ledger.counters();
+    assert_eq!(after.group_committed_orders - before.group_committed_orders, 3, "o1, o5 and o7: {after:?}");
+    assert_eq!(after.group_commits - before.group_commits, 1, "{after:?}");
+    assert_eq!(after.group_committed_pays, before.group_committed_pays, "the Pay ran alone: {after:?}");
+    assert_eq!(app.rows("orders").await, 4, "before, o1, o5 and o7");
+    // ko5 and the token's record: the refused calls left none.
+    assert_eq!(app.rows("idempotency_record").await, 2);
+    assert_eq!(app.balance("shop").await, "2.00");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+
+    // Over the wire, a retry by order_no, by key and by token replays the batch's answer
+    // exactly, and the refused key runs afresh.
+    let mut payments = app.payments.clone();
+    let by_order_no = app.create_order("m1", "o7", "shop", "2.00").await.unwrap();
+    assert!(replayed(&by_order_no));
+    assert_eq!(by_order_no.into_inner().order.unwrap(), o7);
+    let request = |order_no: &str, payee: &str| proto::CreateOrderRequest {
+        merchant_id: "m1".into(),
+        order_no: order_no.into(),
+        payee_account_id: payee.into(),
+        amount: "2.00".into(),
+        currency: "USD".into(),
+        subject: format!("order {order_no}"),
+        expires_at: None,
+    };
+    let by_key = payments.create_order(with_key(request("o5", "shop"), "ko5")).await.unwrap();
+    assert!(replayed(&by_key));
+    assert_eq!(by_key.into_inner().order.unwrap(), o5);
+    let by_token = payments.create_order(with_token(request("o7", "shop"), &token, None)).await.unwrap();
+    assert!(replayed(&by_token));
+    assert_eq!(by_token.into_inner().order.unwrap(), o7);
+    let afresh = payments.create_order(with_key(request("o8", "shop"), "ko8")).await.unwrap();
+    assert!(!replayed(&afresh));
+    assert_eq!(app.rows("orders").await, 5);
+}
+
+/// An order of `oz` is inserted, not yet committed, by a CreateOrder of its own while a group
+/// commit holds a CreateOrder of `oz` and two other calls. On MariaDB the batch's locking read
+/// of its orders waits for it and finds `oz` committed (a replay, in the batch); on PostgreSQL
+/// that read does not see it, the batch's INSERT waits for it and finds `oz` taken, and every
+/// call of the batch runs alone after a rollback. Either way `oz` is answered by the original
+/// and the others are written once.
+pub async fn an_order_created_under_a_group_commit_is_replayed_and_the_rest_of_it_commits(app: &TestApp) {
+    app.funded("alice", "10.00").await;
+    app.open("shop", "USD").await;
+    app.create_order("m1", "paid-here", "shop", "2.00").await.unwrap();
+
+    let mut holder = app.raw.begin().await.unwrap();
+    let original = "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, \
+                    refunded_amount, created_at, updated_at) \
+                    VALUES ('m1', 'oz', 'shop', 200, 'USD', 'order oz', 'PENDING', 0, 1, 1)";
+    sqlx::query(original).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (order_command("oz", "shop", "2.00", None), guards(None, None)),
+                (order_command("oz2", "shop", "3.00", None), guards(Some("koz2"), None)),
+                (BatchCall::Pay(pay_command("tz", "paid-here", "alice", "2.00")), guards(None, None)),
+            ])
+            .await
+    });
+    // SQLite: the holder's write keeps the batch from starting (one writer), so the batch
+    // reads `oz` committed instead; the answers are the same.
+    app.wait_for_a_session_in("%orders%").await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let oz = created(&answers[0], true);
+    assert_eq!(
+        (oz.order_no.as_str(), oz.created_at.as_ref().map(|time| time.seconds)),
+        ("oz", Some(0)),
+        "the original"
+    );
+    let oz2 = created(&answers[1], false);
+    assert_eq!(oz2.amount, "3.00");
+    let paid = answers[2].as_ref().expect("the Pay");
+    assert!(!paid.replayed);
+    let metrics = app.metrics().await;
+    let alone = sample(&metrics, "payledger_group_commit_alone_total", "");
+    let in_batch = app.ledger.counters().group_committed_orders - 1;
+    if app.backend == crate::helpers::Backend::Postgres {
+        assert_eq!((alone, in_batch), (3.0, 0), "rolled back, each call alone");
+    } else {
+        assert_eq!((alone, in_batch), (0.0, 1), "oz replayed in the batch, oz2 written by it");
+    }
+    assert_eq!(app.rows("orders").await, 3);
+    assert_eq!(app.rows("payment_flow").await, 1);
+    assert_eq!(app.balance("shop").await, "2.00");
+    assert_eq!(app.rows("idempotency_record").await, 1);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
 }
