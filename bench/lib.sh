@@ -70,9 +70,11 @@ for line in open(sys.argv[1]):
         transfers = fields.get("group_committed_transfers", 0)
         deposits = fields.get("group_committed_deposits", 0)
         withdrawals = fields.get("group_committed_withdrawals", 0)
-        mean = (pays + refunds + transfers + deposits + withdrawals) / fields["group_commits"]
+        orders = fields.get("group_committed_orders", 0)
+        mean = (pays + refunds + transfers + deposits + withdrawals + orders) / fields["group_commits"]
         print(f"  group commits: {fields['group_commits']}, Pays in them: {pays}, Refunds: {refunds}, "
-              f"Transfers: {transfers}, Deposits: {deposits}, Withdraws: {withdrawals} (mean batch {mean:.1f})")
+              f"Transfers: {transfers}, Deposits: {deposits}, Withdraws: {withdrawals}, "
+              f"CreateOrders: {orders} (mean batch {mean:.1f})")
 PY
 }
 

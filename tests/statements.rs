@@ -1,6 +1,7 @@
 //! The set of statements a server prepares is fixed: group commits of every size from 1 to 34
 //! Pays, over one to five merchants, each with a rejected Pay, a replay, Pays with an
-//! idempotency key and a token, a Refund, a Transfer, a Deposit and a Withdraw in it, prepare
+//! idempotency key and a token, a Refund, a Transfer, a Deposit, a Withdraw and a CreateOrder
+//! in it, prepare
 //! no statement that the first batches did not already prepare.
 //!
 //! Then every bench scenario (keys, tokens, refunds, holds, deposits, transfers...) runs on the
@@ -19,25 +20,25 @@ use payledger::domain::{
     AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,
     OutTradeNo, RequestId,
 };
-use payledger::ledger::{BatchCall, Deposit, Guards, Pay, Refund, Transfer, Withdraw};
+use payledger::ledger::{BatchCall, CreateOrder, Deposit, Guards, Pay, Refund, Transfer, Withdraw};
 use payledger::proto;
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
 use sqlx::Row;
 
 /// The most statements that the first group commits prepare, whatever their size, beyond
-/// those of the set-up (whose Deposit, a group commit of its own, already prepared the accounts'
-/// lock, the request_ids' read, the entries' read back and, on PostgreSQL, the one statement that
-/// writes a batch): PostgreSQL reads the replays and locks the orders (MariaDB also writes in up
-/// to nine statements, one a kind of row); then the guards: the replay read of a record and of a
+/// those of the set-up (whose Deposit and CreateOrders, group commits of their own, already
+/// prepared the orders' and the accounts' locks, the request_ids' read, the entries' read back
+/// and, on PostgreSQL, the one statement that writes a batch): PostgreSQL reads the replays
+/// (MariaDB also writes in up to ten statements, one a kind of row); then the guards: the replay read of a record and of a
 /// payment, the token's owner, and in the batch the token consumed (and read back when it
 /// was not) and the records inserted; then the Refunds: the replay read of a refund and its
 /// order, and in the batch the refunds read under the orders' locks; then the Transfers' and
 /// Deposits' records completed; then the Withdraws' replay read, and the refused Withdraw's
 /// own transaction (a Deposit or Withdraw the batch refuses runs alone): its request_id's
 /// insert and its account's locking read. Measured: exactly these.
-const POSTGRES_BATCH_STATEMENTS: i64 = 15;
-const MYSQL_BATCH_STATEMENTS: i64 = 21;
+const POSTGRES_BATCH_STATEMENTS: i64 = 14;
+const MYSQL_BATCH_STATEMENTS: i64 = 20;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.
@@ -173,6 +174,20 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         assert!(answers[..2].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
         assert!(answers[2].is_err(), "{answers:?}");
     }
+    // And CreateOrders in a batch: one with a key, one without, one refused (no such payee),
+    // then the same again: replays, and the refusal again.
+    let new_orders = || {
+        vec![
+            (new_order("na", "shop-0"), guards(Some("kna"), None)),
+            (new_order("nb", "shop-1"), guards(None, None)),
+            (new_order("nc", "nobody"), guards(None, None)),
+        ]
+    };
+    for replayed in [false, true] {
+        let answers = served.ledger.write_together(new_orders()).await;
+        assert!(answers[..2].iter().all(|answer| answer.as_ref().is_ok_and(|a| a.replayed == replayed)), "{answers:?}");
+        assert!(answers[2].is_err(), "{answers:?}");
+    }
     let after_first = prepared().await;
     assert!(after_first - setup <= batch_statements, "one batch prepared {} statements", after_first - setup);
 
@@ -208,8 +223,11 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
         let keyed_when = |even: bool, key| guards((round % 2 == usize::from(!even)).then_some(key), None);
         batch.insert(1, (funding(&format!("d{round}"), "payer", false), keyed_when(false, deposit_key.as_str())));
         batch.insert(2, (funding(&format!("w{round}"), "payer", true), keyed_when(true, withdraw_key.as_str())));
+        // And a CreateOrder, with a key every other round.
+        let order_key = format!("kn{round}");
+        batch.insert(3, (new_order(&format!("n{round}"), "shop-3"), keyed_when(true, order_key.as_str())));
         let mut answers = served.ledger.write_together(batch).await;
-        for _ in 0..3 {
+        for _ in 0..4 {
             let written = answers.remove(0);
             assert!(written.as_ref().is_ok_and(|written| !written.replayed), "{written:?}");
         }
@@ -233,6 +251,7 @@ async fn every_batch_size_prepares_nothing_new(admin: &str, count_statements: &s
     assert_eq!(after.group_committed_transfers - before.group_committed_transfers, SIZES.len() as u64, "{after:?}");
     assert_eq!(after.group_committed_deposits - before.group_committed_deposits, SIZES.len() as u64, "{after:?}");
     assert_eq!(after.group_committed_withdrawals - before.group_committed_withdrawals, SIZES.len() as u64);
+    assert_eq!(after.group_committed_orders - before.group_committed_orders, SIZES.len() as u64);
     assert_eq!(after.group_commits - before.group_commits, SIZES.len() as u64);
 
     let after_all = prepared().await;
@@ -301,6 +320,18 @@ fn funding(request_id: &str, account_id: &str, withdraw: bool) -> BatchCall {
     } else {
         BatchCall::Deposit(Deposit { request_id, account_id, amount, created_by })
     }
+}
+
+/// A CreateOrder of merchant m3 for 1.00 to `payee`.
+fn new_order(order_no: &str, payee: &str) -> BatchCall {
+    BatchCall::CreateOrder(CreateOrder {
+        merchant_id: MerchantId::parse("merchant_id", "m3").unwrap(),
+        order_no: OrderNo::parse("order_no", order_no).unwrap(),
+        payee_account_id: AccountId::parse("payee_account_id", payee).unwrap(),
+        amount: Amount::parse("amount", "1.00", Currency::parse("currency", "USD").unwrap()).unwrap(),
+        subject: FreeText::parse("subject", "statements").unwrap(),
+        expires_at: None,
+    })
 }
 
 /// A Transfer of 0.01 from `from` to `to`.

@@ -1,14 +1,16 @@
-//! Group commit of Pays, Refunds, Transfers, Deposits and Withdraws: the calls that arrive
-//! while the database is busy are written together (each worker takes the calls routed to it:
-//! Pays and Refunds by merchant_id, Transfers by from_account_id, Deposits and Withdraws by
+//! Group commit of Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders: the calls
+//! that arrive while the database is busy are written together (each worker takes the calls
+//! routed to it: Pays, Refunds and CreateOrders by merchant_id, Transfers by from_account_id, Deposits and Withdraws by
 //! their funding account, the one row all of them move), in one transaction, with one
 //! statement per kind of row instead of one per call:
 //!
 //! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
 //!    Pays are replays) and the payments the Refunds refund (payments never change); there is
-//!    nothing to read for a Transfer, Deposit or Withdraw, and a batch of those alone skips
-//!    this read;
-//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order), check each
+//!    nothing to read for a Transfer, Deposit, Withdraw or CreateOrder, and a batch of those
+//!    alone skips this read;
+//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order; a CreateOrder's
+//!    order is read there, and one committed before is a replay: [`Decision::CreatedBefore`];
+//!    one inserted after fails the batch's INSERT, and the batch runs alone), check each
 //!    Pay against its order ([`check_pay`]: terms and state machine), and read the Refunds'
 //!    out_refund_nos (one SELECT): one committed before the lock was taken is a replay (a
 //!    Refund locks its order before it inserts its row, so none can commit after);
@@ -23,10 +25,12 @@
 //!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
 //!    after another to its state), then its legs, payee to payer; a Transfer's legs, from to
 //!    to ([`move_money`], the rules of a single posting); a Deposit's or Withdraw's account
-//!    and currency, then its legs ([`apply_funding`]). A call that breaks a rule is
+//!    and currency, then its legs ([`apply_funding`]); a CreateOrder's expires_at, payee and
+//!    currency ([`NewOrder::order_at`], [`check_payee`]: its payee is locked with the
+//!    accounts, and moves no money). A call that breaks a rule is
 //!    rejected alone and changes nothing (a Deposit or Withdraw then runs alone, see
 //!    [`write_batch`]);
-//! 3. write what the accepted calls did: one multi-row INSERT of payments, one conditional
+//! 3. write what the accepted calls did: one multi-row INSERT of new orders, one of payments, one conditional
 //!    UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
 //!    one refund CAS of the refunded orders (from the state read under the lock, the new
 //!    refunded amount within the order's amount), one multi-row INSERT of transfers, one of
@@ -40,7 +44,8 @@
 //! Each call keeps its own outcome: a rejection is that call's answer only, a replay stays a
 //! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
 //! out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the read did
-//! not find or whose order a Pay of the batch names, a second Deposit or Withdraw of one
+//! not find or whose order a Pay of the batch names, a second CreateOrder of one order, a Pay
+//! or Refund of an order a CreateOrder of the batch creates, a second Deposit or Withdraw of one
 //! request_id, one whose funding account has no row yet, a key taken under it by a concurrent
 //! writer, any database error that is not a transient conflict) makes those calls, or the
 //! whole batch after a rollback, run alone through the ordinary one-call transaction, which

@@ -47,6 +47,9 @@ pub enum Scenario {
     /// own: every one moves the currency's funding account, the hot row
     /// (`--funding-account-shards` on the server spreads it).
     Deposit,
+    /// CreateOrder of fresh orders, each with an order_no of its own, spread over the
+    /// merchants (`--merchants`) and their shops: the write path that moves no money.
+    CreateOrder,
     /// The same Pay re-sent: its out_trade_no is already paid (the read-only replay path).
     Replay,
     /// Every Pay credits one merchant account (with `--zipf`, payers are skewed too).
@@ -204,7 +207,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
 
     let order_count = match settings.scenario {
         Scenario::Pay | Scenario::KeyedPay | Scenario::Hot => settings.total,
-        Scenario::Transfer | Scenario::Deposit => 0,
+        Scenario::Transfer | Scenario::Deposit | Scenario::CreateOrder => 0,
         Scenario::Replay => 1,
         Scenario::Refund | Scenario::HotRefund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
@@ -248,7 +251,12 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
     let to_pay = match settings.scenario {
         Scenario::Replay | Scenario::Refund | Scenario::HotRefund | Scenario::Query => prepared.orders.len(),
         Scenario::Mixed => usize::try_from(settings.total / 5).unwrap_or(0),
-        Scenario::Pay | Scenario::KeyedPay | Scenario::Hot | Scenario::Transfer | Scenario::Deposit => 0,
+        Scenario::Pay
+        | Scenario::KeyedPay
+        | Scenario::Hot
+        | Scenario::Transfer
+        | Scenario::Deposit
+        | Scenario::CreateOrder => 0,
     };
     let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
         .map(|(n, (merchant, order_no, payer))| {
@@ -311,6 +319,19 @@ async fn call(
                 currency: "USD".into(),
             };
             clients.account(n).deposit(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
+        }
+        Scenario::CreateOrder => {
+            let shops = &prepared.shops;
+            let request = proto::CreateOrderRequest {
+                merchant_id: format!("b{}-m{}", prepared.run, index % shops.len()),
+                order_no: format!("c{n}"),
+                payee_account_id: shops[index % shops.len()].clone(),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+                subject: "bench".into(),
+                expires_at: None,
+            };
+            clients.payment(n).create_order(request).await.map(|r| replayed(r.metadata())).map_err(|s| s.code())
         }
         Scenario::Replay => {
             let (merchant, out_trade_no) = &prepared.paid[0];
