@@ -39,6 +39,13 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
+    /// Group-commit transactions of one worker in flight at once: the worker starts its next
+    /// batch as soon as one of its batches is done, so a call need not wait for a whole batch
+    /// before its own starts; each holds one pooled connection while it runs, so keep
+    /// workers x pipeline below the pool size. 1: one batch after another.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 2,
+          value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub pay_batch_pipeline: u16,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one
     /// group-commit worker's queue; a call that finds it
     /// full is refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
@@ -83,6 +90,7 @@ impl DatabaseSettings {
         GroupCommitSettings {
             max_batch: usize::from(self.pay_batch_max.max(1)),
             workers: usize::from(self.pay_batch_workers.max(1)),
+            pipeline: usize::from(self.pay_batch_pipeline.max(1)),
             queue_max: self.pay_queue_max.max(1) as usize,
         }
     }
@@ -101,6 +109,7 @@ impl std::fmt::Debug for DatabaseSettings {
             .field("lock_timeout_ms", &self.lock_timeout_ms)
             .field("pay_batch_max", &self.pay_batch_max)
             .field("pay_batch_workers", &self.pay_batch_workers)
+            .field("pay_batch_pipeline", &self.pay_batch_pipeline)
             .field("pay_queue_max", &self.pay_queue_max)
             .field("database_wait_seconds", &self.database_wait_seconds)
             .field("funding_account_shards", &self.funding_account_shards)

@@ -109,13 +109,16 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
         assert_eq!(attribute("rpc.grpc.status_code").as_deref(), Some("0"));
     }
 
-    // Group commits link the calls they carried: every fresh Pay, and the set-up's Deposit,
-    // exactly once, each link to a span inside that call's own trace; the batch's transaction
+    // Group commits link the calls they carried: every fresh Pay, and the set-up's Deposit and
+    // CreateOrders, exactly once, each link to a span inside that call's own trace; the batch's transaction
     // is its child.
     let server_deposits: Vec<&SpanData> =
         spans.iter().filter(|span| span.name == "payledger.v1.AccountService/Deposit").collect();
     assert_eq!(server_deposits.len(), 1, "{:#?}", names(&spans));
-    let carried: Vec<&SpanData> = server_pays.iter().chain(&server_deposits).copied().collect();
+    let server_orders: Vec<&SpanData> =
+        spans.iter().filter(|span| span.name == "payledger.v1.PaymentService/CreateOrder").collect();
+    assert_eq!(server_orders.len(), pays, "{:#?}", names(&spans));
+    let carried: Vec<&SpanData> = server_pays.iter().chain(&server_deposits).chain(&server_orders).copied().collect();
     let pay_spans: HashSet<(opentelemetry::trace::TraceId, SpanId)> = spans
         .iter()
         .filter(|span| carried.iter().any(|call| call.span_context.trace_id() == span.span_context.trace_id()))
@@ -127,7 +130,7 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
     for batch in &batches {
         for link in &batch.links.links {
             let target = (link.span_context.trace_id(), link.span_context.span_id());
-            assert!(pay_spans.contains(&target), "a link to a span of a Pay's or the Deposit's trace");
+            assert!(pay_spans.contains(&target), "a link to a span of a Pay's, the Deposit's or a CreateOrder's trace");
             assert!(linked_traces.insert(link.span_context.trace_id()), "each call is linked once");
         }
         assert!(
@@ -137,7 +140,11 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
             "the batch's transaction is its child"
         );
     }
-    assert_eq!(linked_traces.len(), pays + 1, "every Pay, and the Deposit, was carried by a group commit and linked");
+    assert_eq!(
+        linked_traces.len(),
+        2 * pays + 1,
+        "every Pay, the Deposit and every CreateOrder was carried by a group commit and linked"
+    );
 }
 
 fn names(spans: &[SpanData]) -> Vec<&str> {

@@ -118,8 +118,14 @@ pub struct GroupCommitSettings {
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws) written by one transaction; 1 turns group
     /// commit off.
     pub max_batch: usize,
-    /// Batches in flight at once (each holds one pooled connection while it runs).
+    /// Workers, each with its own queue (calls are routed to one by [`Write::route`]).
     pub workers: usize,
+    /// Batches of one worker in flight at once (each holds one pooled connection while it
+    /// runs): a worker takes the calls that queued as soon as one of its batches is done,
+    /// rather than once its last batch is, so a call that arrives while a batch runs (or
+    /// waits for a row lock another transaction holds) starts in the next batch at once
+    /// instead of after it. 1: one batch after another.
+    pub pipeline: usize,
     /// Most calls waiting in one worker's queue; a call that finds it full is refused
     /// RESOURCE_EXHAUSTED (OVERLOADED).
     pub queue_max: usize,
@@ -127,9 +133,12 @@ pub struct GroupCommitSettings {
 
 impl Default for GroupCommitSettings {
     fn default() -> Self {
-        Self { max_batch: 64, workers: 1, queue_max: 1024 }
+        Self { max_batch: 64, workers: 1, pipeline: DEFAULT_PIPELINE, queue_max: 1024 }
     }
 }
+
+/// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]).
+pub const DEFAULT_PIPELINE: usize = 2;
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
 /// whether the transport dropped the call (cancelled by the client, or the connection
@@ -302,7 +311,7 @@ impl Batcher {
         let queues = (0..settings.workers.max(1))
             .map(|_| {
                 let (jobs, queue) = mpsc::channel(settings.queue_max.max(1));
-                tokio::spawn(work(store.clone(), queue, settings.max_batch.max(1), metrics.clone()));
+                tokio::spawn(work(store.clone(), queue, settings, metrics.clone()));
                 jobs
             })
             .collect();
@@ -331,11 +340,30 @@ impl Batcher {
     }
 }
 
-/// A worker: takes whatever has queued up (at most `max_batch`) while its last batch ran, and
-/// runs it as one batch. Under light load a batch holds one call and starts at once. A call
-/// whose caller has gone by then is answered [`Decision::NotStarted`] and left out.
-async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, metrics: LedgerMetrics) {
-    while let Some(first) = queue.recv().await {
+/// A worker: takes whatever has queued up (at most `max_batch`) and runs it as one batch, with
+/// at most `pipeline` of its batches in flight; while that many run, calls queue up for the
+/// next. Under light load a batch holds one call and starts at once. A call whose caller has
+/// gone when its batch is formed is answered [`Decision::NotStarted`] and left out. Once the
+/// queue is closed, the batches in flight finish before the worker ends.
+///
+/// Batches in flight at once take their row locks in one order (orders by key, then accounts
+/// by account_id, as every transaction of the ledger does), so two batches on the same rows
+/// wait for each other, one after the other; on other rows they run side by side.
+async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommitSettings, metrics: LedgerMetrics) {
+    let (max_batch, pipeline) = (settings.max_batch.max(1), settings.pipeline.max(1));
+    let mut running = tokio::task::JoinSet::new();
+    loop {
+        if running.len() >= pipeline {
+            running.join_next().await;
+            continue;
+        }
+        let first = tokio::select! {
+            job = queue.recv() => match job {
+                Some(job) => job,
+                None => break,
+            },
+            Some(_) = running.join_next(), if !running.is_empty() => continue,
+        };
         let mut taken = vec![first];
         while taken.len() < max_batch {
             match queue.try_recv() {
@@ -354,21 +382,26 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, max_batch: usize, me
                 None => jobs.push(job),
             }
         }
-        if jobs.is_empty() {
-            continue;
+        if !jobs.is_empty() {
+            running.spawn(run_batch(store.clone(), jobs, metrics.clone()));
         }
-        let span = tracing::info_span!("group_commit", calls = jobs.len());
-        for job in &jobs {
-            if job.link.is_valid() {
-                span.add_link(job.link.clone());
-            }
+    }
+    while running.join_next().await.is_some() {}
+}
+
+/// Writes one batch and answers each of its calls.
+async fn run_batch(store: Store, jobs: Vec<Job>, metrics: LedgerMetrics) {
+    let span = tracing::info_span!("group_commit", calls = jobs.len());
+    for job in &jobs {
+        if job.link.is_valid() {
+            span.add_link(job.link.clone());
         }
-        let (commands, replies): (Vec<Batched>, Vec<_>) = jobs.into_iter().map(|job| (job.batched, job.reply)).unzip();
-        let decisions = write_together(&store, &commands, &metrics).instrument(span).await;
-        for (reply, decision) in replies.into_iter().zip(decisions) {
-            // The caller may be gone (client cancelled); the batch is committed regardless.
-            let _ = reply.send(decision);
-        }
+    }
+    let (commands, replies): (Vec<Batched>, Vec<_>) = jobs.into_iter().map(|job| (job.batched, job.reply)).unzip();
+    let decisions = write_together(&store, &commands, &metrics).instrument(span).await;
+    for (reply, decision) in replies.into_iter().zip(decisions) {
+        // The caller may be gone (client cancelled); the batch is committed regardless.
+        let _ = reply.send(decision);
     }
 }
 

@@ -2990,3 +2990,46 @@ pub async fn an_order_created_under_a_group_commit_is_replayed_and_the_rest_of_i
     assert_eq!(app.rows("idempotency_record").await, 1);
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
+
+/// A batch that waits for a row lock another transaction holds does not hold up the calls
+/// queued behind it on other rows: with two batches of one worker in flight
+/// (`GroupCommitSettings::pipeline`), bob's Pay is written by a batch of its own while the
+/// batch of alice's Pay still waits for alice's row, which then commits in its batch too
+/// (one batch after another, alice's batch would wait until the lock timeout while bob's
+/// Pay queued behind it, and alice's Pay would then run alone).
+pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app: &TestApp) {
+    if app.backend == crate::helpers::Backend::Sqlite {
+        // One writer at a time: the holder's open write keeps every batch from starting.
+        return;
+    }
+    app.funded("alice", "10.00").await;
+    app.funded("bob", "10.00").await;
+    app.open("shop", "USD").await;
+    app.open("shop2", "USD").await;
+    app.create_order("m1", "oa", "shop", "1.00").await.unwrap();
+    app.create_order("m1", "ob", "shop2", "1.00").await.unwrap();
+    let before = app.ledger.counters();
+
+    let mut holder = app.raw.begin().await.unwrap();
+    let lock = "SELECT balance FROM accounts WHERE account_id = 'alice' FOR UPDATE";
+    sqlx::query(lock).execute(&mut *holder).await.unwrap();
+    let request = app.pay_request("m1", "ta", "oa", "alice", "1.00");
+    let mut payments = app.payments.clone();
+    let alice = tokio::spawn(async move { payments.pay(request).await });
+    app.wait_for_a_session_in("%accounts%FOR%UPDATE%").await;
+
+    let bob = app.pay("m1", "tb", "ob", "bob", "1.00").await.unwrap();
+    assert!(!replayed(&bob));
+    assert!(!alice.is_finished(), "alice's batch still waits for her row");
+    assert_eq!(app.ledger.counters().group_committed_pays - before.group_committed_pays, 1, "bob's batch committed");
+    holder.commit().await.unwrap();
+    let alice = alice.await.unwrap().unwrap();
+    assert!(!replayed(&alice));
+
+    let after = app.ledger.counters();
+    assert_eq!(after.group_committed_pays - before.group_committed_pays, 2, "{after:?}");
+    assert_eq!(after.group_commits - before.group_commits, 2, "{after:?}");
+    assert_eq!(sample(&app.metrics().await, "payledger_group_commit_alone_total", ""), 0.0, "neither ran alone");
+    assert_eq!((app.balance("alice").await, app.balance("bob").await), ("9.00".to_owned(), "9.00".to_owned()));
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}

@@ -124,7 +124,9 @@ impl TestOptions {
     pub fn tightly_bounded() -> Self {
         Self {
             max_concurrent_calls: Some(1),
-            group_commit: GroupCommitSettings { queue_max: 1, ..GroupCommitSettings::default() },
+            // One batch in flight and a queue of one: the second call queues, the third finds
+            // the queue full.
+            group_commit: GroupCommitSettings { queue_max: 1, pipeline: 1, ..GroupCommitSettings::default() },
             ..Self::default()
         }
     }
