@@ -1,8 +1,8 @@
 //! Group commit of Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders: the calls
 //! that arrive while the database is busy are written together (each worker takes the calls
-//! routed to it: Pays, Refunds and CreateOrders by merchant_id, Transfers by from_account_id, Deposits and Withdraws by
-//! their funding account, the one row all of them move), in one transaction, with one
-//! statement per kind of row instead of one per call:
+//! routed to it: Pays, Refunds and CreateOrders by merchant_id, Transfers by from_account_id,
+//! Deposits and Withdraws by their funding account, the one row all of them move), in one
+//! transaction, with one statement per kind of row instead of one per call:
 //!
 //! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
 //!    Pays are replays) and the payments the Refunds refund (payments never change); there is
@@ -30,8 +30,8 @@
 //!    accounts, and moves no money). A call that breaks a rule is
 //!    rejected alone and changes nothing (a Deposit or Withdraw then runs alone, see
 //!    [`write_batch`]);
-//! 3. write what the accepted calls did: one multi-row INSERT of new orders, one of payments, one conditional
-//!    UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
+//! 3. write what the accepted calls did: one multi-row INSERT of new orders, one of payments,
+//!    one conditional UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
 //!    one refund CAS of the refunded orders (from the state read under the lock, the new
 //!    refunded amount within the order's amount), one multi-row INSERT of transfers, one of
 //!    deposits and one of withdrawals, one version CAS per account (all in one UPDATE; an account moved N times in the batch
@@ -53,7 +53,8 @@
 //! is then answered as a replay.
 //!
 //! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
-//! while the workers before it are busy; under light load a batch holds one call.
+//! while its batches in flight ran (at most [`GroupCommitSettings::pipeline`] of them at once);
+//! under light load a batch holds one call and starts at once.
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
 //! Refund, Transfer, Deposit and Withdraw goes through the idempotency driver: each call runs
@@ -115,8 +116,8 @@ use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 /// How Pays, Refunds, Transfers, Deposits and Withdraws are grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
-    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws) written by one transaction; 1 turns group
-    /// commit off.
+    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) written by one
+    /// transaction; 1 turns group commit off.
     pub max_batch: usize,
     /// Workers, each with its own queue (calls are routed to one by [`Write::route`]).
     pub workers: usize,
@@ -683,7 +684,7 @@ async fn write_batch(
     let order_of = |index: usize| -> Option<(&str, &str)> {
         match &batch[index].write {
             Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
-            Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
+            Write::CreateOrder(_) => batch[index].write.created_order(),
             Write::Refund { .. } => {
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
                 Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
