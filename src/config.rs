@@ -41,9 +41,10 @@ pub struct DatabaseSettings {
     pub pay_batch_workers: u16,
     /// Group-commit transactions of one worker in flight at once: the worker starts its next
     /// batch as soon as one of its batches is done, so a call need not wait for a whole batch
-    /// before its own starts; each holds one pooled connection while it runs, so keep
-    /// workers x pipeline below the pool size. 1: one batch after another.
-    #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 2,
+    /// (nor for one that waits on a row lock) before its own starts; each holds one pooled
+    /// connection while it runs, so keep workers x pipeline below the pool size. 1: one batch
+    /// after another.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=16))]
     pub pay_batch_pipeline: u16,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one

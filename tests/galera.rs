@@ -51,7 +51,7 @@ async fn open_node(
         lock_timeout_ms: 5_000,
         pay_batch_max: 64,
         pay_batch_workers: 1,
-        pay_batch_pipeline: 2,
+        pay_batch_pipeline: 1,
         pay_queue_max: 1024,
         database_wait_seconds: 10,
         funding_account_shards,

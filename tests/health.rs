@@ -113,7 +113,7 @@ async fn opens_once_the_database_exists(admin_url: &str, force: &str) {
         lock_timeout_ms: 2_000,
         pay_batch_max: 64,
         pay_batch_workers: 1,
-        pay_batch_pipeline: 2,
+        pay_batch_pipeline: 1,
         pay_queue_max: 1024,
         database_wait_seconds: wait,
         funding_account_shards: None,

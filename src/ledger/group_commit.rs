@@ -138,8 +138,10 @@ impl Default for GroupCommitSettings {
     }
 }
 
-/// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]).
-pub const DEFAULT_PIPELINE: usize = 2;
+/// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]):
+/// one, as two halved the mean batch at 32 callers and gained no throughput or tail latency
+/// on two cores (BENCHMARKS.md, "Two batches in flight").
+pub const DEFAULT_PIPELINE: usize = 1;
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
 /// whether the transport dropped the call (cancelled by the client, or the connection

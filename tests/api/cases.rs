@@ -2991,9 +2991,9 @@ pub async fn an_order_created_under_a_group_commit_is_replayed_and_the_rest_of_i
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
-/// A batch that waits for a row lock another transaction holds does not hold up the calls
-/// queued behind it on other rows: with two batches of one worker in flight
-/// (`GroupCommitSettings::pipeline`), bob's Pay is written by a batch of its own while the
+/// With two batches of one worker in flight (`GroupCommitSettings::pipeline`,
+/// `--pay-batch-pipeline 2`), a batch that waits for a row lock another transaction holds does
+/// not hold up the calls queued behind it on other rows: bob's Pay is written by a batch of its own while the
 /// batch of alice's Pay still waits for alice's row, which then commits in its batch too
 /// (one batch after another, alice's batch would wait until the lock timeout while bob's
 /// Pay queued behind it, and alice's Pay would then run alone).

@@ -131,6 +131,11 @@ impl TestOptions {
         }
     }
 
+    /// Two batches of a group-commit worker in flight at once (`--pay-batch-pipeline 2`).
+    pub fn two_batches_in_flight() -> Self {
+        Self { group_commit: GroupCommitSettings { pipeline: 2, ..GroupCommitSettings::default() }, ..Self::default() }
+    }
+
     pub fn short_lock_timeout() -> Self {
         Self { lock_timeout: Duration::from_millis(1_000), ..Self::default() }
     }

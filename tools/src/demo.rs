@@ -57,7 +57,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 lock_timeout_ms: 5_000,
                 pay_batch_max: 64,
                 pay_batch_workers: 2,
-                pay_batch_pipeline: 2,
+                pay_batch_pipeline: 1,
                 pay_queue_max: 1024,
                 database_wait_seconds: 0,
                 funding_account_shards: None,
