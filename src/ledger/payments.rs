@@ -384,8 +384,7 @@ impl Ledger {
 
     /// Writes Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders, each with or
     /// without guards (`idempotency-key`, `idempotency-token`; a Transfer needs its key), as one
-    /// group commit,
-    /// the way concurrent calls routed to one worker are written: each call goes through the
+    /// group commit, the way concurrent calls routed to one worker are written: each call goes through the
     /// idempotency driver's steps before and after the batch on its own, and the batch claims
     /// and completes the records of those it writes. Answers as [`Ledger::pay`],
     /// [`Ledger::refund`], [`Ledger::transfer`], [`Ledger::deposit`], [`Ledger::withdraw`] and
