@@ -177,7 +177,13 @@ impl Ledger {
             }
             Opened::Run(session) => session,
         };
-        if let Some(answer) = call.natural_replay(self).await? {
+        let natural = match call.natural_replay(self).await {
+            Err(error @ Error::KeyReused { .. }) => {
+                return self.guard_or_natural_conflict(&mut session, error).await.map(Prepared::Answered)
+            }
+            natural => natural?,
+        };
+        if let Some(answer) = natural {
             // The natural key's row commits together with the guards' records, so a guard of
             // this call that has a record by now answers instead: the response as first sent.
             if let Some(stored) = session.committed_replay().await? {
@@ -241,7 +247,11 @@ impl Ledger {
             if read > 1 {
                 tokio::time::sleep(TAKEN_KEY_READ_WAIT * 2_u32.pow(read - 2)).await;
             }
-            if let Some(answer) = call.replay_after_taken(self).await? {
+            let natural = match call.replay_after_taken(self).await {
+                Err(error @ Error::KeyReused { .. }) => return self.guard_or_natural_conflict(session, error).await,
+                natural => natural?,
+            };
+            if let Some(answer) = natural {
                 return Ok(self.natural_replay(Reply::Value(answer)));
             }
             if let Some(stored) = session.committed_replay().await? {
@@ -249,6 +259,23 @@ impl Ledger {
             }
         }
         Err(Error::NotYetVisible)
+    }
+
+    /// The answer to a call whose natural key another request took (`conflict`, a
+    /// [`Error::KeyReused`] such as ORDER_NO_REUSED): when one of this call's own guards has a
+    /// committed record by now, that record answers (its replay, or IDEMPOTENCY_KEY_REUSED),
+    /// as it does when the two calls come one after the other. The other request carried this
+    /// call's key and committed its record with the natural key's row after this call's
+    /// guards were read (two calls with one key and other terms, racing).
+    async fn guard_or_natural_conflict<T>(
+        &self,
+        session: &mut GuardSession<'_>,
+        conflict: Error,
+    ) -> Result<Replayable<Reply<T>>, Error> {
+        match session.committed_replay().await? {
+            Some(stored) => stored.try_map(|stored| Ok(Reply::Stored(stored))),
+            None => Err(conflict),
+        }
     }
 }
 

@@ -3033,3 +3033,51 @@ pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app:
     assert_eq!((app.balance("alice").await, app.balance("bob").await), ("9.00".to_owned(), "9.00".to_owned()));
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
+
+/// Calls that share one idempotency key and one order_no but not their terms, sent at once:
+/// one creates the order, and every other call is answered by the key, as it is when they come
+/// one after the other: a replay of the winner's record for the winner's terms,
+/// IDEMPOTENCY_KEY_REUSED for other terms, never ORDER_NO_REUSED (the key's record commits
+/// with the order, so a call that finds the order finds the record too).
+pub async fn racing_calls_with_one_key_and_other_terms_are_answered_by_the_key(app: &TestApp) {
+    app.open("shop", "USD").await;
+    for round in 0..30 {
+        let calls: Vec<_> = (0..6)
+            .map(|n| {
+                let amount = if n % 2 == 0 { "3.00" } else { "4.00" };
+                let request = proto::CreateOrderRequest {
+                    merchant_id: "m1".into(),
+                    order_no: format!("race-{round}"),
+                    payee_account_id: "shop".into(),
+                    amount: amount.into(),
+                    currency: "USD".into(),
+                    subject: "race".into(),
+                    expires_at: None,
+                };
+                let request = with_key(request, &format!("race-key-{round}"));
+                let mut payments = app.payments.clone();
+                tokio::spawn(async move { (amount, payments.create_order(request).await) })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for call in calls {
+            answers.push(call.await.unwrap());
+        }
+        let winners: Vec<&str> = answers
+            .iter()
+            .filter(|(_, answer)| answer.as_ref().is_ok_and(|created| !replayed(created)))
+            .map(|(amount, _)| *amount)
+            .collect();
+        assert_eq!(winners.len(), 1, "round {round}: {answers:?}");
+        for (amount, answer) in &answers {
+            match answer {
+                Ok(created) => assert_eq!(created.get_ref().order.as_ref().unwrap().amount, winners[0], "{answers:?}"),
+                Err(status) => {
+                    assert_ne!(*amount, winners[0], "round {round}: the winner's terms replay: {status:?}");
+                    assert_status(status, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+                }
+            }
+        }
+    }
+    assert_eq!(app.rows("orders").await, 30);
+}
