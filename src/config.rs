@@ -26,16 +26,18 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
     /// Most Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders written together by
-    /// one transaction (group commit: the calls that arrive while the database is busy share one transaction and one commit,
-    /// with or without an idempotency-key or idempotency-token); 1 turns it off.
+    /// one transaction (group commit: the calls that arrive while the database is busy share
+    /// one transaction and one commit, with or without an idempotency-key or
+    /// idempotency-token); 1 turns it off.
     /// At most 500, which bounds the rows one batch statement carries (its bound values are a
     /// fixed few whatever the batch holds).
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_MAX", default_value_t = 64,
           value_parser = clap::value_parser!(u16).range(1..=500))]
     pub pay_batch_max: u16,
-    /// Group-commit transactions in flight at once, each with its own queue (Pays, Refunds and
-    /// CreateOrders are routed by merchant_id, Transfers by from_account_id, Deposits and Withdraws by
-    /// funding account shard) and one pooled connection while it runs.
+    /// Group-commit workers, each with its own queue (Pays, Refunds and CreateOrders are routed
+    /// by merchant_id, Transfers by from_account_id, Deposits and Withdraws by funding account
+    /// shard), each running `--pay-batch-pipeline` batches at once, with one pooled connection
+    /// a batch while it runs.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
@@ -48,8 +50,8 @@ pub struct DatabaseSettings {
           value_parser = clap::value_parser!(u16).range(1..=16))]
     pub pay_batch_pipeline: u16,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one
-    /// group-commit worker's queue; a call that finds it
-    /// full is refused RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
+    /// group-commit worker's queue; a call that finds it full is refused RESOURCE_EXHAUSTED
+    /// (reason OVERLOADED, pushback 100 ms) before any work.
     #[arg(long, env = "PAYLEDGER_PAY_QUEUE_MAX", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub pay_queue_max: u32,

@@ -1606,8 +1606,6 @@ fn transfer_values(row: &TransferRow) -> [Value<'_>; batch::TRANSFER_COLUMNS] {
     ]
 }
 
-/// A Deposit or Withdraw as a row of [`batch::INSERT_DEPOSITS`] or
-/// [`batch::INSERT_WITHDRAWALS`], in `insert_deposit_into!`'s column order.
 /// A new order as a row of [`batch::INSERT_ORDERS`] (`expires_at` 0 for none).
 fn order_values(row: &OrderRow) -> [Value<'_>; batch::ORDER_COLUMNS] {
     [
@@ -1623,6 +1621,8 @@ fn order_values(row: &OrderRow) -> [Value<'_>; batch::ORDER_COLUMNS] {
     ]
 }
 
+/// A Deposit or Withdraw as a row of [`batch::INSERT_DEPOSITS`] or
+/// [`batch::INSERT_WITHDRAWALS`], in `insert_deposit_into!`'s column order.
 fn funding_values(row: &FundingRow) -> [Value<'_>; batch::FUNDING_COLUMNS] {
     [
         Value::Text(&row.request_id),
