@@ -57,13 +57,18 @@
 //! under light load a batch holds one call and starts at once.
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
-//! Refund, Transfer, Deposit and Withdraw goes through the idempotency driver: each call runs
-//! the driver's steps before the batch on its own (a committed record answers it; a Refund's
-//! committed out_refund_no, a Deposit's or Withdraw's committed request_id answers it; a token's owner is checked), and the batch does step 4 for all of them in its
-//! one transaction: once the accepted calls are known (after 2), it claims each accepted
-//! call's records in arrival order, inserting them already COMPLETED with the response that
-//! call gets if the batch commits (one statement a record; a token with the database store
-//! is consumed there too, under a savepoint, so a claim that fails part way leaves nothing).
+//! Refund, Transfer, Deposit, Withdraw and CreateOrder goes through the idempotency driver:
+//! each call reads its guards before the batch on its own (a committed record answers it; a
+//! token's owner is checked), but not its natural key: the batch reads the natural keys of all
+//! its calls with its own rows (a Pay's out_trade_no and a Refund's payment in the replay read,
+//! a Refund's out_refund_no, an order and a request_id under their locks), and a call whose
+//! natural key it finds taken is answered after it by that key, as a transaction that found
+//! its key taken is. The batch does step 4 for all of them in its one transaction: once the
+//! accepted calls are known (after 2), it claims the accepted calls' records, inserting them
+//! already COMPLETED with the response that call gets if the batch commits: those of the calls
+//! before the first that consumes a token in one statement, all or none; when a key of them is
+//! taken, or after that call, one call at a time in arrival order (a token with the database
+//! store is consumed there, under a savepoint, so a claim that fails part way leaves nothing).
 //! The records of a Transfer, Deposit or Withdraw are inserted IN_PROGRESS instead, as the
 //! one-call path claims them, and completed with its receipt once its entries are read back
 //! (one UPDATE for all of them, in the same transaction: no other transaction sees a record
@@ -94,8 +99,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, EntryRow, FundingRow, FundingTable, NewEntry, OrderRefund, OrderRow,
-    PaymentRow, Queries, Store, TransferRow,
+    AccountRow, BalanceUpdate, BatchWrite, EntryRow, FundingRow, FundingTable, IdempotencyRecordRow, NewEntry,
+    OrderRefund, OrderRow, PaymentRow, Queries, Store, TransferRow,
 };
 
 use prost::Message as _;
@@ -720,6 +725,8 @@ async fn write_batch(
         queries.find_refunds(&refund_keys).await?.into_iter().map(|row| (row.merchant_id, row.out_refund_no)).collect()
     };
     let mut claimed: HashSet<usize> = HashSet::new();
+    // Until a claim of several found a key taken (see `claim_prefix_together`).
+    let mut claim_together = true;
     // Deadlines are judged now that the orders are locked (see `deadline_clock`).
     let checked_at = deadline_clock(now);
     let mut candidates = Vec::new();
@@ -858,6 +865,9 @@ async fn write_batch(
         //    may now lack funds, one it spent from may now have them, a refund after it may
         //    now fit its order. The writes before it, claimed already, keep their outcome
         //    (each is applied after the ones before it only).
+        if claim_together {
+            claim_together = claim_prefix_together(queries, &claims, &accepted, &mut claimed).await?;
+        }
         let mut taken_out = false;
         for (index, accepted_one) in &accepted {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
@@ -951,6 +961,49 @@ async fn write_batch(
     }
     complete_claims(queries, &completions).await?;
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
+}
+
+/// The guards of the accepted writes not claimed yet, up to the first that consumes a
+/// token, claimed in one statement, all or none ([`Queries::claim_records`]): what the loop of
+/// step 3 does one write at a time, in one round trip. It claims a prefix, in arrival order, so
+/// that a write the loop takes out afterwards still comes after every write claimed. False
+/// when nothing was claimed for a key taken (or on SQLite): the loop then claims each write
+/// alone, which names the taken key and replaces an expired record, and this is not tried again
+/// in the batch.
+async fn claim_prefix_together(
+    queries: &mut Queries<'_>,
+    claims: &[Option<&BatchClaim>],
+    accepted: &[(usize, Accepted)],
+    claimed: &mut HashSet<usize>,
+) -> Result<bool, Error> {
+    let mut together: Vec<(usize, Vec<IdempotencyRecordRow>)> = Vec::new();
+    for (index, accepted_one) in accepted {
+        let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
+        if claim.consumes_token() {
+            break;
+        }
+        let records = match (accepted_one, accepted_one.message()?) {
+            (Accepted::Paid(receipt, _), Some(message)) => claim.completed_records(receipt, &message)?,
+            (Accepted::Refunded(receipt, ..), Some(message)) => claim.completed_records(receipt, &message)?,
+            (Accepted::Created(order), Some(message)) => claim.completed_records(order, &message)?,
+            (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.in_progress_records().to_vec(),
+            (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
+            | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
+                "a Pay's, Refund's or CreateOrder's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
+            ),
+        };
+        together.push((*index, records));
+    }
+    // One claim alone gains nothing over the loop.
+    if together.len() < 2 {
+        return Ok(true);
+    }
+    let records: Vec<&IdempotencyRecordRow> = together.iter().flat_map(|(_, records)| records).collect();
+    if !queries.claim_records(&records).await? {
+        return Ok(false);
+    }
+    claimed.extend(together.iter().map(|(index, _)| *index));
+    Ok(true)
 }
 
 /// The journal entries of the accepted Transfers (both legs of each), Deposits and Withdraws

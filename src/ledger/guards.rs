@@ -617,8 +617,21 @@ impl BatchClaim {
         message: &[u8],
         checked_at: i64,
     ) -> Result<bool, Error> {
+        let records = self.completed_records(answer, message)?;
+        self.insert_claim(queries, &records, checked_at).await
+    }
+
+    /// The records [`BatchClaim::claim`] inserts: COMPLETED with `answer` and `message`.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when the answer does not serialize.
+    pub(super) fn completed_records<T: Serialize>(
+        &self,
+        answer: &T,
+        message: &[u8],
+    ) -> Result<Vec<IdempotencyRecordRow>, Error> {
         let json = stored_json(answer)?;
-        let records: Vec<IdempotencyRecordRow> = self
+        Ok(self
             .records
             .iter()
             .map(|record| IdempotencyRecordRow {
@@ -627,8 +640,18 @@ impl BatchClaim {
                 status: RECORD_COMPLETED.to_owned(),
                 ..record.clone()
             })
-            .collect();
-        self.insert_claim(queries, &records, checked_at).await
+            .collect())
+    }
+
+    /// The records [`BatchClaim::claim_in_progress`] inserts (IN_PROGRESS).
+    pub(super) fn in_progress_records(&self) -> &[IdempotencyRecordRow] {
+        &self.records
+    }
+
+    /// True when the claim consumes a token of the database store: only its own claim
+    /// ([`BatchClaim::claim`]) writes it, under a savepoint.
+    pub(super) fn consumes_token(&self) -> bool {
+        self.consume_token.is_some()
     }
 
     /// [`BatchClaim::claim`] for a call whose answer holds what only the batch's write makes

@@ -195,6 +195,28 @@ impl Ledger {
         Ok(Prepared::Ready(session))
     }
 
+    /// Steps 1 to 3 of a call bound for a group commit: the answer when a guard's record
+    /// already holds one, otherwise the guards ready to be claimed. Its natural key is not read
+    /// here, unlike [`Ledger::prepare`]: the batch reads the natural keys of all its calls with
+    /// its own rows (the payments' replay read, the orders', refunds' and request_ids' locking
+    /// reads), and answers a call whose key is taken as a transaction that found it taken
+    /// ([`Ledger::replay_taken`], after the batch). A read for each call before it queues
+    /// would cost more database time than the batch's own statements (BENCHMARKS.md).
+    pub(super) async fn prepare_guards<'a, T>(
+        &'a self,
+        guards: &'a Guards,
+        fingerprint: &'a Call,
+    ) -> Result<Prepared<T, GuardSession<'a>>, Error> {
+        let mut session = match self.open_guards(guards, fingerprint).await? {
+            Opened::Replayed(stored) => {
+                return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?))
+            }
+            Opened::Run(session) => session,
+        };
+        session.reserve_token().await?;
+        Ok(Prepared::Ready(session))
+    }
+
     /// Step 4 alone: one transaction that claims the guards, runs the body and completes the
     /// guards' records (a group commit does the same for many calls in one transaction).
     pub(super) async fn transact<C: IdempotentCall>(
@@ -252,6 +274,11 @@ impl Ledger {
                 natural => natural?,
             };
             if let Some(answer) = natural {
+                // As in `prepare`: a guard of this call with a committed record answers
+                // instead (the response as first sent); it commits with the natural key's row.
+                if let Some(stored) = session.committed_replay().await? {
+                    return stored.try_map(|stored| Ok(Reply::Stored(stored)));
+                }
                 return Ok(self.natural_replay(Reply::Value(answer)));
             }
             if let Some(stored) = session.committed_replay().await? {

@@ -217,7 +217,7 @@ impl Ledger {
     ) -> Result<Replayable<Reply<C::Answer>>, Error> {
         let fingerprint = call.fingerprint(&guards.actor);
         let now = now_micros();
-        let (mut session, claim) = match self.prepare_for_batch(call, guards, &fingerprint, now).await? {
+        let (mut session, claim) = match self.prepare_for_batch(guards, &fingerprint, now).await? {
             Prepared::Answered(answer) => return Ok(answer),
             Prepared::Ready(ready) => ready,
         };
@@ -231,16 +231,16 @@ impl Ledger {
         self.settle_call(call, &mut session, outcome, now).await
     }
 
-    /// Steps 1-3 of a call bound for a group commit at `now`, and the claim of its guards
-    /// (`None` without guards; the error, to settle, for a token it may not use).
-    async fn prepare_for_batch<'a, C: Batchable>(
+    /// Steps 1-3 of a call bound for a group commit at `now` ([`Ledger::prepare_guards`]: its
+    /// natural key is read by the batch), and the claim of its guards (`None` without guards;
+    /// the error, to settle, for a token it may not use).
+    async fn prepare_for_batch<'a, T>(
         &'a self,
-        call: &C,
         guards: &'a Guards,
         fingerprint: &'a Call,
         now: i64,
-    ) -> Result<Prepared<C::Answer, (GuardSession<'a>, Result<Option<BatchClaim>, Error>)>, Error> {
-        Ok(match self.prepare(call, guards, fingerprint).await? {
+    ) -> Result<Prepared<T, (GuardSession<'a>, Result<Option<BatchClaim>, Error>)>, Error> {
+        Ok(match self.prepare_guards(guards, fingerprint).await? {
             Prepared::Answered(answer) => Prepared::Answered(answer),
             Prepared::Ready(session) => {
                 let claim = if guards.is_empty() { Ok(None) } else { session.batch_claim(now).await.map(Some) };
@@ -487,7 +487,7 @@ impl Ledger {
     ) -> Step<'a> {
         let answered =
             |answer: Replayable<Reply<C::Answer>>| answer.try_map(|reply| reply_message::<C>(reply).map(wrap));
-        match self.prepare_for_batch(call, guards, fingerprint, now).await {
+        match self.prepare_for_batch(guards, fingerprint, now).await {
             Ok(Prepared::Ready((session, Ok(claim)))) => Step::Queued(session, Batched { write: call.write(), claim }),
             Ok(Prepared::Ready((mut session, Err(error)))) => {
                 Step::Answered(self.settle_call(call, &mut session, Err(error), now).await.and_then(answered))

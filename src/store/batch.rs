@@ -311,6 +311,63 @@ pub(super) static COMPLETE_RECORDS: ServerSql = ServerSql {
             WHERE idempotency_record.status = 'IN_PROGRESS'",
 };
 
+/// The columns a record row of [`CLAIM_RECORDS`] gives, in order.
+pub(super) const RECORD_COLUMNS: usize = 12;
+
+/// Claims idempotency records, all or none, for rows `[scope, idempotency_key, method,
+/// request_fingerprint, request_fields, response, response_message, caller_scope, status,
+/// created_at, expires_at, nulls]`: the three byte columns as hexadecimal text (see
+/// [`COMPLETE_RECORDS`]), and `nulls` the bits of the columns that are NULL (1 `response`, 2
+/// `response_message`, 4 `caller_scope`), which the rows' values cannot carry. Rows go in key
+/// order, so that two batches that claim the same keys wait for each other rather than
+/// deadlock.
+///
+/// - PostgreSQL: `ON CONFLICT DO NOTHING RETURNING` the keys it inserted; fewer than the rows
+///   means a key was taken, and the caller deletes what went in ([`UNCLAIM_RECORDS_POSTGRES`]).
+/// - MySQL: a taken key fails the whole statement with a duplicate-key error, which undoes the
+///   statement and leaves the transaction usable (MySQL manual, "InnoDB Error Handling").
+pub(super) static CLAIM_RECORDS: ServerSql = ServerSql {
+    postgres: "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
+               response, response_message, caller_scope, status, created_at, expires_at) \
+               SELECT k.scope, k.idempotency_key, k.method, k.request_fingerprint, decode(k.request_fields, 'hex'), \
+               CASE WHEN k.nulls & 1 = 0 THEN decode(k.response, 'hex') END, \
+               CASE WHEN k.nulls & 2 = 0 THEN decode(k.response_message, 'hex') END, \
+               CASE WHEN k.nulls & 4 = 0 THEN k.caller_scope END, k.status, k.created_at, k.expires_at \
+               FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
+               $8::text[], $9::text[], $10::bigint[], $11::bigint[], $12::bigint[]) \
+               AS k(scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
+               caller_scope, status, created_at, expires_at, nulls) \
+               ORDER BY k.scope, k.idempotency_key \
+               ON CONFLICT DO NOTHING RETURNING scope, idempotency_key",
+    mysql: "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
+            response, response_message, caller_scope, status, created_at, expires_at) \
+            SELECT scope, idempotency_key, method, request_fingerprint, UNHEX(request_fields), \
+            CASE WHEN nulls & 1 = 0 THEN UNHEX(response) END, CASE WHEN nulls & 2 = 0 THEN UNHEX(response_message) END, \
+            CASE WHEN nulls & 4 = 0 THEN caller_scope END, status, created_at, expires_at \
+            FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+            scope VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
+            idempotency_key VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
+            method VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
+            request_fingerprint VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[3]', \
+            request_fields LONGTEXT CHARACTER SET ascii PATH '$[4]', \
+            response LONGTEXT CHARACTER SET ascii PATH '$[5]', \
+            response_message LONGTEXT CHARACTER SET ascii PATH '$[6]', \
+            caller_scope VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
+            status VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[8]', \
+            created_at BIGINT PATH '$[9]', \
+            expires_at BIGINT PATH '$[10]', \
+            nulls BIGINT PATH '$[11]')) AS k \
+            ORDER BY scope, idempotency_key",
+};
+
+/// Deletes the records of `[scope, idempotency_key]` rows that [`CLAIM_RECORDS`] inserted on
+/// PostgreSQL when it could not insert them all (rows of this transaction, which nobody else
+/// has seen).
+pub(super) const UNCLAIM_RECORDS_POSTGRES: &str =
+    "DELETE FROM idempotency_record USING UNNEST($1::text[], $2::text[]) \
+     AS k(scope, idempotency_key) \
+     WHERE idempotency_record.scope = k.scope AND idempotency_record.idempotency_key = k.idempotency_key";
+
 /// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_BATCH_POSTGRES`] gives, in order.
 pub(super) const PAYMENT_COLUMNS: usize = 11;
 /// The columns a journal entry row gives, in order.

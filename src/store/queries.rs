@@ -1095,6 +1095,71 @@ impl<'c> Queries<'c> {
         Ok(query.execute(&mut *self.connection).await?.rows_affected())
     }
 
+    /// Claims the idempotency records of several calls of a group commit in one statement,
+    /// all or none: true when every row went in; false when none did, because a key was taken
+    /// (by a committed record, or one that committed while this statement waited for it) or
+    /// because the backend is SQLite, which claims one record at a time in process. The
+    /// caller then claims them one at a time ([`Queries::insert_record`]), where an expired
+    /// record is replaced and each taken key is named.
+    ///
+    /// # Errors
+    /// The driver error (the batch then fails as a whole).
+    pub async fn claim_records(&mut self, records: &[&IdempotencyRecordRow]) -> Result<bool, sqlx::Error> {
+        let dialect = self.dialect;
+        if dialect == Dialect::Sqlite || records.is_empty() {
+            return Ok(dialect != Dialect::Sqlite);
+        }
+        let hex: Vec<[String; 3]> = records
+            .iter()
+            .map(|record| {
+                let bytes = |value: &Option<Vec<u8>>| value.as_deref().map(to_hex).unwrap_or_default();
+                [to_hex(&record.request_fields), bytes(&record.response), bytes(&record.response_message)]
+            })
+            .collect();
+        let rows: Vec<[Value<'_>; batch::RECORD_COLUMNS]> = records
+            .iter()
+            .zip(&hex)
+            .map(|(record, [fields, response, message])| {
+                let nulls = i64::from(record.response.is_none())
+                    | i64::from(record.response_message.is_none()) << 1
+                    | i64::from(record.caller_scope.is_none()) << 2;
+                [
+                    Value::Text(&record.scope),
+                    Value::Text(&record.idempotency_key),
+                    Value::Text(&record.method),
+                    Value::Text(&record.request_fingerprint),
+                    Value::Text(fields),
+                    Value::Text(response),
+                    Value::Text(message),
+                    Value::Text(record.caller_scope.as_deref().unwrap_or_default()),
+                    Value::Text(&record.status),
+                    Value::Int(record.created_at),
+                    Value::Int(record.expires_at),
+                    Value::Int(nulls),
+                ]
+            })
+            .collect();
+        if dialect == Dialect::MySql {
+            return self.insert_rows_or_none(batch::CLAIM_RECORDS.text(dialect), &rows, records.len() as u64).await;
+        }
+        let inserted: Vec<(String, String)> = sqlx::query_as(batch::CLAIM_RECORDS.text(dialect))
+            .bind_rows(dialect, &rows)
+            .fetch_all(&mut *self.connection)
+            .await?;
+        if inserted.len() == records.len() {
+            return Ok(true);
+        }
+        if !inserted.is_empty() {
+            let keys: Vec<[Value<'_>; 2]> =
+                inserted.iter().map(|(scope, key)| [Value::Text(scope), Value::Text(key)]).collect();
+            sqlx::query(batch::UNCLAIM_RECORDS_POSTGRES)
+                .bind_rows(dialect, &keys)
+                .execute(&mut *self.connection)
+                .await?;
+        }
+        Ok(false)
+    }
+
     /// Refunds of one order, oldest first.
     pub async fn list_refunds(&mut self, merchant_id: &str, order_no: &str) -> Result<Vec<RefundRow>, sqlx::Error> {
         sqlx::query_as(LIST_REFUNDS.text(self.dialect))
@@ -1422,6 +1487,26 @@ impl<'c> Queries<'c> {
         match sqlx::query(sql.text(dialect)).bind_rows(dialect, rows).execute(&mut *self.connection).await {
             Ok(result) => Ok(result.rows_affected() == expected),
             Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// A multi-row INSERT on MySQL, which a taken key fails as a whole with a duplicate-key
+    /// error (false: nothing of it went in).
+    async fn insert_rows_or_none<const N: usize>(
+        &mut self,
+        sql: &'static str,
+        rows: &[[Value<'_>; N]],
+        expected: u64,
+    ) -> Result<bool, sqlx::Error> {
+        let dialect = self.dialect;
+        match sqlx::query(sql).bind_rows(dialect, rows).execute(&mut *self.connection).await {
+            Ok(result) if result.rows_affected() == expected => Ok(true),
+            Ok(result) => Err(sqlx::Error::Protocol(format!(
+                "a multi-row INSERT of {expected} rows inserted {}",
+                result.rows_affected()
+            ))),
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => Ok(false),
             Err(error) => Err(error),
         }
     }

@@ -1834,7 +1834,8 @@ pub async fn one_group_commit_of_deposits_and_withdrawals_decides_each_on_its_ow
             (deposit("d4", "alice", "1.00"), guards(Some("kd4"), None)),
             // A Withdraw's request_ids are its own: the request_id of alice's first Deposit.
             (withdraw("fund-alice", "alice", "2.00"), guards(None, None)),
-            // A Deposit committed before the batch: answered by its request_id before it queues.
+            // A Deposit committed before the batch: the batch finds its request_id, and it is
+            // answered by it after the batch.
             (deposit("fund-alice", "alice", "10.00"), guards(None, None)),
             (BatchCall::Transfer(transfer_command("alice", "bob", "3.00")), guards(Some("x1"), None)),
             // bob withdraws what the Transfer before it brought him.
@@ -2863,7 +2864,8 @@ pub async fn one_group_commit_of_create_orders_decides_each_on_its_own(app: &Tes
             (order("o2", "nobody", "2.00"), guards(None, None)),
             (order("o3", "euro", "2.00"), guards(None, None)),
             (order_command("o4", "shop", "2.00", Some(1)), guards(None, None)),
-            // An order created before the batch: answered by it before it queues.
+            // An order created before the batch: the batch finds it, and it is answered by it
+            // after the batch.
             (order("before", "shop", "1.00"), guards(None, None)),
             // A keyed CreateOrder: its record is written in the batch.
             (order("o5", "shop", "2.00"), guards(Some("ko5"), None)),
