@@ -200,7 +200,8 @@ impl Ledger {
     /// here, unlike [`Ledger::prepare`]: the batch reads the natural keys of all its calls with
     /// its own rows (the payments' replay read, the orders', refunds' and request_ids' locking
     /// reads), and answers a call whose key is taken as a transaction that found it taken
-    /// ([`Ledger::replay_taken`], after the batch). A read for each call before it queues
+    /// (`GuardSession::settle`: a guard's committed record first, then [`Ledger::replay_taken`],
+    /// after the batch). A read for each call before it queues
     /// would cost more database time than the batch's own statements (BENCHMARKS.md).
     pub(super) async fn prepare_guards<'a, T>(
         &'a self,
@@ -274,11 +275,6 @@ impl Ledger {
                 natural => natural?,
             };
             if let Some(answer) = natural {
-                // As in `prepare`: a guard of this call with a committed record answers
-                // instead (the response as first sent); it commits with the natural key's row.
-                if let Some(stored) = session.committed_replay().await? {
-                    return stored.try_map(|stored| Ok(Reply::Stored(stored)));
-                }
                 return Ok(self.natural_replay(Reply::Value(answer)));
             }
             if let Some(stored) = session.committed_replay().await? {

@@ -2993,6 +2993,51 @@ pub async fn an_order_created_under_a_group_commit_is_replayed_and_the_rest_of_i
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
+/// A keyed CreateOrder whose original (same key, same order) commits while the retry is in its
+/// batch: the retry found no record before it queued and does not read its order before the
+/// batch; the batch finds the order (MariaDB, SQLite) or the key (PostgreSQL) taken, and the
+/// retry is answered by its key's record, the response as first sent, as it is when the
+/// original committed before the retry read its key; not by the order as its natural key finds
+/// it. The record's stored order is marked by its subject so that the two answers differ.
+pub async fn a_call_whose_original_commits_under_its_batch_is_answered_by_its_key_record(app: &TestApp) {
+    use prost::Message as _;
+    app.open("shop", "USD").await;
+
+    let mut holder = app.raw.begin().await.unwrap();
+    let original = "INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, \
+                    refunded_amount, created_at, updated_at) \
+                    VALUES ('m1', 'ok', 'shop', 200, 'USD', 'order ok', 'PENDING', 0, 1, 1)";
+    sqlx::query(original).execute(&mut *holder).await.unwrap();
+    let as_first_sent = proto::CreateOrderResponse {
+        order: Some(proto::Order {
+            merchant_id: "m1".into(),
+            order_no: "ok".into(),
+            subject: "as first sent".into(),
+            ..Default::default()
+        }),
+    };
+    let fields = "order_no=ok\npayee_account_id=shop\namount=200\ncurrency=USD\nsubject=order ok\n";
+    app.write_record(&mut holder, ("merchant:m1", "kok", "CreateOrder"), fields, &as_first_sent.encode_to_vec()).await;
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger.write_together(vec![(order_command("ok", "shop", "2.00", None), guards(Some("kok"), None))]).await
+    });
+    // PostgreSQL's batch does not see the uncommitted order and waits in its claim of the key;
+    // MariaDB's locking read of the order waits for it; SQLite's batch waits for the writer.
+    match app.backend {
+        crate::helpers::Backend::Postgres => app.wait_for_a_write_waiting_on("idempotency_record").await,
+        _ => app.wait_for_a_session_in("%orders%").await,
+    }
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let answered = created(&answers[0], true);
+    assert_eq!(Some(answered), as_first_sent.order, "answered by the key's record");
+    assert_eq!(app.rows("orders").await, 1);
+    assert_eq!(app.rows("idempotency_record").await, 1);
+}
+
 /// With two batches of one worker in flight (`GroupCommitSettings::pipeline`,
 /// `--pay-batch-pipeline 2`), a batch that waits for a row lock another transaction holds does
 /// not hold up the calls queued behind it on other rows: bob's Pay is written by a batch of its own while the
