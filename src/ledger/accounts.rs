@@ -237,7 +237,7 @@ impl IdempotentCall for OpenAccount {
         };
         let fields = differing_from(&self.fields(), &open_account_fields(&account.account_id, &account.currency));
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::AccountId, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::AccountId, fields });
         }
         Ok(Some(account))
     }
@@ -415,7 +415,7 @@ impl<F: Funding> IdempotentCall for FundingCall<F> {
         let stored = funding_fields(&row.request_id, &row.account_id, row.amount, &row.currency);
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::RequestId, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::RequestId, fields });
         }
         let account = queries
             .find_account(&row.account_id)

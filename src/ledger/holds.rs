@@ -260,7 +260,7 @@ impl IdempotentCall for NewHold {
             authorize_fields(&hold.out_auth_no, &hold.order_no, &hold.payer_account_id, hold.amount, &hold.currency);
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OutAuthNo, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::OutAuthNo, fields });
         }
         Ok(Some(HoldReceipt { hold, order }))
     }
@@ -374,7 +374,7 @@ impl IdempotentCall for Identified<Capture> {
         let stored = capture_fields(out_auth_no, &payment.out_trade_no, payment.amount, &payment.currency);
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::OutTradeNo, fields });
         }
         let hold = hold.ok_or_else(|| Error::Internal("a capture's hold is missing".into()))?;
         Ok(Some(CaptureReceipt { payment, order, hold }))

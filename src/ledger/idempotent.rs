@@ -297,7 +297,7 @@ impl Ledger {
     ) -> Result<Replayable<Reply<T>>, Error> {
         match session.committed_replay().await? {
             Some(stored) => stored.try_map(|stored| Ok(Reply::Stored(stored))),
-            None => Err(conflict),
+            None => Err(self.natural_conflict(conflict)),
         }
     }
 }

@@ -203,7 +203,10 @@ impl Ledger {
         Replayable { value, replayed: true, key_expires_at: None }
     }
 
-    /// Counts a natural key reused with other parameters.
+    /// Counts a natural key reused with other parameters, where that is the call's answer: the
+    /// idempotency driver once no guard of the call answers instead
+    /// (`guard_or_natural_conflict`), a group-committed Pay without guards once its batch
+    /// found its out_trade_no taken. The reads that find the conflict only build the error.
     fn natural_conflict(&self, error: Error) -> Error {
         if let Error::KeyReused { key, .. } = &error {
             self.metrics.key_conflict(key.reason());

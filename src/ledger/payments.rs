@@ -312,10 +312,15 @@ impl Ledger {
     async fn answer_decided(&self, command: &Pay, decision: Decision) -> Option<Result<Replayable<PayReceipt>, Error>> {
         Some(match decision {
             Decision::Paid(receipt) => Ok(Replayable { value: receipt, replayed: false, key_expires_at: None }),
-            Decision::Found(payment, order) => {
-                self.replay_of(command, payment, order).map(|receipt| self.natural_replay(receipt))
-            }
-            Decision::PaidBefore => self.pay_after_taken(command).await.map(|receipt| self.natural_replay(receipt)),
+            Decision::Found(payment, order) => self
+                .replay_of(command, payment, order)
+                .map(|receipt| self.natural_replay(receipt))
+                .map_err(|error| self.natural_conflict(error)),
+            Decision::PaidBefore => self
+                .pay_after_taken(command)
+                .await
+                .map(|receipt| self.natural_replay(receipt))
+                .map_err(|error| self.natural_conflict(error)),
             Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
             Decision::Alone => {
                 self.metrics.group_commit_alone.inc();
@@ -544,7 +549,7 @@ impl Ledger {
         );
         let fields = differing_from(&pay_command_fields(command), &stored);
         if !fields.is_empty() {
-            return Err(self.natural_conflict(Error::KeyReused { key: ReusedKey::OutTradeNo, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::OutTradeNo, fields });
         }
         Ok(PayReceipt { payment, order })
     }
@@ -741,7 +746,7 @@ impl IdempotentCall for NewOrder {
         );
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OrderNo, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::OrderNo, fields });
         }
         Ok(Some(order))
     }
@@ -911,7 +916,7 @@ impl IdempotentCall for Identified<Refund> {
             refund_fields(&refund.out_trade_no, &refund.out_refund_no, refund.amount, &refund.currency, &refund.reason);
         let fields = differing_from(&self.fields(), &stored);
         if !fields.is_empty() {
-            return Err(ledger.natural_conflict(Error::KeyReused { key: ReusedKey::OutRefundNo, fields }));
+            return Err(Error::KeyReused { key: ReusedKey::OutRefundNo, fields });
         }
         let order = queries
             .find_order(merchant_id, &refund.order_no)

@@ -3081,6 +3081,13 @@ pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app:
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
+/// [`racing_calls_with_one_key_and_other_terms_are_answered_by_the_key`] with each call in its
+/// own transaction (group commit off): a loser reads the order, taken, before its key has a
+/// record, and is answered by the key's record.
+pub async fn racing_calls_with_one_key_and_other_terms_one_by_one(app: &TestApp) {
+    racing_calls_with_one_key_and_other_terms_are_answered_by_the_key(app).await;
+}
+
 /// Calls that share one idempotency key and one order_no but not their terms, sent at once:
 /// one creates the order, and every other call is answered by the key, as it is when they come
 /// one after the other: a replay of the winner's record for the winner's terms,
@@ -3088,6 +3095,7 @@ pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app:
 /// with the order, so a call that finds the order finds the record too).
 pub async fn racing_calls_with_one_key_and_other_terms_are_answered_by_the_key(app: &TestApp) {
     app.open("shop", "USD").await;
+    let mut refused = 0;
     for round in 0..30 {
         let calls: Vec<_> = (0..6)
             .map(|n| {
@@ -3122,9 +3130,13 @@ pub async fn racing_calls_with_one_key_and_other_terms_are_answered_by_the_key(a
                 Err(status) => {
                     assert_ne!(*amount, winners[0], "round {round}: the winner's terms replay: {status:?}");
                     assert_status(status, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+                    refused += 1;
                 }
             }
         }
     }
     assert_eq!(app.rows("orders").await, 30);
+    // Each refusal counted once, as what it was answered: not also as the ORDER_NO_REUSED a
+    // loser may have found first.
+    assert_eq!(app.ledger.counters().key_conflicts, refused);
 }

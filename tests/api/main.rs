@@ -150,6 +150,7 @@ backend_suite!(
     a_request_with_broken_framing_is_invalid_argument,
     // The same cases with every Pay in its own transaction (group commit off).
     twenty_concurrent_identical_pays_one_by_one => one_by_one,
+    racing_calls_with_one_key_and_other_terms_one_by_one => one_by_one,
     concurrent_pays_against_one_balance_one_by_one => one_by_one,
     opposite_payments_between_two_accounts_one_by_one => one_by_one,
     pay_without_funds_one_by_one => one_by_one,
