@@ -319,8 +319,8 @@ pub(super) const RECORD_COLUMNS: usize = 12;
 /// created_at, expires_at, nulls]`: the three byte columns as hexadecimal text (see
 /// [`COMPLETE_RECORDS`]), and `nulls` the bits of the columns that are NULL (1 `response`, 2
 /// `response_message`, 4 `caller_scope`), which the rows' values cannot carry. Rows go in key
-/// order, so that two batches that claim the same keys wait for each other rather than
-/// deadlock.
+/// order (a total one: binary on MySQL, where JSON_TABLE's strings would compare without case),
+/// so that two batches that claim the same keys wait for each other rather than deadlock.
 ///
 /// - PostgreSQL: `ON CONFLICT DO NOTHING RETURNING` the keys it inserted; fewer than the rows
 ///   means a key was taken, and the caller deletes what went in ([`UNCLAIM_RECORDS_POSTGRES`]).
@@ -357,7 +357,7 @@ pub(super) static CLAIM_RECORDS: ServerSql = ServerSql {
             created_at BIGINT PATH '$[9]', \
             expires_at BIGINT PATH '$[10]', \
             nulls BIGINT PATH '$[11]')) AS k \
-            ORDER BY scope, idempotency_key",
+            ORDER BY scope COLLATE utf8mb4_bin, idempotency_key COLLATE utf8mb4_bin",
 };
 
 /// Deletes the records of `[scope, idempotency_key]` rows that [`CLAIM_RECORDS`] inserted on
