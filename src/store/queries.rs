@@ -1140,7 +1140,7 @@ impl<'c> Queries<'c> {
             })
             .collect();
         if dialect == Dialect::MySql {
-            return self.insert_rows_or_none(batch::CLAIM_RECORDS.text(dialect), &rows, records.len() as u64).await;
+            return self.insert_rows_text(batch::CLAIM_RECORDS.text(dialect), &rows, records.len() as u64).await;
         }
         let inserted: Vec<(String, String)> = sqlx::query_as(batch::CLAIM_RECORDS.text(dialect))
             .bind_rows(dialect, &rows)
@@ -1483,30 +1483,21 @@ impl<'c> Queries<'c> {
         rows: &[[Value<'_>; N]],
         expected: u64,
     ) -> Result<bool, sqlx::Error> {
-        let dialect = self.dialect;
-        match sqlx::query(sql.text(dialect)).bind_rows(dialect, rows).execute(&mut *self.connection).await {
-            Ok(result) => Ok(result.rows_affected() == expected),
-            Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => Ok(false),
-            Err(error) => Err(error),
-        }
+        self.insert_rows_text(sql.text(self.dialect), rows, expected).await
     }
 
-    /// A multi-row INSERT on MySQL, which a taken key fails as a whole with a duplicate-key
-    /// error (false: nothing of it went in).
-    async fn insert_rows_or_none<const N: usize>(
+    /// [`Queries::insert_rows`] for a statement given as its text (on MySQL, a duplicate-key
+    /// error undoes the whole statement: nothing of it went in).
+    async fn insert_rows_text<const N: usize>(
         &mut self,
-        sql: &'static str,
+        text: &'static str,
         rows: &[[Value<'_>; N]],
         expected: u64,
     ) -> Result<bool, sqlx::Error> {
         let dialect = self.dialect;
-        match sqlx::query(sql).bind_rows(dialect, rows).execute(&mut *self.connection).await {
-            Ok(result) if result.rows_affected() == expected => Ok(true),
-            Ok(result) => Err(sqlx::Error::Protocol(format!(
-                "a multi-row INSERT of {expected} rows inserted {}",
-                result.rows_affected()
-            ))),
-            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => Ok(false),
+        match sqlx::query(text).bind_rows(dialect, rows).execute(&mut *self.connection).await {
+            Ok(result) => Ok(result.rows_affected() == expected),
+            Err(sqlx::Error::Database(error)) if dialect == Dialect::MySql && error.is_unique_violation() => Ok(false),
             Err(error) => Err(error),
         }
     }
