@@ -871,18 +871,8 @@ async fn write_batch(
         let mut taken_out = false;
         for (index, accepted_one) in &accepted {
             let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
-            let message = accepted_one.message()?;
-            let claimed_now = match (accepted_one, message) {
-                (Accepted::Paid(receipt, _), Some(message)) => claim.claim(queries, receipt, &message, now).await,
-                (Accepted::Refunded(receipt, ..), Some(message)) => claim.claim(queries, receipt, &message, now).await,
-                (Accepted::Created(order), Some(message)) => claim.claim(queries, order, &message, now).await,
-                (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.claim_in_progress(queries, now).await,
-                (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
-                | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
-                    "a Pay's, Refund's or CreateOrder's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
-                ),
-            };
-            match claimed_now {
+            let records = records_to_claim(claim, accepted_one)?;
+            match claim.claim(queries, &records, now).await {
                 Ok(true) => {
                     claimed.insert(*index);
                     continue;
@@ -963,6 +953,22 @@ async fn write_batch(
     Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
 }
 
+/// The records an accepted write's guards claim: COMPLETED with the answer of a Pay, Refund
+/// or CreateOrder; IN_PROGRESS for a Transfer, Deposit or Withdraw, whose answer the write
+/// makes.
+fn records_to_claim(claim: &BatchClaim, accepted: &Accepted) -> Result<Vec<IdempotencyRecordRow>, Error> {
+    Ok(match (accepted, accepted.message()?) {
+        (Accepted::Paid(receipt, _), Some(message)) => claim.completed_records(receipt, &message)?,
+        (Accepted::Refunded(receipt, ..), Some(message)) => claim.completed_records(receipt, &message)?,
+        (Accepted::Created(order), Some(message)) => claim.completed_records(order, &message)?,
+        (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.in_progress_records().to_vec(),
+        (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
+        | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
+            "a Pay's, Refund's or CreateOrder's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
+        ),
+    })
+}
+
 /// The guards of the accepted writes not claimed yet, up to the first that consumes a
 /// token, claimed in one statement, all or none ([`Queries::claim_records`]): what the loop of
 /// step 3 does one write at a time, in one round trip. It claims a prefix, in arrival order, so
@@ -982,17 +988,7 @@ async fn claim_prefix_together(
         if claim.consumes_token() {
             break;
         }
-        let records = match (accepted_one, accepted_one.message()?) {
-            (Accepted::Paid(receipt, _), Some(message)) => claim.completed_records(receipt, &message)?,
-            (Accepted::Refunded(receipt, ..), Some(message)) => claim.completed_records(receipt, &message)?,
-            (Accepted::Created(order), Some(message)) => claim.completed_records(order, &message)?,
-            (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.in_progress_records().to_vec(),
-            (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
-            | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(
-                "a Pay's, Refund's or CreateOrder's message is known before the write, a Transfer's, Deposit's or Withdraw's after it"
-            ),
-        };
-        together.push((*index, records));
+        together.push((*index, records_to_claim(claim, accepted_one)?));
     }
     // One claim alone gains nothing over the loop.
     if together.len() < 2 {

@@ -595,33 +595,9 @@ impl BatchClaim {
         self.records.iter().map(|record| (record.scope.as_str(), record.idempotency_key.as_str()))
     }
 
-    /// Claims inside the batch's transaction, once the batch has decided the call's answer:
-    /// the records are inserted already COMPLETED with it (its JSON of rows and response
-    /// message), as the single-call path leaves them at commit; no other transaction sees a
-    /// record before its commit, and the batch's writes commit with it or not at all. False
-    /// when a guard is taken, and then nothing of this claim is written: a claim of more than
-    /// one write (a token consumed, two records) runs under a savepoint, undone alone when
-    /// it fails part way, so the rest of the batch goes on.
-    ///
-    /// # Errors
-    /// [`Rejection::TokenInvalid`] for a token expired since it was checked (nothing of the
-    /// claim written); a database error (the batch then fails as a whole).
-    ///
-    /// `checked_at` is the batch transaction's time (microseconds since the Unix epoch): a
-    /// token's or an old record's expiry is judged at it, not when the call was queued. The
-    /// records keep the call's own time, which its answer's `idempotency-expires-at` reports.
-    pub(super) async fn claim<T: Serialize>(
-        &self,
-        queries: &mut Queries<'_>,
-        answer: &T,
-        message: &[u8],
-        checked_at: i64,
-    ) -> Result<bool, Error> {
-        let records = self.completed_records(answer, message)?;
-        self.insert_claim(queries, &records, checked_at).await
-    }
-
-    /// The records [`BatchClaim::claim`] inserts: COMPLETED with `answer` and `message`.
+    /// The records of a call whose answer the batch has decided, for [`BatchClaim::claim`]:
+    /// COMPLETED with it (its JSON of rows and response message), as the single-call path
+    /// leaves them at commit.
     ///
     /// # Errors
     /// [`Error::Internal`] when the answer does not serialize.
@@ -643,7 +619,10 @@ impl BatchClaim {
             .collect())
     }
 
-    /// The records [`BatchClaim::claim_in_progress`] inserts (IN_PROGRESS).
+    /// The records of a call whose answer holds what only the batch's write makes (a
+    /// Transfer's entry ids), for [`BatchClaim::claim`]: IN_PROGRESS, as the single-call path
+    /// claims them; [`complete_claims`] stores the answer after the write, in the same
+    /// transaction (no other transaction sees either before the commit).
     pub(super) fn in_progress_records(&self) -> &[IdempotencyRecordRow] {
         &self.records
     }
@@ -654,26 +633,28 @@ impl BatchClaim {
         self.consume_token.is_some()
     }
 
-    /// [`BatchClaim::claim`] for a call whose answer holds what only the batch's write makes
-    /// (a Transfer's entry ids): the records are inserted IN_PROGRESS, as the single-call
-    /// path claims them, and [`complete_claims`] stores the answer after the write, in the
-    /// same transaction (no other transaction sees either before the commit).
-    ///
-    /// # Errors
-    /// As [`BatchClaim::claim`].
-    pub(super) async fn claim_in_progress(&self, queries: &mut Queries<'_>, checked_at: i64) -> Result<bool, Error> {
-        self.insert_claim(queries, &self.records, checked_at).await
-    }
-
-    /// The answer for the records [`BatchClaim::claim_in_progress`] claimed, as
-    /// [`GuardSession::complete`] stores it, for [`complete_claims`].
+    /// The answer for the records claimed IN_PROGRESS ([`BatchClaim::in_progress_records`]),
+    /// as [`GuardSession::complete`] stores it, for [`complete_claims`].
     pub(super) fn completion<T: Serialize>(&self, answer: &T, message: Vec<u8>) -> Result<Completion<'_>, Error> {
         Ok(Completion { claim: self, response: stored_json(answer)?, message })
     }
 
-    /// Inserts `records` (and consumes the token, under a savepoint when the claim writes more
-    /// than one row): false, with nothing of it written, when a guard is taken.
-    async fn insert_claim(
+    /// Claims inside the batch's transaction, once the batch has decided the call's answer:
+    /// inserts `records` ([`BatchClaim::completed_records`] or
+    /// [`BatchClaim::in_progress_records`]) and consumes the token. No other transaction sees a
+    /// record before its commit, and the batch's writes commit with it or not at all. False
+    /// when a guard is taken, and then nothing of this claim is written: a claim of more than
+    /// one write (a token consumed, two records) runs under a savepoint, undone alone when it
+    /// fails part way, so the rest of the batch goes on.
+    ///
+    /// # Errors
+    /// [`Rejection::TokenInvalid`] for a token expired since it was checked (nothing of the
+    /// claim written); a database error (the batch then fails as a whole).
+    ///
+    /// `checked_at` is the batch transaction's time (microseconds since the Unix epoch): a
+    /// token's or an old record's expiry is judged at it, not when the call was queued. The
+    /// records keep the call's own time, which its answer's `idempotency-expires-at` reports.
+    pub(super) async fn claim(
         &self,
         queries: &mut Queries<'_>,
         records: &[IdempotencyRecordRow],
