@@ -30,8 +30,9 @@ use sqlx::Row;
 /// those of the set-up (whose Deposit and CreateOrders, group commits of their own, already
 /// prepared the orders' and the accounts' locks, the request_ids' read, the entries' read back
 /// and, on PostgreSQL, the one statement that writes a batch): PostgreSQL reads the replays
-/// (MariaDB also writes in up to ten statements, one a kind of row); then the guards: the replay read of a record,
-/// the token's owner, and in the batch the token consumed (and read back when it was not) and
+/// (MariaDB also writes in up to ten statements, one a kind of row); then the guards: the replay read of a record
+/// (a call with a token), the token's owner, and in the batch the records of the calls with a
+/// key alone read, the token consumed (and read back when it was not) and
 /// the records inserted (one call's alone, several calls' in one statement); then a call whose
 /// natural key the batch found taken, answered after it by that key (a payment and its order,
 /// an order and its hold); then the Refunds: the replay read of a refund and its
@@ -39,8 +40,8 @@ use sqlx::Row;
 /// Deposits' records completed; then the Withdraws' replay read, and the refused Withdraw's
 /// own transaction (a Deposit or Withdraw the batch refuses runs alone): its request_id's
 /// insert and its account's locking read. Measured: exactly these.
-const POSTGRES_BATCH_STATEMENTS: i64 = 16;
-const MYSQL_BATCH_STATEMENTS: i64 = 22;
+const POSTGRES_BATCH_STATEMENTS: i64 = 17;
+const MYSQL_BATCH_STATEMENTS: i64 = 23;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set
 /// larger than this would be evicted and prepared again, call after call.

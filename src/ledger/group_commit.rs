@@ -7,7 +7,10 @@
 //! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
 //!    Pays are replays) and the payments the Refunds refund (payments never change); there is
 //!    nothing to read for a Transfer, Deposit, Withdraw or CreateOrder, and a batch of those
-//!    alone skips this read;
+//!    alone skips this read. First in the transaction, one read finds the committed records of
+//!    the idempotency keys of the calls that carry a key alone (and, for an authenticated
+//!    caller, of its key before authentication was turned on): a call one of them answers
+//!    is taken out, and answered by it after the batch;
 //! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order; a CreateOrder's
 //!    order is read there, and one committed before is a replay: [`Decision::CreatedBefore`];
 //!    one inserted after fails the batch's INSERT, and the batch runs alone), check each
@@ -58,8 +61,9 @@
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
 //! Refund, Transfer, Deposit, Withdraw and CreateOrder goes through the idempotency driver:
-//! each call reads its guards before the batch on its own (a committed record answers it; a
-//! token's owner is checked), but not its natural key: the batch reads the natural keys of all
+//! a call with a token reads its guards before the batch on its own (a committed record
+//! answers it; the token's owner is checked), one with an idempotency key alone leaves that
+//! read to its batch (0), and neither reads its natural key: the batch reads the natural keys of all
 //! its calls with its own rows (a Pay's out_trade_no and a Refund's payment in the replay read,
 //! a Refund's out_refund_no, an order and a request_id under their locks), and a call whose
 //! natural key it finds taken is answered after it by that key, as a transaction that found
@@ -218,6 +222,9 @@ pub(super) enum Decision {
     /// when the batch claimed it; nothing of the write was written: the committed original
     /// answers it.
     GuardTaken,
+    /// The batch's read of the guards' records (of a call that did not read them before it
+    /// queued) found a committed record that answers the write; nothing of it was written.
+    GuardAnswered,
     /// The batch could not decide it: run it in its own transaction.
     Alone,
     /// Refused before it was queued or started: the queue was full, or the caller had gone.
@@ -682,6 +689,20 @@ async fn write_batch(
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
     let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
     let refunded = refunded_payments(batch, payments);
+
+    // 0. The committed records of the guards that the calls did not read before they queued
+    //    (an idempotency key alone), in one read: a record that answers a call takes it out
+    //    with nothing of it written, answered by that record after the batch. A record
+    //    committed after this read is found by the claim (3).
+    let keys_to_read: Vec<(&str, &str)> = claims.iter().flatten().flat_map(|claim| claim.keys_to_read()).collect();
+    if !keys_to_read.is_empty() {
+        let found = queries.find_answered_records(&keys_to_read).await?;
+        for (decision, claim) in decisions.iter_mut().zip(&claims) {
+            if claim.is_some_and(|claim| claim.answered_by(&found, now)) {
+                *decision = Some(Decision::GuardAnswered);
+            }
+        }
+    }
 
     // 1. The orders, locked; then the refunds committed before the lock was taken (a
     //    Refund locks its order before it inserts its row, so none of these orders can

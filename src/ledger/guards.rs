@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
-use crate::store::{IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
+use crate::store::{AnsweredRecordRow, IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
 
 use super::group_commit::CallerPresence;
 use super::idempotent::{differing, Fields};
@@ -160,6 +160,9 @@ pub(super) struct GuardSession<'a> {
     /// Whether step 1 saw no record: a claim that then finds the key taken waited for (or
     /// just missed) a duplicate in flight.
     seen_absent: bool,
+    /// Whether the guards' records have been read: false for a call bound for a group commit
+    /// with an idempotency key alone, whose batch reads them (see [`Ledger::unread_guards`]).
+    read: bool,
 }
 
 /// The outcome of step 1.
@@ -192,15 +195,7 @@ pub(super) enum Settled<T> {
 impl Ledger {
     /// Step 1 (see the module docs).
     pub(super) async fn open_guards<'a>(&'a self, guards: &'a Guards, call: &'a Call) -> Result<Opened<'a>, Error> {
-        let mut claims = Vec::new();
-        if let Some(key) = &guards.idempotency_key {
-            claims.push((GuardKind::Key, call.scope.clone(), key.as_str().to_owned()));
-        }
-        if let Some(token) = &guards.token {
-            claims.push((GuardKind::Token, TOKEN_SCOPE.to_owned(), token.as_str().to_owned()));
-        }
-        let mut session =
-            GuardSession { ledger: self, call, claims, token: guards.token.as_ref(), redis: None, seen_absent: true };
+        let mut session = self.unread_guards(guards, call);
         if session.claims.is_empty() {
             return Ok(Opened::Run(session));
         }
@@ -208,6 +203,31 @@ impl Ledger {
             return Ok(Opened::Replayed(replayed));
         }
         Ok(Opened::Run(session))
+    }
+
+    /// The guards of a call before step 1 reads their records. A call bound for a group
+    /// commit with an idempotency key alone queues like this: its batch reads the records of
+    /// all its calls in one statement ([`BatchClaim::keys_to_read`]), where a read of each
+    /// call before it queued cost a pooled connection and a round trip a call. A call with a
+    /// token reads first: a Redis token is consumed before the call queues (a retry would
+    /// find it used), and a database token's owner is read then anyway.
+    pub(super) fn unread_guards<'a>(&'a self, guards: &'a Guards, call: &'a Call) -> GuardSession<'a> {
+        let mut claims = Vec::new();
+        if let Some(key) = &guards.idempotency_key {
+            claims.push((GuardKind::Key, call.scope.clone(), key.as_str().to_owned()));
+        }
+        if let Some(token) = &guards.token {
+            claims.push((GuardKind::Token, TOKEN_SCOPE.to_owned(), token.as_str().to_owned()));
+        }
+        GuardSession {
+            ledger: self,
+            call,
+            claims,
+            token: guards.token.as_ref(),
+            redis: None,
+            seen_absent: true,
+            read: false,
+        }
     }
 }
 
@@ -222,6 +242,7 @@ impl GuardSession<'_> {
         if self.claims.is_empty() {
             return Ok(None);
         }
+        self.read = true;
         let now = now_micros();
         let mut reader = self.ledger.store.reader().await?;
         let mut queries = reader.queries();
@@ -253,15 +274,50 @@ impl GuardSession<'_> {
         queries: &mut Queries<'_>,
         now: i64,
     ) -> Result<Option<Replayable<StoredResponse>>, Error> {
-        let key = self.claims.iter().find(|(kind, _, _)| *kind == GuardKind::Key).map(|(_, _, key)| key.clone());
-        let (Some(scope), Some(key)) = (&self.call.unauthenticated_scope, key) else { return Ok(None) };
-        let Some(record) = queries.find_record(scope, &key).await? else { return Ok(None) };
+        let Some((scope, key)) = self.unauthenticated_key() else { return Ok(None) };
+        let Some(record) = queries.find_record(&scope, &key).await? else { return Ok(None) };
         let original = record.expires_at > now && record.response.is_some();
         if !(original && self.call.differences(&record).is_empty()) {
             return Ok(None);
         }
         self.seen_absent = false;
         self.replay(GuardKind::Key, record).map(Some)
+    }
+
+    /// For an authenticated caller's idempotency key, (scope, key) where the key lived before
+    /// authentication was turned on.
+    fn unauthenticated_key(&self) -> Option<(String, String)> {
+        let key = self.claims.iter().find(|(kind, _, _)| *kind == GuardKind::Key).map(|(_, _, key)| key.clone())?;
+        Some((self.call.unauthenticated_scope.clone()?, key))
+    }
+
+    /// For a call whose guards were not read before it queued ([`Ledger::unread_guards`]) and
+    /// that now runs in its own transaction, not in its batch: whether the record its key left
+    /// before authentication was turned on is its original (see
+    /// [`GuardSession::committed_replay`], which then answers it). Its own records need no read
+    /// here: the transaction's claim finds a taken key.
+    pub(super) async fn unread_unauthenticated_original(&mut self) -> Result<bool, Error> {
+        let Some((scope, key)) = self.unauthenticated_key().filter(|_| !self.read) else { return Ok(false) };
+        self.read = true;
+        let mut reader = self.ledger.store.reader().await?;
+        let Some(record) = reader.queries().find_record(&scope, &key).await? else { return Ok(false) };
+        let original =
+            record.expires_at > now_micros() && record.response.is_some() && self.call.differences(&record).is_empty();
+        if original {
+            self.seen_absent = false;
+        }
+        Ok(original)
+    }
+
+    /// A call whose batch found a committed row that answers it: one of its guards' records
+    /// ([`BatchClaim::answered_by`]), or its natural key's row, with which its records commit.
+    /// For a call whose guards were not read before it queued, the batch's read was its step
+    /// 1: the original had committed before it, so its replay is not an in-flight wait.
+    pub(super) fn found_committed_by_batch(&mut self) {
+        if !self.read {
+            self.read = true;
+            self.seen_absent = false;
+        }
     }
 
     /// Whether the presented token was issued to this call's caller: a token's record is
@@ -429,7 +485,11 @@ impl GuardSession<'_> {
                 return Err(Rejection::TokenInvalid.into());
             }
         }
-        Ok(BatchClaim { records: self.records(now), consume_token })
+        let records_read = match self.read {
+            true => RecordsRead::BeforeQueued,
+            false => RecordsRead::ByBatch { unauthenticated_key: self.unauthenticated_key() },
+        };
+        Ok(BatchClaim { records: self.records(now), consume_token, records_read })
     }
 
     /// True when the call claims a record, whose response [`GuardSession::complete`] then
@@ -586,6 +646,17 @@ pub(super) async fn complete_claims(queries: &mut Queries<'_>, completions: &[Co
 pub(super) struct BatchClaim {
     records: Vec<IdempotencyRecordRow>,
     consume_token: Option<String>,
+    records_read: RecordsRead,
+}
+
+/// Who reads a call's committed records before its claim.
+#[derive(Debug, Clone)]
+enum RecordsRead {
+    /// The call, before it queued (step 1).
+    BeforeQueued,
+    /// Its batch ([`BatchClaim::keys_to_read`]; see [`Ledger::unread_guards`]), also where the
+    /// key of an authenticated caller lived before authentication was turned on.
+    ByBatch { unauthenticated_key: Option<(String, String)> },
 }
 
 impl BatchClaim {
@@ -593,6 +664,36 @@ impl BatchClaim {
     /// not both claimed there.
     pub(super) fn keys(&self) -> impl Iterator<Item = (&str, &str)> {
         self.records.iter().map(|record| (record.scope.as_str(), record.idempotency_key.as_str()))
+    }
+
+    /// The (scope, key) whose committed records the batch reads for this call before it
+    /// claims it ([`BatchClaim::answered_by`]): its own keys and the one its key had before
+    /// authentication; none when the call read them before it queued.
+    pub(super) fn keys_to_read(&self) -> Vec<(&str, &str)> {
+        let RecordsRead::ByBatch { unauthenticated_key } = &self.records_read else { return Vec::new() };
+        let unauthenticated = unauthenticated_key.iter().map(|(scope, key)| (scope.as_str(), key.as_str()));
+        self.keys().chain(unauthenticated).collect()
+    }
+
+    /// Whether one of the committed records `found` by the batch's read (of
+    /// [`BatchClaim::keys_to_read`]) answers the call, as step 1 answers it: a record of one of
+    /// its keys unexpired at `now` (a replay, or ALREADY_EXISTS naming what differs), or the
+    /// unexpired record its key left before authentication, when it holds this very method and
+    /// request. The call is then not written, and its settle replays the record.
+    pub(super) fn answered_by(&self, found: &[AnsweredRecordRow], now: i64) -> bool {
+        let RecordsRead::ByBatch { unauthenticated_key } = &self.records_read else { return false };
+        // Every record of a call holds its method and fingerprint.
+        let Some(claimed) = self.records.first() else { return false };
+        found.iter().filter(|record| record.expires_at > now).any(|record| {
+            let key = (record.scope.as_str(), record.idempotency_key.as_str());
+            let own = self.keys().any(|own| own == key);
+            let original = unauthenticated_key.as_ref().is_some_and(|(scope, idempotency_key)| {
+                (scope.as_str(), idempotency_key.as_str()) == key
+                    && record.method == claimed.method
+                    && record.request_fingerprint == claimed.request_fingerprint
+            });
+            own || original
+        })
     }
 
     /// The records of a call whose answer the batch has decided, for [`BatchClaim::claim`]:

@@ -201,13 +201,17 @@ impl Ledger {
     /// its own rows (the payments' replay read, the orders', refunds' and request_ids' locking
     /// reads), and answers a call whose key is taken as a transaction that found it taken
     /// (`GuardSession::settle`: a guard's committed record first, then [`Ledger::replay_taken`],
-    /// after the batch). A read for each call before it queues
+    /// after the batch). Nor are the records of a call with an idempotency key alone: its batch
+    /// reads them too ([`Ledger::unread_guards`]). A read for each call before it queues
     /// would cost more database time than the batch's own statements (BENCHMARKS.md).
     pub(super) async fn prepare_guards<'a, T>(
         &'a self,
         guards: &'a Guards,
         fingerprint: &'a Call,
     ) -> Result<Prepared<T, GuardSession<'a>>, Error> {
+        if guards.token.is_none() {
+            return Ok(Prepared::Ready(self.unread_guards(guards, fingerprint)));
+        }
         let mut session = match self.open_guards(guards, fingerprint).await? {
             Opened::Replayed(stored) => {
                 return Ok(Prepared::Answered(stored.try_map(|stored| Ok(Reply::Stored(stored)))?))

@@ -224,7 +224,7 @@ impl Ledger {
         let outcome = match claim {
             Ok(claim) => {
                 let decision = batcher.submit(Batched { write: call.write(), claim }, guards.presence.clone()).await;
-                self.batched_outcome(call, &session, decision, now).await
+                self.batched_outcome(call, &mut session, decision, now).await
             }
             Err(error) => Err(error),
         };
@@ -256,7 +256,7 @@ impl Ledger {
     async fn batched_outcome<C: Batchable>(
         &self,
         call: &C,
-        session: &GuardSession<'_>,
+        session: &mut GuardSession<'_>,
         decision: Decision,
         now: i64,
     ) -> Result<Inserted<C::Answer>, Error> {
@@ -265,12 +265,16 @@ impl Ledger {
             Err(decision) => *decision,
         };
         match decision {
-            Decision::GuardTaken
+            Decision::GuardAnswered
             | Decision::Found(..)
             | Decision::PaidBefore
             | Decision::RefundedBefore
             | Decision::FundedBefore
-            | Decision::CreatedBefore => Ok(Inserted::KeyTaken),
+            | Decision::CreatedBefore => {
+                session.found_committed_by_batch();
+                Ok(Inserted::KeyTaken)
+            }
+            Decision::GuardTaken => Ok(Inserted::KeyTaken),
             Decision::Rejected(error) if !session.records_response() => Err(error),
             Decision::NotStarted(error) => Err(error),
             // A call with guards that the batch refused runs alone too: there, as every single
@@ -280,8 +284,13 @@ impl Ledger {
             // Transfer, which has no natural key, would otherwise be told INSUFFICIENT_FUNDS
             // for money that did move), and a key reused for another call is
             // IDEMPOTENCY_KEY_REUSED, as a single call answers it, not that call's refusal.
+            // A call whose guards nobody has read yet is looked up where its key lived before
+            // authentication first, as step 1 does: the claim finds only its own keys taken.
             Decision::Alone | Decision::Rejected(_) => {
                 self.metrics.group_commit_alone.inc();
+                if session.unread_unauthenticated_original().await? {
+                    return Ok(Inserted::KeyTaken);
+                }
                 self.transact(call, session, now).await
             }
             Decision::Paid(_)
@@ -326,7 +335,9 @@ impl Ledger {
                 self.metrics.group_commit_alone.inc();
                 return None;
             }
-            Decision::GuardTaken => return Some(Err(Error::Internal("a Pay without guards had a guard taken".into()))),
+            Decision::GuardTaken | Decision::GuardAnswered => {
+                return Some(Err(Error::Internal("a Pay without guards had a guard taken".into())))
+            }
             Decision::Refunded(_)
             | Decision::RefundedBefore
             | Decision::Transferred(_)

@@ -8,8 +8,8 @@ use sqlx::{Any, Row};
 use super::batch::{self, Value};
 use super::dialect::{Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
-    PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AnsweredRecordRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow,
+    NewEntry, OrderRow, PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 /// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
@@ -1026,6 +1026,20 @@ impl<'c> Queries<'c> {
         let rows: Vec<[Value<'_>; 2]> =
             keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
         sqlx::query_as(batch::FIND_REFUNDS.text(self.dialect))
+            .bind_rows(self.dialect, &rows)
+            .fetch_all(&mut *self.connection)
+            .await
+    }
+
+    /// The records of the given (scope, idempotency_key) keys that hold a response, in one
+    /// round trip, in no particular order (a key without one is absent).
+    pub async fn find_answered_records(
+        &mut self,
+        keys: &[(&str, &str)],
+    ) -> Result<Vec<AnsweredRecordRow>, sqlx::Error> {
+        let rows: Vec<[Value<'_>; 2]> =
+            keys.iter().map(|(scope, key)| [Value::Text(scope), Value::Text(key)]).collect();
+        sqlx::query_as(batch::FIND_ANSWERED_RECORDS.text(self.dialect))
             .bind_rows(self.dialect, &rows)
             .fetch_all(&mut *self.connection)
             .await

@@ -139,6 +139,7 @@ backend_suite!(
     callers_reach_only_their_merchants_objects_and_their_own_idempotency_records => authenticated,
     created_by_is_anonymous_on_a_server_without_authentication,
     a_key_used_before_authentication_was_turned_on_answers_its_retry_after,
+    a_batch_answers_its_keyed_calls_from_records_made_before_and_after_authentication,
     every_bench_scenario_runs_clean_with_a_token => authenticated,
     callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
