@@ -223,8 +223,9 @@ pub(super) enum Decision {
     /// answers it.
     GuardTaken,
     /// The batch's read of the guards' records (of a call that did not read them before it
-    /// queued) found a committed record that answers the write; nothing of it was written.
-    GuardAnswered,
+    /// queued) found this committed record, which answers the write; nothing of it was
+    /// written.
+    GuardAnswered(Box<IdempotencyRecordRow>),
     /// The batch could not decide it: run it in its own transaction.
     Alone,
     /// Refused before it was queued or started: the queue was full, or the caller had gone.
@@ -698,8 +699,8 @@ async fn write_batch(
     if !keys_to_read.is_empty() {
         let found = queries.find_answered_records(&keys_to_read).await?;
         for (decision, claim) in decisions.iter_mut().zip(&claims) {
-            if claim.is_some_and(|claim| claim.answered_by(&found, now)) {
-                *decision = Some(Decision::GuardAnswered);
+            if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, now)) {
+                *decision = Some(Decision::GuardAnswered(Box::new(record)));
             }
         }
     }

@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
 use crate::error::Error;
-use crate::store::{AnsweredRecordRow, IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
+use crate::store::{IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
 
 use super::group_commit::CallerPresence;
 use super::idempotent::{differing, Fields};
@@ -163,6 +163,10 @@ pub(super) struct GuardSession<'a> {
     /// Whether the guards' records have been read: false for a call bound for a group commit
     /// with an idempotency key alone, whose batch reads them (see [`Ledger::unread_guards`]).
     read: bool,
+    /// The replay that a read after the call queued found (its batch's, or its own before it
+    /// ran alone), which answers it when its transaction finds its key taken, without
+    /// reading the record again (by then it may have expired).
+    answered: Option<Replayable<StoredResponse>>,
 }
 
 /// The outcome of step 1.
@@ -227,6 +231,7 @@ impl Ledger {
             redis: None,
             seen_absent: true,
             read: false,
+            answered: None,
         }
     }
 }
@@ -291,22 +296,30 @@ impl GuardSession<'_> {
         Some((self.call.unauthenticated_scope.clone()?, key))
     }
 
-    /// For a call whose guards were not read before it queued ([`Ledger::unread_guards`]) and
-    /// that now runs in its own transaction, not in its batch: whether the record its key left
-    /// before authentication was turned on is its original (see
-    /// [`GuardSession::committed_replay`], which then answers it). Its own records need no read
-    /// here: the transaction's claim finds a taken key.
-    pub(super) async fn unread_unauthenticated_original(&mut self) -> Result<bool, Error> {
-        let Some((scope, key)) = self.unauthenticated_key().filter(|_| !self.read) else { return Ok(false) };
-        self.read = true;
-        let mut reader = self.ledger.store.reader().await?;
-        let Some(record) = reader.queries().find_record(&scope, &key).await? else { return Ok(false) };
-        let original =
-            record.expires_at > now_micros() && record.response.is_some() && self.call.differences(&record).is_empty();
-        if original {
-            self.seen_absent = false;
+    /// Step 1 for a call whose guards were not read before it queued ([`Ledger::unread_guards`])
+    /// and that now runs in its own transaction, not in its batch: true when a committed
+    /// record answers it (kept for [`GuardSession::settle`]; its transaction is then not run).
+    ///
+    /// # Errors
+    /// ALREADY_EXISTS when its key holds another request.
+    pub(super) async fn read_before_alone(&mut self) -> Result<bool, Error> {
+        if self.read {
+            return Ok(false);
         }
-        Ok(original)
+        self.answered = self.committed_replay().await?;
+        Ok(self.answered.is_some())
+    }
+
+    /// A call whose batch's read found `record`, committed, answering it
+    /// ([`BatchClaim::answering_record`]): its replay, kept for [`GuardSession::settle`] (a call
+    /// whose guards its batch reads carries an idempotency key alone).
+    ///
+    /// # Errors
+    /// ALREADY_EXISTS when the record holds another request.
+    pub(super) fn answer_from_batch(&mut self, record: IdempotencyRecordRow) -> Result<(), Error> {
+        self.found_committed_by_batch();
+        self.answered = Some(self.replay(GuardKind::Key, record)?);
+        Ok(())
     }
 
     /// A call whose batch found a committed row that answers it: one of its guards' records
@@ -545,7 +558,10 @@ impl GuardSession<'_> {
                 // An in-flight wait: step 1 saw no record of this call's guards, yet one was
                 // committed by the time the claim met it (not: a natural key was taken).
                 let was_absent = self.seen_absent;
-                let replay = self.committed_replay().await?;
+                let replay = match self.answered.take() {
+                    Some(answered) => Some(answered),
+                    None => self.committed_replay().await?,
+                };
                 if was_absent && replay.is_some() {
                     metrics.in_flight_waits.inc();
                 }
@@ -675,25 +691,29 @@ impl BatchClaim {
         self.keys().chain(unauthenticated).collect()
     }
 
-    /// Whether one of the committed records `found` by the batch's read (of
-    /// [`BatchClaim::keys_to_read`]) answers the call, as step 1 answers it: a record of one of
-    /// its keys unexpired at `now` (a replay, or ALREADY_EXISTS naming what differs), or the
-    /// unexpired record its key left before authentication, when it holds this very method and
-    /// request. The call is then not written, and its settle replays the record.
-    pub(super) fn answered_by(&self, found: &[AnsweredRecordRow], now: i64) -> bool {
-        let RecordsRead::ByBatch { unauthenticated_key } = &self.records_read else { return false };
+    /// The committed record `found` by the batch's read (of [`BatchClaim::keys_to_read`]) that
+    /// answers the call, as step 1 answers it: the record of its key, unexpired at `now` (a
+    /// replay, or ALREADY_EXISTS naming what differs); else the unexpired record its key left
+    /// before authentication, when it holds this very method and request. The call is then
+    /// not written, and that record answers it ([`GuardSession::answer_from_batch`]).
+    pub(super) fn answering_record(&self, found: &[IdempotencyRecordRow], now: i64) -> Option<IdempotencyRecordRow> {
+        let RecordsRead::ByBatch { unauthenticated_key } = &self.records_read else { return None };
+        let live = |scope: &str, key: &str| {
+            found
+                .iter()
+                .find(|record| record.scope == scope && record.idempotency_key == key && record.expires_at > now)
+        };
+        if let Some(own) = self.keys().find_map(|(scope, key)| live(scope, key)) {
+            return Some(own.clone());
+        }
         // Every record of a call holds its method and fingerprint.
-        let Some(claimed) = self.records.first() else { return false };
-        found.iter().filter(|record| record.expires_at > now).any(|record| {
-            let key = (record.scope.as_str(), record.idempotency_key.as_str());
-            let own = self.keys().any(|own| own == key);
-            let original = unauthenticated_key.as_ref().is_some_and(|(scope, idempotency_key)| {
-                (scope.as_str(), idempotency_key.as_str()) == key
-                    && record.method == claimed.method
-                    && record.request_fingerprint == claimed.request_fingerprint
-            });
-            own || original
-        })
+        let claimed = self.records.first()?;
+        let (scope, key) = unauthenticated_key.as_ref()?;
+        live(scope, key)
+            .filter(|record| {
+                record.method == claimed.method && record.request_fingerprint == claimed.request_fingerprint
+            })
+            .cloned()
     }
 
     /// The records of a call whose answer the batch has decided, for [`BatchClaim::claim`]:

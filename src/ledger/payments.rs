@@ -265,8 +265,11 @@ impl Ledger {
             Err(decision) => *decision,
         };
         match decision {
-            Decision::GuardAnswered
-            | Decision::Found(..)
+            Decision::GuardAnswered(record) => {
+                session.answer_from_batch(*record)?;
+                Ok(Inserted::KeyTaken)
+            }
+            Decision::Found(..)
             | Decision::PaidBefore
             | Decision::RefundedBefore
             | Decision::FundedBefore
@@ -284,13 +287,14 @@ impl Ledger {
             // Transfer, which has no natural key, would otherwise be told INSUFFICIENT_FUNDS
             // for money that did move), and a key reused for another call is
             // IDEMPOTENCY_KEY_REUSED, as a single call answers it, not that call's refusal.
-            // A call whose guards nobody has read yet is looked up where its key lived before
-            // authentication first, as step 1 does: the claim finds only its own keys taken.
+            // A call whose guards nobody has read yet reads them first, as step 1 does (its
+            // claim would find its own key taken, but not the record its key left before
+            // authentication), and a committed record answers it.
             Decision::Alone | Decision::Rejected(_) => {
-                self.metrics.group_commit_alone.inc();
-                if session.unread_unauthenticated_original().await? {
+                if session.read_before_alone().await? {
                     return Ok(Inserted::KeyTaken);
                 }
+                self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
             }
             Decision::Paid(_)
@@ -335,7 +339,7 @@ impl Ledger {
                 self.metrics.group_commit_alone.inc();
                 return None;
             }
-            Decision::GuardTaken | Decision::GuardAnswered => {
+            Decision::GuardTaken | Decision::GuardAnswered(_) => {
                 return Some(Err(Error::Internal("a Pay without guards had a guard taken".into())))
             }
             Decision::Refunded(_)

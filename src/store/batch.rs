@@ -178,24 +178,32 @@ pub(super) static FIND_REFUNDS: BatchSql = BatchSql {
 };
 
 /// The records of rows `[scope, idempotency_key]` that hold a response (committed ones: a
-/// transaction writes the response with the business change); a read, without locks, by the
-/// records' unique key.
+/// transaction writes the response with the business change), whole, as a replay answers
+/// from them; a read, without locks, by the records' unique key.
 pub(super) static FIND_ANSWERED_RECORDS: BatchSql = BatchSql {
-    postgres: "SELECT scope, idempotency_key, method, request_fingerprint, expires_at FROM idempotency_record \
-               WHERE (scope, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
-               AND response IS NOT NULL",
+    postgres: concat!(
+        "SELECT ",
+        super::queries::record_columns!(),
+        " FROM idempotency_record WHERE (scope, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+         AND response IS NOT NULL"
+    ),
     mysql: concat!(
-        "SELECT idempotency_record.scope, idempotency_record.idempotency_key, idempotency_record.method, \
-         idempotency_record.request_fingerprint, idempotency_record.expires_at FROM ",
+        "SELECT ",
+        super::queries::record_columns!(),
+        " FROM ",
         mysql_key_pair!("k_scope", "k_idempotency_key"),
         " STRAIGHT_JOIN idempotency_record FORCE INDEX (idempotency_record_scope_key) \
          ON idempotency_record.scope = k.k_scope AND idempotency_record.idempotency_key = k.k_idempotency_key \
          WHERE idempotency_record.response IS NOT NULL"
     ),
-    sqlite: "SELECT scope, idempotency_key, method, request_fingerprint, expires_at FROM json_each(?1) AS k \
-             CROSS JOIN idempotency_record ON idempotency_record.scope = json_extract(k.value, '$[0]') \
-             AND idempotency_record.idempotency_key = json_extract(k.value, '$[1]') \
-             WHERE idempotency_record.response IS NOT NULL",
+    sqlite: concat!(
+        "SELECT ",
+        super::queries::record_columns!(),
+        " FROM json_each(?1) AS k CROSS JOIN idempotency_record \
+         ON idempotency_record.scope = json_extract(k.value, '$[0]') \
+         AND idempotency_record.idempotency_key = json_extract(k.value, '$[1]') \
+         WHERE idempotency_record.response IS NOT NULL"
+    ),
 };
 
 /// The orders of rows `[merchant_id, order_no]` (sorted by the caller), row-locked in that

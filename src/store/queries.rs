@@ -8,8 +8,8 @@ use sqlx::{Any, Row};
 use super::batch::{self, Value};
 use super::dialect::{Dialect, Sql};
 use super::rows::{
-    AccountRow, AnsweredRecordRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow,
-    NewEntry, OrderRow, PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
+    PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 /// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
@@ -255,10 +255,18 @@ static FIND_WITHDRAWAL: Sql = Sql::new(
 static INSERT_WITHDRAWAL: Sql =
     Sql::new(concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
 
-static FIND_RECORD: Sql = Sql::new(
-    "SELECT scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
-     caller_scope, status, created_at, expires_at FROM idempotency_record WHERE scope = ? AND idempotency_key = ?",
-);
+/// The columns of an idempotency record, as `IdempotencyRecordRow` reads them.
+macro_rules! record_columns {
+    () => {
+        "idempotency_record.scope, idempotency_record.idempotency_key, idempotency_record.method, \
+         idempotency_record.request_fingerprint, idempotency_record.request_fields, idempotency_record.response, \
+         idempotency_record.response_message, idempotency_record.caller_scope, idempotency_record.status, \
+         idempotency_record.created_at, idempotency_record.expires_at"
+    };
+}
+pub(super) use record_columns;
+static FIND_RECORD: Sql =
+    Sql::new(concat!("SELECT ", record_columns!(), " FROM idempotency_record WHERE scope = ? AND idempotency_key = ?"));
 static INSERT_RECORD: Sql = Sql::new(
     "INSERT INTO idempotency_record \
      (scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, caller_scope, \
@@ -1036,7 +1044,7 @@ impl<'c> Queries<'c> {
     pub async fn find_answered_records(
         &mut self,
         keys: &[(&str, &str)],
-    ) -> Result<Vec<AnsweredRecordRow>, sqlx::Error> {
+    ) -> Result<Vec<IdempotencyRecordRow>, sqlx::Error> {
         let rows: Vec<[Value<'_>; 2]> =
             keys.iter().map(|(scope, key)| [Value::Text(scope), Value::Text(key)]).collect();
         sqlx::query_as(batch::FIND_ANSWERED_RECORDS.text(self.dialect))

@@ -197,18 +197,6 @@ pub struct IdempotencyRecordRow {
     pub expires_at: i64,
 }
 
-/// What a group commit reads of a committed record to decide whether it answers a call:
-/// its key, what it was used for, and until when (microseconds since the Unix epoch). Only
-/// records that hold a response are read.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct AnsweredRecordRow {
-    pub scope: String,
-    pub idempotency_key: String,
-    pub method: String,
-    pub request_fingerprint: String,
-    pub expires_at: i64,
-}
-
 /// `idempotency_token`: a one-time token of the database token store.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct TokenRow {

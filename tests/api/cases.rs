@@ -1577,6 +1577,11 @@ pub async fn a_refund_committed_under_a_group_commit_is_replayed_and_the_next_re
 
 /// A Transfer command from `from` to `to`, in USD.
 fn transfer_command(from: &str, to: &str, amount: &str) -> payledger::ledger::Transfer {
+    transfer_by(from, to, amount, &payledger::domain::Actor::Anonymous)
+}
+
+/// A Transfer of `amount` USD, memo "rent", made by `actor`.
+fn transfer_by(from: &str, to: &str, amount: &str, actor: &payledger::domain::Actor) -> payledger::ledger::Transfer {
     use payledger::domain::{AccountId, Amount, Currency, FreeText};
     let currency = Currency::parse("currency", "USD").unwrap();
     payledger::ledger::Transfer {
@@ -1584,7 +1589,7 @@ fn transfer_command(from: &str, to: &str, amount: &str) -> payledger::ledger::Tr
         to_account_id: AccountId::parse("to_account_id", to).unwrap(),
         amount: Amount::parse("amount", amount, currency).unwrap(),
         memo: FreeText::parse("memo", "rent").unwrap(),
-        created_by: payledger::domain::Actor::Anonymous,
+        created_by: actor.clone(),
     }
 }
 
@@ -2528,24 +2533,12 @@ pub async fn the_demo_plays_clean_against_a_running_server(app: &TestApp) {
 
 /// A Transfer of `amount` USD from alice to bob, memo "rent", made by `actor`.
 fn rent_from_alice_to_bob(amount: &str, actor: &payledger::domain::Actor) -> payledger::ledger::Transfer {
-    use payledger::domain::{AccountId, Amount, Currency, FreeText};
-    payledger::ledger::Transfer {
-        from_account_id: AccountId::parse("from_account_id", "alice").unwrap(),
-        to_account_id: AccountId::parse("to_account_id", "bob").unwrap(),
-        amount: Amount::parse("amount", amount, Currency::parse("currency", "USD").unwrap()).unwrap(),
-        memo: FreeText::parse("memo", "rent").unwrap(),
-        created_by: actor.clone(),
-    }
+    transfer_by("alice", "bob", amount, actor)
 }
 
 /// The guards of a call by `actor` with idempotency key `key` alone.
 fn keyed_by(key: &str, actor: &payledger::domain::Actor) -> payledger::ledger::Guards {
-    payledger::ledger::Guards {
-        idempotency_key: Some(payledger::domain::IdempotencyKey::parse("idempotency-key", key).unwrap()),
-        token: None,
-        actor: actor.clone(),
-        presence: Default::default(),
-    }
+    payledger::ledger::Guards { actor: actor.clone(), ..guards(Some(key), None) }
 }
 
 /// A call sent before authentication was turned on and retried after it, with the caller's
@@ -2600,7 +2593,7 @@ pub async fn a_key_used_before_authentication_was_turned_on_answers_its_retry_af
 /// record its key left before (same method and request), and one of the caller's own keys
 /// by its record (a replay, or IDEMPOTENCY_KEY_REUSED for another request); another request
 /// under a key used before the switch, and a fresh key, are written by the batch; a second
-/// retry across the switch in the batch runs alone after it, and is answered alike. Money
+/// retry of one key in the batch runs alone after it, and is answered alike. Money
 /// moves once per call, and no answer counts as an in-flight wait (every record was
 /// committed before the batch).
 pub async fn a_batch_answers_its_keyed_calls_from_records_made_before_and_after_authentication(app: &TestApp) {
@@ -2623,8 +2616,10 @@ pub async fn a_batch_answers_its_keyed_calls_from_records_made_before_and_after_
             (BatchCall::Transfer(transfer("1.00", &checkout)), guards("k-own", &checkout)),
             (BatchCall::Transfer(transfer("7.00", &checkout)), guards("k-own-2", &checkout)),
             (BatchCall::Transfer(transfer("2.00", &checkout)), guards("k-new", &checkout)),
-            // A second retry across the switch in the same batch runs alone after it.
+            // A second retry across the switch, and a second retry of the caller's own key, in
+            // the same batch: each runs alone after it, where its read finds the record.
             (BatchCall::Transfer(transfer("10.00", &checkout)), guards("k-before", &checkout)),
+            (BatchCall::Transfer(transfer("1.00", &checkout)), guards("k-own", &checkout)),
         ])
         .await;
     let answers: Vec<_> = answers.into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
@@ -2643,13 +2638,65 @@ pub async fn a_batch_answers_its_keyed_calls_from_records_made_before_and_after_
     let retried_again = answers[5].as_ref().expect("the second retry across the switch");
     assert!(retried_again.replayed);
     assert_eq!(retried_again.value, retried_across.value);
+    let own_again = answers[6].as_ref().expect("the second retry of the caller's own key");
+    assert!(own_again.replayed);
+    assert_eq!(own_again.value, own_retry.value);
     let counters = app.ledger.counters();
     assert_eq!(counters.group_committed_transfers - counters_before.group_committed_transfers, 2, "{counters:?}");
-    assert_eq!(counters.replays - counters_before.replays, 3, "{counters:?}");
+    assert_eq!(counters.replays - counters_before.replays, 4, "{counters:?}");
     assert_eq!(counters.key_conflicts - counters_before.key_conflicts, 1, "{counters:?}");
     assert_eq!(counters.in_flight_waits, 0, "every record answered was committed before the batch: {counters:?}");
     assert_eq!(app.balance("bob").await, "22.00", "10 + 2 + 1 + 4 before the batch, 3 + 2 in it");
     assert_eq!(app.rows("transfers").await, 6);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A retry whose batch read found it answered by its key's record is answered by that record
+/// even when the batch is then held up (waiting for a row lock) until after the record has
+/// expired: not refused as not yet visible (which its client would retry, running it again),
+/// nor written. SQLite has one writer at a time: a batch there begins only once the lock is
+/// released, and finds the key expired (a new call, as any call after its key's lifetime).
+pub async fn a_retry_its_batch_found_answered_stays_answered_when_its_key_expires_under_the_batch(app: &TestApp) {
+    if app.backend == crate::helpers::Backend::Sqlite {
+        return;
+    }
+    app.funded("alice", "100.00").await;
+    app.open("bob", "USD").await;
+    app.open("carol", "USD").await;
+    let first = app
+        .ledger
+        .write_together(vec![(
+            BatchCall::Transfer(transfer_command("alice", "bob", "10.00")),
+            guards(Some("k1"), None),
+        )])
+        .await;
+    let original = first.into_iter().next().unwrap().expect("the original");
+    let mut holder = app.raw.begin().await.unwrap();
+    let lock = "SELECT balance FROM accounts WHERE account_id = 'carol' FOR UPDATE";
+    sqlx::query(lock).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger
+            .write_together(vec![
+                (BatchCall::Transfer(transfer_command("alice", "bob", "10.00")), guards(Some("k1"), None)),
+                (BatchCall::Transfer(transfer_command("alice", "carol", "1.00")), guards(Some("k2"), None)),
+            ])
+            .await
+    });
+    app.wait_for_a_session_in("%accounts%UPDATE%").await;
+    // Past the key's lifetime (1 s, `short_lived`) before the batch goes on.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.commit().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let retry = answers[0].as_ref().expect("the retry, answered by the record its batch read");
+    assert!(retry.replayed);
+    assert_eq!(retry.value, original.value);
+    assert!(!answers[1].as_ref().expect("the Transfer the batch waited for").replayed);
+    assert_eq!(app.balance("bob").await, "10.00");
+    assert_eq!(app.balance("carol").await, "1.00");
+    assert_eq!(app.rows("transfers").await, 2);
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 

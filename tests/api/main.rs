@@ -140,6 +140,7 @@ backend_suite!(
     created_by_is_anonymous_on_a_server_without_authentication,
     a_key_used_before_authentication_was_turned_on_answers_its_retry_after,
     a_batch_answers_its_keyed_calls_from_records_made_before_and_after_authentication,
+    a_retry_its_batch_found_answered_stays_answered_when_its_key_expires_under_the_batch => short_lived,
     every_bench_scenario_runs_clean_with_a_token => authenticated,
     callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
