@@ -323,7 +323,7 @@ impl GuardSession<'_> {
     }
 
     /// A call whose batch found a committed row that answers it: one of its guards' records
-    /// ([`BatchClaim::answered_by`]), or its natural key's row, with which its records commit.
+    /// ([`BatchClaim::answering_record`]), or its natural key's row, with which its records commit.
     /// For a call whose guards were not read before it queued, the batch's read was its step
     /// 1: the original had committed before it, so its replay is not an in-flight wait.
     pub(super) fn found_committed_by_batch(&mut self) {
@@ -683,7 +683,7 @@ impl BatchClaim {
     }
 
     /// The (scope, key) whose committed records the batch reads for this call before it
-    /// claims it ([`BatchClaim::answered_by`]): its own keys and the one its key had before
+    /// claims it ([`BatchClaim::answering_record`]): its own keys and the one its key had before
     /// authentication; none when the call read them before it queued.
     pub(super) fn keys_to_read(&self) -> Vec<(&str, &str)> {
         let RecordsRead::ByBatch { unauthenticated_key } = &self.records_read else { return Vec::new() };
