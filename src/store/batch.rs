@@ -28,24 +28,7 @@
 
 use serde::ser::{Serialize, Serializer};
 
-use super::dialect::Dialect;
-
-/// One statement's text on each backend.
-pub(super) struct BatchSql {
-    postgres: &'static str,
-    mysql: &'static str,
-    sqlite: &'static str,
-}
-
-impl BatchSql {
-    pub(super) fn text(&self, dialect: Dialect) -> &'static str {
-        match dialect {
-            Dialect::Postgres => self.postgres,
-            Dialect::MySql => self.mysql,
-            Dialect::Sqlite => self.sqlite,
-        }
-    }
-}
+use super::dialect::{Dialect, Sql};
 
 /// One step of a group commit's write on MySQL and SQLite; PostgreSQL writes the whole batch
 /// in one statement, [`WRITE_BATCH_POSTGRES`].
@@ -80,7 +63,7 @@ impl Serialize for Value<'_> {
     }
 }
 
-/// The values that bind `rows` (each of `N` columns) to a [`BatchSql`], in order: on
+/// The values that bind `rows` (each of `N` columns) to a [`Sql`], in order: on
 /// PostgreSQL one array literal a column, elsewhere one JSON document of rows.
 pub(super) fn bind_rows<const N: usize>(dialect: Dialect, rows: &[[Value<'_>; N]]) -> Vec<String> {
     match dialect {
@@ -133,7 +116,7 @@ macro_rules! mysql_key_pair {
 }
 
 /// The payments (with their orders) of rows `[merchant_id, out_trade_no]`; a read.
-pub(super) static FIND_PAYMENTS_AND_ORDERS: BatchSql = BatchSql {
+pub(super) static FIND_PAYMENTS_AND_ORDERS: Sql = Sql {
     postgres: concat!(
         super::queries::payment_and_order_select!(),
         " WHERE (p.merchant_id, p.out_trade_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))"
@@ -152,7 +135,7 @@ pub(super) static FIND_PAYMENTS_AND_ORDERS: BatchSql = BatchSql {
 };
 
 /// The refunds of rows `[merchant_id, out_refund_no]`; a read.
-pub(super) static FIND_REFUNDS: BatchSql = BatchSql {
+pub(super) static FIND_REFUNDS: Sql = Sql {
     postgres: concat!(
         "SELECT ",
         super::queries::refund_columns!(),
@@ -180,7 +163,7 @@ pub(super) static FIND_REFUNDS: BatchSql = BatchSql {
 /// The records of rows `[scope, idempotency_key]` that hold a response (committed ones: a
 /// transaction writes the response with the business change), whole, as a replay answers
 /// from them; a read, without locks, by the records' unique key.
-pub(super) static FIND_ANSWERED_RECORDS: BatchSql = BatchSql {
+pub(super) static FIND_ANSWERED_RECORDS: Sql = Sql {
     postgres: concat!(
         "SELECT ",
         super::queries::record_columns!(),
@@ -209,7 +192,7 @@ pub(super) static FIND_ANSWERED_RECORDS: BatchSql = BatchSql {
 /// The orders of rows `[merchant_id, order_no]` (sorted by the caller), row-locked in that
 /// order. PostgreSQL locks after its sort, so its ORDER BY sets the order; MySQL's locks follow
 /// the join from the JSON rows.
-pub(super) static LOCK_ORDERS: BatchSql = BatchSql {
+pub(super) static LOCK_ORDERS: Sql = Sql {
     postgres: concat!(
         "SELECT ",
         super::queries::order_columns!(),
@@ -234,7 +217,7 @@ pub(super) static LOCK_ORDERS: BatchSql = BatchSql {
 
 /// The accounts of rows `[account_id]` (sorted by the caller, in byte order), row-locked in that
 /// order: the order in which single postings take their row locks too.
-pub(super) static LOCK_ACCOUNTS: BatchSql = BatchSql {
+pub(super) static LOCK_ACCOUNTS: Sql = Sql {
     postgres: concat!(
         "SELECT ",
         super::queries::account_columns!(),
@@ -258,7 +241,7 @@ pub(super) static LOCK_ACCOUNTS: BatchSql = BatchSql {
 /// without statistics, is guessed at 0.5% of the table a value and scanned); a read, inside
 /// the batch's transaction after [`INSERT_ENTRIES`], for the entry ids a Transfer's answer
 /// gives.
-pub(super) static FIND_ENTRIES: BatchSql = BatchSql {
+pub(super) static FIND_ENTRIES: Sql = Sql {
     postgres: concat!(
         "SELECT ",
         super::queries::entry_columns!(),
@@ -285,7 +268,7 @@ pub(super) static FIND_ENTRIES: BatchSql = BatchSql {
 /// transaction once the funding accounts are locked (every Deposit or Withdraw of a request_id
 /// moves money against the same funding account, so none of them can commit after this read
 /// while the batch holds that account's lock).
-pub(super) static FIND_FUNDINGS: BatchSql = BatchSql {
+pub(super) static FIND_FUNDINGS: Sql = Sql {
     postgres: "SELECT 'D'::text, request_id::text FROM deposits WHERE request_id = ANY($1::text[]) \
                UNION ALL SELECT 'W'::text, request_id::text FROM withdrawals WHERE request_id = ANY($2::text[])",
     mysql: "SELECT 'D', deposits.request_id FROM JSON_TABLE(?, '$[*]' COLUMNS (\

@@ -1,8 +1,7 @@
 //! What differs between the three backends, kept in one place: connection set-up, the
-//! isolation level, how a write transaction begins, how SQL text is rendered, and which
-//! driver errors are transient.
+//! isolation level, how a write transaction begins, the form of a statement each one takes
+//! ([`Sql`]), and which driver errors are transient.
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
@@ -319,83 +318,46 @@ fn classify_sqlite(code: i32) -> Fault {
     }
 }
 
-/// One SQL statement written once in portable text and rendered per backend on first use:
-/// `?` placeholders become `$1, $2, ...` on PostgreSQL; a trailing `ON CONFLICT DO NOTHING`
-/// is dropped on MySQL, where the insert instead fails with a duplicate-key error that
-/// [`super::Queries`] reads as "the key is taken" (MySQL does not abort the transaction on
-/// it, and has no `ON CONFLICT`; `INSERT IGNORE` would also hide data errors); and
-/// `CAST(... AS BIGINT)` is spelled `AS SIGNED` on MySQL; a trailing `FOR UPDATE` (or `FOR
-/// UPDATE SKIP LOCKED`, which needs MySQL 8.0.1 or MariaDB 10.6) is dropped on SQLite, whose
-/// write transactions already exclude each other.
-pub struct Sql {
-    portable: &'static str,
-    /// Replaces the portable text on MySQL where its grammar differs.
-    mysql: Option<&'static str>,
-    rendered: [OnceLock<String>; 3],
+/// One SQL statement as each backend takes it, written out for each: nothing rewrites SQL
+/// text. The forms differ where the databases do:
+/// - placeholders: `$1, $2, ...` on PostgreSQL, `?` on MySQL and SQLite;
+/// - a row lock (`FOR UPDATE`): `FOR NO KEY UPDATE` on PostgreSQL, the lock a plain UPDATE
+///   takes, enough to order writers without blocking foreign-key checks (PostgreSQL manual,
+///   "Row-Level Locks"); none on SQLite, whose write transactions already exclude each other
+///   (`BEGIN IMMEDIATE`); `SKIP LOCKED` needs MySQL 8.0.1 or MariaDB 10.6;
+/// - an insert that may find its key taken: `ON CONFLICT DO NOTHING` on PostgreSQL and SQLite;
+///   MySQL has no `ON CONFLICT` (and `INSERT IGNORE` would also hide data errors), so there
+///   the insert fails with a duplicate-key error that [`super::Queries`] reads as "the key is
+///   taken" (MySQL does not abort the transaction on it).
+pub(super) struct Sql {
+    pub(super) postgres: &'static str,
+    pub(super) mysql: &'static str,
+    pub(super) sqlite: &'static str,
 }
 
 impl Sql {
-    pub const fn new(portable: &'static str) -> Self {
-        Self { portable, mysql: None, rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()] }
+    /// A statement every backend takes as it is (no placeholders, nothing backend-specific).
+    pub(super) const fn same(text: &'static str) -> Self {
+        Self { postgres: text, mysql: text, sqlite: text }
     }
 
-    /// A statement whose MySQL form is written out separately.
-    pub const fn with_mysql(portable: &'static str, mysql: &'static str) -> Self {
-        Self { portable, mysql: Some(mysql), rendered: [OnceLock::new(), OnceLock::new(), OnceLock::new()] }
+    /// A statement whose PostgreSQL form differs only in its numbered placeholders from the
+    /// one MySQL and SQLite share.
+    pub(super) const fn pair(postgres: &'static str, mysql_and_sqlite: &'static str) -> Self {
+        Self { postgres, mysql: mysql_and_sqlite, sqlite: mysql_and_sqlite }
     }
 
-    /// How many values a caller binds: the `?` placeholders of the portable text (a MySQL
-    /// text, where there is one, takes the same values).
-    pub fn placeholders(&self) -> usize {
-        self.portable.matches('?').count()
+    /// How many values a caller binds: the `?` placeholders of the MySQL form, which every
+    /// form takes in the same order.
+    pub(super) fn placeholders(&self) -> usize {
+        self.mysql.matches('?').count()
     }
 
-    pub fn text(&self, dialect: Dialect) -> &str {
-        let slot = match dialect {
-            Dialect::Postgres => 0,
-            Dialect::MySql => 1,
-            Dialect::Sqlite => 2,
-        };
-        let source = match (dialect, self.mysql) {
-            (Dialect::MySql, Some(mysql)) => mysql,
-            _ => self.portable,
-        };
-        self.rendered[slot].get_or_init(|| render(source, dialect))
-    }
-}
-
-/// Renders portable SQL text for `dialect` (see [`Sql`]); for statements built at run time.
-pub(super) fn render(portable: &str, dialect: Dialect) -> String {
-    match dialect {
-        // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
-        Dialect::Sqlite => portable
-            .trim_end()
-            .trim_end_matches("SKIP LOCKED")
-            .trim_end()
-            .trim_end_matches("FOR UPDATE")
-            .trim_end()
-            .to_owned(),
-        Dialect::MySql => portable
-            .trim_end()
-            .trim_end_matches("ON CONFLICT DO NOTHING")
-            .trim_end()
-            .replace("AS BIGINT)", "AS SIGNED)"),
-        Dialect::Postgres => {
-            // FOR NO KEY UPDATE is the row lock a plain UPDATE takes: enough to order writers,
-            // and it does not block foreign-key checks (PostgreSQL manual, "Row-Level Locks").
-            let portable = portable.replace("FOR UPDATE", "FOR NO KEY UPDATE");
-            let mut text = String::with_capacity(portable.len() + 16);
-            let mut number = 0;
-            for c in portable.chars() {
-                if c == '?' {
-                    number += 1;
-                    text.push('$');
-                    text.push_str(&number.to_string());
-                } else {
-                    text.push(c);
-                }
-            }
-            text
+    pub(super) fn text(&self, dialect: Dialect) -> &'static str {
+        match dialect {
+            Dialect::Postgres => self.postgres,
+            Dialect::MySql => self.mysql,
+            Dialect::Sqlite => self.sqlite,
         }
     }
 }
@@ -522,30 +484,6 @@ mod tests {
         assert_eq!(Dialect::from_url("mariadb://root@h/test"), Some(Dialect::MySql));
         assert_eq!(Dialect::from_url("sqlite:payledger.db"), Some(Dialect::Sqlite));
         assert_eq!(Dialect::from_url("redis://h"), None);
-    }
-
-    #[test]
-    fn postgres_gets_numbered_placeholders() {
-        let sql = Sql::new("UPDATE t SET a = ? WHERE b = ? AND c = ?");
-        assert_eq!(sql.text(Dialect::Postgres), "UPDATE t SET a = $1 WHERE b = $2 AND c = $3");
-        assert_eq!(sql.text(Dialect::Sqlite), "UPDATE t SET a = ? WHERE b = ? AND c = ?");
-    }
-
-    #[test]
-    fn mysql_drops_on_conflict_and_casts_to_signed() {
-        let insert = Sql::new("INSERT INTO t (a) VALUES (?) ON CONFLICT DO NOTHING");
-        assert_eq!(insert.text(Dialect::MySql), "INSERT INTO t (a) VALUES (?)");
-        assert_eq!(insert.text(Dialect::Postgres), "INSERT INTO t (a) VALUES ($1) ON CONFLICT DO NOTHING");
-        let sum = Sql::new("SELECT CAST(SUM(a) AS BIGINT) FROM t");
-        assert_eq!(sum.text(Dialect::MySql), "SELECT CAST(SUM(a) AS SIGNED) FROM t");
-    }
-
-    #[test]
-    fn row_locks_are_dropped_on_sqlite_and_weakened_on_postgres() {
-        let sql = Sql::new("SELECT a FROM t WHERE b = ? FOR UPDATE");
-        assert_eq!(sql.text(Dialect::Sqlite), "SELECT a FROM t WHERE b = ?");
-        assert_eq!(sql.text(Dialect::MySql), "SELECT a FROM t WHERE b = ? FOR UPDATE");
-        assert_eq!(sql.text(Dialect::Postgres), "SELECT a FROM t WHERE b = $1 FOR NO KEY UPDATE");
     }
 
     #[test]

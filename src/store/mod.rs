@@ -1,7 +1,9 @@
 //! SQL only. One small interface ([`Store`], [`Tx`], [`Queries`]) over PostgreSQL,
-//! MySQL/MariaDB and SQLite; what differs between them lives in [`dialect`], and the group
-//! commit's statements, which take any number of rows in one fixed text, are written out for
-//! each backend in `batch`.
+//! MySQL/MariaDB and SQLite. Every statement is written out in the form each backend takes
+//! (`dialect::Sql`; nothing rewrites SQL text): one call's statements and the audit's in
+//! `queries`, the group commit's, which take any number of rows in one fixed text, in `batch`;
+//! what else differs between the backends (session set-up, how a write transaction begins,
+//! which driver errors are transient) lives in [`dialect`].
 //!
 //! Every column is a BIGINT or a string: amounts are integer minor units and timestamps are
 //! microseconds since the Unix epoch, so all three backends store exactly the same values.

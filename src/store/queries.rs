@@ -1,9 +1,10 @@
-//! The statements, each written once (see [`Sql`] for how it is rendered per backend).
+//! The statements of one call's transaction and of the audit, each in the form every backend
+//! takes (see [`Sql`]), and the store's operations over them.
 
 use sqlx::any::{AnyArguments, AnyRow};
 use sqlx::query::{Query, QueryAs};
 use sqlx::AnyConnection;
-use sqlx::{Any, Row};
+use sqlx::{Any, FromRow, Row};
 
 use super::batch::{self, Value};
 use super::dialect::{Dialect, Sql};
@@ -89,75 +90,138 @@ macro_rules! insert_order_into {
 }
 pub(super) use insert_order_into;
 
-static FIND_ACCOUNT: Sql = Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"));
-static FIND_ACCOUNT_FOR_UPDATE: Sql =
-    Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ? FOR UPDATE"));
-static FIND_TWO_ACCOUNTS: Sql =
-    Sql::new(concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN (?, ?)"));
-static INSERT_ACCOUNT: Sql = Sql::new(
-    "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
-     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+static FIND_ACCOUNT: Sql = Sql::pair(
+    concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = $1"),
+    concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"),
 );
+static FIND_ACCOUNT_FOR_UPDATE: Sql = Sql {
+    postgres: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = $1 FOR NO KEY UPDATE"),
+    mysql: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ? FOR UPDATE"),
+    sqlite: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"),
+};
+static FIND_TWO_ACCOUNTS: Sql = Sql::pair(
+    concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN ($1, $2)"),
+    concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN (?, ?)"),
+);
+static INSERT_ACCOUNT: Sql = Sql {
+    postgres: "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+    mysql: "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?)",
+    sqlite: "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
+     VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+};
 /// The version CAS; `held <= ?` (bound the new balance) keeps an account's active holds
 /// covered even when one was placed after the balance was read (placing a hold changes
 /// `held`, not the version).
-static CAS_BALANCE: Sql = Sql::new(
+static CAS_BALANCE: Sql = Sql::pair(
+    "UPDATE accounts SET balance = $1, version = version + 1, updated_at = $2 WHERE account_id = $3 AND version = $4 \
+     AND (held = 0 OR held <= $5)",
     "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ? \
      AND (held = 0 OR held <= ?)",
 );
 /// Reserves `?` on a customer account whose available balance covers it.
-static RESERVE_HELD: Sql = Sql::new(
+static RESERVE_HELD: Sql = Sql::pair(
+    "UPDATE accounts SET held = held + $1, updated_at = $2 WHERE account_id = $3 AND kind = 'CUSTOMER' AND balance - held >= $4",
     "UPDATE accounts SET held = held + ?, updated_at = ? WHERE account_id = ? AND kind = 'CUSTOMER' AND balance - held >= ?",
 );
 /// Releases `?` of an account's holds.
-static RELEASE_HELD: Sql =
-    Sql::new("UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?");
-static INSERT_ENTRY_PAIR: Sql = Sql::new(concat!(
+static RELEASE_HELD: Sql = Sql::pair(
+    "UPDATE accounts SET held = held - $1, updated_at = $2 WHERE account_id = $3 AND held >= $4",
+    "UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?",
+);
+static INSERT_ENTRY_PAIR: Sql = Sql::pair(
+    concat!(
     insert_entry_into!(),
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-));
-static FIND_ENTRY: Sql =
-    Sql::new(concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"));
-static LIST_ENTRIES: Sql = Sql::new(concat!(
-    "SELECT ",
-    entry_columns!(),
-    " FROM journal_entries WHERE account_id = ? AND entry_id < ? ORDER BY entry_id DESC LIMIT ?"
-));
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11), ($12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)"
+),
+    concat!(insert_entry_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+);
+static FIND_ENTRY: Sql = Sql::pair(
+    concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = $1 AND account_id = $2"),
+    concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"),
+);
+static LIST_ENTRIES: Sql = Sql::pair(
+    concat!(
+        "SELECT ",
+        entry_columns!(),
+        " FROM journal_entries WHERE account_id = $1 AND entry_id < $2 ORDER BY entry_id DESC LIMIT $3"
+    ),
+    concat!(
+        "SELECT ",
+        entry_columns!(),
+        " FROM journal_entries WHERE account_id = ? AND entry_id < ? ORDER BY entry_id DESC LIMIT ?"
+    ),
+);
 
-static FIND_ORDER: Sql =
-    Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"));
-static FIND_ORDER_FOR_UPDATE: Sql =
-    Sql::new(concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE"));
+static FIND_ORDER: Sql = Sql::pair(
+    concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = $1 AND order_no = $2"),
+    concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"),
+);
+static FIND_ORDER_FOR_UPDATE: Sql = Sql {
+    postgres: concat!(
+        "SELECT ",
+        order_columns!(),
+        " FROM orders WHERE merchant_id = $1 AND order_no = $2 FOR NO KEY UPDATE"
+    ),
+    mysql: concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE"),
+    sqlite: concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"),
+};
 /// The sweepers' lock: an order that another transaction holds is skipped, not waited for.
-static TRY_LOCK_ORDER: Sql = Sql::new(concat!(
-    "SELECT ",
-    order_columns!(),
-    " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE SKIP LOCKED"
-));
-static INSERT_ORDER: Sql = Sql::new(concat!(
-    insert_order_into!(),
-    " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?) ON CONFLICT DO NOTHING"
-));
+static TRY_LOCK_ORDER: Sql = Sql {
+    postgres: concat!(
+        "SELECT ",
+        order_columns!(),
+        " FROM orders WHERE merchant_id = $1 AND order_no = $2 FOR NO KEY UPDATE SKIP LOCKED"
+    ),
+    mysql: concat!(
+        "SELECT ",
+        order_columns!(),
+        " FROM orders WHERE merchant_id = ? AND order_no = ? FOR UPDATE SKIP LOCKED"
+    ),
+    sqlite: concat!("SELECT ", order_columns!(), " FROM orders WHERE merchant_id = ? AND order_no = ?"),
+};
+static INSERT_ORDER: Sql = Sql {
+    postgres: concat!(
+        insert_order_into!(),
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, 0, $8, $9, $10, NULL, $11) ON CONFLICT DO NOTHING"
+    ),
+    mysql: concat!(insert_order_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?)"),
+    sqlite: concat!(
+        insert_order_into!(),
+        " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?, NULL, ?) ON CONFLICT DO NOTHING"
+    ),
+};
 /// PENDING -> CLOSED by CloseOrder (reason MERCHANT). Every transition from PENDING also
 /// clears `pending_deadline`, the sweeper's key.
-static CLOSE_ORDER: Sql = Sql::new(
+static CLOSE_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = 'CLOSED', close_reason = $1, updated_at = $2, pending_deadline = NULL \
+     WHERE merchant_id = $3 AND order_no = $4 AND status = 'PENDING'",
     "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
 /// PENDING -> CLOSED by the sweeper (reason EXPIRED): the same conditional UPDATE, and only
 /// once the order's expires_at has passed.
-static EXPIRE_ORDER: Sql = Sql::new(
+static EXPIRE_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = 'CLOSED', close_reason = $1, updated_at = $2, pending_deadline = NULL \
+     WHERE merchant_id = $3 AND order_no = $4 AND status = 'PENDING' AND expires_at <= $5",
     "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING' AND expires_at <= ?",
 );
 /// The PENDING orders whose expires_at has passed, oldest deadline first, at most `?`.
-static FIND_EXPIRED_ORDERS: Sql =
-    Sql::new("SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= ? ORDER BY pending_deadline LIMIT ?");
-static MARK_ORDER_PAID: Sql = Sql::new(
+static FIND_EXPIRED_ORDERS: Sql = Sql::pair(
+    "SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= $1 ORDER BY pending_deadline LIMIT $2",
+    "SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= ? ORDER BY pending_deadline LIMIT ?",
+);
+static MARK_ORDER_PAID: Sql = Sql::pair(
+    "UPDATE orders SET status = 'PAID', out_trade_no = $1, updated_at = $2, pending_deadline = NULL \
+     WHERE merchant_id = $3 AND order_no = $4 AND status = 'PENDING'",
     "UPDATE orders SET status = 'PAID', out_trade_no = ?, updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
-static TRANSITION_ORDER: Sql = Sql::new(
+static TRANSITION_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = $1, refunded_amount = $2, updated_at = $3 \
+     WHERE merchant_id = $4 AND order_no = $5 AND status = $6 AND refunded_amount = $7 AND $8 <= amount",
     "UPDATE orders SET status = ?, refunded_amount = ?, updated_at = ? \
      WHERE merchant_id = ? AND order_no = ? AND status = ? AND refunded_amount = ? AND ? <= amount",
 );
@@ -169,50 +233,77 @@ macro_rules! hold_columns {
     };
 }
 /// An order and its hold (if any), for Query: one round trip.
-static FIND_ORDER_AND_HOLD: Sql = Sql::new(
-    "SELECT o.merchant_id, o.order_no, o.payee_account_id, o.amount, o.currency, o.subject, o.status, o.out_trade_no, \
-     o.refunded_amount, o.created_at, o.updated_at, o.expires_at, o.close_reason, h.hold_no AS h_hold_no, \
-     h.out_auth_no AS h_out_auth_no, h.payer_account_id AS h_payer_account_id, h.amount AS h_amount, \
-     h.currency AS h_currency, h.status AS h_status, h.captured_amount AS h_captured_amount, \
-     h.out_trade_no AS h_out_trade_no, h.expires_at AS h_expires_at, h.created_at AS h_created_at, \
-     h.updated_at AS h_updated_at, h.created_by AS h_created_by \
-     FROM orders o LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
-     WHERE o.merchant_id = ? AND o.order_no = ?",
+macro_rules! order_and_hold_select {
+    () => {
+        "SELECT o.merchant_id, o.order_no, o.payee_account_id, o.amount, o.currency, o.subject, o.status, \
+         o.out_trade_no, o.refunded_amount, o.created_at, o.updated_at, o.expires_at, o.close_reason, \
+         h.hold_no AS h_hold_no, h.out_auth_no AS h_out_auth_no, h.payer_account_id AS h_payer_account_id, \
+         h.amount AS h_amount, h.currency AS h_currency, h.status AS h_status, h.captured_amount AS h_captured_amount, \
+         h.out_trade_no AS h_out_trade_no, h.expires_at AS h_expires_at, h.created_at AS h_created_at, \
+         h.updated_at AS h_updated_at, h.created_by AS h_created_by \
+         FROM orders o LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no"
+    };
+}
+static FIND_ORDER_AND_HOLD: Sql = Sql::pair(
+    concat!(order_and_hold_select!(), " WHERE o.merchant_id = $1 AND o.order_no = $2"),
+    concat!(order_and_hold_select!(), " WHERE o.merchant_id = ? AND o.order_no = ?"),
 );
-static INSERT_HOLD: Sql = Sql::new(concat!(
-    "INSERT INTO holds (",
-    hold_columns!(),
-    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
-));
-static FIND_HOLD: Sql =
-    Sql::new(concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND out_auth_no = ?"));
-static FIND_HOLD_OF_ORDER: Sql =
-    Sql::new(concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND order_no = ?"));
+static INSERT_HOLD: Sql = Sql {
+    postgres: concat!(
+        "INSERT INTO holds (",
+        hold_columns!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) ON CONFLICT DO NOTHING"
+    ),
+    mysql: concat!("INSERT INTO holds (", hold_columns!(), ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(
+        "INSERT INTO holds (",
+        hold_columns!(),
+        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+    ),
+};
+static FIND_HOLD: Sql = Sql::pair(
+    concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = $1 AND out_auth_no = $2"),
+    concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND out_auth_no = ?"),
+);
+static FIND_HOLD_OF_ORDER: Sql = Sql::pair(
+    concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = $1 AND order_no = $2"),
+    concat!("SELECT ", hold_columns!(), " FROM holds WHERE merchant_id = ? AND order_no = ?"),
+);
 /// ACTIVE -> CAPTURED, VOIDED or EXPIRED, only while ACTIVE.
-static SETTLE_HOLD: Sql = Sql::new(
+static SETTLE_HOLD: Sql = Sql::pair(
+    "UPDATE holds SET status = $1, captured_amount = $2, out_trade_no = $3, updated_at = $4 WHERE hold_no = $5 AND status = 'ACTIVE'",
     "UPDATE holds SET status = ?, captured_amount = ?, out_trade_no = ?, updated_at = ? WHERE hold_no = ? AND status = 'ACTIVE'",
 );
 /// ACTIVE holds whose expires_at is at or before `?`, earliest first, at most `?`.
-static FIND_EXPIRED_HOLDS: Sql = Sql::new(
+static FIND_EXPIRED_HOLDS: Sql = Sql::pair(
+    "SELECT merchant_id, order_no FROM holds WHERE status = 'ACTIVE' AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
     "SELECT merchant_id, order_no FROM holds WHERE status = 'ACTIVE' AND expires_at <= ? ORDER BY expires_at LIMIT ?",
 );
 /// PENDING -> AUTHORIZED.
-static AUTHORIZE_ORDER: Sql = Sql::new(
+static AUTHORIZE_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = 'AUTHORIZED', updated_at = $1, pending_deadline = NULL \
+     WHERE merchant_id = $2 AND order_no = $3 AND status = 'PENDING'",
     "UPDATE orders SET status = 'AUTHORIZED', updated_at = ?, pending_deadline = NULL \
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING'",
 );
 /// AUTHORIZED -> PAID by a capture: the order's amount becomes the captured amount.
-static CAPTURE_ORDER: Sql = Sql::new(
+static CAPTURE_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = 'PAID', out_trade_no = $1, amount = $2, updated_at = $3 \
+     WHERE merchant_id = $4 AND order_no = $5 AND status = 'AUTHORIZED' AND $6 <= amount",
     "UPDATE orders SET status = 'PAID', out_trade_no = ?, amount = ?, updated_at = ? \
      WHERE merchant_id = ? AND order_no = ? AND status = 'AUTHORIZED' AND ? <= amount",
 );
 /// AUTHORIZED -> CLOSED (the hold voided, expired or the order closed by the merchant).
-static CLOSE_AUTHORIZED_ORDER: Sql = Sql::new(
+static CLOSE_AUTHORIZED_ORDER: Sql = Sql::pair(
+    "UPDATE orders SET status = 'CLOSED', close_reason = $1, updated_at = $2 \
+     WHERE merchant_id = $3 AND order_no = $4 AND status = 'AUTHORIZED'",
     "UPDATE orders SET status = 'CLOSED', close_reason = ?, updated_at = ? \
      WHERE merchant_id = ? AND order_no = ? AND status = 'AUTHORIZED'",
 );
 
-static FIND_PAYMENT: Sql = Sql::new(
+static FIND_PAYMENT: Sql = Sql::pair(
+    "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at, \
+     created_by FROM payment_flow WHERE merchant_id = $1 AND out_trade_no = $2",
     "SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, status, created_at, \
      created_by FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?",
 );
@@ -227,33 +318,66 @@ macro_rules! payment_and_order_select {
     };
 }
 pub(super) use payment_and_order_select;
-static FIND_PAYMENT_AND_ORDER: Sql =
-    Sql::new(concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"));
-static INSERT_PAYMENT: Sql =
-    Sql::new(concat!(insert_payment_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
+static FIND_PAYMENT_AND_ORDER: Sql = Sql::pair(
+    concat!(payment_and_order_select!(), " WHERE p.merchant_id = $1 AND p.out_trade_no = $2"),
+    concat!(payment_and_order_select!(), " WHERE p.merchant_id = ? AND p.out_trade_no = ?"),
+);
+static INSERT_PAYMENT: Sql = Sql {
+    postgres: concat!(
+        insert_payment_into!(),
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING"
+    ),
+    mysql: concat!(insert_payment_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_payment_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+};
 
-static FIND_REFUND: Sql =
-    Sql::new(concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"));
-static LIST_REFUNDS: Sql = Sql::new(concat!(
-    "SELECT ",
-    refund_columns!(),
-    " FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no"
-));
-static INSERT_REFUND: Sql =
-    Sql::new(concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
+static FIND_REFUND: Sql = Sql::pair(
+    concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = $1 AND out_refund_no = $2"),
+    concat!("SELECT ", refund_columns!(), " FROM refunds WHERE merchant_id = ? AND out_refund_no = ?"),
+);
+static LIST_REFUNDS: Sql = Sql::pair(
+    concat!(
+        "SELECT ",
+        refund_columns!(),
+        " FROM refunds WHERE merchant_id = $1 AND order_no = $2 ORDER BY created_at, refund_no"
+    ),
+    concat!(
+        "SELECT ",
+        refund_columns!(),
+        " FROM refunds WHERE merchant_id = ? AND order_no = ? ORDER BY created_at, refund_no"
+    ),
+);
+static INSERT_REFUND: Sql = Sql {
+    postgres: concat!(
+        insert_refund_into!(),
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING"
+    ),
+    mysql: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+};
 
-static FIND_DEPOSIT: Sql = Sql::new(
+static FIND_DEPOSIT: Sql = Sql::pair(
+    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
+     WHERE request_id = $1",
     "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
      WHERE request_id = ?",
 );
-static INSERT_DEPOSIT: Sql =
-    Sql::new(concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
-static FIND_WITHDRAWAL: Sql = Sql::new(
+static INSERT_DEPOSIT: Sql = Sql {
+    postgres: concat!(insert_deposit_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING"),
+    mysql: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+};
+static FIND_WITHDRAWAL: Sql = Sql::pair(
+    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
+     WHERE request_id = $1",
     "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
      WHERE request_id = ?",
 );
-static INSERT_WITHDRAWAL: Sql =
-    Sql::new(concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"));
+static INSERT_WITHDRAWAL: Sql = Sql {
+    postgres: concat!(insert_withdrawal_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING"),
+    mysql: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+};
 
 /// The columns of an idempotency record, as `IdempotencyRecordRow` reads them.
 macro_rules! record_columns {
@@ -265,43 +389,68 @@ macro_rules! record_columns {
     };
 }
 pub(super) use record_columns;
-static FIND_RECORD: Sql =
-    Sql::new(concat!("SELECT ", record_columns!(), " FROM idempotency_record WHERE scope = ? AND idempotency_key = ?"));
-static INSERT_RECORD: Sql = Sql::new(
-    "INSERT INTO idempotency_record \
+static FIND_RECORD: Sql = Sql::pair(
+    concat!("SELECT ", record_columns!(), " FROM idempotency_record WHERE scope = $1 AND idempotency_key = $2"),
+    concat!("SELECT ", record_columns!(), " FROM idempotency_record WHERE scope = ? AND idempotency_key = ?"),
+);
+static INSERT_RECORD: Sql = Sql {
+    postgres: "INSERT INTO idempotency_record \
+     (scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, caller_scope, \
+     status, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING",
+    mysql: "INSERT INTO idempotency_record \
+     (scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, caller_scope, \
+     status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    sqlite: "INSERT INTO idempotency_record \
      (scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, caller_scope, \
      status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+};
+static DELETE_EXPIRED_RECORD: Sql = Sql::pair(
+    "DELETE FROM idempotency_record WHERE scope = $1 AND idempotency_key = $2 AND expires_at <= $3",
+    "DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?",
 );
-static DELETE_EXPIRED_RECORD: Sql =
-    Sql::new("DELETE FROM idempotency_record WHERE scope = ? AND idempotency_key = ? AND expires_at <= ?");
-static COMPLETE_RECORD: Sql = Sql::new(
+static COMPLETE_RECORD: Sql = Sql::pair(
+    "UPDATE idempotency_record SET response = $1, response_message = $2, status = 'COMPLETED' \
+     WHERE scope = $3 AND idempotency_key = $4 AND status = 'IN_PROGRESS'",
     "UPDATE idempotency_record SET response = ?, response_message = ?, status = 'COMPLETED' \
      WHERE scope = ? AND idempotency_key = ? AND status = 'IN_PROGRESS'",
 );
-static REAP_RECORDS: Sql = Sql::with_mysql(
-    "DELETE FROM idempotency_record WHERE record_id IN \
-     (SELECT record_id FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
+static REAP_RECORDS: Sql = Sql {
+    postgres: "DELETE FROM idempotency_record WHERE record_id IN \
+     (SELECT record_id FROM idempotency_record WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2)",
     // MySQL refuses LIMIT inside an IN subquery, and allows it on DELETE itself.
-    "DELETE FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
-);
+    mysql: "DELETE FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+    sqlite: "DELETE FROM idempotency_record WHERE record_id IN \
+     (SELECT record_id FROM idempotency_record WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
+};
 
-static INSERT_TOKEN: Sql = Sql::new(
+static INSERT_TOKEN: Sql = Sql::pair(
+    "INSERT INTO idempotency_token (token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag) \
+     VALUES ($1, $2, $3, $4, $5, NULL, $6)",
     "INSERT INTO idempotency_token (token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag) \
      VALUES (?, ?, ?, ?, ?, NULL, ?)",
 );
-static FIND_TOKEN: Sql = Sql::new(
+static FIND_TOKEN: Sql = Sql::pair(
+    "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag FROM idempotency_token \
+     WHERE token = $1",
     "SELECT token, merchant_id, purpose, created_at, expires_at, consumed_at, caller_tag FROM idempotency_token \
      WHERE token = ?",
 );
-static CONSUME_TOKEN: Sql =
-    Sql::new("UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?");
-static REAP_TOKENS: Sql = Sql::with_mysql(
-    "DELETE FROM idempotency_token WHERE token IN \
-     (SELECT token FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
-    "DELETE FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+static CONSUME_TOKEN: Sql = Sql::pair(
+    "UPDATE idempotency_token SET consumed_at = $1 WHERE token = $2 AND consumed_at IS NULL AND expires_at > $3",
+    "UPDATE idempotency_token SET consumed_at = ? WHERE token = ? AND consumed_at IS NULL AND expires_at > ?",
 );
+static REAP_TOKENS: Sql = Sql {
+    postgres: "DELETE FROM idempotency_token WHERE token IN \
+     (SELECT token FROM idempotency_token WHERE expires_at <= $1 ORDER BY expires_at LIMIT $2)",
+    mysql: "DELETE FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+    sqlite: "DELETE FROM idempotency_token WHERE token IN \
+     (SELECT token FROM idempotency_token WHERE expires_at <= ? ORDER BY expires_at LIMIT ?)",
+};
 
-static INSERT_TRANSFER: Sql = Sql::new(concat!(insert_transfer_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"));
+static INSERT_TRANSFER: Sql = Sql::pair(
+    concat!(insert_transfer_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"),
+    concat!(insert_transfer_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"),
+);
 
 /// The position in [`AUDIT_CHECKS`] of the check that each currency's balances sum to zero.
 const CURRENCY_SUMS: usize = 3;
@@ -310,7 +459,7 @@ const CURRENCY_SUMS: usize = 3;
 static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "every entry, payment, order and deposit names an existing account and order",
-        Sql::new(
+        Sql::same(
             "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail FROM journal_entries e \
              WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = e.account_id) \
              UNION ALL SELECT p.trade_no, 'payment account missing' FROM payment_flow p \
@@ -328,10 +477,10 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "balance equals the sum of the account's entries, version their count",
-        Sql::new(
+        Sql::same(
             "SELECT a.account_id AS subject, \
              CONCAT_WS('', 'balance ', CAST(a.balance AS CHAR(24)), ' version ', CAST(a.version AS CHAR(24)), ' entries sum ', \
-               CAST(COALESCE(CAST(SUM(e.amount) AS BIGINT), 0) AS CHAR(24)), ' count ', CAST(COUNT(e.entry_id) AS CHAR(24))) AS detail \
+               CAST(COALESCE(SUM(e.amount), 0) AS CHAR(24)), ' count ', CAST(COUNT(e.entry_id) AS CHAR(24))) AS detail \
              FROM accounts a LEFT JOIN journal_entries e ON e.account_id = a.account_id \
              GROUP BY a.account_id, a.balance, a.version \
              HAVING a.balance <> COALESCE(SUM(e.amount), 0) OR a.version <> COUNT(e.entry_id)",
@@ -339,7 +488,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "the latest entry records the account's balance and version",
-        Sql::new(
+        Sql::same(
             "SELECT a.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
              FROM accounts a JOIN journal_entries e ON e.account_id = a.account_id \
              WHERE e.entry_id = (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = a.account_id) \
@@ -348,30 +497,30 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "balances of each currency sum to zero",
-        Sql::new(
-            "SELECT currency AS subject, CONCAT_WS('', 'sum ', CAST(CAST(SUM(balance) AS BIGINT) AS CHAR(24))) AS detail \
+        Sql::same(
+            "SELECT currency AS subject, CONCAT_WS('', 'sum ', CAST(SUM(balance) AS CHAR(24))) AS detail \
              FROM accounts GROUP BY currency HAVING SUM(balance) <> 0",
         ),
     ),
     (
         "every posting has two entries that sum to zero",
-        Sql::new(
+        Sql::same(
             "SELECT posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
              FROM journal_entries GROUP BY posting_id HAVING SUM(amount) <> 0 OR COUNT(*) <> 2",
         ),
     ),
     (
         "refunds of an order sum to its refunded amount, at most what was paid",
-        Sql::new(
+        Sql::same(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, \
              CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) AS detail FROM orders o \
              WHERE o.refunded_amount > o.amount OR o.refunded_amount <> \
-             (SELECT COALESCE(CAST(SUM(r.amount) AS BIGINT), 0) FROM refunds r WHERE r.merchant_id = o.merchant_id AND r.order_no = o.order_no)",
+             (SELECT COALESCE(SUM(r.amount), 0) FROM refunds r WHERE r.merchant_id = o.merchant_id AND r.order_no = o.order_no)",
         ),
     ),
     (
         "an order is paid exactly when it has a payment, made before the order's expires_at",
-        Sql::new(
+        Sql::same(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
              LEFT JOIN payment_flow p ON p.merchant_id = o.merchant_id AND p.order_no = o.order_no \
              WHERE (p.trade_no IS NULL AND o.status IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED')) \
@@ -383,7 +532,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "every payment, refund, deposit, withdrawal and transfer has its posting",
-        Sql::new(
+        Sql::same(
             "SELECT p.trade_no AS subject, 'payment without entries' AS detail FROM payment_flow p \
              WHERE NOT EXISTS (SELECT 1 FROM journal_entries e WHERE e.posting_id = p.trade_no AND e.amount = p.amount) \
              UNION ALL SELECT r.refund_no, 'refund without entries' FROM refunds r \
@@ -398,10 +547,10 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     ),
     (
         "an account's held amount is the sum of its active holds, and its balance covers it",
-        Sql::new(
+        Sql::same(
             "SELECT a.account_id AS subject, CONCAT_WS('', 'held ', CAST(a.held AS CHAR(24)), ' active holds ', \
                CAST(COALESCE(h.total, 0) AS CHAR(24)), ' balance ', CAST(a.balance AS CHAR(24))) AS detail \
-             FROM accounts a LEFT JOIN (SELECT payer_account_id, CAST(SUM(amount) AS BIGINT) AS total FROM holds \
+             FROM accounts a LEFT JOIN (SELECT payer_account_id, SUM(amount) AS total FROM holds \
                WHERE status = 'ACTIVE' GROUP BY payer_account_id) h ON h.payer_account_id = a.account_id \
              WHERE a.held <> COALESCE(h.total, 0) OR (a.kind = 'CUSTOMER' AND a.balance < a.held)",
         ),
@@ -409,7 +558,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "an order is authorized exactly when it has an active hold of its amount, a captured hold has its payment, \
          only a closed order has a close reason, and the sweeper's key is the deadline of exactly the open orders",
-        Sql::new(
+        Sql::same(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, o.status AS detail FROM orders o \
              LEFT JOIN holds h ON h.merchant_id = o.merchant_id AND h.order_no = o.order_no \
              WHERE (o.status = 'AUTHORIZED' AND (h.hold_no IS NULL OR h.status <> 'ACTIVE' OR h.amount <> o.amount)) \
@@ -430,75 +579,132 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
 static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
     (
         "every entry continues its account: the balance and version of the entry before, plus its amount and one",
-        Sql::new(
-            // Each entry's predecessor by LAG over the range's entries and, per account, the
-            // one entry before the account's first in the range (one backward index probe per
-            // account). A probe per entry instead (`MAX(entry_id) ... < e.entry_id`) made
-            // MariaDB read the account's whole history for every entry.
+        Sql::pair(entry_continuity!("$1", "$2", "$3", "$4"), entry_continuity!("?", "?", "?", "?")),
+    ),
+    (
+        "every posting has two entries that sum to zero",
+        Sql::pair(range_postings_balance!("$1", "$2"), range_postings_balance!("?", "?")),
+    ),
+    (
+        "the account of each entry exists and holds its latest entry's balance and version",
+        Sql::pair(range_accounts_match!("$1", "$2"), range_accounts_match!("?", "?")),
+    ),
+    (
+        "every posting is a payment, refund, deposit, withdrawal or transfer of its amount",
+        Sql::pair(range_postings_have_rows!("$1", "$2"), range_postings_have_rows!("?", "?")),
+    ),
+    (
+        "the order of each payment and refund is paid for its amount, and its refunds sum to its refunded amount",
+        Sql::pair(range_orders_match!("$1", "$2", "$3", "$4"), range_orders_match!("?", "?", "?", "?")),
+    ),
+];
+
+// The texts of `AUDIT_ENTRY_CHECKS`, each given its placeholders: `(after, upto)` pairs.
+
+/// Each entry's predecessor by LAG over the range's entries and, per account, the one entry
+/// before the account's first in the range (one backward index probe per account). A probe per
+/// entry instead (`MAX(entry_id) ... < e.entry_id`) made MariaDB read the account's whole
+/// history for every entry.
+macro_rules! entry_continuity {
+    ($after:literal, $upto:literal, $after_again:literal, $upto_again:literal) => {
+        concat!(
             "SELECT c.account_id AS subject, CONCAT_WS('', 'entry ', CAST(c.entry_id AS CHAR(24))) AS detail FROM ( \
                SELECT s.in_range, s.entry_id, s.account_id, s.amount, s.balance_after, s.version_after, \
                  LAG(s.entry_id) OVER w AS prev_id, LAG(s.balance_after) OVER w AS prev_balance, \
                  LAG(s.version_after) OVER w AS prev_version \
                FROM ( \
                  SELECT 1 AS in_range, e.entry_id, e.account_id, e.amount, e.balance_after, e.version_after \
-                 FROM journal_entries e WHERE e.entry_id > ? AND e.entry_id <= ? \
-                 UNION ALL SELECT 0, p.entry_id, p.account_id, p.amount, p.balance_after, p.version_after \
+                 FROM journal_entries e WHERE e.entry_id > ",
+            $after,
+            " AND e.entry_id <= ",
+            $upto,
+            " UNION ALL SELECT 0, p.entry_id, p.account_id, p.amount, p.balance_after, p.version_after \
                  FROM (SELECT f.account_id, MIN(f.entry_id) AS first_id FROM journal_entries f \
-                   WHERE f.entry_id > ? AND f.entry_id <= ? GROUP BY f.account_id) a \
+                   WHERE f.entry_id > ",
+            $after_again,
+            " AND f.entry_id <= ",
+            $upto_again,
+            " GROUP BY f.account_id) a \
                  JOIN journal_entries p ON p.entry_id = (SELECT x.entry_id FROM journal_entries x \
                    WHERE x.account_id = a.account_id AND x.entry_id < a.first_id ORDER BY x.entry_id DESC LIMIT 1) \
                ) s WINDOW w AS (PARTITION BY s.account_id ORDER BY s.entry_id) \
              ) c WHERE c.in_range = 1 \
              AND ((c.prev_id IS NULL AND (c.balance_after <> c.amount OR c.version_after <> 1)) \
                OR (c.prev_id IS NOT NULL AND (c.balance_after <> c.prev_balance + c.amount \
-                 OR c.version_after <> c.prev_version + 1)))",
-        ),
-    ),
-    (
-        "every posting has two entries that sum to zero",
-        Sql::new(
-            // The range's postings first (read along the primary key), then their legs by the
-            // posting index: written as `IN (subquery)`, MariaDB read the whole posting index.
+                 OR c.version_after <> c.prev_version + 1)))"
+        )
+    };
+}
+use entry_continuity;
+
+/// The range's postings first (read along the primary key), then their legs by the posting
+/// index: written as `IN (subquery)`, MariaDB read the whole posting index.
+macro_rules! range_postings_balance {
+    ($after:literal, $upto:literal) => {
+        concat!(
             "SELECT j.posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
-             FROM (SELECT DISTINCT n.posting_id FROM journal_entries n WHERE n.entry_id > ? AND n.entry_id <= ?) r \
-             JOIN journal_entries j ON j.posting_id = r.posting_id \
-             GROUP BY j.posting_id HAVING SUM(j.amount) <> 0 OR COUNT(*) <> 2",
-        ),
-    ),
-    (
-        "the account of each entry exists and holds its latest entry's balance and version",
-        Sql::new(
+             FROM (SELECT DISTINCT n.posting_id FROM journal_entries n WHERE n.entry_id > ",
+            $after,
+            " AND n.entry_id <= ",
+            $upto,
+            ") r JOIN journal_entries j ON j.posting_id = r.posting_id \
+             GROUP BY j.posting_id HAVING SUM(j.amount) <> 0 OR COUNT(*) <> 2"
+        )
+    };
+}
+use range_postings_balance;
+
+macro_rules! range_accounts_match {
+    ($after:literal, $upto:literal) => {
+        concat!(
             "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
              FROM journal_entries e LEFT JOIN accounts a ON a.account_id = e.account_id \
-             WHERE e.entry_id > ? AND e.entry_id <= ? \
-             AND e.entry_id = (SELECT x.entry_id FROM journal_entries x WHERE x.account_id = e.account_id \
+             WHERE e.entry_id > ",
+            $after,
+            " AND e.entry_id <= ",
+            $upto,
+            " AND e.entry_id = (SELECT x.entry_id FROM journal_entries x WHERE x.account_id = e.account_id \
                ORDER BY x.entry_id DESC LIMIT 1) \
-             AND (a.account_id IS NULL OR e.balance_after <> a.balance OR e.version_after <> a.version)",
-        ),
-    ),
-    (
-        "every posting is a payment, refund, deposit, withdrawal or transfer of its amount",
-        Sql::new(
+             AND (a.account_id IS NULL OR e.balance_after <> a.balance OR e.version_after <> a.version)"
+        )
+    };
+}
+use range_accounts_match;
+
+macro_rules! range_postings_have_rows {
+    ($after:literal, $upto:literal) => {
+        concat!(
             "SELECT e.posting_id AS subject, CONCAT_WS('', e.kind, ' without its row') AS detail FROM journal_entries e \
-             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND NOT ( \
+             WHERE e.entry_id > ",
+            $after,
+            " AND e.entry_id <= ",
+            $upto,
+            " AND e.amount > 0 AND NOT ( \
                (e.kind = 'PAY' AND EXISTS (SELECT 1 FROM payment_flow p WHERE p.trade_no = e.posting_id AND p.amount = e.amount)) \
                OR (e.kind = 'REFUND' AND EXISTS (SELECT 1 FROM refunds r WHERE r.refund_no = e.posting_id AND r.amount = e.amount)) \
                OR (e.kind = 'DEPOSIT' AND EXISTS (SELECT 1 FROM deposits d WHERE d.deposit_id = e.posting_id AND d.amount = e.amount)) \
                OR (e.kind = 'WITHDRAWAL' AND EXISTS \
                  (SELECT 1 FROM withdrawals w WHERE w.withdrawal_id = e.posting_id AND w.amount = e.amount)) \
                OR (e.kind = 'TRANSFER' AND EXISTS \
-                 (SELECT 1 FROM transfers t WHERE t.transfer_id = e.posting_id AND t.amount = e.amount)))",
-        ),
-    ),
-    (
-        "the order of each payment and refund is paid for its amount, and its refunds sum to its refunded amount",
-        Sql::new(
-            // A LEFT JOIN: an order whose row is gone is reported, not left out.
+                 (SELECT 1 FROM transfers t WHERE t.transfer_id = e.posting_id AND t.amount = e.amount)))"
+        )
+    };
+}
+use range_postings_have_rows;
+
+/// A LEFT JOIN: an order whose row is gone is reported, not left out.
+macro_rules! range_orders_match {
+    ($after:literal, $upto:literal, $after_again:literal, $upto_again:literal) => {
+        concat!(
             "SELECT CONCAT_WS('', p.merchant_id, '/', p.order_no) AS subject, COALESCE(o.status, 'no order') AS detail \
              FROM journal_entries e \
              JOIN payment_flow p ON p.trade_no = e.posting_id \
              LEFT JOIN orders o ON o.merchant_id = p.merchant_id AND o.order_no = p.order_no \
-             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'PAY' \
+             WHERE e.entry_id > ",
+            $after,
+            " AND e.entry_id <= ",
+            $upto,
+            " AND e.amount > 0 AND e.kind = 'PAY' \
              AND (o.order_no IS NULL OR o.status NOT IN ('PAID', 'PARTIALLY_REFUNDED', 'REFUNDED') OR p.amount <> o.amount \
                OR o.out_trade_no IS NULL OR p.out_trade_no <> o.out_trade_no) \
              UNION ALL SELECT CONCAT_WS('', r.merchant_id, '/', r.order_no), \
@@ -506,18 +712,25 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
                  ELSE CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) END FROM journal_entries e \
              JOIN refunds r ON r.refund_no = e.posting_id \
              LEFT JOIN orders o ON o.merchant_id = r.merchant_id AND o.order_no = r.order_no \
-             WHERE e.entry_id > ? AND e.entry_id <= ? AND e.amount > 0 AND e.kind = 'REFUND' \
+             WHERE e.entry_id > ",
+            $after_again,
+            " AND e.entry_id <= ",
+            $upto_again,
+            " AND e.amount > 0 AND e.kind = 'REFUND' \
              AND (o.order_no IS NULL OR o.refunded_amount > o.amount \
-               OR o.refunded_amount <> (SELECT COALESCE(CAST(SUM(x.amount) AS BIGINT), 0) \
-               FROM refunds x WHERE x.merchant_id = o.merchant_id AND x.order_no = o.order_no))",
-        ),
-    ),
-];
+               OR o.refunded_amount <> (SELECT COALESCE(SUM(x.amount), 0) \
+               FROM refunds x WHERE x.merchant_id = o.merchant_id AND x.order_no = o.order_no))"
+        )
+    };
+}
+use range_orders_match;
 
 /// The newest journal entry written at or before a time (microseconds since the epoch): read
 /// backwards along the primary key from the newest.
-static SETTLED_ENTRY: Sql =
-    Sql::new("SELECT entry_id FROM journal_entries WHERE created_at <= ? ORDER BY entry_id DESC LIMIT 1");
+static SETTLED_ENTRY: Sql = Sql::pair(
+    "SELECT entry_id FROM journal_entries WHERE created_at <= $1 ORDER BY entry_id DESC LIMIT 1",
+    "SELECT entry_id FROM journal_entries WHERE created_at <= ? ORDER BY entry_id DESC LIMIT 1",
+);
 
 /// The table of money moved between an account and its currency's external funding account.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -706,7 +919,7 @@ impl<'c> Queries<'c> {
             .fetch_optional(&mut *self.connection)
             .await?;
         let Some(row) = row else { return Ok(None) };
-        let order = <OrderRow as sqlx::FromRow<AnyRow>>::from_row(&row)?;
+        let order = OrderRow::from_row(&row)?;
         let hold_no: Option<String> = row.try_get("h_hold_no")?;
         let hold = match hold_no {
             None => None,
@@ -1004,11 +1217,7 @@ impl<'c> Queries<'c> {
         &mut self,
         keys: &[(&str, &str)],
     ) -> Result<Vec<(PaymentRow, OrderRow)>, sqlx::Error> {
-        let rows: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
-        let query = sqlx::query(batch::FIND_PAYMENTS_AND_ORDERS.text(self.dialect)).bind_rows(self.dialect, &rows);
-        let rows = query.fetch_all(&mut *self.connection).await?;
-        rows.iter().map(payment_and_order).collect()
+        self.read_by_pairs(&batch::FIND_PAYMENTS_AND_ORDERS, keys).await?.iter().map(payment_and_order).collect()
     }
 
     pub async fn insert_payment(&mut self, row: &PaymentRow) -> Result<bool, sqlx::Error> {
@@ -1031,12 +1240,7 @@ impl<'c> Queries<'c> {
     /// The refunds of the given (merchant_id, out_refund_no) keys that exist, in one round
     /// trip, in no particular order.
     pub async fn find_refunds(&mut self, keys: &[(&str, &str)]) -> Result<Vec<RefundRow>, sqlx::Error> {
-        let rows: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
-        sqlx::query_as(batch::FIND_REFUNDS.text(self.dialect))
-            .bind_rows(self.dialect, &rows)
-            .fetch_all(&mut *self.connection)
-            .await
+        self.read_by_pairs(&batch::FIND_REFUNDS, keys).await?.iter().map(RefundRow::from_row).collect()
     }
 
     /// The records of the given (scope, idempotency_key) keys that hold a response, in one
@@ -1045,12 +1249,11 @@ impl<'c> Queries<'c> {
         &mut self,
         keys: &[(&str, &str)],
     ) -> Result<Vec<IdempotencyRecordRow>, sqlx::Error> {
-        let rows: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(scope, key)| [Value::Text(scope), Value::Text(key)]).collect();
-        sqlx::query_as(batch::FIND_ANSWERED_RECORDS.text(self.dialect))
-            .bind_rows(self.dialect, &rows)
-            .fetch_all(&mut *self.connection)
-            .await
+        self.read_by_pairs(&batch::FIND_ANSWERED_RECORDS, keys)
+            .await?
+            .iter()
+            .map(IdempotencyRecordRow::from_row)
+            .collect()
     }
 
     /// The request_ids of `deposits` and of `withdrawals` that are taken already, out of the
@@ -1078,12 +1281,15 @@ impl<'c> Queries<'c> {
     /// The journal entries of the given (posting_id, account_id) legs, in no particular order;
     /// a leg that is not there is absent.
     pub async fn find_entries(&mut self, legs: &[(&str, &str)]) -> Result<Vec<EntryRow>, sqlx::Error> {
+        self.read_by_pairs(&batch::FIND_ENTRIES, legs).await?.iter().map(EntryRow::from_row).collect()
+    }
+
+    /// The rows a batch read (one of `batch`'s statements that take one list of two-text
+    /// keys) returns for `keys`, in one round trip.
+    async fn read_by_pairs(&mut self, sql: &Sql, keys: &[(&str, &str)]) -> Result<Vec<AnyRow>, sqlx::Error> {
         let rows: Vec<[Value<'_>; 2]> =
-            legs.iter().map(|(posting_id, account_id)| [Value::Text(posting_id), Value::Text(account_id)]).collect();
-        sqlx::query_as(batch::FIND_ENTRIES.text(self.dialect))
-            .bind_rows(self.dialect, &rows)
-            .fetch_all(&mut *self.connection)
-            .await
+            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        sqlx::query(sql.text(self.dialect)).bind_rows(self.dialect, &rows).fetch_all(&mut *self.connection).await
     }
 
     /// Completes the given IN_PROGRESS records of this transaction, each with its response
@@ -1782,7 +1988,7 @@ fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
 
 /// A row of `payment_and_order_select!`.
 fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error> {
-    let payment = <PaymentRow as sqlx::FromRow<AnyRow>>::from_row(row)?;
+    let payment = PaymentRow::from_row(row)?;
     let order = OrderRow {
         merchant_id: payment.merchant_id.clone(),
         order_no: payment.order_no.clone(),
@@ -1804,6 +2010,83 @@ fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every statement of this file, by name.
+    fn statements() -> Vec<(&'static str, &'static Sql)> {
+        let mut statements: Vec<(&'static str, &'static Sql)> = vec![
+            ("FIND_ACCOUNT", &FIND_ACCOUNT),
+            ("FIND_ACCOUNT_FOR_UPDATE", &FIND_ACCOUNT_FOR_UPDATE),
+            ("FIND_TWO_ACCOUNTS", &FIND_TWO_ACCOUNTS),
+            ("INSERT_ACCOUNT", &INSERT_ACCOUNT),
+            ("CAS_BALANCE", &CAS_BALANCE),
+            ("RESERVE_HELD", &RESERVE_HELD),
+            ("RELEASE_HELD", &RELEASE_HELD),
+            ("INSERT_ENTRY_PAIR", &INSERT_ENTRY_PAIR),
+            ("FIND_ENTRY", &FIND_ENTRY),
+            ("LIST_ENTRIES", &LIST_ENTRIES),
+            ("FIND_ORDER", &FIND_ORDER),
+            ("FIND_ORDER_FOR_UPDATE", &FIND_ORDER_FOR_UPDATE),
+            ("TRY_LOCK_ORDER", &TRY_LOCK_ORDER),
+            ("INSERT_ORDER", &INSERT_ORDER),
+            ("CLOSE_ORDER", &CLOSE_ORDER),
+            ("EXPIRE_ORDER", &EXPIRE_ORDER),
+            ("FIND_EXPIRED_ORDERS", &FIND_EXPIRED_ORDERS),
+            ("MARK_ORDER_PAID", &MARK_ORDER_PAID),
+            ("TRANSITION_ORDER", &TRANSITION_ORDER),
+            ("FIND_ORDER_AND_HOLD", &FIND_ORDER_AND_HOLD),
+            ("INSERT_HOLD", &INSERT_HOLD),
+            ("FIND_HOLD", &FIND_HOLD),
+            ("FIND_HOLD_OF_ORDER", &FIND_HOLD_OF_ORDER),
+            ("SETTLE_HOLD", &SETTLE_HOLD),
+            ("FIND_EXPIRED_HOLDS", &FIND_EXPIRED_HOLDS),
+            ("AUTHORIZE_ORDER", &AUTHORIZE_ORDER),
+            ("CAPTURE_ORDER", &CAPTURE_ORDER),
+            ("CLOSE_AUTHORIZED_ORDER", &CLOSE_AUTHORIZED_ORDER),
+            ("FIND_PAYMENT", &FIND_PAYMENT),
+            ("FIND_PAYMENT_AND_ORDER", &FIND_PAYMENT_AND_ORDER),
+            ("INSERT_PAYMENT", &INSERT_PAYMENT),
+            ("FIND_REFUND", &FIND_REFUND),
+            ("LIST_REFUNDS", &LIST_REFUNDS),
+            ("INSERT_REFUND", &INSERT_REFUND),
+            ("FIND_DEPOSIT", &FIND_DEPOSIT),
+            ("INSERT_DEPOSIT", &INSERT_DEPOSIT),
+            ("FIND_WITHDRAWAL", &FIND_WITHDRAWAL),
+            ("INSERT_WITHDRAWAL", &INSERT_WITHDRAWAL),
+            ("FIND_RECORD", &FIND_RECORD),
+            ("INSERT_RECORD", &INSERT_RECORD),
+            ("DELETE_EXPIRED_RECORD", &DELETE_EXPIRED_RECORD),
+            ("COMPLETE_RECORD", &COMPLETE_RECORD),
+            ("REAP_RECORDS", &REAP_RECORDS),
+            ("INSERT_TOKEN", &INSERT_TOKEN),
+            ("FIND_TOKEN", &FIND_TOKEN),
+            ("CONSUME_TOKEN", &CONSUME_TOKEN),
+            ("REAP_TOKENS", &REAP_TOKENS),
+            ("INSERT_TRANSFER", &INSERT_TRANSFER),
+            ("SETTLED_ENTRY", &SETTLED_ENTRY),
+        ];
+        statements.extend(AUDIT_CHECKS.iter().chain(&AUDIT_ENTRY_CHECKS).map(|(check, sql)| (*check, sql)));
+        statements
+    }
+
+    #[test]
+    fn every_statement_takes_the_same_values_in_each_form_and_locks_as_its_backend_does() {
+        let declared = include_str!("queries.rs").matches(concat!(": ", "Sql = ")).count();
+        let listed = statements().len() - AUDIT_CHECKS.len() - AUDIT_ENTRY_CHECKS.len();
+        assert_eq!(listed, declared, "a statement of this file is missing from `statements()`");
+        for (name, sql) in statements() {
+            let values = sql.placeholders();
+            assert_eq!(sql.sqlite.matches('?').count(), values, "{name}: SQLite takes what MySQL takes");
+            assert!(!sql.postgres.contains('?'), "{name}: PostgreSQL numbers its placeholders");
+            for number in 1..=values {
+                assert!(sql.postgres.contains(&format!("${number}")), "{name}: ${number} missing");
+            }
+            assert!(!sql.postgres.contains(&format!("${}", values + 1)), "{name}: more values on PostgreSQL");
+            assert_eq!(sql.mysql.contains("FOR UPDATE"), sql.postgres.contains("FOR NO KEY UPDATE"), "{name}");
+            assert!(!sql.sqlite.contains("FOR UPDATE"), "{name}: SQLite has no row locks");
+            assert!(!sql.mysql.contains("ON CONFLICT"), "{name}: MySQL has no ON CONFLICT");
+            assert_eq!(sql.postgres.contains("ON CONFLICT"), sql.sqlite.contains("ON CONFLICT"), "{name}");
+        }
+    }
 
     #[test]
     fn the_currency_check_is_where_the_audit_from_a_checkpoint_looks_for_it() {

@@ -959,6 +959,36 @@ fn check_pool() -> PoolSettings {
     PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) }
 }
 
+/// The statement that reads the row (id, amount) an operation of `kind` wrote, by its key
+/// (a request_id, a memo) or by its merchant_id and key, in the form `dialect` takes; None for
+/// a Void, which writes no row of its own.
+fn written_rows_sql(kind: OperationKind, dialect: Dialect) -> Option<&'static str> {
+    let postgres = dialect == Dialect::Postgres;
+    Some(match kind {
+        OperationKind::Void => return None,
+        OperationKind::Deposit if postgres => "SELECT deposit_id, amount FROM deposits WHERE request_id = $1",
+        OperationKind::Deposit => "SELECT deposit_id, amount FROM deposits WHERE request_id = ?",
+        OperationKind::Withdraw if postgres => "SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = $1",
+        OperationKind::Withdraw => "SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = ?",
+        OperationKind::Transfer if postgres => "SELECT transfer_id, amount FROM transfers WHERE memo = $1",
+        OperationKind::Transfer => "SELECT transfer_id, amount FROM transfers WHERE memo = ?",
+        OperationKind::Authorize if postgres => {
+            "SELECT hold_no, amount FROM holds WHERE merchant_id = $1 AND out_auth_no = $2"
+        }
+        OperationKind::Authorize => "SELECT hold_no, amount FROM holds WHERE merchant_id = ? AND out_auth_no = ?",
+        OperationKind::Pay | OperationKind::Capture if postgres => {
+            "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = $1 AND out_trade_no = $2"
+        }
+        OperationKind::Pay | OperationKind::Capture => {
+            "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?"
+        }
+        OperationKind::Refund if postgres => {
+            "SELECT refund_no, amount FROM refunds WHERE merchant_id = $1 AND out_refund_no = $2"
+        }
+        OperationKind::Refund => "SELECT refund_no, amount FROM refunds WHERE merchant_id = ? AND out_refund_no = ?",
+    })
+}
+
 /// The final checks, from the database and the log of acknowledged calls; the audit runs
 /// against every node's URL.
 async fn check(node_urls: &[String], operations: &[Operation], summary: &mut StormSummary) -> Result<(), AnyError> {
@@ -966,7 +996,6 @@ async fn check(node_urls: &[String], operations: &[Operation], summary: &mut Sto
     let store = Store::connect(database_url, &check_pool()).await?;
     let dialect = store.dialect();
     let raw = AnyPool::connect(database_url).await?;
-    let placeholder = |n: usize| if dialect == Dialect::Postgres { format!("${n}") } else { "?".to_owned() };
     for operation in operations {
         summary.calls += operation.outcomes.len() as u64;
         let mut acknowledged_ids: Vec<&str> = Vec::new();
@@ -1003,47 +1032,17 @@ async fn check(node_urls: &[String], operations: &[Operation], summary: &mut Sto
                 operation.kind, operation.key
             ));
         }
-        let (sql, binds): (String, Vec<&str>) = match operation.kind {
-            OperationKind::Deposit => (
-                format!("SELECT deposit_id, amount FROM deposits WHERE request_id = {}", placeholder(1)),
-                vec![operation.key.as_str()],
-            ),
-            OperationKind::Withdraw => (
-                format!("SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = {}", placeholder(1)),
-                vec![operation.key.as_str()],
-            ),
-            OperationKind::Authorize => (
-                format!(
-                    "SELECT hold_no, amount FROM holds WHERE merchant_id = {} AND out_auth_no = {}",
-                    placeholder(1),
-                    placeholder(2)
-                ),
-                vec![operation.merchant_id.as_str(), operation.key.as_str()],
-            ),
-            // A Void leaves no row of its own (the hold's status and the audit say the rest).
-            OperationKind::Void => continue,
-            OperationKind::Pay | OperationKind::Capture => (
-                format!(
-                    "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = {} AND out_trade_no = {}",
-                    placeholder(1),
-                    placeholder(2)
-                ),
-                vec![operation.merchant_id.as_str(), operation.key.as_str()],
-            ),
-            OperationKind::Refund => (
-                format!(
-                    "SELECT refund_no, amount FROM refunds WHERE merchant_id = {} AND out_refund_no = {}",
-                    placeholder(1),
-                    placeholder(2)
-                ),
-                vec![operation.merchant_id.as_str(), operation.key.as_str()],
-            ),
-            OperationKind::Transfer => (
-                format!("SELECT transfer_id, amount FROM transfers WHERE memo = {}", placeholder(1)),
-                vec![operation.key.as_str()],
-            ),
+        // A Void leaves no row of its own (the hold's status and the audit say the rest).
+        let Some(sql) = written_rows_sql(operation.kind, dialect) else { continue };
+        let binds: Vec<&str> = match operation.kind {
+            OperationKind::Deposit | OperationKind::Withdraw | OperationKind::Transfer | OperationKind::Void => {
+                vec![operation.key.as_str()]
+            }
+            OperationKind::Authorize | OperationKind::Pay | OperationKind::Capture | OperationKind::Refund => {
+                vec![operation.merchant_id.as_str(), operation.key.as_str()]
+            }
         };
-        let mut query = sqlx::query(&sql);
+        let mut query = sqlx::query(sql);
         for bind in binds {
             query = query.bind(bind);
         }
