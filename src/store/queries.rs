@@ -460,7 +460,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "every entry, payment, order and deposit names an existing account and order",
         Sql::same(
-            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail FROM journal_entries e \
+            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(e.entry_id AS CHAR(24)))) AS detail FROM journal_entries e \
              WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = e.account_id) \
              UNION ALL SELECT p.trade_no, 'payment account missing' FROM payment_flow p \
              WHERE NOT EXISTS (SELECT 1 FROM accounts a WHERE a.account_id = p.payer_account_id) \
@@ -479,8 +479,8 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
         "balance equals the sum of the account's entries, version their count",
         Sql::same(
             "SELECT a.account_id AS subject, \
-             CONCAT_WS('', 'balance ', CAST(a.balance AS CHAR(24)), ' version ', CAST(a.version AS CHAR(24)), ' entries sum ', \
-               CAST(COALESCE(SUM(e.amount), 0) AS CHAR(24)), ' count ', CAST(COUNT(e.entry_id) AS CHAR(24))) AS detail \
+             CONCAT_WS('', 'balance ', TRIM(CAST(a.balance AS CHAR(24))), ' version ', TRIM(CAST(a.version AS CHAR(24))), ' entries sum ', \
+               TRIM(CAST(COALESCE(SUM(e.amount), 0) AS CHAR(24))), ' count ', TRIM(CAST(COUNT(e.entry_id) AS CHAR(24)))) AS detail \
              FROM accounts a LEFT JOIN journal_entries e ON e.account_id = a.account_id \
              GROUP BY a.account_id, a.balance, a.version \
              HAVING a.balance <> COALESCE(SUM(e.amount), 0) OR a.version <> COUNT(e.entry_id)",
@@ -489,7 +489,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "the latest entry records the account's balance and version",
         Sql::same(
-            "SELECT a.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
+            "SELECT a.account_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(e.entry_id AS CHAR(24)))) AS detail \
              FROM accounts a JOIN journal_entries e ON e.account_id = a.account_id \
              WHERE e.entry_id = (SELECT MAX(x.entry_id) FROM journal_entries x WHERE x.account_id = a.account_id) \
              AND (e.balance_after <> a.balance OR e.version_after <> a.version)",
@@ -498,14 +498,14 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "balances of each currency sum to zero",
         Sql::same(
-            "SELECT currency AS subject, CONCAT_WS('', 'sum ', CAST(SUM(balance) AS CHAR(24))) AS detail \
+            "SELECT currency AS subject, CONCAT_WS('', 'sum ', TRIM(CAST(SUM(balance) AS CHAR(24)))) AS detail \
              FROM accounts GROUP BY currency HAVING SUM(balance) <> 0",
         ),
     ),
     (
         "every posting has two entries that sum to zero",
         Sql::same(
-            "SELECT posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
+            "SELECT posting_id AS subject, CONCAT_WS('', 'entries ', TRIM(CAST(COUNT(*) AS CHAR(24)))) AS detail \
              FROM journal_entries GROUP BY posting_id HAVING SUM(amount) <> 0 OR COUNT(*) <> 2",
         ),
     ),
@@ -513,7 +513,7 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
         "refunds of an order sum to its refunded amount, at most what was paid",
         Sql::same(
             "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, \
-             CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) AS detail FROM orders o \
+             CONCAT_WS('', 'refunded ', TRIM(CAST(o.refunded_amount AS CHAR(24)))) AS detail FROM orders o \
              WHERE o.refunded_amount > o.amount OR o.refunded_amount <> \
              (SELECT COALESCE(SUM(r.amount), 0) FROM refunds r WHERE r.merchant_id = o.merchant_id AND r.order_no = o.order_no)",
         ),
@@ -548,8 +548,8 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
     (
         "an account's held amount is the sum of its active holds, and its balance covers it",
         Sql::same(
-            "SELECT a.account_id AS subject, CONCAT_WS('', 'held ', CAST(a.held AS CHAR(24)), ' active holds ', \
-               CAST(COALESCE(h.total, 0) AS CHAR(24)), ' balance ', CAST(a.balance AS CHAR(24))) AS detail \
+            "SELECT a.account_id AS subject, CONCAT_WS('', 'held ', TRIM(CAST(a.held AS CHAR(24))), ' active holds ', \
+               TRIM(CAST(COALESCE(h.total, 0) AS CHAR(24))), ' balance ', TRIM(CAST(a.balance AS CHAR(24)))) AS detail \
              FROM accounts a LEFT JOIN (SELECT payer_account_id, SUM(amount) AS total FROM holds \
                WHERE status = 'ACTIVE' GROUP BY payer_account_id) h ON h.payer_account_id = a.account_id \
              WHERE a.held <> COALESCE(h.total, 0) OR (a.kind = 'CUSTOMER' AND a.balance < a.held)",
@@ -608,7 +608,7 @@ static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
 macro_rules! entry_continuity {
     ($after:literal, $upto:literal, $after_again:literal, $upto_again:literal) => {
         concat!(
-            "SELECT c.account_id AS subject, CONCAT_WS('', 'entry ', CAST(c.entry_id AS CHAR(24))) AS detail FROM ( \
+            "SELECT c.account_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(c.entry_id AS CHAR(24)))) AS detail FROM ( \
                SELECT s.in_range, s.entry_id, s.account_id, s.amount, s.balance_after, s.version_after, \
                  LAG(s.entry_id) OVER w AS prev_id, LAG(s.balance_after) OVER w AS prev_balance, \
                  LAG(s.version_after) OVER w AS prev_version \
@@ -642,7 +642,7 @@ use entry_continuity;
 macro_rules! range_postings_balance {
     ($after:literal, $upto:literal) => {
         concat!(
-            "SELECT j.posting_id AS subject, CONCAT_WS('', 'entries ', CAST(COUNT(*) AS CHAR(24))) AS detail \
+            "SELECT j.posting_id AS subject, CONCAT_WS('', 'entries ', TRIM(CAST(COUNT(*) AS CHAR(24)))) AS detail \
              FROM (SELECT DISTINCT n.posting_id FROM journal_entries n WHERE n.entry_id > ",
             $after,
             " AND n.entry_id <= ",
@@ -657,7 +657,7 @@ use range_postings_balance;
 macro_rules! range_accounts_match {
     ($after:literal, $upto:literal) => {
         concat!(
-            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', CAST(e.entry_id AS CHAR(24))) AS detail \
+            "SELECT e.account_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(e.entry_id AS CHAR(24)))) AS detail \
              FROM journal_entries e LEFT JOIN accounts a ON a.account_id = e.account_id \
              WHERE e.entry_id > ",
             $after,
@@ -709,7 +709,7 @@ macro_rules! range_orders_match {
                OR o.out_trade_no IS NULL OR p.out_trade_no <> o.out_trade_no) \
              UNION ALL SELECT CONCAT_WS('', r.merchant_id, '/', r.order_no), \
                CASE WHEN o.order_no IS NULL THEN 'no order' \
-                 ELSE CONCAT_WS('', 'refunded ', CAST(o.refunded_amount AS CHAR(24))) END FROM journal_entries e \
+                 ELSE CONCAT_WS('', 'refunded ', TRIM(CAST(o.refunded_amount AS CHAR(24)))) END FROM journal_entries e \
              JOIN refunds r ON r.refund_no = e.posting_id \
              LEFT JOIN orders o ON o.merchant_id = r.merchant_id AND o.order_no = r.order_no \
              WHERE e.entry_id > ",
