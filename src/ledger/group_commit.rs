@@ -954,7 +954,7 @@ async fn write_batch(
                 let receipt = TransferReceipt { transfer, from_entry, to_entry };
                 if let Some(claim) = claims[index] {
                     let message = <Identified<Transfer> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
-                    completions.push(claim.completion(&receipt, message)?);
+                    completions.push(claim.completion(message));
                 }
                 Decision::Transferred(receipt)
             }
@@ -965,7 +965,7 @@ async fn write_batch(
                 let account = locked.get(&funding.account_id).expect("locked above").row.clone();
                 let receipt = receipt_after(account, entry);
                 if let Some(claim) = claims[index] {
-                    completions.push(claim.completion(&receipt, funding_message(&funding, &receipt)?)?);
+                    completions.push(claim.completion(funding_message(&funding, &receipt)?));
                 }
                 Decision::Funded(receipt)
             }
@@ -980,9 +980,9 @@ async fn write_batch(
 /// makes.
 fn records_to_claim(claim: &BatchClaim, accepted: &Accepted) -> Result<Vec<IdempotencyRecordRow>, Error> {
     Ok(match (accepted, accepted.message()?) {
-        (Accepted::Paid(receipt, _), Some(message)) => claim.completed_records(receipt, &message)?,
-        (Accepted::Refunded(receipt, ..), Some(message)) => claim.completed_records(receipt, &message)?,
-        (Accepted::Created(order), Some(message)) => claim.completed_records(order, &message)?,
+        (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), Some(message)) => {
+            claim.completed_records(&message)
+        }
         (Accepted::Transferred(..) | Accepted::Funded(..), None) => claim.in_progress_records().to_vec(),
         (Accepted::Paid(..) | Accepted::Refunded(..) | Accepted::Created(..), None)
         | (Accepted::Transferred(..) | Accepted::Funded(..), Some(_)) => unreachable!(

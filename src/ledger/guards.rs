@@ -16,7 +16,6 @@
 //! A business change that fails rolls the claim back with it: nothing is recorded and a retry
 //! runs afresh.
 
-use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, Rejection};
@@ -181,7 +180,7 @@ pub(super) struct StoredResponse {
     /// The response message as the caller received it (encoded protobuf).
     pub message: Option<Vec<u8>>,
     /// The answer as JSON of rows: all that records written before the message was stored
-    /// hold.
+    /// hold (empty in later records).
     pub json: Vec<u8>,
 }
 
@@ -511,17 +510,12 @@ impl GuardSession<'_> {
         !self.claims.is_empty()
     }
 
-    /// Step 4, inside the transaction: the answer as JSON of rows (what the previous release
-    /// replays from) and the response message as the caller receives it (encoded protobuf).
-    pub(super) async fn complete<T: Serialize>(
-        &self,
-        queries: &mut Queries<'_>,
-        answer: &T,
-        message: &[u8],
-    ) -> Result<(), Error> {
+    /// Step 4, inside the transaction: the response message as the caller receives it
+    /// (encoded protobuf), in the records this call claimed.
+    pub(super) async fn complete(&self, queries: &mut Queries<'_>, message: &[u8]) -> Result<(), Error> {
         let keys: Vec<(&str, &str)> =
             self.claims.iter().map(|(_, scope, key)| (scope.as_str(), key.as_str())).collect();
-        complete_records(queries, &keys, &stored_json(answer)?, message).await
+        complete_records(queries, &keys, message).await
     }
 
     /// Step 5, after the transaction (`now` as given to [`GuardSession::claim`]).
@@ -602,20 +596,18 @@ async fn claim_records(queries: &mut Queries<'_>, records: &[IdempotencyRecordRo
     Ok(true)
 }
 
-/// The answer as JSON of rows, as records keep it beside the response message.
-fn stored_json<T: Serialize>(answer: &T) -> Result<Vec<u8>, Error> {
-    serde_json::to_vec(answer).map_err(|error| Error::Internal(format!("serialize response: {error}")))
-}
+/// What a record written now holds in `response`: nothing, though not NULL. That column held
+/// the answer as JSON of rows before records stored the response message (migration 0003), and
+/// a record of that release still replays from it ([`StoredResponse`]); since then every
+/// release replays from the message, and reads a record whose `response` is not NULL as
+/// answered. Writing the JSON copy too cost a keyed Pay or Transfer 6 to 17% of its throughput
+/// (BENCHMARKS.md, "Records without their JSON copy").
+const NO_JSON_COPY: &[u8] = b"";
 
 /// Stores the response in the records of `keys` (scope, key), claimed by this transaction.
-async fn complete_records(
-    queries: &mut Queries<'_>,
-    keys: &[(&str, &str)],
-    json: &[u8],
-    message: &[u8],
-) -> Result<(), Error> {
+async fn complete_records(queries: &mut Queries<'_>, keys: &[(&str, &str)], message: &[u8]) -> Result<(), Error> {
     for (scope, key) in keys.iter().copied() {
-        if !queries.complete_record(scope, key, json, message).await? {
+        if !queries.complete_record(scope, key, NO_JSON_COPY, message).await? {
             return Err(Error::Internal("a claimed idempotency record vanished".into()));
         }
     }
@@ -625,7 +617,6 @@ async fn complete_records(
 /// The answer of one call claimed IN_PROGRESS by a group commit, for its records.
 pub(super) struct Completion<'a> {
     claim: &'a BatchClaim,
-    response: Vec<u8>,
     message: Vec<u8>,
 }
 
@@ -641,7 +632,7 @@ pub(super) async fn complete_claims(queries: &mut Queries<'_>, completions: &[Co
             completion.claim.keys().map(|(scope, idempotency_key)| RecordCompletion {
                 scope,
                 idempotency_key,
-                response: &completion.response,
+                response: NO_JSON_COPY,
                 response_message: &completion.message,
             })
         })
@@ -717,27 +708,17 @@ impl BatchClaim {
     }
 
     /// The records of a call whose answer the batch has decided, for [`BatchClaim::claim`]:
-    /// COMPLETED with it (its JSON of rows and response message), as the single-call path
-    /// leaves them at commit.
-    ///
-    /// # Errors
-    /// [`Error::Internal`] when the answer does not serialize.
-    pub(super) fn completed_records<T: Serialize>(
-        &self,
-        answer: &T,
-        message: &[u8],
-    ) -> Result<Vec<IdempotencyRecordRow>, Error> {
-        let json = stored_json(answer)?;
-        Ok(self
-            .records
+    /// COMPLETED with its response message, as the single-call path leaves them at commit.
+    pub(super) fn completed_records(&self, message: &[u8]) -> Vec<IdempotencyRecordRow> {
+        self.records
             .iter()
             .map(|record| IdempotencyRecordRow {
-                response: Some(json.clone()),
+                response: Some(NO_JSON_COPY.to_vec()),
                 response_message: Some(message.to_vec()),
                 status: RECORD_COMPLETED.to_owned(),
                 ..record.clone()
             })
-            .collect())
+            .collect()
     }
 
     /// The records of a call whose answer holds what only the batch's write makes (a
@@ -756,8 +737,8 @@ impl BatchClaim {
 
     /// The answer for the records claimed IN_PROGRESS ([`BatchClaim::in_progress_records`]),
     /// as [`GuardSession::complete`] stores it, for [`complete_claims`].
-    pub(super) fn completion<T: Serialize>(&self, answer: &T, message: Vec<u8>) -> Result<Completion<'_>, Error> {
-        Ok(Completion { claim: self, response: stored_json(answer)?, message })
+    pub(super) fn completion(&self, message: Vec<u8>) -> Completion<'_> {
+        Completion { claim: self, message }
     }
 
     /// Claims inside the batch's transaction, once the batch has decided the call's answer:

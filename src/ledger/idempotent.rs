@@ -238,7 +238,7 @@ impl Ledger {
             let outcome = call.body(&mut queries, now).await?;
             if let (Inserted::Done(answer), true) = (&outcome, session.records_response()) {
                 let message = C::message(answer.clone())?.encode_to_vec();
-                session.complete(&mut queries, answer, &message).await?;
+                session.complete(&mut queries, &message).await?;
             }
             Ok(outcome)
         })

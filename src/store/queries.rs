@@ -1292,8 +1292,8 @@ impl<'c> Queries<'c> {
         sqlx::query(sql.text(self.dialect)).bind_rows(self.dialect, &rows).fetch_all(&mut *self.connection).await
     }
 
-    /// Completes the given IN_PROGRESS records of this transaction, each with its response
-    /// (JSON of rows) and response message, in one statement (SQLite: one a record, see
+    /// Completes the given IN_PROGRESS records of this transaction, each with its `response`
+    /// and response message, in one statement (SQLite: one a record, see
     /// [`batch::ServerSql`]): how many it completed.
     pub async fn complete_records(&mut self, records: &[RecordCompletion<'_>]) -> Result<u64, sqlx::Error> {
         if self.dialect == Dialect::Sqlite {
@@ -1475,8 +1475,8 @@ impl<'c> Queries<'c> {
         self.update_one(query).await
     }
 
-    /// Stores the answer (JSON of rows) and the response message (encoded protobuf) in a
-    /// record claimed by this transaction.
+    /// Stores `response` (see [`IdempotencyRecordRow::response`]) and the response message
+    /// (encoded protobuf) in a record claimed by this transaction.
     pub async fn complete_record(
         &mut self,
         scope: &str,
@@ -1818,7 +1818,7 @@ pub struct BatchWrite<'a> {
 pub struct RecordCompletion<'a> {
     pub scope: &'a str,
     pub idempotency_key: &'a str,
-    /// The answer as JSON of rows.
+    /// What the record's `response` holds (see [`IdempotencyRecordRow::response`]).
     pub response: &'a [u8],
     /// The response message as the caller receives it (encoded protobuf).
     pub response_message: &'a [u8],

@@ -183,8 +183,11 @@ pub struct IdempotencyRecordRow {
     /// The request's business fields, one `name=value` per line (UTF-8), for naming
     /// differences.
     pub request_fields: Vec<u8>,
-    /// The answer as JSON of rows (UTF-8), as the previous release stored and reads it; set
-    /// in the same transaction as the business change.
+    /// Not NULL once the record is answered (set in the same transaction as the business
+    /// change): the answer as JSON of rows (UTF-8) in records written before the response
+    /// message was stored (migration 0003), which replay from it; empty in later records,
+    /// which replay from `response_message`. (Releases between migration 0003 and the one
+    /// that stopped writing it stored both.)
     pub response: Option<Vec<u8>>,
     /// The response message as the caller received it (encoded protobuf); `None` in records
     /// written before it was stored.

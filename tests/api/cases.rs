@@ -2296,6 +2296,8 @@ pub async fn records_replay_the_response_as_sent_and_records_of_the_previous_rel
     let pay_2 = app.pay_request("m1", "pay-2", "order-2", "alice", "20.00");
     payments.pay(with_key(pay_1.clone(), "k-old")).await.unwrap();
     let sent = payments.pay(with_key(pay_2.clone(), "k-new")).await.unwrap().into_inner();
+    assert_eq!(app.rows("idempotency_record").await, 2);
+    assert_eq!(app.records_with_a_json_copy().await, 0, "a record keeps the response message alone");
     // k-old as the previous release left it; k-new's JSON copy ruined, so that only its
     // stored message can answer.
     let rewrite = |key: &str, json: &str| {
@@ -2654,6 +2656,9 @@ pub async fn a_batch_answers_its_keyed_calls_from_records_made_before_and_after_
     assert_eq!(counters.in_flight_waits, 0, "every record answered was committed before the batch: {counters:?}");
     assert_eq!(app.balance("bob").await, "22.00", "10 + 2 + 1 + 4 before the batch, 3 + 2 in it");
     assert_eq!(app.rows("transfers").await, 6);
+    // Claimed IN_PROGRESS and completed, alone and in the batch: the message alone.
+    assert!(app.rows("idempotency_record").await >= 6);
+    assert_eq!(app.records_with_a_json_copy().await, 0);
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 

@@ -465,6 +465,18 @@ impl TestApp {
         row.try_get::<i64, _>(0).expect("a count")
     }
 
+    /// Answered idempotency records that hold a JSON copy of their answer besides the response
+    /// message (records keep the message alone; only those written before messages were
+    /// stored hold JSON, and no message).
+    pub async fn records_with_a_json_copy(&self) -> i64 {
+        let sql = format!(
+            "SELECT COUNT(*) FROM idempotency_record WHERE response_message IS NOT NULL AND response <> {}",
+            self.bytes_literal("")
+        );
+        let row = sqlx::query(&sql).fetch_one(&self.raw).await.expect("COUNT(*)");
+        row.try_get::<i64, _>(0).expect("a count")
+    }
+
     /// Row counts of every business table, to show that a refused request left nothing.
     pub async fn all_rows(&self) -> [i64; 6] {
         [
