@@ -232,7 +232,7 @@ pub fn conflict_cause(error: &sqlx::Error) -> &'static str {
     let sqlx::Error::Database(database_error) = error else { return "other" };
     if let Some(mysql) = database_error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
         return match mysql.number() {
-            1213 => "deadlock",
+            1213 | 1467 => "deadlock",
             1317 => "interrupted",
             _ if mysql.code() == Some("40001") => "serialization",
             _ => "other",
@@ -279,8 +279,12 @@ fn classify_postgres(sqlstate: &str) -> Fault {
 /// "Error Codes"), then by SQLSTATE class for numbers not listed.
 fn classify_mysql(number: u16, sqlstate: Option<&str>) -> Fault {
     match number {
-        // ER_LOCK_DEADLOCK (also a Galera certification conflict), ER_QUERY_INTERRUPTED.
-        1213 | 1317 => Fault::Transient,
+        // ER_LOCK_DEADLOCK (also a Galera certification conflict), ER_QUERY_INTERRUPTED, and
+        // ER_AUTOINC_READ_FAILED: InnoDB's answer when taking a table's AUTO-INC lock ended in
+        // a deadlock or a lock wait timeout (an `INSERT ... SELECT` holds that lock to its end
+        // under the default `innodb_autoinc_lock_mode = 1`, and may wait on a duplicate key
+        // there); InnoDB rolls the transaction back (MariaDB MDEV-33593).
+        1213 | 1317 | 1467 => Fault::Transient,
         // ER_LOCK_WAIT_TIMEOUT (it rolls back only the statement, so the whole transaction is
         // rolled back), MariaDB max_statement_time, MySQL max_execution_time.
         1205 | 1969 | 3024 => Fault::LockTimeout,
@@ -428,6 +432,7 @@ mod tests {
         }
         assert_eq!(classify_mysql(1213, Some("40001")), Fault::Transient);
         assert_eq!(classify_mysql(1317, Some("70100")), Fault::Transient);
+        assert_eq!(classify_mysql(1467, Some("HY000")), Fault::Transient, "a deadlock on the AUTO-INC lock");
         for number in [1205, 1969, 3024] {
             assert_eq!(classify_mysql(number, Some("HY000")), Fault::LockTimeout, "{number}");
         }
