@@ -959,33 +959,42 @@ fn check_pool() -> PoolSettings {
     PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) }
 }
 
-/// The statement that reads the row (id, amount) an operation of `kind` wrote, by its key
-/// (a request_id, a memo) or by its merchant_id and key, in the form `dialect` takes; None for
-/// a Void, which writes no row of its own.
-fn written_rows_sql(kind: OperationKind, dialect: Dialect) -> Option<&'static str> {
+/// The statement that reads the row (id, amount) `operation` wrote, in the form `dialect`
+/// takes, with its values: the operation's key (a request_id, a memo), or its merchant_id and
+/// key. None for a Void, which writes no row of its own (the hold's status and the audit say
+/// the rest).
+fn written_row(operation: &Operation, dialect: Dialect) -> Option<(&'static str, Vec<&str>)> {
     let postgres = dialect == Dialect::Postgres;
-    Some(match kind {
+    let by_key = vec![operation.key.as_str()];
+    let by_merchant = vec![operation.merchant_id.as_str(), operation.key.as_str()];
+    Some(match operation.kind {
         OperationKind::Void => return None,
-        OperationKind::Deposit if postgres => "SELECT deposit_id, amount FROM deposits WHERE request_id = $1",
-        OperationKind::Deposit => "SELECT deposit_id, amount FROM deposits WHERE request_id = ?",
-        OperationKind::Withdraw if postgres => "SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = $1",
-        OperationKind::Withdraw => "SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = ?",
-        OperationKind::Transfer if postgres => "SELECT transfer_id, amount FROM transfers WHERE memo = $1",
-        OperationKind::Transfer => "SELECT transfer_id, amount FROM transfers WHERE memo = ?",
-        OperationKind::Authorize if postgres => {
-            "SELECT hold_no, amount FROM holds WHERE merchant_id = $1 AND out_auth_no = $2"
+        OperationKind::Deposit if postgres => ("SELECT deposit_id, amount FROM deposits WHERE request_id = $1", by_key),
+        OperationKind::Deposit => ("SELECT deposit_id, amount FROM deposits WHERE request_id = ?", by_key),
+        OperationKind::Withdraw if postgres => {
+            ("SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = $1", by_key)
         }
-        OperationKind::Authorize => "SELECT hold_no, amount FROM holds WHERE merchant_id = ? AND out_auth_no = ?",
+        OperationKind::Withdraw => ("SELECT withdrawal_id, amount FROM withdrawals WHERE request_id = ?", by_key),
+        OperationKind::Transfer if postgres => ("SELECT transfer_id, amount FROM transfers WHERE memo = $1", by_key),
+        OperationKind::Transfer => ("SELECT transfer_id, amount FROM transfers WHERE memo = ?", by_key),
+        OperationKind::Authorize if postgres => {
+            ("SELECT hold_no, amount FROM holds WHERE merchant_id = $1 AND out_auth_no = $2", by_merchant)
+        }
+        OperationKind::Authorize => {
+            ("SELECT hold_no, amount FROM holds WHERE merchant_id = ? AND out_auth_no = ?", by_merchant)
+        }
         OperationKind::Pay | OperationKind::Capture if postgres => {
-            "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = $1 AND out_trade_no = $2"
+            ("SELECT trade_no, amount FROM payment_flow WHERE merchant_id = $1 AND out_trade_no = $2", by_merchant)
         }
         OperationKind::Pay | OperationKind::Capture => {
-            "SELECT trade_no, amount FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?"
+            ("SELECT trade_no, amount FROM payment_flow WHERE merchant_id = ? AND out_trade_no = ?", by_merchant)
         }
         OperationKind::Refund if postgres => {
-            "SELECT refund_no, amount FROM refunds WHERE merchant_id = $1 AND out_refund_no = $2"
+            ("SELECT refund_no, amount FROM refunds WHERE merchant_id = $1 AND out_refund_no = $2", by_merchant)
         }
-        OperationKind::Refund => "SELECT refund_no, amount FROM refunds WHERE merchant_id = ? AND out_refund_no = ?",
+        OperationKind::Refund => {
+            ("SELECT refund_no, amount FROM refunds WHERE merchant_id = ? AND out_refund_no = ?", by_merchant)
+        }
     })
 }
 
@@ -1032,16 +1041,7 @@ async fn check(node_urls: &[String], operations: &[Operation], summary: &mut Sto
                 operation.kind, operation.key
             ));
         }
-        // A Void leaves no row of its own (the hold's status and the audit say the rest).
-        let Some(sql) = written_rows_sql(operation.kind, dialect) else { continue };
-        let binds: Vec<&str> = match operation.kind {
-            OperationKind::Deposit | OperationKind::Withdraw | OperationKind::Transfer | OperationKind::Void => {
-                vec![operation.key.as_str()]
-            }
-            OperationKind::Authorize | OperationKind::Pay | OperationKind::Capture | OperationKind::Refund => {
-                vec![operation.merchant_id.as_str(), operation.key.as_str()]
-            }
-        };
+        let Some((sql, binds)) = written_row(operation, dialect) else { continue };
         let mut query = sqlx::query(sql);
         for bind in binds {
             query = query.bind(bind);
