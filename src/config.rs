@@ -21,6 +21,12 @@ pub struct DatabaseSettings {
     /// Milliseconds a call waits for a free connection before it fails with UNAVAILABLE.
     #[arg(long, env = "PAYLEDGER_POOL_ACQUIRE_TIMEOUT_MS", default_value_t = 5_000)]
     pub pool_acquire_timeout_ms: u64,
+    /// PostgreSQL: seconds a pooled connection, and the query plans it keeps, is used before it
+    /// is replaced, which bounds how long a plan made while a table was small outlives the
+    /// table's growth (docs/decisions/001-generic-plans.md). 1 to 86,400.
+    #[arg(long, env = "PAYLEDGER_PLAN_LIFETIME_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub plan_lifetime_seconds: u64,
     /// Milliseconds a call waits for a row lock, or for a concurrent request with the same
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
@@ -77,6 +83,7 @@ impl DatabaseSettings {
             max_connections: self.pool_size.max(1),
             acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
             lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
+            plan_lifetime: Duration::from_secs(self.plan_lifetime_seconds),
         }
     }
 
@@ -109,6 +116,7 @@ impl std::fmt::Debug for DatabaseSettings {
             .field("database_url", &crate::store::redacted(&self.database_url))
             .field("pool_size", &self.pool_size)
             .field("pool_acquire_timeout_ms", &self.pool_acquire_timeout_ms)
+            .field("plan_lifetime_seconds", &self.plan_lifetime_seconds)
             .field("lock_timeout_ms", &self.lock_timeout_ms)
             .field("pay_batch_max", &self.pay_batch_max)
             .field("pay_batch_workers", &self.pay_batch_workers)
@@ -152,6 +160,7 @@ impl AuditSettings {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(30),
             lock_timeout: Duration::from_secs(5),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         }
     }
 }

@@ -143,6 +143,10 @@ pub enum Error {
     /// A bug or an impossible state. INTERNAL.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A write set broke a money invariant (a bug; see `ledger::invariants`): its transaction
+    /// was rolled back and nothing of it written. INTERNAL; the log names the invariant.
+    #[error("money invariant broken: {0}")]
+    InvariantBroken(&'static str),
 }
 
 impl From<FieldViolation> for Error {
@@ -256,6 +260,10 @@ impl From<Error> for Status {
             },
             Error::Internal(cause) => {
                 tracing::error!(%cause, "internal error");
+                (Code::Internal, "INTERNAL", "internal error".to_owned())
+            }
+            Error::InvariantBroken(invariant) => {
+                tracing::error!(invariant, "money invariant broken; the write was rolled back");
                 (Code::Internal, "INTERNAL", "internal error".to_owned())
             }
         };

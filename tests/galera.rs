@@ -48,6 +48,7 @@ async fn open_node(
         database_url: url.to_owned(),
         pool_size,
         pool_acquire_timeout_ms: 5_000,
+        plan_lifetime_seconds: 30,
         lock_timeout_ms: 5_000,
         pay_batch_max: 64,
         pay_batch_workers: 1,

@@ -55,6 +55,7 @@ impl HealthServer {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(2),
             lock_timeout: Duration::from_secs(2),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         };
         let store = Store::connect(url, &settings).await.unwrap();
         store.migrate().await.unwrap();
@@ -110,6 +111,7 @@ async fn opens_once_the_database_exists(admin_url: &str, force: &str) {
         database_url: database_url(admin_url, &name),
         pool_size: 2,
         pool_acquire_timeout_ms: 2_000,
+        plan_lifetime_seconds: 30,
         lock_timeout_ms: 2_000,
         pay_batch_max: 64,
         pay_batch_workers: 1,

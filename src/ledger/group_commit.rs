@@ -113,11 +113,12 @@ use super::accounts::{receipt_after, transfer_row, DepositReceipt, FundingCall, 
 use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
 use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
+use super::invariants::{self, AccountMove};
 use super::payments::{
     check_pay, check_payee, new_payment, new_refund, paid_receipt, refunded_order, NewOrder, PayCheck, PayReceipt,
     RefundReceipt,
 };
-use super::posting::{balance_after, EntryKind};
+use super::posting::{balance_after, balance_floor, EntryKind};
 use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
@@ -453,6 +454,12 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
     let written = match outcome {
         Ok(Inserted::Done(written)) => written,
         Ok(Inserted::KeyTaken) => alone(batch.len()),
+        // A broken money invariant (see `invariants`) is a bug: the batch was rolled back and
+        // its calls are refused, never written again another way.
+        Err(Error::InvariantBroken(invariant)) => {
+            tracing::error!(invariant, calls = batch.len(), "group commit refused; nothing of it was written");
+            batch.iter().map(|_| Decision::Rejected(Error::InvariantBroken(invariant))).collect()
+        }
         Err(error) => {
             tracing::debug!(%error, calls = batch.len(), "group commit failed; every call of it runs alone");
             alone(batch.len())
@@ -525,6 +532,7 @@ fn alone(count: usize) -> Vec<Decision> {
 struct Ledgered {
     row: AccountRow,
     read_version: i64,
+    read_balance: i64,
 }
 
 /// What the batch can go on with for one write, its rows locked and read.
@@ -836,7 +844,7 @@ async fn write_batch(
         .lock_accounts(&account_ids)
         .await?
         .into_iter()
-        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, row }))
+        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
         .collect();
     decide_fundings(queries, &candidates, &locked, &mut decisions).await?;
     let (accounts, refunded_orders, accepted) = loop {
@@ -1321,6 +1329,19 @@ async fn write_accepted(
             }
         })
         .collect();
+    let moves: Vec<AccountMove<'_>> = accounts
+        .values()
+        .filter(|account| account.row.version != account.read_version)
+        .map(|account| AccountMove {
+            account_id: &account.row.account_id,
+            balance_before: account.read_balance,
+            version_before: account.read_version,
+            balance_after: account.row.balance,
+            version_after: account.row.version,
+            floor: balance_floor(&account.row),
+        })
+        .collect();
+    invariants::check(&moves, &entries)?;
     let written = BatchWrite {
         payments: &payments,
         refunds: &refunds,

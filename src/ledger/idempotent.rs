@@ -389,6 +389,7 @@ mod tests {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(5),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         };
         let store = Store::connect(&url, &settings).await.unwrap();
         store.migrate().await.unwrap();

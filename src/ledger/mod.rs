@@ -34,6 +34,7 @@ mod group_commit;
 mod guards;
 mod holds;
 mod idempotent;
+mod invariants;
 mod payments;
 mod posting;
 mod reaper;

@@ -2,6 +2,8 @@
 //! entries that sum to zero, each balance changed by a version CAS (optimistic lock).
 
 use crate::domain::{Amount, Rejection, BALANCE_MINOR_UNITS_MAX};
+
+use super::invariants::{self, AccountMove};
 use crate::error::{Error, Resource};
 use crate::store::{AccountRow, NewEntry, Queries};
 
@@ -99,13 +101,15 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known
     let currency = posting.amount.currency().code();
     let (from, to) = (posting.from_account_id, posting.to_account_id);
     let read = |account_id: &str| known.iter().find(|row| row.account_id == account_id).cloned();
-    let ((from_balance, from_version), (to_balance, to_version)) = if from < to {
-        let from_after = change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?;
-        (from_after, change_balance(queries, read(to), to, currency, minor_units, posting.now).await?)
+    let (from_move, to_move) = if from < to {
+        let from_move = change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?;
+        (from_move, change_balance(queries, read(to), to, currency, minor_units, posting.now).await?)
     } else {
-        let to_after = change_balance(queries, read(to), to, currency, minor_units, posting.now).await?;
-        (change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?, to_after)
+        let to_move = change_balance(queries, read(to), to, currency, minor_units, posting.now).await?;
+        (change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?, to_move)
     };
+    let (from_balance, from_version) = (from_move.balance_after, from_move.version_after);
+    let (to_balance, to_version) = (to_move.balance_after, to_move.version_after);
     let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
         account_id,
         currency,
@@ -123,7 +127,7 @@ pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known
         leg(posting.from_account_id, posting.to_account_id, -minor_units, from_balance, from_version),
         leg(posting.to_account_id, posting.from_account_id, minor_units, to_balance, to_version),
     ];
-    debug_assert_eq!(entries[0].amount + entries[1].amount, 0, "debits equal credits");
+    invariants::check(&[from_move, to_move], &entries)?;
     queries.insert_entry_pair(&entries).await?;
     Ok(())
 }
@@ -151,22 +155,29 @@ pub(super) fn balance_after(account: &AccountRow, currency: &str, delta: i64) ->
     Ok(balance)
 }
 
+/// The lowest balance an account may have: what its active holds reserve for a customer
+/// account, none for an external funding account (the rule [`balance_after`] applies).
+pub(super) fn balance_floor(account: &AccountRow) -> Option<i64> {
+    (account.kind != KIND_EXTERNAL).then_some(account.held)
+}
+
 /// Adds `delta` minor units to one balance with a version CAS: read (balance, version),
 /// check the rules, `UPDATE ... WHERE version = ?`; zero rows means another writer won, so
-/// re-read and try again, bounded. Returns (balance, version) after.
+/// re-read and try again, bounded. Returns the account's move: its balance and version before
+/// (as the winning CAS found them) and after.
 ///
 /// The first read takes no lock (optimistic). A retry re-reads with `FOR UPDATE`, which
 /// waits for the winner to commit and then holds the row, so the next CAS cannot lose: on a
 /// hot account every writer gets through in lock order instead of losing races at random
 /// until its retries run out.
-async fn change_balance(
+async fn change_balance<'a>(
     queries: &mut Queries<'_>,
     mut known: Option<AccountRow>,
-    account_id: &str,
+    account_id: &'a str,
     currency: &str,
     delta: i64,
     now: i64,
-) -> Result<(i64, i64), Error> {
+) -> Result<AccountMove<'a>, Error> {
     for attempt in 1..=CAS_ATTEMPTS_MAX {
         let account = match (attempt, known.take()) {
             (1, Some(row)) => Some(row),
@@ -176,7 +187,14 @@ async fn change_balance(
         let account = account.ok_or(Error::NotFound(Resource::Account))?;
         let balance = balance_after(&account, currency, delta)?;
         if queries.cas_balance(account_id, balance, account.version, now).await? {
-            return Ok((balance, account.version + 1));
+            return Ok(AccountMove {
+                account_id,
+                balance_before: account.balance,
+                version_before: account.version,
+                balance_after: balance,
+                version_after: account.version + 1,
+                floor: balance_floor(&account),
+            });
         }
         tracing::debug!(account_id, attempt, "version CAS lost; re-reading the balance under a row lock");
         queries.count_cas_retry();

@@ -96,14 +96,13 @@ impl Dialect {
                 "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
                 "SET idle_in_transaction_session_timeout = '60s'".to_owned(),
                 format!("SET lock_timeout = '{millis}ms'"),
-                // A prepared statement's generic plan is made once, from the statistics of the
-                // moment, and kept until those statistics change: one made while a table was
-                // small scans it sequentially for good once the table has grown and nobody
-                // has run ANALYZE since (autovacuum off or behind, a restore, a bulk import).
-                // Custom plans are made at each execution from the table's size now, and
-                // every hot statement has an index lookup as its plan at any real size; they
-                // cost a few microseconds of planning each (BENCHMARKS.md, "Ledger size").
-                "SET plan_cache_mode = force_custom_plan".to_owned(),
+                // Every hot statement finds its rows by a primary or unique key: planning it
+                // again at each execution (custom plans) cost more than running it. Each
+                // connection makes one generic plan per statement and keeps it; the pool
+                // replaces its connections after `PoolSettings::plan_lifetime`, so a plan made
+                // while a table was small does not outlive the table's growth for long
+                // (docs/decisions/001-generic-plans.md).
+                "SET plan_cache_mode = auto".to_owned(),
             ],
             Dialect::MySql => vec![
                 "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),

@@ -53,6 +53,19 @@ pub struct PoolSettings {
     /// How long a statement waits for a row lock (or SQLite's write lock) before the call
     /// fails with ABORTED.
     pub lock_timeout: Duration,
+    /// PostgreSQL only: how long a pooled connection, and with it every plan it keeps, is
+    /// used before it is closed and replaced. Its statements keep one generic plan each
+    /// (`plan_cache_mode = force_generic_plan`, see [`Dialect::session_setup`]), made from the
+    /// tables' sizes when the connection first ran them; a new connection plans again from
+    /// the sizes of that moment, so a plan made while a table was small (a sequential scan of a
+    /// table of one page) lasts at most this long after the table grew
+    /// (docs/decisions/001-generic-plans.md).
+    pub plan_lifetime: Duration,
+}
+
+impl PoolSettings {
+    /// The default [`PoolSettings::plan_lifetime`] (`--plan-lifetime-seconds`): 30 s.
+    pub const PLAN_LIFETIME_DEFAULT: Duration = Duration::from_secs(30);
 }
 
 /// A connection pool to one database, and the rules of its dialect.
@@ -157,6 +170,12 @@ impl Store {
             // died fails its first statement instead, the call is UNAVAILABLE (retried by the
             // client) and the pool drops the connection.
             .test_before_acquire(false)
+            // Bounds the age of the generic plans a PostgreSQL connection keeps (see
+            // `PoolSettings::plan_lifetime`); sqlx closes an older connection when it is released
+            // or next taken. The other backends plan at each execution (MariaDB, MySQL) or
+            // from fixed estimates (SQLite): their connections live as long as the pool's
+            // default.
+            .max_lifetime((dialect == Dialect::Postgres).then_some(settings.plan_lifetime))
             .after_connect(move |connection, _| {
                 let session_setup = session_setup.clone();
                 Box::pin(async move {

@@ -355,6 +355,7 @@ impl TestApp {
             max_connections: 8,
             acquire_timeout: Duration::from_secs(30),
             lock_timeout: options.lock_timeout,
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         };
         let store = Store::connect(&database_url, &settings).await.expect("the test database connects");
         store.migrate().await.expect("migrations apply");

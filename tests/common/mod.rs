@@ -28,7 +28,12 @@ pub fn database_url(admin_url: &str, name: &str) -> String {
 
 /// A pool of two connections that waits `acquire_timeout` for one, and 5 s for a lock.
 pub fn small_pool(acquire_timeout: Duration) -> PoolSettings {
-    PoolSettings { max_connections: 2, acquire_timeout, lock_timeout: Duration::from_secs(5) }
+    PoolSettings {
+        max_connections: 2,
+        acquire_timeout,
+        lock_timeout: Duration::from_secs(5),
+        plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
+    }
 }
 
 /// A migrated ledger on a new SQLite file in `directory`, over [`small_pool`].
@@ -59,11 +64,17 @@ impl Served {
 /// A payledger server on a free loopback port over `database_url` (migrated first), with a
 /// pool of `connections` that waits 5 s for a connection and for a lock.
 pub async fn serve(database_url: &str, connections: u32) -> Served {
+    serve_planned_for(database_url, connections, PoolSettings::PLAN_LIFETIME_DEFAULT).await
+}
+
+/// [`serve`] with connections (and so, on PostgreSQL, their plans) replaced after `plan_lifetime`.
+pub async fn serve_planned_for(database_url: &str, connections: u32, plan_lifetime: Duration) -> Served {
     use payledger::store::Store;
     let settings = PoolSettings {
         max_connections: connections,
         acquire_timeout: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(5),
+        plan_lifetime,
     };
     let store = Store::connect(database_url, &settings).await.expect("the database connects");
     store.migrate().await.expect("migrations apply");

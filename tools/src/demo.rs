@@ -54,6 +54,7 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 database_url,
                 pool_size: 4,
                 pool_acquire_timeout_ms: 5_000,
+                plan_lifetime_seconds: 30,
                 lock_timeout_ms: 5_000,
                 pay_batch_max: 64,
                 pay_batch_workers: 2,

@@ -118,6 +118,7 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
         max_connections: 1,
         acquire_timeout: std::time::Duration::from_secs(30),
         lock_timeout: std::time::Duration::from_secs(30),
+        plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
     };
     let store = Store::connect(&settings.database_url, &pool).await?;
     store.migrate().await?;

@@ -956,7 +956,12 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
 
 /// The pool of the storm's own checks (and of its migration).
 fn check_pool() -> PoolSettings {
-    PoolSettings { max_connections: 2, acquire_timeout: Duration::from_secs(10), lock_timeout: Duration::from_secs(10) }
+    PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(10),
+        lock_timeout: Duration::from_secs(10),
+        plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
+    }
 }
 
 /// The statement that reads the row (id, amount) `operation` wrote, in the form `dialect`
@@ -1153,6 +1158,7 @@ mod tests {
             max_connections: 1,
             acquire_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(5),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         };
         let store = Store::connect(&url, &settings).await.unwrap();
         store.migrate().await.unwrap();
