@@ -135,11 +135,19 @@ pub(super) static FIND_PAYMENTS_AND_ORDERS: Sql = Sql {
 };
 
 /// The refunds of rows `[merchant_id, out_refund_no]`; a read.
+///
+/// PostgreSQL's form, like every batch statement of it that finds rows by key under a filter
+/// the table's statistics may misjudge (a status, a version, a response), looks each key up in
+/// a `LATERAL` subquery with `LIMIT 1`: such a subquery is never merged into the join, so the
+/// plan, generic or not, is the keys then one index lookup a key, whatever the statistics say
+/// of the table; an UPDATE then updates the rows by the `ctid` those lookups found (a TID scan).
+/// docs/decisions/001-generic-plans.md.
 pub(super) static FIND_REFUNDS: Sql = Sql {
     postgres: concat!(
-        "SELECT ",
+        "SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS k(merchant_id, out_refund_no) CROSS JOIN LATERAL (SELECT ",
         super::queries::refund_columns!(),
-        " FROM refunds WHERE (merchant_id, out_refund_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[]))"
+        " FROM refunds WHERE refunds.merchant_id = k.merchant_id AND refunds.out_refund_no = k.out_refund_no \
+         LIMIT 1) AS r"
     ),
     mysql: concat!(
         "SELECT ",
@@ -165,10 +173,11 @@ pub(super) static FIND_REFUNDS: Sql = Sql {
 /// from them; a read, without locks, by the records' unique key.
 pub(super) static FIND_ANSWERED_RECORDS: Sql = Sql {
     postgres: concat!(
-        "SELECT ",
+        "SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS k(scope, idempotency_key) CROSS JOIN LATERAL (SELECT ",
         super::queries::record_columns!(),
-        " FROM idempotency_record WHERE (scope, idempotency_key) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
-         AND response IS NOT NULL"
+        " FROM idempotency_record WHERE idempotency_record.scope = k.scope \
+         AND idempotency_record.idempotency_key = k.idempotency_key AND idempotency_record.response IS NOT NULL \
+         LIMIT 1) AS r"
     ),
     mysql: concat!(
         "SELECT ",
@@ -309,8 +318,10 @@ pub(super) static COMPLETE_RECORDS: ServerSql = ServerSql {
     postgres: "UPDATE idempotency_record SET response = decode(k.response, 'hex'), \
                response_message = decode(k.response_message, 'hex'), status = 'COMPLETED' \
                FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[]) AS k(scope, idempotency_key, response, response_message) \
-               WHERE idempotency_record.scope = k.scope AND idempotency_record.idempotency_key = k.idempotency_key \
-               AND idempotency_record.status = 'IN_PROGRESS'",
+               CROSS JOIN LATERAL (SELECT ctid AS row_id FROM idempotency_record AS claimed \
+               WHERE claimed.scope = k.scope AND claimed.idempotency_key = k.idempotency_key \
+               AND claimed.status = 'IN_PROGRESS' LIMIT 1) AS found \
+               WHERE idempotency_record.ctid = found.row_id",
     mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
             k_scope VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
             k_idempotency_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]', \
@@ -649,11 +660,14 @@ pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
      $8::text[], $9::text[], $10::bigint[], $11::text[]) ON CONFLICT DO NOTHING RETURNING 1), \
      o AS (UPDATE orders SET status = 'PAID', updated_at = $30, pending_deadline = NULL, out_trade_no = k.out_trade_no \
      FROM UNNEST($12::text[], $13::text[], $14::text[]) AS k(merchant_id, order_no, out_trade_no) \
-     WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no AND orders.status = 'PENDING' \
-     RETURNING 1), \
+     CROSS JOIN LATERAL (SELECT ctid AS row_id FROM orders AS paid WHERE paid.merchant_id = k.merchant_id \
+     AND paid.order_no = k.order_no AND paid.status = 'PENDING' LIMIT 1) AS found \
+     WHERE orders.ctid = found.row_id RETURNING 1), \
      a AS (UPDATE accounts SET balance = k.balance, version = k.version, updated_at = $30 \
      FROM UNNEST($15::text[], $16::bigint[], $17::bigint[], $18::bigint[]) AS k(account_id, balance, expected_version, version) \
-     WHERE accounts.account_id = k.account_id AND accounts.version = k.expected_version RETURNING 1), \
+     CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
+     AND moved.version = k.expected_version LIMIT 1) AS found \
+     WHERE accounts.ctid = found.row_id RETURNING 1), \
      e AS (",
     super::queries::insert_entry_into!(),
     " SELECT account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
@@ -668,8 +682,10 @@ pub(super) static WRITE_BATCH_POSTGRES: &str = concat!(
      t AS (UPDATE orders SET status = k.to_status, refunded_amount = k.to_refunded, updated_at = $30 \
      FROM UNNEST($41::text[], $42::text[], $43::text[], $44::bigint[], $45::text[], $46::bigint[]) \
      AS k(merchant_id, order_no, from_status, from_refunded, to_status, to_refunded) \
-     WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no AND orders.status = k.from_status \
-     AND orders.refunded_amount = k.from_refunded AND k.to_refunded <= orders.amount RETURNING 1), \
+     CROSS JOIN LATERAL (SELECT ctid AS row_id FROM orders AS refunded WHERE refunded.merchant_id = k.merchant_id \
+     AND refunded.order_no = k.order_no AND refunded.status = k.from_status \
+     AND refunded.refunded_amount = k.from_refunded AND k.to_refunded <= refunded.amount LIMIT 1) AS found \
+     WHERE orders.ctid = found.row_id RETURNING 1), \
      x AS (",
     super::queries::insert_transfer_into!(),
     " SELECT * FROM UNNEST($47::text[], $48::text[], $49::text[], $50::bigint[], $51::text[], $52::text[], \

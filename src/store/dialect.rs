@@ -102,7 +102,7 @@ impl Dialect {
                 // replaces its connections after `PoolSettings::plan_lifetime`, so a plan made
                 // while a table was small does not outlive the table's growth for long
                 // (docs/decisions/001-generic-plans.md).
-                "SET plan_cache_mode = auto".to_owned(),
+                "SET plan_cache_mode = force_generic_plan".to_owned(),
             ],
             Dialect::MySql => vec![
                 "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
