@@ -47,12 +47,12 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub pay_batch_workers: u16,
-    /// Group-commit transactions of one worker in flight at once: the worker starts its next
-    /// batch as soon as one of its batches is done, so a call need not wait for a whole batch
-    /// (nor for one that waits on a row lock) before its own starts; each holds one pooled
-    /// connection while it runs, so keep workers x pipeline below the pool size. 1: one batch
-    /// after another.
-    #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 1,
+    /// Most group-commit transactions of one worker in flight at once. A batch starts at once
+    /// when none runs; while batches run, another starts only while each of them holds a single
+    /// call (light load), so a second caller is served beside the first, and under load calls
+    /// queue for the next batch instead. Each holds one pooled connection while it runs, so keep
+    /// workers x pipeline below the pool size. 1: one batch after another.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 4,
           value_parser = clap::value_parser!(u16).range(1..=16))]
     pub pay_batch_pipeline: u16,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one

@@ -131,11 +131,11 @@ pub struct GroupCommitSettings {
     pub max_batch: usize,
     /// Workers, each with its own queue (calls are routed to one by [`Write::route`]).
     pub workers: usize,
-    /// Batches of one worker in flight at once (each holds one pooled connection while it
-    /// runs): a worker takes the calls that queued as soon as one of its batches is done,
-    /// rather than once its last batch is, so a call that arrives while a batch runs (or
-    /// waits for a row lock another transaction holds) starts in the next batch at once
-    /// instead of after it. 1: one batch after another.
+    /// Most batches of one worker in flight at once (each holds one pooled connection while
+    /// it runs). A batch starts at once when none runs; while batches run, another starts only
+    /// while each of them holds a single call (light load), so a second caller is served
+    /// beside the first, and under load calls queue for the next batch instead (see `work`).
+    /// 1: one batch after another.
     pub pipeline: usize,
     /// Most calls waiting in one worker's queue; a call that finds it full is refused
     /// RESOURCE_EXHAUSTED (OVERLOADED).
@@ -149,9 +149,9 @@ impl Default for GroupCommitSettings {
 }
 
 /// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]):
-/// one, as two halved the mean batch at 32 callers and gained no throughput or tail latency
-/// on two cores (BENCHMARKS.md, "Two batches in flight").
-pub const DEFAULT_PIPELINE: usize = 1;
+/// four, which serve two callers a quarter faster than one batch at a time and keep the rate
+/// at 32 callers (BENCHMARKS.md, "Batches in flight under light load").
+pub const DEFAULT_PIPELINE: usize = 4;
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
 /// whether the transport dropped the call (cancelled by the client, or the connection
@@ -357,9 +357,13 @@ impl Batcher {
     }
 }
 
-/// A worker: takes whatever has queued up (at most `max_batch`) and runs it as one batch, with
-/// at most `pipeline` of its batches in flight; while that many run, calls queue up for the
-/// next. Under light load a batch holds one call and starts at once. A call whose caller has
+/// A worker: takes whatever has queued up (at most `max_batch`) and runs it as one batch. A
+/// batch starts at once when none runs; while batches run, another starts only under light
+/// load: fewer than `pipeline` run and each of them holds one call. So a second caller is
+/// served beside the first instead of after it, and once batches hold several calls (the
+/// database is busy) calls queue up for the next batch, which takes them together: on two
+/// cores a batch's CPU, not its round trips, bounds the rate there, and more, smaller batches in
+/// flight lose (BENCHMARKS.md, "Batches in flight under light load"). A call whose caller has
 /// gone when its batch is formed is answered [`Decision::NotStarted`] and left out. Once the
 /// queue is closed, the batches in flight finish before the worker ends.
 ///
@@ -368,10 +372,13 @@ impl Batcher {
 /// wait for each other, one after the other; on other rows they run side by side.
 async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommitSettings, metrics: LedgerMetrics) {
     let (max_batch, pipeline) = (settings.max_batch.max(1), settings.pipeline.max(1));
+    // Each batch in flight returns the number of calls it holds.
     let mut running = tokio::task::JoinSet::new();
+    let mut running_calls = 0;
     loop {
-        if running.len() >= pipeline {
-            running.join_next().await;
+        let light_load = running_calls <= running.len();
+        if !running.is_empty() && !(running.len() < pipeline && light_load) {
+            running_calls -= running.join_next().await.and_then(Result::ok).unwrap_or(0);
             continue;
         }
         let first = tokio::select! {
@@ -379,7 +386,10 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommi
                 Some(job) => job,
                 None => break,
             },
-            Some(_) = running.join_next(), if !running.is_empty() => continue,
+            Some(done) = running.join_next(), if !running.is_empty() => {
+                running_calls -= done.unwrap_or(0);
+                continue;
+            }
         };
         let mut taken = vec![first];
         while taken.len() < max_batch {
@@ -400,7 +410,13 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommi
             }
         }
         if !jobs.is_empty() {
-            running.spawn(run_batch(store.clone(), jobs, metrics.clone()));
+            let calls = jobs.len();
+            running_calls += calls;
+            let batch = run_batch(store.clone(), jobs, metrics.clone());
+            running.spawn(async move {
+                batch.await;
+                calls
+            });
         }
     }
     while running.join_next().await.is_some() {}

@@ -3220,6 +3220,13 @@ pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app:
     assert!(app.ledger.audit().await.unwrap().is_empty());
 }
 
+/// [`a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch`] on the default server:
+/// a batch starts beside the running ones while each of them holds a single call (light load),
+/// so a second caller is served beside a batch of one that waits for a row lock.
+pub async fn a_second_caller_is_served_beside_a_batch_of_one_waiting_for_a_row_lock(app: &TestApp) {
+    a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app).await;
+}
+
 /// [`racing_calls_with_one_key_and_other_terms_are_answered_by_the_key`] with each call in its
 /// own transaction (group commit off): a loser reads the order, taken, before its key has a
 /// record, and is answered by the key's record.

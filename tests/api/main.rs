@@ -103,6 +103,7 @@ backend_suite!(
     an_order_created_under_a_group_commit_is_replayed_and_the_rest_of_it_commits,
     a_call_whose_original_commits_under_its_batch_is_answered_by_its_key_record,
     a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch => two_batches_in_flight,
+    a_second_caller_is_served_beside_a_batch_of_one_waiting_for_a_row_lock,
     racing_calls_with_one_key_and_other_terms_are_answered_by_the_key,
     a_withdraw_refused_by_a_batch_while_its_original_is_in_flight_is_replayed,
     deposits_over_funding_shards_are_group_committed_once_each_shard_exists => four_funding_shards,
