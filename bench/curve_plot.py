@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -49,6 +50,8 @@ def main() -> None:
             latency_axis.plot(callers, [point[2] for point in points], label=name, **style)
         for axis, label in ((rate_axis, "calls (transactions) / s"), (latency_axis, "p50 latency, ms")):
             axis.set_xscale("log", base=2)
+            axis.set_xticks(sorted({point[0] for points in series.values() for point in points}))
+            axis.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
             axis.set_yscale("log")
             axis.set_xlabel("concurrent callers (clients)")
             axis.set_ylabel(label)

@@ -376,8 +376,10 @@ async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommi
     let mut running = tokio::task::JoinSet::new();
     let mut running_calls = 0;
     loop {
+        // Each batch in flight holds one call: the database is not busy.
         let light_load = running_calls <= running.len();
-        if !running.is_empty() && !(running.len() < pipeline && light_load) {
+        let may_start = running.is_empty() || (running.len() < pipeline && light_load);
+        if !may_start {
             running_calls -= running.join_next().await.and_then(Result::ok).unwrap_or(0);
             continue;
         }
@@ -1357,7 +1359,6 @@ async fn write_accepted(
             floor: balance_floor(&account.row),
         })
         .collect();
-    invariants::check(&moves, &entries)?;
     let written = BatchWrite {
         payments: &payments,
         refunds: &refunds,
@@ -1370,5 +1371,202 @@ async fn write_accepted(
         entries: &entries,
         now,
     };
-    Ok(queries.write_batch(&written).await?)
+    write_checked(queries, &moves, &written).await
+}
+
+/// Checks the write set's money invariants ([`invariants::check`]), then writes it: false when a
+/// key, an order's state or a version was taken under the batch (roll back).
+///
+/// # Errors
+/// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
+async fn write_checked(
+    queries: &mut Queries<'_>,
+    moves: &[AccountMove<'_>],
+    written: &BatchWrite<'_>,
+) -> Result<bool, Error> {
+    invariants::check(moves, written.entries)?;
+    Ok(queries.write_batch(written).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::domain::{AccountId, Actor, Amount, Currency, RequestId};
+    use crate::ledger::{Deposit, Guards, Ledger, OpenAccount};
+    use crate::store::PoolSettings;
+
+    /// A SQLite ledger with alice (10.00 USD) and bob (nothing).
+    async fn ledger_of_two(directory: &tempfile::TempDir) -> Ledger {
+        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+        let settings = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
+        };
+        let store = Store::connect(&url, &settings).await.unwrap();
+        store.migrate().await.unwrap();
+        let ledger = Ledger::new(store);
+        let usd = Currency::parse("currency", "USD").unwrap();
+        for name in ["alice", "bob"] {
+            let account_id = AccountId::parse("account_id", name).unwrap();
+            ledger.open_account(OpenAccount { account_id, currency: usd }, &Guards::default()).await.unwrap();
+        }
+        let deposit = Deposit {
+            request_id: RequestId::parse("request_id", "funding").unwrap(),
+            account_id: AccountId::parse("account_id", "alice").unwrap(),
+            amount: Amount::parse("amount", "10.00", usd).unwrap(),
+            created_by: Actor::Anonymous,
+        };
+        ledger.deposit(deposit, &Guards::default()).await.unwrap();
+        ledger
+    }
+
+    /// The journal's entries, and alice's and bob's (balance, version).
+    async fn books(ledger: &Ledger) -> (i64, [(i64, i64); 2]) {
+        let mut reader = ledger.store().reader().await.unwrap();
+        let mut queries = reader.queries();
+        let mut accounts = [(0, 0); 2];
+        for (slot, name) in ["alice", "bob"].into_iter().enumerate() {
+            let row = queries.find_account(name).await.unwrap().unwrap();
+            accounts[slot] = (row.balance, row.version);
+        }
+        let rows = ledger.store().on_pooled_session("SELECT COUNT(*) FROM journal_entries").await.unwrap();
+        (sqlx::Row::get::<i64, _>(&rows[0], 0), accounts)
+    }
+
+    /// A posting of `minor_units` from alice to bob whose versions move by `step`, as a batch
+    /// writes one: the moves, the version CAS of both accounts and the two legs.
+    fn posting<'a>(
+        posting_id: &'a str,
+        alice: &'a AccountRow,
+        bob: &'a AccountRow,
+        minor_units: i64,
+        step: i64,
+    ) -> (Vec<AccountMove<'a>>, Vec<BalanceUpdate<'a>>, Vec<NewEntry<'a>>) {
+        let sides = [(alice, -minor_units, bob), (bob, minor_units, alice)];
+        let moves: Vec<AccountMove<'a>> = sides
+            .iter()
+            .map(|(account, delta, _)| AccountMove {
+                account_id: &account.account_id,
+                balance_before: account.balance,
+                version_before: account.version,
+                balance_after: account.balance + delta,
+                version_after: account.version + step,
+                floor: balance_floor(account),
+            })
+            .collect();
+        let balances = moves
+            .iter()
+            .map(|moved| BalanceUpdate {
+                account_id: moved.account_id,
+                balance: moved.balance_after,
+                expected_version: moved.version_before,
+                version: moved.version_after,
+            })
+            .collect();
+        let entries = sides
+            .iter()
+            .map(|(account, delta, counterparty)| NewEntry {
+                account_id: &account.account_id,
+                currency: "USD",
+                amount: *delta,
+                balance_after: account.balance + delta,
+                version_after: account.version + step,
+                kind: EntryKind::Transfer.as_str(),
+                reference: posting_id,
+                posting_id,
+                counterparty_account_id: &counterparty.account_id,
+                created_at: 1,
+                created_by: "test",
+            })
+            .collect();
+        (moves, balances, entries)
+    }
+
+    fn write_set<'a>(balances: &'a [BalanceUpdate<'a>], entries: &'a [NewEntry<'a>]) -> BatchWrite<'a> {
+        BatchWrite {
+            payments: &[],
+            refunds: &[],
+            transfers: &[],
+            deposits: &[],
+            withdrawals: &[],
+            orders: &[],
+            refunded_orders: &[],
+            balances,
+            entries,
+            now: 1,
+        }
+    }
+
+    /// Runs `break_it` over a posting of 1.00 from alice to bob inside a transaction that first
+    /// writes an intact posting of 2.00, and returns what the transaction answered.
+    async fn write_broken(
+        ledger: &Ledger,
+        break_it: impl Fn(&mut Vec<AccountMove<'_>>, &mut Vec<BalanceUpdate<'_>>, &mut Vec<NewEntry<'_>>),
+    ) -> Result<Inserted<bool>, Error> {
+        let metrics = LedgerMetrics::default();
+        in_transaction!(ledger.store(), &metrics, tx => {
+            let mut queries = tx.queries();
+            let alice = queries.find_account("alice").await?.unwrap();
+            let bob = queries.find_account("bob").await?.unwrap();
+            let (moves, balances, entries) = posting("X1", &alice, &bob, 200, 1);
+            assert!(write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?);
+            let moved = [(moves[0].balance_after, moves[0].version_after), (moves[1].balance_after, moves[1].version_after)];
+            let alice = AccountRow { balance: moved[0].0, version: moved[0].1, ..alice.clone() };
+            let bob = AccountRow { balance: moved[1].0, version: moved[1].1, ..bob.clone() };
+            let (mut moves, mut balances, mut entries) = posting("X2", &alice, &bob, 100, 1);
+            break_it(&mut moves, &mut balances, &mut entries);
+            let written = write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?;
+            Ok(Inserted::Done(written))
+        })
+    }
+
+    #[tokio::test]
+    async fn an_intact_write_set_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let (entries_before, _) = books(&ledger).await;
+
+        let written = write_broken(&ledger, |_, _, _| {}).await.unwrap();
+
+        assert!(matches!(written, Inserted::Done(true)));
+        let (entries, [alice, bob]) = books(&ledger).await;
+        assert_eq!(entries - entries_before, 4);
+        assert_eq!((alice.0, bob.0), (700, 300));
+    }
+
+    #[tokio::test]
+    async fn a_write_set_with_a_leg_dropped_is_refused_and_nothing_of_its_transaction_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let before = books(&ledger).await;
+
+        let refused = write_broken(&ledger, |_, _, entries| {
+            entries.pop();
+        })
+        .await;
+
+        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("two legs")));
+        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+    }
+
+    #[tokio::test]
+    async fn a_write_set_with_a_version_skipped_is_refused_and_nothing_of_its_transaction_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let before = books(&ledger).await;
+
+        let refused = write_broken(&ledger, |moves, balances, entries| {
+            moves[1].version_after += 1;
+            balances[1].version += 1;
+            entries[1].version_after += 1;
+        })
+        .await;
+
+        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after")));
+        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+    }
 }

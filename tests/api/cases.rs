@@ -2000,11 +2000,6 @@ pub async fn a_request_id_taken_under_a_group_commit_is_replayed_and_the_rest_of
 /// at its place (the Deposit after it brings the money): it then runs alone, where its
 /// request_id's insert waits for the original, and is answered by it, not INSUFFICIENT_FUNDS.
 pub async fn a_withdraw_refused_by_a_batch_while_its_original_is_in_flight_is_replayed(app: &TestApp) {
-    if app.backend == crate::helpers::Backend::Sqlite {
-        // One writer at a time: the original's open write keeps any batch from starting, so
-        // the original cannot be in flight under a batch.
-        return;
-    }
     app.open("bob", "USD").await;
     let mut holder = app.raw.begin().await.unwrap();
     let original = "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, \
@@ -2668,9 +2663,6 @@ pub async fn a_batch_answers_its_keyed_calls_from_records_made_before_and_after_
 /// nor written. SQLite has one writer at a time: a batch there begins only once the lock is
 /// released, and finds the key expired (a new call, as any call after its key's lifetime).
 pub async fn a_retry_its_batch_found_answered_stays_answered_when_its_key_expires_under_the_batch(app: &TestApp) {
-    if app.backend == crate::helpers::Backend::Sqlite {
-        return;
-    }
     app.funded("alice", "100.00").await;
     app.open("bob", "USD").await;
     app.open("carol", "USD").await;
@@ -3184,10 +3176,6 @@ pub async fn a_call_whose_original_commits_under_its_batch_is_answered_by_its_ke
 /// (one batch after another, alice's batch would wait until the lock timeout while bob's
 /// Pay queued behind it, and alice's Pay would then run alone).
 pub async fn a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app: &TestApp) {
-    if app.backend == crate::helpers::Backend::Sqlite {
-        // One writer at a time: the holder's open write keeps every batch from starting.
-        return;
-    }
     app.funded("alice", "10.00").await;
     app.funded("bob", "10.00").await;
     app.open("shop", "USD").await;

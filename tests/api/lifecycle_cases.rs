@@ -781,9 +781,6 @@ pub async fn captures_racing_the_hold_sweeper_end_with_one_winner(app: &TestApp)
 /// the others are closed at once. (PostgreSQL and MySQL; SQLite has no row locks, and its
 /// writers queue for the one write lock.)
 pub async fn the_sweeper_skips_an_order_another_transaction_holds(app: &TestApp) {
-    if app.backend == crate::helpers::Backend::Sqlite {
-        return;
-    }
     app.open("shop", "USD").await;
     let mut payments = app.payments.clone();
     for n in 0..3 {
