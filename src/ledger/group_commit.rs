@@ -56,8 +56,9 @@
 //! is then answered as a replay.
 //!
 //! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
-//! while its batches in flight ran (at most [`GroupCommitSettings::pipeline`] of them at once);
-//! under light load a batch holds one call and starts at once.
+//! while its batches in flight ran; under light load a batch holds one call and starts at once,
+//! beside the running ones while each of them holds a single call (at most
+//! [`GroupCommitSettings::pipeline`] of them at once; see `work`).
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
 //! Refund, Transfer, Deposit, Withdraw and CreateOrder goes through the idempotency driver:

@@ -163,19 +163,21 @@ impl Store {
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
         let galera = dialect == Dialect::MySql && is_galera_node(url).await?;
         let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout, galera));
-        let pool = AnyPoolOptions::new()
+        let mut options = AnyPoolOptions::new();
+        if dialect == Dialect::Postgres {
+            // Bounds the age of the generic plans a PostgreSQL connection keeps (see
+            // `PoolSettings::plan_lifetime`); sqlx closes an older connection when it is
+            // released or next taken. The other backends plan at each execution (MariaDB,
+            // MySQL) or from fixed estimates (SQLite), and keep sqlx's default lifetime.
+            options = options.max_lifetime(settings.plan_lifetime);
+        }
+        let pool = options
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
             // No ping on every checkout: it costs a round trip per request. A connection that
             // died fails its first statement instead, the call is UNAVAILABLE (retried by the
             // client) and the pool drops the connection.
             .test_before_acquire(false)
-            // Bounds the age of the generic plans a PostgreSQL connection keeps (see
-            // `PoolSettings::plan_lifetime`); sqlx closes an older connection when it is released
-            // or next taken. The other backends plan at each execution (MariaDB, MySQL) or
-            // from fixed estimates (SQLite): their connections live as long as the pool's
-            // default.
-            .max_lifetime((dialect == Dialect::Postgres).then_some(settings.plan_lifetime))
             .after_connect(move |connection, _| {
                 let session_setup = session_setup.clone();
                 Box::pin(async move {
