@@ -348,13 +348,42 @@ impl FundingWrite {
     }
 
     /// The accounts its posting moves money from and to.
-    pub(super) fn legs(&self) -> (&str, &str) {
+    fn legs(&self) -> (&str, &str) {
         let (account, funding) = (self.account_id.as_str(), self.funding_account_id.as_str());
         if self.into_account {
             (funding, account)
         } else {
             (account, funding)
         }
+    }
+
+    /// Its posting, recorded by `row` (its [`FundingWrite::row`]): a Deposit moves the amount
+    /// from the funding account to the account, a Withdraw the other way.
+    pub(super) fn posting<'a>(&'a self, row: &'a FundingRow) -> Posting<'a> {
+        let (from_account_id, to_account_id) = self.legs();
+        Posting {
+            posting_id: &row.funding_id,
+            kind: self.kind,
+            reference: &row.request_id,
+            from_account_id,
+            to_account_id,
+            amount: row.amount,
+            currency: &row.currency,
+            created_by: &row.created_by,
+        }
+    }
+
+    /// The account's side of its rules, checked before its money moves (the account exists
+    /// and holds the amount's currency); the legs' own rules are [`balance_after`]'s.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (ACCOUNT), [`Rejection::CurrencyMismatch`].
+    pub(super) fn check_account<'r>(&self, account: Option<&'r AccountRow>) -> Result<&'r AccountRow, Error> {
+        let account = account.ok_or(Error::NotFound(Resource::Account))?;
+        if account.currency != self.amount.currency().code() {
+            return Err(Rejection::CurrencyMismatch.into());
+        }
+        Ok(account)
     }
 }
 
@@ -426,27 +455,13 @@ impl<F: Funding> IdempotentCall for FundingCall<F> {
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
         let write = self.funding_write();
-        let account = queries.find_account(&write.account_id).await?.ok_or(Error::NotFound(Resource::Account))?;
-        if account.currency != write.amount.currency().code() {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
+        let account = write.check_account(queries.find_account(&write.account_id).await?.as_ref())?.clone();
         let row = write.row(now);
         if !queries.insert_funding(write.table, &row).await? {
             return Ok(Inserted::KeyTaken);
         }
         let external = ensure_funding_account(queries, &write.funding_account_id, &account.currency, now).await?;
-        let (from_account_id, to_account_id) = write.legs();
-        let posting = Posting {
-            posting_id: &write.funding_id,
-            kind: write.kind,
-            reference: &write.request_id,
-            from_account_id,
-            to_account_id,
-            amount: write.amount,
-            now,
-            created_by: &row.created_by,
-        };
-        post(queries, &posting, external.as_slice()).await?;
+        post(queries, &write.posting(&row), external.as_slice(), now).await?;
         Ok(Inserted::Done(funding_receipt(queries, account, &self.id).await?))
     }
 }
@@ -482,17 +497,7 @@ impl IdempotentCall for Identified<Transfer> {
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<TransferReceipt>, Error> {
         let Identified { command, id: transfer_id } = self;
         let transfer = transfer_row(command, transfer_id, now);
-        let posting = Posting {
-            posting_id: transfer_id,
-            kind: EntryKind::Transfer,
-            reference: transfer_id,
-            from_account_id: &transfer.from_account_id,
-            to_account_id: &transfer.to_account_id,
-            amount: command.amount,
-            now,
-            created_by: &transfer.created_by,
-        };
-        post(queries, &posting, &[]).await?;
+        post(queries, &transfer_posting(&transfer), &[], now).await?;
         queries.insert_transfer(&transfer).await?;
         let missing = || Error::Internal("a transfer's entry is missing".into());
         let from_entry = queries.find_entry(transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
@@ -525,6 +530,20 @@ pub(super) fn transfer_row(command: &Transfer, transfer_id: &str, now: i64) -> T
         memo: command.memo.as_str().to_owned(),
         created_at: now,
         created_by: command.created_by.created_by().to_owned(),
+    }
+}
+
+/// The posting of a transfer: its amount from its from account to its to account.
+pub(super) fn transfer_posting(transfer: &TransferRow) -> Posting<'_> {
+    Posting {
+        posting_id: &transfer.transfer_id,
+        kind: EntryKind::Transfer,
+        reference: &transfer.transfer_id,
+        from_account_id: &transfer.from_account_id,
+        to_account_id: &transfer.to_account_id,
+        amount: transfer.amount,
+        currency: &transfer.currency,
+        created_by: &transfer.created_by,
     }
 }
 

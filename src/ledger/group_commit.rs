@@ -101,7 +101,6 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::{
     AccountRow, BalanceUpdate, BatchWrite, EntryRow, FundingRow, FundingTable, IdempotencyRecordRow, NewEntry,
@@ -110,16 +109,18 @@ use crate::store::{
 
 use prost::Message as _;
 
-use super::accounts::{receipt_after, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt};
+use super::accounts::{
+    receipt_after, transfer_posting, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt,
+};
 use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
 use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
 use super::invariants::{self, AccountMove};
 use super::payments::{
-    check_pay, check_payee, new_payment, new_refund, paid_receipt, refunded_order, NewOrder, PayCheck, PayReceipt,
-    RefundReceipt,
+    check_pay, check_payee, check_payer, check_refund, new_payment, new_refund, paid_receipt, payment_posting,
+    refund_posting, refunded_order, NewOrder, PayCheck, PayReceipt, RefundReceipt,
 };
-use super::posting::{balance_after, balance_floor, EntryKind};
+use super::posting::{balance_after, balance_floor, EntryKind, Legs, Posting};
 use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
@@ -574,8 +575,8 @@ enum Accepted {
     /// The receipt of a Pay if the batch commits, and its legs (payer, payee).
     Paid(PayReceipt, Legs),
     /// The receipt of a Refund if the batch commits (its order as this refund leaves it), its
-    /// legs and the accounts they move, from and to (the payment's payee, then its payer).
-    Refunded(RefundReceipt, Legs, [String; 2]),
+    /// legs and the payment it refunds.
+    Refunded(RefundReceipt, Legs, Box<PaymentRow>),
     /// The row of a Transfer and its legs (from, to). Its receipt holds its entries, whose
     /// ids only the write gives: its guards are claimed IN_PROGRESS and completed after it.
     Transferred(TransferRow, Legs),
@@ -586,6 +587,17 @@ enum Accepted {
 }
 
 impl Accepted {
+    /// Its posting and the (balance, version) each leg leaves; none for a new order.
+    fn posting(&self) -> Option<(Posting<'_>, Legs)> {
+        match self {
+            Accepted::Paid(receipt, legs) => Some((payment_posting(&receipt.payment), *legs)),
+            Accepted::Refunded(receipt, legs, payment) => Some((refund_posting(&receipt.refund, payment), *legs)),
+            Accepted::Transferred(transfer, legs) => Some((transfer_posting(transfer), *legs)),
+            Accepted::Funded(funding, row, legs) => Some((funding.posting(row), *legs)),
+            Accepted::Created(_) => None,
+        }
+    }
+
     /// The response message of a Pay, Refund or CreateOrder, which its guards record when
     /// claimed; `None` for a Transfer, Deposit or Withdraw (known only once its entries are read
     /// back).
@@ -784,8 +796,8 @@ async fn write_batch(
         match &batch[index].write {
             Write::Refund { command, .. } => {
                 let payment = refunded[index].expect("a Refund without its payment runs alone");
-                if payment.currency != command.amount.currency().code() {
-                    decisions[index] = Some(Decision::Rejected(Rejection::CurrencyMismatch.into()));
+                if let Err(error) = check_refund(command, payment) {
+                    decisions[index] = Some(Decision::Rejected(error));
                     continue;
                 }
             }
@@ -884,8 +896,7 @@ async fn write_batch(
                     apply_refund(&mut accounts, command, refund_no, payment, order.clone(), now).map(
                         |(receipt, legs)| {
                             refunded_orders.insert(key, receipt.order.clone());
-                            let moved = [payment.payee_account_id.clone(), payment.payer_account_id.clone()];
-                            Accepted::Refunded(receipt, legs, moved)
+                            Accepted::Refunded(receipt, legs, Box::new((*payment).clone()))
                         },
                     )
                 }
@@ -895,8 +906,11 @@ async fn write_batch(
                     move_money(&mut accounts, from, to, &transfer.currency, transfer.amount)
                         .map(|legs| Accepted::Transferred(transfer, legs))
                 }
-                Candidate::Funding(funding) => apply_funding(&mut accounts, funding)
-                    .map(|legs| Accepted::Funded((*funding).clone(), funding.row(now), legs)),
+                Candidate::Funding(funding) => {
+                    let row = funding.row(now);
+                    apply_funding(&mut accounts, funding, &row)
+                        .map(|legs| Accepted::Funded((*funding).clone(), row, legs))
+                }
                 Candidate::CreateOrder(order) => {
                     check_payee(accounts.get(&order.payee_account_id).map(|payee| &payee.row), order)
                         .map(|()| Accepted::Created(order.clone()))
@@ -1075,16 +1089,10 @@ async fn entries_read_back(
     Ok(entries.into_iter().map(|entry| ((entry.posting_id.clone(), entry.account_id.clone()), entry)).collect())
 }
 
-/// The (balance, version) after each leg of one posting: (from, to).
-type Legs = [(i64, i64); 2];
-
 /// Moves the Pay's money between the in-memory accounts, or changes nothing and says why.
 fn apply_pay(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &OrderRow) -> Result<Legs, Error> {
     let payer_id = command.payer_account_id.as_str();
-    let payer = accounts.get(payer_id).ok_or(Error::NotFound(Resource::Account))?;
-    if payer.row.currency != order.currency {
-        return Err(Rejection::CurrencyMismatch.into());
-    }
+    check_payer(accounts.get(payer_id).map(|payer| &payer.row), order)?;
     move_money(accounts, payer_id, &order.payee_account_id, &order.currency, command.amount.minor_units())
 }
 
@@ -1109,14 +1117,14 @@ fn apply_refund(
 /// A Deposit's or Withdraw's checks in its own transaction's order (the account, its currency),
 /// then its money moved between the account and its funding account; or nothing changed and
 /// why.
-fn apply_funding(accounts: &mut BTreeMap<String, Ledgered>, funding: &FundingWrite) -> Result<Legs, Error> {
-    let account = accounts.get(&funding.account_id).ok_or(Error::NotFound(Resource::Account))?;
-    let currency = funding.amount.currency().code();
-    if account.row.currency != currency {
-        return Err(Rejection::CurrencyMismatch.into());
-    }
-    let (from, to) = funding.legs();
-    move_money(accounts, from, to, currency, funding.amount.minor_units())
+fn apply_funding(
+    accounts: &mut BTreeMap<String, Ledgered>,
+    funding: &FundingWrite,
+    row: &FundingRow,
+) -> Result<Legs, Error> {
+    funding.check_account(accounts.get(&funding.account_id).map(|account| &account.row))?;
+    let posting = funding.posting(row);
+    move_money(accounts, posting.from_account_id, posting.to_account_id, posting.currency, posting.amount)
 }
 
 /// Decides, once the accounts are locked, the Deposits and Withdraws the batch cannot write:
@@ -1202,21 +1210,9 @@ fn move_money(
     Ok(after)
 }
 
-/// The journal side of one accepted write: what its two entries share.
-struct EntryPair<'a> {
-    posting_id: &'a str,
-    kind: EntryKind,
-    reference: &'a str,
-    from_account_id: &'a str,
-    to_account_id: &'a str,
-    /// Minor units.
-    amount: i64,
-    currency: &'a str,
-    created_by: &'a str,
-}
-
-/// Step 4: false when a key, an order's state or a version was taken under the batch (roll
-/// back).
+/// Step 4: the write set of the accepted writes, checked and written in one statement (see
+/// [`write_checked`]); false when a key, an order's state or a version was taken under the
+/// batch (roll back).
 async fn write_accepted(
     queries: &mut Queries<'_>,
     accepted: &[(usize, Accepted)],
@@ -1225,9 +1221,10 @@ async fn write_accepted(
     accounts: &BTreeMap<String, Ledgered>,
     now: i64,
 ) -> Result<bool, Error> {
-    let balances: Vec<BalanceUpdate<'_>> = accounts
-        .values()
-        .filter(|account| account.row.version != account.read_version)
+    let moved: Vec<&Ledgered> =
+        accounts.values().filter(|account| account.row.version != account.read_version).collect();
+    let balances: Vec<BalanceUpdate<'_>> = moved
+        .iter()
         .map(|account| BalanceUpdate {
             account_id: &account.row.account_id,
             balance: account.row.balance,
@@ -1235,105 +1232,38 @@ async fn write_accepted(
             version: account.row.version,
         })
         .collect();
-    let mut payments = Vec::new();
-    let mut refunds = Vec::new();
-    let mut transfers = Vec::new();
-    let mut deposits = Vec::new();
-    let mut withdrawals = Vec::new();
-    let mut created = Vec::new();
-    let mut entries = Vec::with_capacity(accepted.len() * 2);
+    let moves: Vec<AccountMove<'_>> = moved
+        .iter()
+        .map(|account| AccountMove {
+            account_id: &account.row.account_id,
+            balance_before: account.read_balance,
+            version_before: account.read_version,
+            balance_after: account.row.balance,
+            version_after: account.row.version,
+            floor: balance_floor(&account.row),
+        })
+        .collect();
+    let (mut payments, mut refunds, mut transfers, mut deposits, mut withdrawals, mut created) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (_, accepted_one) in accepted {
-        // The two legs of a posting, from then to, as a single posting writes them.
-        let (posting, [(from_balance, from_version), (to_balance, to_version)]) = match accepted_one {
-            Accepted::Created(order) => {
-                created.push(order.clone());
-                continue;
-            }
-            Accepted::Paid(receipt, legs) => {
-                let payment = &receipt.payment;
-                payments.push(payment.clone());
-                let posting = EntryPair {
-                    posting_id: &payment.trade_no,
-                    kind: EntryKind::Pay,
-                    reference: &payment.out_trade_no,
-                    from_account_id: &payment.payer_account_id,
-                    to_account_id: &payment.payee_account_id,
-                    amount: payment.amount,
-                    currency: &payment.currency,
-                    created_by: &payment.created_by,
-                };
-                (posting, legs)
-            }
-            Accepted::Refunded(receipt, legs, [from, to]) => {
-                let refund = &receipt.refund;
-                refunds.push(refund.clone());
-                let posting = EntryPair {
-                    posting_id: &refund.refund_no,
-                    kind: EntryKind::Refund,
-                    reference: &refund.out_refund_no,
-                    from_account_id: from,
-                    to_account_id: to,
-                    amount: refund.amount,
-                    currency: &refund.currency,
-                    created_by: &refund.created_by,
-                };
-                (posting, legs)
-            }
-            Accepted::Transferred(transfer, legs) => {
-                transfers.push(transfer.clone());
-                let posting = EntryPair {
-                    posting_id: &transfer.transfer_id,
-                    kind: EntryKind::Transfer,
-                    reference: &transfer.transfer_id,
-                    from_account_id: &transfer.from_account_id,
-                    to_account_id: &transfer.to_account_id,
-                    amount: transfer.amount,
-                    currency: &transfer.currency,
-                    created_by: &transfer.created_by,
-                };
-                (posting, legs)
-            }
-            Accepted::Funded(funding, row, legs) => {
-                match funding.table {
-                    FundingTable::Deposits => deposits.push(row.clone()),
-                    FundingTable::Withdrawals => withdrawals.push(row.clone()),
-                }
-                let (from_account_id, to_account_id) = funding.legs();
-                let posting = EntryPair {
-                    posting_id: &row.funding_id,
-                    kind: funding.kind,
-                    reference: &row.request_id,
-                    from_account_id,
-                    to_account_id,
-                    amount: row.amount,
-                    currency: &row.currency,
-                    created_by: &row.created_by,
-                };
-                (posting, legs)
-            }
-        };
-        let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
-            account_id,
-            currency: posting.currency,
-            amount,
-            balance_after,
-            version_after,
-            kind: posting.kind.as_str(),
-            reference: posting.reference,
-            posting_id: posting.posting_id,
-            counterparty_account_id,
-            created_at: now,
-            created_by: posting.created_by,
-        };
-        entries.push(leg(
-            posting.from_account_id,
-            posting.to_account_id,
-            -posting.amount,
-            *from_balance,
-            *from_version,
-        ));
-        entries.push(leg(posting.to_account_id, posting.from_account_id, posting.amount, *to_balance, *to_version));
+        match accepted_one {
+            Accepted::Created(order) => created.push(order.clone()),
+            Accepted::Paid(receipt, _) => payments.push(receipt.payment.clone()),
+            Accepted::Refunded(receipt, ..) => refunds.push(receipt.refund.clone()),
+            Accepted::Transferred(transfer, _) => transfers.push(transfer.clone()),
+            Accepted::Funded(funding, row, _) => match funding.table {
+                FundingTable::Deposits => deposits.push(row.clone()),
+                FundingTable::Withdrawals => withdrawals.push(row.clone()),
+            },
+        }
     }
+    // The two legs of each posting, from then to, in the order the batch applied them, so
+    // every entry records its account's balance and version right after it.
+    let entries: Vec<NewEntry<'_>> = accepted
+        .iter()
+        .filter_map(|(_, accepted_one)| accepted_one.posting())
+        .flat_map(|(posting, legs)| posting.entries(legs, now))
+        .collect();
     let order_refunds: Vec<OrderRefund<'_>> = refunded_orders
         .iter()
         .map(|(key, after)| {
@@ -1346,18 +1276,6 @@ async fn write_accepted(
                 to_status: &after.status,
                 to_refunded: after.refunded_amount,
             }
-        })
-        .collect();
-    let moves: Vec<AccountMove<'_>> = accounts
-        .values()
-        .filter(|account| account.row.version != account.read_version)
-        .map(|account| AccountMove {
-            account_id: &account.row.account_id,
-            balance_before: account.read_balance,
-            version_before: account.read_version,
-            balance_after: account.row.balance,
-            version_after: account.row.version,
-            floor: balance_floor(&account.row),
         })
         .collect();
     let written = BatchWrite {

@@ -18,8 +18,8 @@ use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
 use super::commands::{Authorize, Capture, Void};
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
-use super::payments::{order_state_with_hold, PAYMENT_SUCCEEDED};
-use super::posting::{post, EntryKind, Posting};
+use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
+use super::posting::post;
 use super::response;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
@@ -440,17 +440,7 @@ impl IdempotentCall for Identified<Capture> {
         if !queries.release_held(&hold.payer_account_id, hold.amount, now).await? {
             return Err(Error::Internal("an account holds less than its active hold".into()));
         }
-        let posting = Posting {
-            posting_id: trade_no,
-            kind: EntryKind::Pay,
-            reference: out_trade_no,
-            from_account_id: &payment.payer_account_id,
-            to_account_id: &payment.payee_account_id,
-            amount: command.amount,
-            now,
-            created_by: &payment.created_by,
-        };
-        post(queries, &posting, &[]).await?;
+        post(queries, &payment_posting(&payment), &[], now).await?;
         let order = OrderRow {
             status: next.status.as_str().to_owned(),
             amount: captured,

@@ -986,6 +986,31 @@ pub(super) fn check_pay(order: &OrderRow, command: &Pay, now: i64) -> Result<Pay
     }
 }
 
+/// The payer's side of a Pay of `order`, checked before its money moves: the payer exists and
+/// holds the order's currency (the legs' own rules are `balance_after`'s).
+///
+/// # Errors
+/// [`Error::NotFound`] (ACCOUNT), [`Rejection::CurrencyMismatch`].
+pub(super) fn check_payer(payer: Option<&AccountRow>, order: &OrderRow) -> Result<(), Error> {
+    let payer = payer.ok_or(Error::NotFound(Resource::Account))?;
+    if payer.currency != order.currency {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    Ok(())
+}
+
+/// A Refund's side of its payment, checked before anything else: it refunds in the payment's
+/// currency.
+///
+/// # Errors
+/// [`Rejection::CurrencyMismatch`].
+pub(super) fn check_refund(command: &Refund, payment: &PaymentRow) -> Result<(), Error> {
+    if payment.currency != command.amount.currency().code() {
+        return Err(Rejection::CurrencyMismatch.into());
+    }
+    Ok(())
+}
+
 /// The payment row of a Pay of `order`, as it is recorded when the Pay succeeds.
 pub(super) fn new_payment(command: &Pay, order: &OrderRow, trade_no: &str, now: i64) -> PaymentRow {
     PaymentRow {
@@ -1000,6 +1025,20 @@ pub(super) fn new_payment(command: &Pay, order: &OrderRow, trade_no: &str, now: 
         status: PAYMENT_SUCCEEDED.to_owned(),
         created_at: now,
         created_by: command.created_by.created_by().to_owned(),
+    }
+}
+
+/// The posting of a payment (a Pay's or a Capture's): its amount from the payer to the payee.
+pub(super) fn payment_posting(payment: &PaymentRow) -> Posting<'_> {
+    Posting {
+        posting_id: &payment.trade_no,
+        kind: EntryKind::Pay,
+        reference: &payment.out_trade_no,
+        from_account_id: &payment.payer_account_id,
+        to_account_id: &payment.payee_account_id,
+        amount: payment.amount,
+        currency: &payment.currency,
+        created_by: &payment.created_by,
     }
 }
 
@@ -1034,13 +1073,7 @@ async fn pay_in_transaction(
     }
     // Both balances in one round trip; the posting's first CAS starts from this read.
     let accounts = queries.find_two_accounts(command.payer_account_id.as_str(), &order.payee_account_id).await?;
-    let payer = accounts
-        .iter()
-        .find(|account| account.account_id == command.payer_account_id.as_str())
-        .ok_or(Error::NotFound(Resource::Account))?;
-    if payer.currency != order.currency {
-        return Err(Rejection::CurrencyMismatch.into());
-    }
+    check_payer(accounts.iter().find(|account| account.account_id == command.payer_account_id.as_str()), &order)?;
     let payment = new_payment(command, &order, trade_no, now);
     if !queries.insert_payment(&payment).await? {
         return Ok(Inserted::KeyTaken);
@@ -1051,17 +1084,7 @@ async fn pay_in_transaction(
         order_state(&current, now)?.apply(OrderEvent::Pay)?;
         return Err(Error::Contention);
     }
-    let posting = Posting {
-        posting_id: trade_no,
-        kind: EntryKind::Pay,
-        reference: &payment.out_trade_no,
-        from_account_id: &payment.payer_account_id,
-        to_account_id: &payment.payee_account_id,
-        amount: command.amount,
-        now,
-        created_by: &payment.created_by,
-    };
-    post(queries, &posting, &accounts).await?;
+    post(queries, &payment_posting(&payment), &accounts, now).await?;
     Ok(Inserted::Done(paid_receipt(payment, order, now)))
 }
 
@@ -1079,9 +1102,7 @@ async fn refund_in_transaction(
         .find_payment(merchant_id, command.out_trade_no.as_str())
         .await?
         .ok_or(Error::NotFound(Resource::Payment))?;
-    if payment.currency != command.amount.currency().code() {
-        return Err(Rejection::CurrencyMismatch.into());
-    }
+    check_refund(command, &payment)?;
     let refund = new_refund(command, &payment, refund_no, now);
     // The order's row lock orders every refund of this order (see pay_in_transaction).
     let order =
@@ -1090,17 +1111,7 @@ async fn refund_in_transaction(
         return Ok(Inserted::KeyTaken);
     }
     let order = refund_order(queries, order, refund.amount, now).await?;
-    let posting = Posting {
-        posting_id: refund_no,
-        kind: EntryKind::Refund,
-        reference: &refund.out_refund_no,
-        from_account_id: &payment.payee_account_id,
-        to_account_id: &payment.payer_account_id,
-        amount: command.amount,
-        now,
-        created_by: &refund.created_by,
-    };
-    post(queries, &posting, &[]).await?;
+    post(queries, &refund_posting(&refund, &payment), &[], now).await?;
     Ok(Inserted::Done(RefundReceipt { refund, order }))
 }
 
@@ -1117,6 +1128,20 @@ pub(super) fn new_refund(command: &Refund, payment: &PaymentRow, refund_no: &str
         reason: command.reason.as_str().to_owned(),
         created_at: now,
         created_by: command.created_by.created_by().to_owned(),
+    }
+}
+
+/// The posting of a refund of `payment`: its amount back from the payment's payee to its payer.
+pub(super) fn refund_posting<'a>(refund: &'a RefundRow, payment: &'a PaymentRow) -> Posting<'a> {
+    Posting {
+        posting_id: &refund.refund_no,
+        kind: EntryKind::Refund,
+        reference: &refund.out_refund_no,
+        from_account_id: &payment.payee_account_id,
+        to_account_id: &payment.payer_account_id,
+        amount: refund.amount,
+        currency: &refund.currency,
+        created_by: &refund.created_by,
     }
 }
 

@@ -1,7 +1,7 @@
 //! Double entry: one posting moves an amount from one account to another with two journal
 //! entries that sum to zero, each balance changed by a version CAS (optimistic lock).
 
-use crate::domain::{Amount, Rejection, BALANCE_MINOR_UNITS_MAX};
+use crate::domain::{Rejection, BALANCE_MINOR_UNITS_MAX};
 
 use super::invariants::{self, AccountMove};
 use crate::error::{Error, Resource};
@@ -67,23 +67,58 @@ impl EntryKind {
     }
 }
 
+/// One posting: `amount` minor units of `currency` move from one account to another, as two
+/// journal entries that sum to zero. Each use case makes its posting from the row it records
+/// (a payment, refund, transfer, deposit or withdrawal), once, for both ways it is written:
+/// alone ([`post`]) and in a group commit.
 pub(super) struct Posting<'a> {
-    /// Links both legs: the trade_no, refund_no or deposit id.
+    /// Links both legs: the trade_no, refund_no, transfer_id or funding_id.
     pub posting_id: &'a str,
     pub kind: EntryKind,
-    /// The business number that caused it: out_trade_no, out_refund_no or request_id.
+    /// The business number that caused it: out_trade_no, out_refund_no, transfer_id or
+    /// request_id.
     pub reference: &'a str,
     /// Money leaves this account.
     pub from_account_id: &'a str,
     /// Money arrives in this account.
     pub to_account_id: &'a str,
-    pub amount: Amount,
-    pub now: i64,
+    /// Minor units, above zero.
+    pub amount: i64,
+    /// ISO 4217 code of both accounts.
+    pub currency: &'a str,
     /// The caller that made it (`sub`).
     pub created_by: &'a str,
 }
 
-/// Applies a posting inside the caller's transaction.
+/// The (balance, version) each leg leaves its account at: (from, to).
+pub(super) type Legs = [(i64, i64); 2];
+
+impl<'a> Posting<'a> {
+    /// Its two journal entries, from then to, each recording the balance and version its
+    /// account has right after it (`legs`), created at `now` (microseconds since the epoch).
+    pub(super) fn entries(&self, legs: Legs, now: i64) -> [NewEntry<'a>; 2] {
+        let [(from_balance, from_version), (to_balance, to_version)] = legs;
+        let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
+            account_id,
+            currency: self.currency,
+            amount,
+            balance_after,
+            version_after,
+            kind: self.kind.as_str(),
+            reference: self.reference,
+            posting_id: self.posting_id,
+            counterparty_account_id,
+            created_at: now,
+            created_by: self.created_by,
+        };
+        [
+            leg(self.from_account_id, self.to_account_id, -self.amount, from_balance, from_version),
+            leg(self.to_account_id, self.from_account_id, self.amount, to_balance, to_version),
+        ]
+    }
+}
+
+/// Applies a posting inside the caller's transaction at `now`.
 ///
 /// Accounts are touched in ascending account_id order, whichever side they are on, so two
 /// opposite postings between the same accounts cannot deadlock.
@@ -91,42 +126,30 @@ pub(super) struct Posting<'a> {
 /// # Errors
 /// [`Rejection::InsufficientFunds`] when `from` would go below zero,
 /// [`Rejection::CurrencyMismatch`] when an account holds another currency,
-/// [`Error::NotFound`] for a missing account, [`Error::Contention`] when the CAS kept losing.
+/// [`Error::NotFound`] for a missing account, [`Error::Contention`] when the CAS kept losing,
+/// [`Error::InvariantBroken`] (nothing written) when the write set breaks a money invariant.
 ///
 /// `known` may hold rows of the two accounts already read in this transaction: the first CAS
 /// of such an account starts from that read instead of reading again.
-pub(super) async fn post(queries: &mut Queries<'_>, posting: &Posting<'_>, known: &[AccountRow]) -> Result<(), Error> {
+pub(super) async fn post(
+    queries: &mut Queries<'_>,
+    posting: &Posting<'_>,
+    known: &[AccountRow],
+    now: i64,
+) -> Result<(), Error> {
     assert_ne!(posting.from_account_id, posting.to_account_id, "a posting moves money between two accounts");
-    let minor_units = posting.amount.minor_units();
-    let currency = posting.amount.currency().code();
+    let (minor_units, currency) = (posting.amount, posting.currency);
     let (from, to) = (posting.from_account_id, posting.to_account_id);
     let read = |account_id: &str| known.iter().find(|row| row.account_id == account_id).cloned();
     let (from_move, to_move) = if from < to {
-        let from_move = change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?;
-        (from_move, change_balance(queries, read(to), to, currency, minor_units, posting.now).await?)
+        let from_move = change_balance(queries, read(from), from, currency, -minor_units, now).await?;
+        (from_move, change_balance(queries, read(to), to, currency, minor_units, now).await?)
     } else {
-        let to_move = change_balance(queries, read(to), to, currency, minor_units, posting.now).await?;
-        (change_balance(queries, read(from), from, currency, -minor_units, posting.now).await?, to_move)
+        let to_move = change_balance(queries, read(to), to, currency, minor_units, now).await?;
+        (change_balance(queries, read(from), from, currency, -minor_units, now).await?, to_move)
     };
-    let (from_balance, from_version) = (from_move.balance_after, from_move.version_after);
-    let (to_balance, to_version) = (to_move.balance_after, to_move.version_after);
-    let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
-        account_id,
-        currency,
-        amount,
-        balance_after,
-        version_after,
-        kind: posting.kind.as_str(),
-        reference: posting.reference,
-        posting_id: posting.posting_id,
-        counterparty_account_id,
-        created_at: posting.now,
-        created_by: posting.created_by,
-    };
-    let entries = [
-        leg(posting.from_account_id, posting.to_account_id, -minor_units, from_balance, from_version),
-        leg(posting.to_account_id, posting.from_account_id, minor_units, to_balance, to_version),
-    ];
+    let legs = [(from_move.balance_after, from_move.version_after), (to_move.balance_after, to_move.version_after)];
+    let entries = posting.entries(legs, now);
     invariants::check(&[from_move, to_move], &entries)?;
     queries.insert_entry_pair(&entries).await?;
     Ok(())
