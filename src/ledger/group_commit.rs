@@ -717,8 +717,8 @@ fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<
         .collect()
 }
 
-/// The batch's writes (none of its calls is one [`runs_alone`] names). `Inserted::KeyTaken`
-/// means "roll back, every call runs alone".
+/// The batch's writes (none of its calls is one [`runs_alone`] names), in the steps of the
+/// module doc. `Inserted::KeyTaken` means "roll back, every call runs alone".
 async fn write_batch(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
@@ -726,168 +726,235 @@ async fn write_batch(
     trade_nos: &[String],
     now: i64,
 ) -> Result<Inserted<Vec<Decision>>, Error> {
-    let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
-    let mut decisions: Vec<Option<Decision>> = batch.iter().map(|_| None).collect();
-    let refunded = refunded_payments(batch, payments);
+    let mut deciding = Deciding {
+        batch,
+        claims: batch.iter().map(|batched| batched.claim.as_ref()).collect(),
+        refunded: refunded_payments(batch, payments),
+        trade_nos,
+        now,
+        decisions: batch.iter().map(|_| None).collect(),
+    };
+    deciding.read_guards(queries).await?;
+    let orders = deciding.lock_orders(queries).await?;
+    let candidates = deciding.candidates(&orders);
+    if candidates.is_empty() {
+        return Ok(Inserted::Done(deciding.into_decisions()));
+    }
+    let locked = lock_accounts(queries, &candidates).await?;
+    decide_fundings(queries, &candidates, &locked, &mut deciding.decisions).await?;
+    let mut claimed: HashSet<usize> = HashSet::new();
+    // Until a claim of several found a key taken (see `claim_prefix_together`).
+    let mut claim_together = true;
+    let (accounts, refunded_orders, accepted) = loop {
+        let applied = deciding.apply(&candidates, &locked, &orders.rows);
+        if claim_together {
+            claim_together = claim_prefix_together(queries, &deciding.claims, &applied.accepted, &mut claimed).await?;
+        }
+        if !deciding.claim_guards(queries, &applied.accepted, &mut claimed).await? {
+            let Applied { accounts, refunded_orders, accepted, refused } = applied;
+            deciding.refuse(refused);
+            break (accounts, refunded_orders, accepted);
+        }
+        // A claimed write refused on the next pass would need its claim undone in the middle
+        // of the batch (it cannot be: it came before the one taken out): the batch would roll
+        // back instead, and every call of it run alone.
+        if applied.refused.iter().any(|(index, _)| claimed.contains(index)) {
+            return Ok(Inserted::KeyTaken);
+        }
+    };
 
-    // 0. The committed records of the guards that the calls did not read before they queued
-    //    (an idempotency key alone), in one read: a record that answers a call takes it out
-    //    with nothing of it written, answered by that record after the batch. A record
-    //    committed after this read is found by the claim (3).
-    let keys_to_read: Vec<(&str, &str)> = claims.iter().flatten().flat_map(|claim| claim.keys_to_read()).collect();
-    if !keys_to_read.is_empty() {
+    // 4. The writes; then the entries of the Transfers, Deposits and Withdraws read back
+    //    (their ids are the database's), and their records claimed IN_PROGRESS completed with
+    //    their receipts.
+    if !accepted.is_empty()
+        && !write_accepted(queries, &accepted, &orders.rows, &refunded_orders, &accounts, now).await?
+    {
+        return Ok(Inserted::KeyTaken);
+    }
+    let entries = entries_read_back(queries, &accepted).await?;
+    let completions = deciding.answer(accepted, entries, &locked)?;
+    let completions: Vec<_> = completions.into_iter().map(|(claim, message)| claim.completion(message)).collect();
+    complete_claims(queries, &completions).await?;
+    Ok(Inserted::Done(deciding.into_decisions()))
+}
+
+/// One batch's calls as its transaction decides them: each call's decision once it has one.
+struct Deciding<'b> {
+    batch: &'b [&'b Batched],
+    /// Each call's guards, when it carries an `idempotency-key` or `idempotency-token`.
+    claims: Vec<Option<&'b BatchClaim>>,
+    /// The payment each Refund refunds, as read before the batch.
+    refunded: Vec<Option<&'b PaymentRow>>,
+    /// The trade_no each call's payment gets, should it be a Pay.
+    trade_nos: &'b [String],
+    /// When the batch writes, in microseconds since the epoch.
+    now: i64,
+    decisions: Vec<Option<Decision>>,
+}
+
+/// The orders a batch locked, by (merchant_id, order_no), and the Refunds' out_refund_nos
+/// found committed under those locks, by (merchant_id, out_refund_no).
+struct LockedOrders {
+    rows: HashMap<OrderKey, OrderRow>,
+    refunded_before: HashSet<OrderKey>,
+}
+
+/// The writes of a batch applied in arrival order (one pass of step 2).
+struct Applied {
+    /// The accounts as the accepted writes leave them.
+    accounts: BTreeMap<String, Ledgered>,
+    /// The orders the batch refunds, as its refunds leave them.
+    refunded_orders: BTreeMap<OrderKey, OrderRow>,
+    accepted: Vec<(usize, Accepted)>,
+    /// The writes that break a rule, and why.
+    refused: Vec<(usize, Error)>,
+}
+
+impl<'b> Deciding<'b> {
+    /// Every call's decision; a call the batch could not decide runs alone.
+    fn into_decisions(self) -> Vec<Decision> {
+        self.decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()
+    }
+
+    /// 0. The committed records of the guards that the calls did not read before they queued
+    ///    (an idempotency key alone), in one read: a record that answers a call takes it out
+    ///    with nothing of it written, answered by that record after the batch. A record
+    ///    committed after this read is found by the claim (3).
+    async fn read_guards(&mut self, queries: &mut Queries<'_>) -> Result<(), Error> {
+        let keys_to_read: Vec<(&str, &str)> =
+            self.claims.iter().flatten().flat_map(|claim| claim.keys_to_read()).collect();
+        if keys_to_read.is_empty() {
+            return Ok(());
+        }
         let found = queries.find_answered_records(&keys_to_read).await?;
-        for (decision, claim) in decisions.iter_mut().zip(&claims) {
-            if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, now)) {
+        for (decision, claim) in self.decisions.iter_mut().zip(&self.claims) {
+            if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, self.now)) {
                 *decision = Some(Decision::GuardAnswered(Box::new(record)));
             }
         }
+        Ok(())
     }
 
-    // 1. The orders, locked; then the refunds committed before the lock was taken (a
-    //    Refund locks its order before it inserts its row, so none of these orders can
-    //    gain one after; one of the same out_refund_no on another order would fail the
-    //    refunds' INSERT below, and the batch would run alone).
-    // A Transfer has no order; a CreateOrder's is read to find one committed before.
-    let order_of = |index: usize| -> Option<(&str, &str)> {
-        match &batch[index].write {
+    /// The order a call locks: a Pay's, a Refund's payment's, a CreateOrder's (read to find
+    /// one committed before); none for a Transfer, Deposit or Withdraw.
+    fn order_of(&self, index: usize) -> Option<(&'b str, &'b str)> {
+        match &self.batch[index].write {
             Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
-            Write::CreateOrder(_) => batch[index].write.created_order(),
+            Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
             Write::Refund { .. } => {
-                let payment = refunded[index].expect("a Refund without its payment runs alone");
+                let payment = self.refunded[index].expect("a Refund without its payment runs alone");
                 Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
             }
             Write::Transfer { .. } | Write::Funding(_) => None,
         }
-    };
-    let undecided: Vec<usize> = (0..batch.len()).filter(|index| decisions[*index].is_none()).collect();
-    let order_keys: BTreeSet<(&str, &str)> = undecided.iter().filter_map(|index| order_of(*index)).collect();
-    let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
-    let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
-        HashMap::new()
-    } else {
-        queries
-            .lock_orders(&order_keys)
-            .await?
-            .into_iter()
-            .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
-            .collect()
-    };
-    let refund_keys: Vec<(&str, &str)> = undecided
-        .iter()
-        .filter_map(|index| match &batch[*index].write {
-            Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
-            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
-        })
-        .collect();
-    let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
-        HashSet::new()
-    } else {
-        queries.find_refunds(&refund_keys).await?.into_iter().map(|row| (row.merchant_id, row.out_refund_no)).collect()
-    };
-    let mut claimed: HashSet<usize> = HashSet::new();
-    // Until a claim of several found a key taken (see `claim_prefix_together`).
-    let mut claim_together = true;
-    // Deadlines are judged now that the orders are locked (see `deadline_clock`).
-    let checked_at = deadline_clock(now);
-    let mut candidates = Vec::new();
-    for index in undecided {
-        // A Refund's checks in the one-refund transaction's order: currency, order, key.
-        match &batch[index].write {
-            Write::Refund { command, .. } => {
-                let payment = refunded[index].expect("a Refund without its payment runs alone");
-                if let Err(error) = check_refund(command, payment) {
-                    decisions[index] = Some(Decision::Rejected(error));
-                    continue;
-                }
-            }
-            Write::Transfer { command, transfer_id } => {
-                candidates.push((index, Candidate::Transfer(command, transfer_id)));
-                continue;
-            }
-            Write::Funding(funding) => {
-                candidates.push((index, Candidate::Funding(funding)));
-                continue;
-            }
-            // An order committed before is a replay (or ORDER_NO_REUSED), whatever its
-            // expires_at says now, as the driver's read before the batch answers it; then the
-            // order's own checks, as its own transaction makes them.
-            Write::CreateOrder(call) => {
-                let (merchant_id, order_no) = order_of(index).expect("a CreateOrder has its order");
-                if orders.contains_key(&order_key(merchant_id, order_no)) {
-                    decisions[index] = Some(Decision::CreatedBefore);
-                } else {
-                    match call.order_at(now) {
-                        Ok(order) => candidates.push((index, Candidate::CreateOrder(order))),
-                        Err(error) => decisions[index] = Some(Decision::Rejected(error)),
-                    }
-                }
-                continue;
-            }
-            Write::Pay(_) => {}
-        }
-        let (merchant_id, order_no) = order_of(index).expect("a Pay or Refund has its order");
-        let Some(order) = orders.get(&order_key(merchant_id, order_no)) else {
-            decisions[index] = Some(Decision::Rejected(Error::NotFound(Resource::Order)));
-            continue;
-        };
-        match &batch[index].write {
-            Write::Pay(command) => match check_pay(order, command, checked_at) {
-                Ok(PayCheck::Proceed) => candidates.push((index, Candidate::Pay(command, order.clone()))),
-                Ok(PayCheck::PaidByThisCall) => decisions[index] = Some(Decision::PaidBefore),
-                Err(error) => decisions[index] = Some(Decision::Rejected(error)),
-            },
-            Write::Refund { command, refund_no } => {
-                let payment = refunded[index].expect("a Refund without its payment runs alone");
-                if refunded_before.contains(&order_key(merchant_id, command.out_refund_no.as_str())) {
-                    decisions[index] = Some(Decision::RefundedBefore);
-                } else {
-                    candidates.push((index, Candidate::Refund(command, refund_no, payment)));
-                }
-            }
-            Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => {
-                unreachable!("a Transfer, Deposit, Withdraw or CreateOrder is decided above")
-            }
-        }
     }
 
-    // 2. The accounts, locked, and the writes applied in arrival order; then the guards of
-    //    the accepted ones claimed (3).
-    if candidates.is_empty() {
-        return Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()));
+    /// The calls not decided yet, in arrival order.
+    fn undecided(&self) -> Vec<usize> {
+        (0..self.batch.len()).filter(|index| self.decisions[*index].is_none()).collect()
     }
-    // A CreateOrder's payee is read with them (it moves no money: its lock only orders it
-    // with the batch's other rows).
-    let account_ids: BTreeSet<&str> = candidates
-        .iter()
-        .flat_map(|(_, candidate)| match candidate {
-            Candidate::Pay(command, order) => vec![command.payer_account_id.as_str(), order.payee_account_id.as_str()],
-            Candidate::Refund(_, _, payment) => {
-                vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
+
+    /// 1. The orders, locked; then the refunds committed before the lock was taken (a Refund
+    ///    locks its order before it inserts its row, so none of these orders can gain one
+    ///    after; one of the same out_refund_no on another order would fail the refunds' INSERT,
+    ///    and the batch would run alone).
+    async fn lock_orders(&self, queries: &mut Queries<'_>) -> Result<LockedOrders, Error> {
+        let undecided = self.undecided();
+        let order_keys: BTreeSet<(&str, &str)> = undecided.iter().filter_map(|index| self.order_of(*index)).collect();
+        let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
+        let rows: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
+            HashMap::new()
+        } else {
+            queries
+                .lock_orders(&order_keys)
+                .await?
+                .into_iter()
+                .map(|order| ((order.merchant_id.clone(), order.order_no.clone()), order))
+                .collect()
+        };
+        let refund_keys: Vec<(&str, &str)> = undecided
+            .iter()
+            .filter_map(|index| match &self.batch[*index].write {
+                Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
+                Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
+            })
+            .collect();
+        let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
+            HashSet::new()
+        } else {
+            let found = queries.find_refunds(&refund_keys).await?;
+            found.into_iter().map(|row| (row.merchant_id, row.out_refund_no)).collect()
+        };
+        Ok(LockedOrders { rows, refunded_before })
+    }
+
+    /// 1. Each undecided call's checks against its locked order, in its own transaction's
+    ///    order: what the batch can go on with, the others decided (a replay, or a rule
+    ///    broken).
+    fn candidates(&mut self, orders: &LockedOrders) -> Vec<(usize, Candidate<'b>)> {
+        // Deadlines are judged now that the orders are locked (see `deadline_clock`).
+        let checked_at = deadline_clock(self.now);
+        let mut candidates = Vec::new();
+        for index in self.undecided() {
+            let order = self
+                .order_of(index)
+                .and_then(|(merchant_id, order_no)| orders.rows.get(&order_key(merchant_id, order_no)));
+            let decided = match &self.batch[index].write {
+                Write::Transfer { command, transfer_id } => Ok(Candidate::Transfer(command, transfer_id)),
+                Write::Funding(funding) => Ok(Candidate::Funding(funding)),
+                // An order committed before is a replay (or ORDER_NO_REUSED), whatever its
+                // expires_at says now, as the driver's read before the batch answers it; then
+                // the order's own checks, as its own transaction makes them.
+                Write::CreateOrder(call) => match order {
+                    Some(_) => Err(Decision::CreatedBefore),
+                    None => call.order_at(self.now).map(Candidate::CreateOrder).map_err(Decision::Rejected),
+                },
+                Write::Pay(command) => match order.map(|order| (order, check_pay(order, command, checked_at))) {
+                    None => Err(Decision::Rejected(Error::NotFound(Resource::Order))),
+                    Some((order, Ok(PayCheck::Proceed))) => Ok(Candidate::Pay(command, order.clone())),
+                    Some((_, Ok(PayCheck::PaidByThisCall))) => Err(Decision::PaidBefore),
+                    Some((_, Err(error))) => Err(Decision::Rejected(error)),
+                },
+                // A Refund's checks in the one-refund transaction's order: currency, order, key.
+                Write::Refund { command, refund_no } => {
+                    let payment = self.refunded[index].expect("a Refund without its payment runs alone");
+                    let refunded_before = || {
+                        let key = order_key(&payment.merchant_id, command.out_refund_no.as_str());
+                        orders.refunded_before.contains(&key)
+                    };
+                    match (check_refund(command, payment), order) {
+                        (Err(error), _) => Err(Decision::Rejected(error)),
+                        (Ok(()), None) => Err(Decision::Rejected(Error::NotFound(Resource::Order))),
+                        (Ok(()), Some(_)) if refunded_before() => Err(Decision::RefundedBefore),
+                        (Ok(()), Some(_)) => Ok(Candidate::Refund(command, refund_no, payment)),
+                    }
+                }
+            };
+            match decided {
+                Ok(candidate) => candidates.push((index, candidate)),
+                Err(decision) => self.decisions[index] = Some(decision),
             }
-            Candidate::Transfer(command, _) => vec![command.from_account_id.as_str(), command.to_account_id.as_str()],
-            Candidate::Funding(funding) => vec![funding.account_id.as_str(), funding.funding_account_id.as_str()],
-            Candidate::CreateOrder(order) => vec![order.payee_account_id.as_str()],
-        })
-        .collect();
-    let account_ids: Vec<&str> = account_ids.into_iter().collect();
-    let locked: BTreeMap<String, Ledgered> = queries
-        .lock_accounts(&account_ids)
-        .await?
-        .into_iter()
-        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
-        .collect();
-    decide_fundings(queries, &candidates, &locked, &mut decisions).await?;
-    let (accounts, refunded_orders, accepted) = loop {
+        }
+        candidates
+    }
+
+    /// 2. The candidates not decided yet applied one after another in arrival order, in
+    ///    memory, each to the accounts (`locked`, as read under their locks) and orders as the
+    ///    ones before it leave them.
+    fn apply(
+        &self,
+        candidates: &[(usize, Candidate<'b>)],
+        locked: &BTreeMap<String, Ledgered>,
+        orders: &HashMap<OrderKey, OrderRow>,
+    ) -> Applied {
         let mut accounts = locked.clone();
-        // The orders the batch refunds, as its refunds so far leave them.
         let mut refunded_orders: BTreeMap<OrderKey, OrderRow> = BTreeMap::new();
-        let mut accepted = Vec::new();
-        let mut refused = Vec::new();
-        for (index, candidate) in candidates.iter().filter(|(index, _)| decisions[*index].is_none()) {
+        let (mut accepted, mut refused) = (Vec::new(), Vec::new());
+        let now = self.now;
+        for (index, candidate) in candidates.iter().filter(|(index, _)| self.decisions[*index].is_none()) {
             let applied = match candidate {
                 Candidate::Pay(command, order) => apply_pay(&mut accounts, command, order).map(|legs| {
-                    let payment = new_payment(command, order, &trade_nos[*index], now);
+                    let payment = new_payment(command, order, &self.trade_nos[*index], now);
                     Accepted::Paid(paid_receipt(payment, order.clone(), now), legs)
                 }),
                 Candidate::Refund(command, refund_no, payment) => {
@@ -921,99 +988,129 @@ async fn write_batch(
                 Err(error) => refused.push((*index, error)),
             }
         }
-        // 3. Each accepted write's guards, claimed in arrival order, their records written
-        //    with the answer the write gets if the batch commits. A guard found taken, or a
-        //    token found invalid, takes that write out of the batch with nothing of it
-        //    written, and the writes after it are applied again without it: one it paid into
-        //    may now lack funds, one it spent from may now have them, a refund after it may
-        //    now fit its order. The writes before it, claimed already, keep their outcome
-        //    (each is applied after the ones before it only).
-        if claim_together {
-            claim_together = claim_prefix_together(queries, &claims, &accepted, &mut claimed).await?;
-        }
-        let mut taken_out = false;
-        for (index, accepted_one) in &accepted {
-            let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
+        Applied { accounts, refunded_orders, accepted, refused }
+    }
+
+    /// 3. Each accepted write's guards, claimed in arrival order, their records written with
+    ///    the answer the write gets if the batch commits. A guard found taken, or a token found
+    ///    invalid, takes that write out of the batch with nothing of it written (true: apply
+    ///    the writes again without it, as one it paid into may now lack funds, one it spent
+    ///    from may now have them, a refund after it may now fit its order). The writes before
+    ///    it, claimed already, keep their outcome (each is applied after the ones before it
+    ///    only).
+    async fn claim_guards(
+        &mut self,
+        queries: &mut Queries<'_>,
+        accepted: &[(usize, Accepted)],
+        claimed: &mut HashSet<usize>,
+    ) -> Result<bool, Error> {
+        for (index, accepted_one) in accepted {
+            let Some(claim) = self.claims[*index].filter(|_| !claimed.contains(index)) else { continue };
             let records = records_to_claim(claim, accepted_one)?;
-            match claim.claim(queries, &records, now).await {
+            match claim.claim(queries, &records, self.now).await {
                 Ok(true) => {
                     claimed.insert(*index);
                     continue;
                 }
-                Ok(false) => decisions[*index] = Some(Decision::GuardTaken),
-                Err(error @ Error::Rejected(_)) => decisions[*index] = Some(Decision::Rejected(error)),
+                Ok(false) => self.decisions[*index] = Some(Decision::GuardTaken),
+                Err(error @ Error::Rejected(_)) => self.decisions[*index] = Some(Decision::Rejected(error)),
                 Err(error) => return Err(error),
             }
-            taken_out = true;
-            break;
+            return Ok(true);
         }
-        if !taken_out {
-            for (index, error) in refused {
-                // A Deposit or Withdraw the batch refuses runs alone: its own transaction
-                // inserts its request_id before it checks the rules, so it waits for an
-                // original of that request_id still in flight (one that inserted it before
-                // it waited for the funding account this batch holds: invisible to the
-                // batch's read) and is answered by it, not refused on the state the
-                // original is about to leave.
-                decisions[index] = Some(match batch[index].write {
-                    Write::Funding(_) => Decision::Alone,
-                    Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::CreateOrder(_) => {
-                        Decision::Rejected(error)
-                    }
-                });
-            }
-            break (accounts, refunded_orders, accepted);
-        }
-        // A claimed write refused on the next pass would need its claim undone in the middle
-        // of the batch (it cannot be: it came before the one taken out): the batch would roll
-        // back instead, and every call of it run alone.
-        if refused.iter().any(|(index, _)| claimed.contains(index)) {
-            return Ok(Inserted::KeyTaken);
-        }
-    };
+        Ok(false)
+    }
 
-    // 4. The writes; then the entries of the Transfers, Deposits and Withdraws read back
-    //    (their ids are the database's), and their records claimed IN_PROGRESS completed with
-    //    their receipts.
-    if !accepted.is_empty() && !write_accepted(queries, &accepted, &orders, &refunded_orders, &accounts, now).await? {
-        return Ok(Inserted::KeyTaken);
-    }
-    let mut entries = entries_read_back(queries, &accepted).await?;
-    let mut completions = Vec::new();
-    for (index, accepted_one) in accepted {
-        decisions[index] = Some(match accepted_one {
-            Accepted::Paid(receipt, _) => Decision::Paid(receipt),
-            Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
-            Accepted::Created(order) => Decision::Created(order),
-            Accepted::Transferred(transfer, _) => {
-                let mut entry = |account_id: &str| {
-                    entries
-                        .remove(&(transfer.transfer_id.clone(), account_id.to_owned()))
-                        .ok_or_else(|| Error::Internal("a transfer's entry is missing".into()))
-                };
-                let (from_entry, to_entry) = (entry(&transfer.from_account_id)?, entry(&transfer.to_account_id)?);
-                let receipt = TransferReceipt { transfer, from_entry, to_entry };
-                if let Some(claim) = claims[index] {
-                    let message = <Identified<Transfer> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
-                    completions.push(claim.completion(message));
+    /// The writes the final pass refused. A Deposit or Withdraw the batch refuses runs alone:
+    /// its own transaction inserts its request_id before it checks the rules, so it waits for
+    /// an original of that request_id still in flight (one that inserted it before it waited
+    /// for the funding account this batch holds: invisible to the batch's read) and is
+    /// answered by it, not refused on the state the original is about to leave.
+    fn refuse(&mut self, refused: Vec<(usize, Error)>) {
+        for (index, error) in refused {
+            self.decisions[index] = Some(match self.batch[index].write {
+                Write::Funding(_) => Decision::Alone,
+                Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::CreateOrder(_) => {
+                    Decision::Rejected(error)
                 }
-                Decision::Transferred(receipt)
-            }
-            Accepted::Funded(funding, _, _) => {
-                let entry = entries
-                    .remove(&(funding.funding_id.clone(), funding.account_id.clone()))
-                    .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
-                let account = locked.get(&funding.account_id).expect("locked above").row.clone();
-                let receipt = receipt_after(account, entry);
-                if let Some(claim) = claims[index] {
-                    completions.push(claim.completion(funding_message(&funding, &receipt)?));
-                }
-                Decision::Funded(receipt)
-            }
-        });
+            });
+        }
     }
-    complete_claims(queries, &completions).await?;
-    Ok(Inserted::Done(decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()))
+
+    /// 5. Each accepted write's answer, once written: a Transfer's with its entries, a
+    ///    Deposit's or Withdraw's with its account's entry (`entries`, read back), the account
+    ///    as read under its lock (`locked`) moved by it. Returns the claims to complete with
+    ///    the messages of those answers (their records were claimed IN_PROGRESS).
+    fn answer(
+        &mut self,
+        accepted: Vec<(usize, Accepted)>,
+        mut entries: HashMap<(String, String), EntryRow>,
+        locked: &BTreeMap<String, Ledgered>,
+    ) -> Result<Vec<(&'b BatchClaim, Vec<u8>)>, Error> {
+        let mut completions = Vec::new();
+        for (index, accepted_one) in accepted {
+            let decision = match accepted_one {
+                Accepted::Paid(receipt, _) => Decision::Paid(receipt),
+                Accepted::Refunded(receipt, ..) => Decision::Refunded(receipt),
+                Accepted::Created(order) => Decision::Created(order),
+                Accepted::Transferred(transfer, _) => {
+                    let mut entry = |account_id: &str| {
+                        entries
+                            .remove(&(transfer.transfer_id.clone(), account_id.to_owned()))
+                            .ok_or_else(|| Error::Internal("a transfer's entry is missing".into()))
+                    };
+                    let (from_entry, to_entry) = (entry(&transfer.from_account_id)?, entry(&transfer.to_account_id)?);
+                    let receipt = TransferReceipt { transfer, from_entry, to_entry };
+                    if let Some(claim) = self.claims[index] {
+                        let message = <Identified<Transfer> as IdempotentCall>::message(receipt.clone())?;
+                        completions.push((claim, message.encode_to_vec()));
+                    }
+                    Decision::Transferred(receipt)
+                }
+                Accepted::Funded(funding, _, _) => {
+                    let entry = entries
+                        .remove(&(funding.funding_id.clone(), funding.account_id.clone()))
+                        .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
+                    let account = locked.get(&funding.account_id).expect("locked above").row.clone();
+                    let receipt = receipt_after(account, entry);
+                    if let Some(claim) = self.claims[index] {
+                        completions.push((claim, funding_message(&funding, &receipt)?));
+                    }
+                    Decision::Funded(receipt)
+                }
+            };
+            self.decisions[index] = Some(decision);
+        }
+        Ok(completions)
+    }
+}
+
+/// 2. Every account the candidates touch, locked (one `SELECT ... FOR UPDATE`, in account_id
+///    order). A CreateOrder's payee is read with them (it moves no money: its lock only orders
+///    it with the batch's other rows).
+async fn lock_accounts(
+    queries: &mut Queries<'_>,
+    candidates: &[(usize, Candidate<'_>)],
+) -> Result<BTreeMap<String, Ledgered>, Error> {
+    let account_ids: BTreeSet<&str> = candidates
+        .iter()
+        .flat_map(|(_, candidate)| match candidate {
+            Candidate::Pay(command, order) => vec![command.payer_account_id.as_str(), order.payee_account_id.as_str()],
+            Candidate::Refund(_, _, payment) => {
+                vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
+            }
+            Candidate::Transfer(command, _) => vec![command.from_account_id.as_str(), command.to_account_id.as_str()],
+            Candidate::Funding(funding) => vec![funding.account_id.as_str(), funding.funding_account_id.as_str()],
+            Candidate::CreateOrder(order) => vec![order.payee_account_id.as_str()],
+        })
+        .collect();
+    let account_ids: Vec<&str> = account_ids.into_iter().collect();
+    Ok(queries
+        .lock_accounts(&account_ids)
+        .await?
+        .into_iter()
+        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
+        .collect())
 }
 
 /// The records an accepted write's guards claim: COMPLETED with the answer of a Pay, Refund
