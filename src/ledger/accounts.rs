@@ -6,15 +6,46 @@ use crate::proto;
 use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
+use super::engine::posting::{post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
 use super::group_commit::{Batchable, Decision, Write};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
-use super::posting::{
-    external_account_id, funding_account_id, funding_shard, post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL,
-};
 use super::response;
 use super::tokens::IssuedToken;
 use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+
+/// The per-currency funding account: the counterparty of deposits and withdrawals, and the
+/// only account allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
+pub(super) fn external_account_id(currency_code: &str) -> String {
+    format!("@external:{currency_code}")
+}
+
+/// Most shards of a currency's funding account (`--funding-account-shards`). The bound keeps
+/// every sum of balances within 64 bits: each shard stays within the balance limit (10^17
+/// minor units), so a currency's funding accounts together hold at most 32 x 10^17.
+pub const FUNDING_ACCOUNT_SHARDS_MAX: u32 = 32;
+
+/// The id of shard `shard` of a currency's funding account: shard 0 is the external account
+/// itself (`@external:USD`), shard k > 0 is `@external:USD:k`. Every shard is an EXTERNAL
+/// account of its own, with its own balance and version, so Deposits and Withdraws spread
+/// over N shards do not all write one row (on a multi-primary cluster, do not all certify
+/// against one row); the currency's money from outside is the sum of its shards.
+pub(super) fn funding_account_id(currency_code: &str, shard: u32) -> String {
+    if shard == 0 {
+        external_account_id(currency_code)
+    } else {
+        format!("@external:{currency_code}:{shard}")
+    }
+}
+
+/// The shard (in `0..shards`) of a Deposit or Withdraw with `request_id`: FNV-1a of its
+/// bytes, so that every run of the same request picks the same shard.
+pub(super) fn funding_shard(request_id: &str, shards: u32) -> u32 {
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const FNV_PRIME: u64 = 0x0100_0000_01b3;
+    let hash = request_id.bytes().fold(FNV_OFFSET, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME));
+    u32::try_from(hash % u64::from(shards.max(1))).expect("below a u32")
+}
 
 /// The answer to a Deposit: the account as it stood right after the deposit, and the entry
 /// that credited it. A replay rebuilds exactly the same answer from the stored entry.
@@ -601,4 +632,28 @@ pub(super) fn receipt_after(account: AccountRow, entry: EntryRow) -> DepositRece
         ..account
     };
     DepositReceipt { account, entry }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_shard_is_the_external_account_and_the_others_are_numbered() {
+        assert_eq!(funding_account_id("USD", 0), "@external:USD");
+        assert_eq!(funding_account_id("USD", 7), "@external:USD:7");
+    }
+
+    #[test]
+    fn one_shard_is_always_the_first_and_requests_spread_over_many() {
+        assert!((0..100).all(|n| funding_shard(&format!("d-{n}"), 1) == 0));
+        let mut used = std::collections::BTreeSet::new();
+        for n in 0..400 {
+            let shard = funding_shard(&format!("d-{n}"), 16);
+            assert!(shard < 16);
+            used.insert(shard);
+        }
+        assert_eq!(used.len(), 16, "400 request ids reach every one of 16 shards");
+        assert_eq!(funding_shard("d-1", 16), funding_shard("d-1", 16), "the same request, the same shard");
+    }
 }

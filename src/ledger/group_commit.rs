@@ -103,8 +103,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::error::{Error, Resource};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, EntryRow, FundingRow, FundingTable, IdempotencyRecordRow, NewEntry,
-    OrderRefund, OrderRow, PaymentRow, Queries, Store, TransferRow,
+    EntryRow, FundingRow, FundingTable, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+    TransferRow,
 };
 
 use prost::Message as _;
@@ -113,15 +113,15 @@ use super::accounts::{
     receipt_after, transfer_posting, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt,
 };
 use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
+use super::engine::book::{self, Book, WriteSet};
+use super::engine::posting::{EntryKind, Legs, Posting};
+use super::engine::transaction::in_transaction;
 use super::guards::{complete_claims, BatchClaim};
 use super::idempotent::IdempotentCall;
-use super::invariants::{self, AccountMove};
 use super::payments::{
     check_pay, check_payee, check_payer, check_refund, new_payment, new_refund, paid_receipt, payment_posting,
     refund_posting, refunded_order, NewOrder, PayCheck, PayReceipt, RefundReceipt,
 };
-use super::posting::{balance_after, balance_floor, EntryKind, Legs, Posting};
-use super::transaction::in_transaction;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
 use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
 
@@ -547,14 +547,6 @@ fn alone(count: usize) -> Vec<Decision> {
     (0..count).map(|_| Decision::Alone).collect()
 }
 
-/// One account's state as the batch moves it, in memory, under its row lock.
-#[derive(Clone)]
-struct Ledgered {
-    row: AccountRow,
-    read_version: i64,
-    read_balance: i64,
-}
-
 /// What the batch can go on with for one write, its rows locked and read.
 #[allow(clippy::large_enum_variant)] // one a call of one batch, never moved
 enum Candidate<'a> {
@@ -802,7 +794,7 @@ struct LockedOrders {
 /// The writes of a batch applied in arrival order (one pass of step 2).
 struct Applied {
     /// The accounts as the accepted writes leave them.
-    accounts: BTreeMap<String, Ledgered>,
+    accounts: Book,
     /// The orders the batch refunds, as its refunds leave them.
     refunded_orders: BTreeMap<OrderKey, OrderRow>,
     accepted: Vec<(usize, Accepted)>,
@@ -944,7 +936,7 @@ impl<'b> Deciding<'b> {
     fn apply(
         &self,
         candidates: &[(usize, Candidate<'b>)],
-        locked: &BTreeMap<String, Ledgered>,
+        locked: &Book,
         orders: &HashMap<OrderKey, OrderRow>,
     ) -> Applied {
         let mut accounts = locked.clone();
@@ -953,10 +945,9 @@ impl<'b> Deciding<'b> {
         let now = self.now;
         for (index, candidate) in candidates.iter().filter(|(index, _)| self.decisions[*index].is_none()) {
             let applied = match candidate {
-                Candidate::Pay(command, order) => apply_pay(&mut accounts, command, order).map(|legs| {
-                    let payment = new_payment(command, order, &self.trade_nos[*index], now);
-                    Accepted::Paid(paid_receipt(payment, order.clone(), now), legs)
-                }),
+                Candidate::Pay(command, order) => {
+                    apply_pay(&mut accounts, command, order, &self.trade_nos[*index], now)
+                }
                 Candidate::Refund(command, refund_no, payment) => {
                     let key = order_key(&payment.merchant_id, &payment.order_no);
                     let order = refunded_orders.get(&key).or_else(|| orders.get(&key)).expect("locked above");
@@ -969,18 +960,11 @@ impl<'b> Deciding<'b> {
                 }
                 Candidate::Transfer(command, transfer_id) => {
                     let transfer = transfer_row(command, transfer_id, now);
-                    let (from, to) = (&transfer.from_account_id, &transfer.to_account_id);
-                    move_money(&mut accounts, from, to, &transfer.currency, transfer.amount)
-                        .map(|legs| Accepted::Transferred(transfer, legs))
+                    accounts.post(&transfer_posting(&transfer)).map(|legs| Accepted::Transferred(transfer, legs))
                 }
-                Candidate::Funding(funding) => {
-                    let row = funding.row(now);
-                    apply_funding(&mut accounts, funding, &row)
-                        .map(|legs| Accepted::Funded((*funding).clone(), row, legs))
-                }
+                Candidate::Funding(funding) => apply_funding(&mut accounts, funding, now),
                 Candidate::CreateOrder(order) => {
-                    check_payee(accounts.get(&order.payee_account_id).map(|payee| &payee.row), order)
-                        .map(|()| Accepted::Created(order.clone()))
+                    check_payee(accounts.get(&order.payee_account_id), order).map(|()| Accepted::Created(order.clone()))
                 }
             };
             match applied {
@@ -1045,7 +1029,7 @@ impl<'b> Deciding<'b> {
         &mut self,
         accepted: Vec<(usize, Accepted)>,
         mut entries: HashMap<(String, String), EntryRow>,
-        locked: &BTreeMap<String, Ledgered>,
+        locked: &Book,
     ) -> Result<Vec<(&'b BatchClaim, Vec<u8>)>, Error> {
         let mut completions = Vec::new();
         for (index, accepted_one) in accepted {
@@ -1071,7 +1055,7 @@ impl<'b> Deciding<'b> {
                     let entry = entries
                         .remove(&(funding.funding_id.clone(), funding.account_id.clone()))
                         .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
-                    let account = locked.get(&funding.account_id).expect("locked above").row.clone();
+                    let account = locked.get(&funding.account_id).expect("locked above").clone();
                     let receipt = receipt_after(account, entry);
                     if let Some(claim) = self.claims[index] {
                         completions.push((claim, funding_message(&funding, &receipt)?));
@@ -1088,10 +1072,7 @@ impl<'b> Deciding<'b> {
 /// 2. Every account the candidates touch, locked (one `SELECT ... FOR UPDATE`, in account_id
 ///    order). A CreateOrder's payee is read with them (it moves no money: its lock only orders
 ///    it with the batch's other rows).
-async fn lock_accounts(
-    queries: &mut Queries<'_>,
-    candidates: &[(usize, Candidate<'_>)],
-) -> Result<BTreeMap<String, Ledgered>, Error> {
+async fn lock_accounts(queries: &mut Queries<'_>, candidates: &[(usize, Candidate<'_>)]) -> Result<Book, Error> {
     let account_ids: BTreeSet<&str> = candidates
         .iter()
         .flat_map(|(_, candidate)| match candidate {
@@ -1105,12 +1086,7 @@ async fn lock_accounts(
         })
         .collect();
     let account_ids: Vec<&str> = account_ids.into_iter().collect();
-    Ok(queries
-        .lock_accounts(&account_ids)
-        .await?
-        .into_iter()
-        .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
-        .collect())
+    Ok(Book::locked(queries.lock_accounts(&account_ids).await?))
 }
 
 /// The records an accepted write's guards claim: COMPLETED with the answer of a Pay, Refund
@@ -1186,18 +1162,20 @@ async fn entries_read_back(
     Ok(entries.into_iter().map(|entry| ((entry.posting_id.clone(), entry.account_id.clone()), entry)).collect())
 }
 
-/// Moves the Pay's money between the in-memory accounts, or changes nothing and says why.
-fn apply_pay(accounts: &mut BTreeMap<String, Ledgered>, command: &Pay, order: &OrderRow) -> Result<Legs, Error> {
-    let payer_id = command.payer_account_id.as_str();
-    check_payer(accounts.get(payer_id).map(|payer| &payer.row), order)?;
-    move_money(accounts, payer_id, &order.payee_account_id, &order.currency, command.amount.minor_units())
+/// A Pay applied to the book: its payer checked ([`check_payer`]), then its payment's posting;
+/// or nothing changed and why.
+fn apply_pay(book: &mut Book, command: &Pay, order: &OrderRow, trade_no: &str, now: i64) -> Result<Accepted, Error> {
+    check_payer(book.get(command.payer_account_id.as_str()), order)?;
+    let payment = new_payment(command, order, trade_no, now);
+    let legs = book.post(&payment_posting(&payment))?;
+    Ok(Accepted::Paid(paid_receipt(payment, order.clone(), now), legs))
 }
 
-/// Applies a Refund to its order's state (`order`, as the batch's refunds before it leave it)
-/// by the state machine, as the one-refund transaction does, then moves its money from the
-/// payee back to the payer; or changes nothing and says why.
+/// A Refund applied to its order's state (`order`, as the batch's refunds before it leave it)
+/// by the state machine, as the one-refund transaction does, then its posting (payee back to
+/// payer); or nothing changed and why.
 fn apply_refund(
-    accounts: &mut BTreeMap<String, Ledgered>,
+    book: &mut Book,
     command: &Refund,
     refund_no: &str,
     payment: &PaymentRow,
@@ -1206,22 +1184,17 @@ fn apply_refund(
 ) -> Result<(RefundReceipt, Legs), Error> {
     let refund = new_refund(command, payment, refund_no, now);
     let order = refunded_order(order, refund.amount, now)?;
-    let legs =
-        move_money(accounts, &payment.payee_account_id, &payment.payer_account_id, &refund.currency, refund.amount)?;
+    let legs = book.post(&refund_posting(&refund, payment))?;
     Ok((RefundReceipt { refund, order }, legs))
 }
 
-/// A Deposit's or Withdraw's checks in its own transaction's order (the account, its currency),
-/// then its money moved between the account and its funding account; or nothing changed and
-/// why.
-fn apply_funding(
-    accounts: &mut BTreeMap<String, Ledgered>,
-    funding: &FundingWrite,
-    row: &FundingRow,
-) -> Result<Legs, Error> {
-    funding.check_account(accounts.get(&funding.account_id).map(|account| &account.row))?;
-    let posting = funding.posting(row);
-    move_money(accounts, posting.from_account_id, posting.to_account_id, posting.currency, posting.amount)
+/// A Deposit or Withdraw applied to the book: its account checked
+/// ([`FundingWrite::check_account`]), then its posting; or nothing changed and why.
+fn apply_funding(book: &mut Book, funding: &FundingWrite, now: i64) -> Result<Accepted, Error> {
+    funding.check_account(book.get(&funding.account_id))?;
+    let row = funding.row(now);
+    let legs = book.post(&funding.posting(&row))?;
+    Ok(Accepted::Funded(funding.clone(), row, legs))
 }
 
 /// Decides, once the accounts are locked, the Deposits and Withdraws the batch cannot write:
@@ -1233,7 +1206,7 @@ fn apply_funding(
 async fn decide_fundings(
     queries: &mut Queries<'_>,
     candidates: &[(usize, Candidate<'_>)],
-    locked: &BTreeMap<String, Ledgered>,
+    locked: &Book,
     decisions: &mut [Option<Decision>],
 ) -> Result<(), Error> {
     let fundings: Vec<(usize, &FundingWrite)> = candidates
@@ -1261,7 +1234,7 @@ async fn decide_fundings(
     for (index, funding) in fundings {
         if taken.contains(&(funding.table, funding.request_id.clone())) {
             decisions[index] = Some(Decision::FundedBefore);
-        } else if !locked.contains_key(&funding.funding_account_id) {
+        } else if locked.get(&funding.funding_account_id).is_none() {
             decisions[index] = Some(Decision::Alone);
         }
     }
@@ -1278,90 +1251,32 @@ fn funding_message(funding: &FundingWrite, receipt: &DepositReceipt) -> Result<V
     })
 }
 
-/// Moves `minor_units` from one in-memory account to another with the rules of a single
-/// posting (legs checked in account_id order, as a single posting checks them), or changes
-/// nothing and says why.
-fn move_money(
-    accounts: &mut BTreeMap<String, Ledgered>,
-    from_id: &str,
-    to_id: &str,
-    currency: &str,
-    minor_units: i64,
-) -> Result<Legs, Error> {
-    if from_id == to_id {
-        // The edge refuses it (and a Pay's payer cannot be its payee): both legs on one row
-        // would leave only the second.
-        return Err(Error::Internal("a posting moves money between two accounts".into()));
-    }
-    let mut after = [(0, 0); 2];
-    let mut legs = [(from_id, -minor_units, 0), (to_id, minor_units, 1)];
-    legs.sort_by(|a, b| a.0.cmp(b.0));
-    for (account_id, delta, slot) in legs {
-        let account = accounts.get(account_id).ok_or(Error::NotFound(Resource::Account))?;
-        after[slot] = (balance_after(&account.row, currency, delta)?, account.row.version + 1);
-    }
-    for (account_id, _, slot) in legs {
-        let account = accounts.get_mut(account_id).expect("checked above");
-        (account.row.balance, account.row.version) = after[slot];
-    }
-    Ok(after)
-}
-
-/// Step 4: the write set of the accepted writes, checked and written in one statement (see
-/// [`write_checked`]); false when a key, an order's state or a version was taken under the
-/// batch (roll back).
+/// Step 4: the write set of the accepted writes, each row in its table and each posting in
+/// the order the batch applied it, written by [`book::write`]: false when a key, an order's
+/// state or a version was taken under the batch (roll back).
 async fn write_accepted(
     queries: &mut Queries<'_>,
     accepted: &[(usize, Accepted)],
     orders: &HashMap<OrderKey, OrderRow>,
     refunded_orders: &BTreeMap<OrderKey, OrderRow>,
-    accounts: &BTreeMap<String, Ledgered>,
+    book: &Book,
     now: i64,
 ) -> Result<bool, Error> {
-    let moved: Vec<&Ledgered> =
-        accounts.values().filter(|account| account.row.version != account.read_version).collect();
-    let balances: Vec<BalanceUpdate<'_>> = moved
-        .iter()
-        .map(|account| BalanceUpdate {
-            account_id: &account.row.account_id,
-            balance: account.row.balance,
-            expected_version: account.read_version,
-            version: account.row.version,
-        })
-        .collect();
-    let moves: Vec<AccountMove<'_>> = moved
-        .iter()
-        .map(|account| AccountMove {
-            account_id: &account.row.account_id,
-            balance_before: account.read_balance,
-            version_before: account.read_version,
-            balance_after: account.row.balance,
-            version_after: account.row.version,
-            floor: balance_floor(&account.row),
-        })
-        .collect();
-    let (mut payments, mut refunds, mut transfers, mut deposits, mut withdrawals, mut created) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut set = WriteSet::default();
     for (_, accepted_one) in accepted {
         match accepted_one {
-            Accepted::Created(order) => created.push(order.clone()),
-            Accepted::Paid(receipt, _) => payments.push(receipt.payment.clone()),
-            Accepted::Refunded(receipt, ..) => refunds.push(receipt.refund.clone()),
-            Accepted::Transferred(transfer, _) => transfers.push(transfer.clone()),
+            Accepted::Created(order) => set.orders.push(order.clone()),
+            Accepted::Paid(receipt, _) => set.payments.push(receipt.payment.clone()),
+            Accepted::Refunded(receipt, ..) => set.refunds.push(receipt.refund.clone()),
+            Accepted::Transferred(transfer, _) => set.transfers.push(transfer.clone()),
             Accepted::Funded(funding, row, _) => match funding.table {
-                FundingTable::Deposits => deposits.push(row.clone()),
-                FundingTable::Withdrawals => withdrawals.push(row.clone()),
+                FundingTable::Deposits => set.deposits.push(row.clone()),
+                FundingTable::Withdrawals => set.withdrawals.push(row.clone()),
             },
         }
+        set.postings.extend(accepted_one.posting());
     }
-    // The two legs of each posting, from then to, in the order the batch applied them, so
-    // every entry records its account's balance and version right after it.
-    let entries: Vec<NewEntry<'_>> = accepted
-        .iter()
-        .filter_map(|(_, accepted_one)| accepted_one.posting())
-        .flat_map(|(posting, legs)| posting.entries(legs, now))
-        .collect();
-    let order_refunds: Vec<OrderRefund<'_>> = refunded_orders
+    set.refunded_orders = refunded_orders
         .iter()
         .map(|(key, after)| {
             let before = &orders[key];
@@ -1375,214 +1290,5 @@ async fn write_accepted(
             }
         })
         .collect();
-    let written = BatchWrite {
-        payments: &payments,
-        refunds: &refunds,
-        transfers: &transfers,
-        deposits: &deposits,
-        withdrawals: &withdrawals,
-        orders: &created,
-        refunded_orders: &order_refunds,
-        balances: &balances,
-        entries: &entries,
-        now,
-    };
-    write_checked(queries, &moves, &written).await
-}
-
-/// Checks the write set's money invariants ([`invariants::check`]), then writes it: false when a
-/// key, an order's state or a version was taken under the batch (roll back).
-///
-/// # Errors
-/// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
-async fn write_checked(
-    queries: &mut Queries<'_>,
-    moves: &[AccountMove<'_>],
-    written: &BatchWrite<'_>,
-) -> Result<bool, Error> {
-    invariants::check(moves, written.entries)?;
-    Ok(queries.write_batch(written).await?)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::domain::{AccountId, Actor, Amount, Currency, RequestId};
-    use crate::ledger::{Deposit, Guards, Ledger, OpenAccount};
-    use crate::store::PoolSettings;
-
-    /// A SQLite ledger with alice (10.00 USD) and bob (nothing).
-    async fn ledger_of_two(directory: &tempfile::TempDir) -> Ledger {
-        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-        let settings = PoolSettings {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(5),
-            lock_timeout: Duration::from_secs(5),
-            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
-        };
-        let store = Store::connect(&url, &settings).await.unwrap();
-        store.migrate().await.unwrap();
-        let ledger = Ledger::new(store);
-        let usd = Currency::parse("currency", "USD").unwrap();
-        for name in ["alice", "bob"] {
-            let account_id = AccountId::parse("account_id", name).unwrap();
-            ledger.open_account(OpenAccount { account_id, currency: usd }, &Guards::default()).await.unwrap();
-        }
-        let deposit = Deposit {
-            request_id: RequestId::parse("request_id", "funding").unwrap(),
-            account_id: AccountId::parse("account_id", "alice").unwrap(),
-            amount: Amount::parse("amount", "10.00", usd).unwrap(),
-            created_by: Actor::Anonymous,
-        };
-        ledger.deposit(deposit, &Guards::default()).await.unwrap();
-        ledger
-    }
-
-    /// The journal's entries, and alice's and bob's (balance, version).
-    async fn books(ledger: &Ledger) -> (i64, [(i64, i64); 2]) {
-        let mut reader = ledger.store().reader().await.unwrap();
-        let mut queries = reader.queries();
-        let mut accounts = [(0, 0); 2];
-        for (slot, name) in ["alice", "bob"].into_iter().enumerate() {
-            let row = queries.find_account(name).await.unwrap().unwrap();
-            accounts[slot] = (row.balance, row.version);
-        }
-        let rows = ledger.store().on_pooled_session("SELECT COUNT(*) FROM journal_entries").await.unwrap();
-        (sqlx::Row::get::<i64, _>(&rows[0], 0), accounts)
-    }
-
-    /// A posting of `minor_units` from alice to bob whose versions move by `step`, as a batch
-    /// writes one: the moves, the version CAS of both accounts and the two legs.
-    fn posting<'a>(
-        posting_id: &'a str,
-        alice: &'a AccountRow,
-        bob: &'a AccountRow,
-        minor_units: i64,
-        step: i64,
-    ) -> (Vec<AccountMove<'a>>, Vec<BalanceUpdate<'a>>, Vec<NewEntry<'a>>) {
-        let sides = [(alice, -minor_units, bob), (bob, minor_units, alice)];
-        let moves: Vec<AccountMove<'a>> = sides
-            .iter()
-            .map(|(account, delta, _)| AccountMove {
-                account_id: &account.account_id,
-                balance_before: account.balance,
-                version_before: account.version,
-                balance_after: account.balance + delta,
-                version_after: account.version + step,
-                floor: balance_floor(account),
-            })
-            .collect();
-        let balances = moves
-            .iter()
-            .map(|moved| BalanceUpdate {
-                account_id: moved.account_id,
-                balance: moved.balance_after,
-                expected_version: moved.version_before,
-                version: moved.version_after,
-            })
-            .collect();
-        let entries = sides
-            .iter()
-            .map(|(account, delta, counterparty)| NewEntry {
-                account_id: &account.account_id,
-                currency: "USD",
-                amount: *delta,
-                balance_after: account.balance + delta,
-                version_after: account.version + step,
-                kind: EntryKind::Transfer.as_str(),
-                reference: posting_id,
-                posting_id,
-                counterparty_account_id: &counterparty.account_id,
-                created_at: 1,
-                created_by: "test",
-            })
-            .collect();
-        (moves, balances, entries)
-    }
-
-    fn write_set<'a>(balances: &'a [BalanceUpdate<'a>], entries: &'a [NewEntry<'a>]) -> BatchWrite<'a> {
-        BatchWrite {
-            payments: &[],
-            refunds: &[],
-            transfers: &[],
-            deposits: &[],
-            withdrawals: &[],
-            orders: &[],
-            refunded_orders: &[],
-            balances,
-            entries,
-            now: 1,
-        }
-    }
-
-    /// Runs `break_it` over a posting of 1.00 from alice to bob inside a transaction that first
-    /// writes an intact posting of 2.00, and returns what the transaction answered.
-    async fn write_broken(
-        ledger: &Ledger,
-        break_it: impl Fn(&mut Vec<AccountMove<'_>>, &mut Vec<BalanceUpdate<'_>>, &mut Vec<NewEntry<'_>>),
-    ) -> Result<Inserted<bool>, Error> {
-        let metrics = LedgerMetrics::default();
-        in_transaction!(ledger.store(), &metrics, tx => {
-            let mut queries = tx.queries();
-            let alice = queries.find_account("alice").await?.unwrap();
-            let bob = queries.find_account("bob").await?.unwrap();
-            let (moves, balances, entries) = posting("X1", &alice, &bob, 200, 1);
-            assert!(write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?);
-            let moved = [(moves[0].balance_after, moves[0].version_after), (moves[1].balance_after, moves[1].version_after)];
-            let alice = AccountRow { balance: moved[0].0, version: moved[0].1, ..alice.clone() };
-            let bob = AccountRow { balance: moved[1].0, version: moved[1].1, ..bob.clone() };
-            let (mut moves, mut balances, mut entries) = posting("X2", &alice, &bob, 100, 1);
-            break_it(&mut moves, &mut balances, &mut entries);
-            let written = write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?;
-            Ok(Inserted::Done(written))
-        })
-    }
-
-    #[tokio::test]
-    async fn an_intact_write_set_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let (entries_before, _) = books(&ledger).await;
-
-        let written = write_broken(&ledger, |_, _, _| {}).await.unwrap();
-
-        assert!(matches!(written, Inserted::Done(true)));
-        let (entries, [alice, bob]) = books(&ledger).await;
-        assert_eq!(entries - entries_before, 4);
-        assert_eq!((alice.0, bob.0), (700, 300));
-    }
-
-    #[tokio::test]
-    async fn a_write_set_with_a_leg_dropped_is_refused_and_nothing_of_its_transaction_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let before = books(&ledger).await;
-
-        let refused = write_broken(&ledger, |_, _, entries| {
-            entries.pop();
-        })
-        .await;
-
-        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("two legs")));
-        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
-    }
-
-    #[tokio::test]
-    async fn a_write_set_with_a_version_skipped_is_refused_and_nothing_of_its_transaction_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let before = books(&ledger).await;
-
-        let refused = write_broken(&ledger, |moves, balances, entries| {
-            moves[1].version_after += 1;
-            balances[1].version += 1;
-            entries[1].version_after += 1;
-        })
-        .await;
-
-        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after")));
-        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
-    }
+    book::write(queries, &set, book, now).await
 }

@@ -16,10 +16,10 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
 
 use super::commands::{Authorize, Capture, Void};
+use super::engine::posting::post;
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
-use super::posting::post;
 use super::response;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 

@@ -32,8 +32,8 @@ use serde::Serialize;
 use crate::error::Error;
 use crate::store::Queries;
 
+use super::engine::transaction::in_transaction;
 use super::guards::{Call, GuardSession, Guards, Opened, Scope, Settled, StoredResponse};
-use super::transaction::in_transaction;
 use super::{now_micros, Inserted, Ledger, Replayable};
 
 /// Reads of a taken key's committed original before the call is ABORTED as not yet visible.

@@ -30,21 +30,20 @@
 
 mod accounts;
 mod commands;
+mod engine;
 mod group_commit;
 mod guards;
 mod holds;
 mod idempotent;
-mod invariants;
 mod payments;
-mod posting;
 mod reaper;
 pub mod response;
 mod tokens;
-mod transaction;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use accounts::FUNDING_ACCOUNT_SHARDS_MAX;
 pub use accounts::{DepositReceipt, EntryPage, TransferReceipt, WithdrawalReceipt};
 pub use commands::{
     Authorize, Capture, CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Void, Withdraw,
@@ -53,7 +52,6 @@ pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use holds::{CaptureReceipt, HoldReceipt};
 pub use payments::{BatchAnswer, BatchCall, OrderDetails, PayReceipt, RefundReceipt};
-pub use posting::FUNDING_ACCOUNT_SHARDS_MAX;
 pub use reaper::{spawn_reaper, ExpiryReport, ReapReport, ReaperSettings};
 pub use tokens::{IssuedToken, TokenStore};
 

@@ -9,13 +9,13 @@ use crate::store::{AccountRow, HoldRow, OrderRow, PaymentRow, Queries, RefundRow
 
 use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
+use super::engine::posting::{post, EntryKind, Posting};
+use super::engine::transaction::CAS_ATTEMPTS_MAX;
 use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
-use super::posting::{post, EntryKind, Posting};
 use super::response;
-use super::transaction::CAS_ATTEMPTS_MAX;
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.

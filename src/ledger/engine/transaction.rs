@@ -7,12 +7,12 @@ use crate::error::Error;
 use crate::metrics::{CauseLabel, LedgerMetrics};
 use crate::store::{classify, conflict_cause, Dialect, Fault, Tx};
 
-use super::Inserted;
+use crate::ledger::Inserted;
 
 /// Runs of a whole transaction before a transient failure is returned (as ABORTED).
 const TRANSACTION_ATTEMPTS_MAX: u32 = 5;
 /// Attempts of one version CAS or conditional UPDATE inside a transaction.
-pub(super) const CAS_ATTEMPTS_MAX: u32 = 4;
+pub(in crate::ledger) const CAS_ATTEMPTS_MAX: u32 = 4;
 /// The first backoff step; each retry doubles the ceiling, with full jitter.
 const BACKOFF_BASE_MS: u64 = 2;
 
@@ -29,14 +29,14 @@ macro_rules! in_transaction {
         let metrics: &$crate::metrics::LedgerMetrics = $metrics;
         let mut attempt = 1;
         loop {
-            let span = $crate::ledger::transaction::attempt_span($store.dialect(), attempt);
+            let span = $crate::ledger::engine::transaction::attempt_span($store.dialect(), attempt);
             let outcome = tracing::Instrument::instrument(
                 async {
                     match $store.begin().await {
                         Ok(mut $tx) => {
                             let result = async { $body }.await;
                             metrics.cas_retries.inc_by(u64::from($tx.cas_retries()));
-                            $crate::ledger::transaction::finish($tx, result).await
+                            $crate::ledger::engine::transaction::finish($tx, result).await
                         }
                         Err(error) => Err($crate::error::Error::from(error)),
                     }
@@ -44,7 +44,7 @@ macro_rules! in_transaction {
                 span,
             )
             .await;
-            if !$crate::ledger::transaction::should_retry(&outcome, &mut attempt, metrics).await {
+            if !$crate::ledger::engine::transaction::should_retry(&outcome, &mut attempt, metrics).await {
                 if matches!(outcome, Err($crate::error::Error::Contention)) {
                     metrics.cas_aborts.inc();
                 }
@@ -53,7 +53,7 @@ macro_rules! in_transaction {
         }
     }};
 }
-pub(super) use in_transaction;
+pub(in crate::ledger) use in_transaction;
 
 /// Commits a `Done`, rolls back a `KeyTaken` or an error.
 ///

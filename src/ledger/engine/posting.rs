@@ -9,45 +9,12 @@ use crate::store::{AccountRow, NewEntry, Queries};
 
 use super::transaction::CAS_ATTEMPTS_MAX;
 
-/// The per-currency funding account: the counterparty of deposits and withdrawals, and the
-/// only account allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
-pub(super) fn external_account_id(currency_code: &str) -> String {
-    format!("@external:{currency_code}")
-}
-
-/// Most shards of a currency's funding account (`--funding-account-shards`). The bound keeps
-/// every sum of balances within 64 bits: each shard stays within the balance limit (10^17
-/// minor units), so a currency's funding accounts together hold at most 32 x 10^17.
-pub const FUNDING_ACCOUNT_SHARDS_MAX: u32 = 32;
-
-/// The id of shard `shard` of a currency's funding account: shard 0 is the external account
-/// itself (`@external:USD`), shard k > 0 is `@external:USD:k`. Every shard is an EXTERNAL
-/// account of its own, with its own balance and version, so Deposits and Withdraws spread
-/// over N shards do not all write one row (on a multi-primary cluster, do not all certify
-/// against one row); the currency's money from outside is the sum of its shards.
-pub(super) fn funding_account_id(currency_code: &str, shard: u32) -> String {
-    if shard == 0 {
-        external_account_id(currency_code)
-    } else {
-        format!("@external:{currency_code}:{shard}")
-    }
-}
-
-/// The shard (in `0..shards`) of a Deposit or Withdraw with `request_id`: FNV-1a of its
-/// bytes, so that every run of the same request picks the same shard.
-pub(super) fn funding_shard(request_id: &str, shards: u32) -> u32 {
-    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const FNV_PRIME: u64 = 0x0100_0000_01b3;
-    let hash = request_id.bytes().fold(FNV_OFFSET, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME));
-    u32::try_from(hash % u64::from(shards.max(1))).expect("below a u32")
-}
-
-pub(super) const KIND_EXTERNAL: &str = "EXTERNAL";
-pub(super) const KIND_CUSTOMER: &str = "CUSTOMER";
+pub(in crate::ledger) const KIND_EXTERNAL: &str = "EXTERNAL";
+pub(in crate::ledger) const KIND_CUSTOMER: &str = "CUSTOMER";
 
 /// What caused a posting; stored as the entries' `kind`.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum EntryKind {
+pub(in crate::ledger) enum EntryKind {
     Deposit,
     Withdrawal,
     Pay,
@@ -56,7 +23,7 @@ pub(super) enum EntryKind {
 }
 
 impl EntryKind {
-    pub(super) fn as_str(self) -> &'static str {
+    pub(in crate::ledger) fn as_str(self) -> &'static str {
         match self {
             EntryKind::Deposit => "DEPOSIT",
             EntryKind::Withdrawal => "WITHDRAWAL",
@@ -71,7 +38,7 @@ impl EntryKind {
 /// journal entries that sum to zero. Each use case makes its posting from the row it records
 /// (a payment, refund, transfer, deposit or withdrawal), once, for both ways it is written:
 /// alone ([`post`]) and in a group commit.
-pub(super) struct Posting<'a> {
+pub(in crate::ledger) struct Posting<'a> {
     /// Links both legs: the trade_no, refund_no, transfer_id or funding_id.
     pub posting_id: &'a str,
     pub kind: EntryKind,
@@ -91,12 +58,12 @@ pub(super) struct Posting<'a> {
 }
 
 /// The (balance, version) each leg leaves its account at: (from, to).
-pub(super) type Legs = [(i64, i64); 2];
+pub(in crate::ledger) type Legs = [(i64, i64); 2];
 
 impl<'a> Posting<'a> {
     /// Its two journal entries, from then to, each recording the balance and version its
     /// account has right after it (`legs`), created at `now` (microseconds since the epoch).
-    pub(super) fn entries(&self, legs: Legs, now: i64) -> [NewEntry<'a>; 2] {
+    pub(in crate::ledger) fn entries(&self, legs: Legs, now: i64) -> [NewEntry<'a>; 2] {
         let [(from_balance, from_version), (to_balance, to_version)] = legs;
         let leg = |account_id, counterparty_account_id, amount, balance_after, version_after| NewEntry {
             account_id,
@@ -131,7 +98,7 @@ impl<'a> Posting<'a> {
 ///
 /// `known` may hold rows of the two accounts already read in this transaction: the first CAS
 /// of such an account starts from that read instead of reading again.
-pub(super) async fn post(
+pub(in crate::ledger) async fn post(
     queries: &mut Queries<'_>,
     posting: &Posting<'_>,
     known: &[AccountRow],
@@ -162,7 +129,7 @@ pub(super) async fn post(
 /// # Errors
 /// [`Rejection::CurrencyMismatch`], [`Rejection::BalanceLimitExceeded`],
 /// [`Rejection::InsufficientFunds`].
-pub(super) fn balance_after(account: &AccountRow, currency: &str, delta: i64) -> Result<i64, Error> {
+pub(in crate::ledger) fn balance_after(account: &AccountRow, currency: &str, delta: i64) -> Result<i64, Error> {
     if account.currency != currency {
         return Err(Rejection::CurrencyMismatch.into());
     }
@@ -180,7 +147,7 @@ pub(super) fn balance_after(account: &AccountRow, currency: &str, delta: i64) ->
 
 /// The lowest balance an account may have: what its active holds reserve for a customer
 /// account, none for an external funding account (the rule [`balance_after`] applies).
-pub(super) fn balance_floor(account: &AccountRow) -> Option<i64> {
+pub(in crate::ledger) fn balance_floor(account: &AccountRow) -> Option<i64> {
     (account.kind != KIND_EXTERNAL).then_some(account.held)
 }
 
@@ -223,28 +190,4 @@ async fn change_balance<'a>(
         queries.count_cas_retry();
     }
     Err(Error::Contention)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_first_shard_is_the_external_account_and_the_others_are_numbered() {
-        assert_eq!(funding_account_id("USD", 0), "@external:USD");
-        assert_eq!(funding_account_id("USD", 7), "@external:USD:7");
-    }
-
-    #[test]
-    fn one_shard_is_always_the_first_and_requests_spread_over_many() {
-        assert!((0..100).all(|n| funding_shard(&format!("d-{n}"), 1) == 0));
-        let mut used = std::collections::BTreeSet::new();
-        for n in 0..400 {
-            let shard = funding_shard(&format!("d-{n}"), 16);
-            assert!(shard < 16);
-            used.insert(shard);
-        }
-        assert_eq!(used.len(), 16, "400 request ids reach every one of 16 shards");
-        assert_eq!(funding_shard("d-1", 16), funding_shard("d-1", 16), "the same request, the same shard");
-    }
 }

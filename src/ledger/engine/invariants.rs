@@ -21,7 +21,7 @@ use crate::store::NewEntry;
 
 /// One account's balance as a write set moves it (minor units), under its row lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct AccountMove<'a> {
+pub(in crate::ledger) struct AccountMove<'a> {
     pub account_id: &'a str,
     pub balance_before: i64,
     pub version_before: i64,
@@ -37,7 +37,7 @@ pub(super) struct AccountMove<'a> {
 ///
 /// # Errors
 /// [`Error::InvariantBroken`], naming the first invariant broken.
-pub(super) fn check(moves: &[AccountMove<'_>], entries: &[NewEntry<'_>]) -> Result<(), Error> {
+pub(in crate::ledger) fn check(moves: &[AccountMove<'_>], entries: &[NewEntry<'_>]) -> Result<(), Error> {
     check_postings(entries)?;
     let mut chains: HashMap<&str, (i64, i64)> =
         moves.iter().map(|account| (account.account_id, (account.balance_before, account.version_before))).collect();

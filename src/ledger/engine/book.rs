@@ -1,0 +1,342 @@
+//! The accounts one batch holds under their row locks, moved in memory by its postings in the
+//! order its writes are applied, and the write set it leaves: checked against the money
+//! invariants, then written (on PostgreSQL in one statement).
+
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Resource};
+use crate::store::{
+    AccountRow, BalanceUpdate, BatchWrite, FundingRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, RefundRow,
+    TransferRow,
+};
+
+use super::invariants::{self, AccountMove};
+use super::posting::{balance_after, balance_floor, Legs, Posting};
+
+/// One account as a batch moves it: the row as read under its lock, moved by the postings
+/// applied so far.
+#[derive(Clone)]
+struct Ledgered {
+    row: AccountRow,
+    read_version: i64,
+    read_balance: i64,
+}
+
+/// The accounts a batch locked, by account_id, as the postings applied so far leave them.
+#[derive(Clone, Default)]
+pub(in crate::ledger) struct Book {
+    accounts: BTreeMap<String, Ledgered>,
+}
+
+impl Book {
+    /// The book of the rows a batch read under their row locks.
+    pub(in crate::ledger) fn locked(rows: Vec<AccountRow>) -> Self {
+        let accounts = rows
+            .into_iter()
+            .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
+            .collect();
+        Self { accounts }
+    }
+
+    /// The account as the postings applied so far leave it.
+    pub(in crate::ledger) fn get(&self, account_id: &str) -> Option<&AccountRow> {
+        self.accounts.get(account_id).map(|account| &account.row)
+    }
+
+    /// Applies a posting with the rules of a single posting (legs checked in account_id order,
+    /// as [`super::posting::post`] checks them; each leg moves its account's version by one), or
+    /// changes nothing and says why. Returns the (balance, version) each leg leaves: (from, to).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (ACCOUNT), and the rules of a leg ([`balance_after`]).
+    pub(in crate::ledger) fn post(&mut self, posting: &Posting<'_>) -> Result<Legs, Error> {
+        let (from_id, to_id) = (posting.from_account_id, posting.to_account_id);
+        if from_id == to_id {
+            // The edge refuses it (and a Pay's payer cannot be its payee): both legs on one row
+            // would leave only the second.
+            return Err(Error::Internal("a posting moves money between two accounts".into()));
+        }
+        let mut after = [(0, 0); 2];
+        let mut legs = [(from_id, -posting.amount, 0), (to_id, posting.amount, 1)];
+        legs.sort_by(|a, b| a.0.cmp(b.0));
+        for (account_id, delta, slot) in legs {
+            let account = self.accounts.get(account_id).ok_or(Error::NotFound(Resource::Account))?;
+            after[slot] = (balance_after(&account.row, posting.currency, delta)?, account.row.version + 1);
+        }
+        for (account_id, _, slot) in legs {
+            let account = self.accounts.get_mut(account_id).expect("checked above");
+            (account.row.balance, account.row.version) = after[slot];
+        }
+        Ok(after)
+    }
+
+    /// The accounts the postings moved.
+    fn moved(&self) -> impl Iterator<Item = &Ledgered> {
+        self.accounts.values().filter(|account| account.row.version != account.read_version)
+    }
+}
+
+/// What one batch writes: new rows by table, the orders its refunds move, and its postings
+/// with the (balance, version) each leg left, in the order they were applied.
+#[derive(Default)]
+pub(in crate::ledger) struct WriteSet<'a> {
+    pub(in crate::ledger) orders: Vec<OrderRow>,
+    pub(in crate::ledger) payments: Vec<PaymentRow>,
+    pub(in crate::ledger) refunds: Vec<RefundRow>,
+    pub(in crate::ledger) transfers: Vec<TransferRow>,
+    pub(in crate::ledger) deposits: Vec<FundingRow>,
+    pub(in crate::ledger) withdrawals: Vec<FundingRow>,
+    pub(in crate::ledger) refunded_orders: Vec<OrderRefund<'a>>,
+    pub(in crate::ledger) postings: Vec<(Posting<'a>, Legs)>,
+}
+
+/// Writes `set` and the balances `book` moved (one version CAS per account: an account moved
+/// N times moves N versions at once), the entries of each posting in order, so that every entry
+/// records its account's balance and version right after it; at `now` (microseconds since the
+/// epoch). False when a key, an order's state or a version was taken under the batch (roll
+/// back).
+///
+/// # Errors
+/// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
+pub(in crate::ledger) async fn write(
+    queries: &mut Queries<'_>,
+    set: &WriteSet<'_>,
+    book: &Book,
+    now: i64,
+) -> Result<bool, Error> {
+    let balances: Vec<BalanceUpdate<'_>> = book
+        .moved()
+        .map(|account| BalanceUpdate {
+            account_id: &account.row.account_id,
+            balance: account.row.balance,
+            expected_version: account.read_version,
+            version: account.row.version,
+        })
+        .collect();
+    let moves: Vec<AccountMove<'_>> = book
+        .moved()
+        .map(|account| AccountMove {
+            account_id: &account.row.account_id,
+            balance_before: account.read_balance,
+            version_before: account.read_version,
+            balance_after: account.row.balance,
+            version_after: account.row.version,
+            floor: balance_floor(&account.row),
+        })
+        .collect();
+    let entries: Vec<NewEntry<'_>> =
+        set.postings.iter().flat_map(|(posting, legs)| posting.entries(*legs, now)).collect();
+    let written = BatchWrite {
+        payments: &set.payments,
+        refunds: &set.refunds,
+        transfers: &set.transfers,
+        deposits: &set.deposits,
+        withdrawals: &set.withdrawals,
+        orders: &set.orders,
+        refunded_orders: &set.refunded_orders,
+        balances: &balances,
+        entries: &entries,
+        now,
+    };
+    write_checked(queries, &moves, &written).await
+}
+
+/// Checks the write set's money invariants ([`invariants::check`]), then writes it: false when a
+/// key, an order's state or a version was taken under the batch (roll back).
+///
+/// # Errors
+/// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
+async fn write_checked(
+    queries: &mut Queries<'_>,
+    moves: &[AccountMove<'_>],
+    written: &BatchWrite<'_>,
+) -> Result<bool, Error> {
+    invariants::check(moves, written.entries)?;
+    Ok(queries.write_batch(written).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::domain::{AccountId, Actor, Amount, Currency, RequestId};
+    use crate::ledger::engine::posting::EntryKind;
+    use crate::ledger::engine::transaction::in_transaction;
+    use crate::ledger::{Deposit, Guards, Inserted, Ledger, OpenAccount};
+    use crate::metrics::LedgerMetrics;
+    use crate::store::{PoolSettings, Store};
+
+    /// A SQLite ledger with alice (10.00 USD) and bob (nothing).
+    async fn ledger_of_two(directory: &tempfile::TempDir) -> Ledger {
+        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+        let settings = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
+            plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
+        };
+        let store = Store::connect(&url, &settings).await.unwrap();
+        store.migrate().await.unwrap();
+        let ledger = Ledger::new(store);
+        let usd = Currency::parse("currency", "USD").unwrap();
+        for name in ["alice", "bob"] {
+            let account_id = AccountId::parse("account_id", name).unwrap();
+            ledger.open_account(OpenAccount { account_id, currency: usd }, &Guards::default()).await.unwrap();
+        }
+        let deposit = Deposit {
+            request_id: RequestId::parse("request_id", "funding").unwrap(),
+            account_id: AccountId::parse("account_id", "alice").unwrap(),
+            amount: Amount::parse("amount", "10.00", usd).unwrap(),
+            created_by: Actor::Anonymous,
+        };
+        ledger.deposit(deposit, &Guards::default()).await.unwrap();
+        ledger
+    }
+
+    /// The journal's entries, and alice's and bob's (balance, version).
+    async fn books(ledger: &Ledger) -> (i64, [(i64, i64); 2]) {
+        let mut reader = ledger.store().reader().await.unwrap();
+        let mut queries = reader.queries();
+        let mut accounts = [(0, 0); 2];
+        for (slot, name) in ["alice", "bob"].into_iter().enumerate() {
+            let row = queries.find_account(name).await.unwrap().unwrap();
+            accounts[slot] = (row.balance, row.version);
+        }
+        let rows = ledger.store().on_pooled_session("SELECT COUNT(*) FROM journal_entries").await.unwrap();
+        (sqlx::Row::get::<i64, _>(&rows[0], 0), accounts)
+    }
+
+    /// A posting of `minor_units` from alice to bob whose versions move by `step`, as a batch
+    /// writes one: the moves, the version CAS of both accounts and the two legs.
+    fn posting<'a>(
+        posting_id: &'a str,
+        alice: &'a AccountRow,
+        bob: &'a AccountRow,
+        minor_units: i64,
+        step: i64,
+    ) -> (Vec<AccountMove<'a>>, Vec<BalanceUpdate<'a>>, Vec<NewEntry<'a>>) {
+        let sides = [(alice, -minor_units, bob), (bob, minor_units, alice)];
+        let moves: Vec<AccountMove<'a>> = sides
+            .iter()
+            .map(|(account, delta, _)| AccountMove {
+                account_id: &account.account_id,
+                balance_before: account.balance,
+                version_before: account.version,
+                balance_after: account.balance + delta,
+                version_after: account.version + step,
+                floor: balance_floor(account),
+            })
+            .collect();
+        let balances = moves
+            .iter()
+            .map(|moved| BalanceUpdate {
+                account_id: moved.account_id,
+                balance: moved.balance_after,
+                expected_version: moved.version_before,
+                version: moved.version_after,
+            })
+            .collect();
+        let entries = sides
+            .iter()
+            .map(|(account, delta, counterparty)| NewEntry {
+                account_id: &account.account_id,
+                currency: "USD",
+                amount: *delta,
+                balance_after: account.balance + delta,
+                version_after: account.version + step,
+                kind: EntryKind::Transfer.as_str(),
+                reference: posting_id,
+                posting_id,
+                counterparty_account_id: &counterparty.account_id,
+                created_at: 1,
+                created_by: "test",
+            })
+            .collect();
+        (moves, balances, entries)
+    }
+
+    fn write_set<'a>(balances: &'a [BalanceUpdate<'a>], entries: &'a [NewEntry<'a>]) -> BatchWrite<'a> {
+        BatchWrite {
+            payments: &[],
+            refunds: &[],
+            transfers: &[],
+            deposits: &[],
+            withdrawals: &[],
+            orders: &[],
+            refunded_orders: &[],
+            balances,
+            entries,
+            now: 1,
+        }
+    }
+
+    /// Runs `break_it` over a posting of 1.00 from alice to bob inside a transaction that first
+    /// writes an intact posting of 2.00, and returns what the transaction answered.
+    async fn write_broken(
+        ledger: &Ledger,
+        break_it: impl Fn(&mut Vec<AccountMove<'_>>, &mut Vec<BalanceUpdate<'_>>, &mut Vec<NewEntry<'_>>),
+    ) -> Result<Inserted<bool>, Error> {
+        let metrics = LedgerMetrics::default();
+        in_transaction!(ledger.store(), &metrics, tx => {
+            let mut queries = tx.queries();
+            let alice = queries.find_account("alice").await?.unwrap();
+            let bob = queries.find_account("bob").await?.unwrap();
+            let (moves, balances, entries) = posting("X1", &alice, &bob, 200, 1);
+            assert!(write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?);
+            let moved = [(moves[0].balance_after, moves[0].version_after), (moves[1].balance_after, moves[1].version_after)];
+            let alice = AccountRow { balance: moved[0].0, version: moved[0].1, ..alice.clone() };
+            let bob = AccountRow { balance: moved[1].0, version: moved[1].1, ..bob.clone() };
+            let (mut moves, mut balances, mut entries) = posting("X2", &alice, &bob, 100, 1);
+            break_it(&mut moves, &mut balances, &mut entries);
+            let written = write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?;
+            Ok(Inserted::Done(written))
+        })
+    }
+
+    #[tokio::test]
+    async fn an_intact_write_set_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let (entries_before, _) = books(&ledger).await;
+
+        let written = write_broken(&ledger, |_, _, _| {}).await.unwrap();
+
+        assert!(matches!(written, Inserted::Done(true)));
+        let (entries, [alice, bob]) = books(&ledger).await;
+        assert_eq!(entries - entries_before, 4);
+        assert_eq!((alice.0, bob.0), (700, 300));
+    }
+
+    #[tokio::test]
+    async fn a_write_set_with_a_leg_dropped_is_refused_and_nothing_of_its_transaction_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let before = books(&ledger).await;
+
+        let refused = write_broken(&ledger, |_, _, entries| {
+            entries.pop();
+        })
+        .await;
+
+        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("two legs")));
+        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+    }
+
+    #[tokio::test]
+    async fn a_write_set_with_a_version_skipped_is_refused_and_nothing_of_its_transaction_is_written() {
+        let directory = tempfile::tempdir().unwrap();
+        let ledger = ledger_of_two(&directory).await;
+        let before = books(&ledger).await;
+
+        let refused = write_broken(&ledger, |moves, balances, entries| {
+            moves[1].version_after += 1;
+            balances[1].version += 1;
+            entries[1].version_after += 1;
+        })
+        .await;
+
+        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after")));
+        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+    }
+}

@@ -1,0 +1,18 @@
+//! The write engine below the use cases: what every write of the ledger does the same way,
+//! whichever use case it serves. It knows accounts, journal entries and transactions, and no
+//! use case:
+//!
+//! - [`transaction`]: one local transaction per write, committed or rolled back, run again
+//!   from BEGIN after a deadlock or serialization failure;
+//! - [`posting`]: double entry, one posting as two journal entries summing to zero, each
+//!   balance moved by a version CAS (optimistic lock), and the rules of one leg;
+//! - [`invariants`]: the money invariants every write set is checked against before it is
+//!   written, in release builds.
+//!
+//! The use cases (`payments`, `accounts`, `holds`) decide what a write does; group commit
+//! (`group_commit`) writes many of their decisions in one transaction.
+
+pub(in crate::ledger) mod book;
+pub(in crate::ledger) mod invariants;
+pub(in crate::ledger) mod posting;
+pub(in crate::ledger) mod transaction;
