@@ -91,15 +91,6 @@
 //! formed is dropped unstarted; one already in a batch completes with it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
-
-use opentelemetry::trace::TraceContextExt as _;
-use tokio::sync::{mpsc, oneshot};
-use tracing::Instrument as _;
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::error::{Error, Resource};
 use crate::store::{
@@ -113,6 +104,7 @@ use super::accounts::{
     receipt_after, transfer_posting, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt,
 };
 use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
+use super::engine::batching::{self, BatchWriter};
 use super::engine::book::{self, Book, WriteSet};
 use super::engine::posting::{EntryKind, Legs, Posting};
 use super::engine::transaction::in_transaction;
@@ -123,74 +115,7 @@ use super::payments::{
     refund_posting, refunded_order, NewOrder, PayCheck, PayReceipt, RefundReceipt,
 };
 use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
-use crate::metrics::{LedgerMetrics, SHED_QUEUE_FULL};
-
-/// How Pays, Refunds, Transfers, Deposits and Withdraws are grouped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GroupCommitSettings {
-    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) written by one
-    /// transaction; 1 turns group commit off.
-    pub max_batch: usize,
-    /// Workers, each with its own queue (calls are routed to one by [`Write::route`]).
-    pub workers: usize,
-    /// Most batches of one worker in flight at once (each holds one pooled connection while
-    /// it runs). A batch starts at once when none runs; while batches run, another starts only
-    /// while each of them holds a single call (light load), so a second caller is served
-    /// beside the first, and under load calls queue for the next batch instead (see `work`).
-    /// 1: one batch after another.
-    pub pipeline: usize,
-    /// Most calls waiting in one worker's queue; a call that finds it full is refused
-    /// RESOURCE_EXHAUSTED (OVERLOADED).
-    pub queue_max: usize,
-}
-
-impl Default for GroupCommitSettings {
-    fn default() -> Self {
-        Self { max_batch: 64, workers: 1, pipeline: DEFAULT_PIPELINE, queue_max: 1024 }
-    }
-}
-
-/// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]):
-/// four, which serve two callers a quarter faster than one batch at a time and keep the rate
-/// at 32 callers (BENCHMARKS.md, "Batches in flight under light load").
-pub const DEFAULT_PIPELINE: usize = 4;
-
-/// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
-/// whether the transport dropped the call (cancelled by the client, or the connection
-/// closed). A queued call whose caller has gone is not started.
-#[derive(Debug, Clone, Default)]
-pub struct CallerPresence {
-    deadline: Option<Instant>,
-    dropped: Arc<AtomicBool>,
-}
-
-impl CallerPresence {
-    /// The presence of a call with `deadline`, and the guard that marks it dropped when the
-    /// handler that holds it is dropped (tonic drops a cancelled call's handler).
-    pub fn new(deadline: Option<Instant>) -> (Self, CallGuard) {
-        let presence = Self { deadline, dropped: Arc::default() };
-        let guard = CallGuard(presence.dropped.clone());
-        (presence, guard)
-    }
-
-    /// `Some` once the caller has gone: whether its deadline passed (else it was dropped).
-    fn gone(&self) -> Option<bool> {
-        if self.deadline.is_some_and(|deadline| Instant::now() >= deadline) {
-            return Some(true);
-        }
-        self.dropped.load(Ordering::Relaxed).then_some(false)
-    }
-}
-
-/// Marks its [`CallerPresence`] dropped when dropped.
-#[derive(Debug)]
-pub struct CallGuard(Arc<AtomicBool>);
-
-impl Drop for CallGuard {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
+use crate::metrics::LedgerMetrics;
 
 /// What the batch decided for one write.
 #[derive(Debug)]
@@ -257,9 +182,13 @@ pub(super) enum Write {
 }
 
 impl Write {
-    /// What routes the write to its worker: a Pay's, Refund's or CreateOrder's merchant_id, a
-    /// Transfer's from_account_id, a Deposit's or Withdraw's funding account (the hot row of
-    /// them all).
+    /// What routes the write to its worker: a Pay's, Refund's or CreateOrder's merchant_id, so
+    /// concurrent batches touch different orders and (when each merchant is paid into its own
+    /// account) different payee accounts, and do not queue on each other's row locks; a
+    /// Transfer's from_account_id, so the Transfers of one account share a worker (their
+    /// to-accounts may be another worker's too: those batches then wait for each other's row
+    /// locks, taken in account_id order); a Deposit's or Withdraw's funding account (the row
+    /// every one of them moves), so the calls of one shard share a worker.
     fn route(&self) -> &str {
         match self {
             Write::Pay(command) => command.merchant_id.as_str(),
@@ -303,144 +232,32 @@ pub(super) struct Batched {
     pub(super) claim: Option<BatchClaim>,
 }
 
-struct Job {
-    batched: Batched,
-    presence: CallerPresence,
-    /// The call's span, which the batch's span links to.
-    link: opentelemetry::trace::SpanContext,
-    reply: oneshot::Sender<Decision>,
+/// The group commit's writer: the batch workers' batches of [`Batched`] writes, each written
+/// by [`write_together`].
+pub(super) struct GroupCommit {
+    pub(super) store: Store,
+    pub(super) metrics: LedgerMetrics,
 }
 
-/// The queues in front of the batch workers, one per worker. Pays and Refunds are routed by
-/// merchant_id, so concurrent batches touch different orders and (when each merchant is paid
-/// into its own account) different payee accounts, and do not queue on each other's row
-/// locks; Transfers by from_account_id, so the Transfers of one account share a worker (their
-/// to-accounts, and a merchant's account that also sends Transfers, may be another worker's
-/// too: those batches then wait for each other's row locks, taken in account_id order);
-/// Deposits and Withdraws by their funding account (the row every one of them moves), so the
-/// calls of one shard share a worker. Dropping the last clone ends the workers.
-pub(super) struct Batcher {
-    queues: Vec<mpsc::Sender<Job>>,
-    metrics: LedgerMetrics,
-}
+impl BatchWriter for GroupCommit {
+    type Call = Batched;
+    type Outcome = Decision;
 
-impl Batcher {
-    /// Starts `settings.workers` workers on the current tokio runtime.
-    pub(super) fn start(store: Store, settings: GroupCommitSettings, metrics: LedgerMetrics) -> Self {
-        let queues = (0..settings.workers.max(1))
-            .map(|_| {
-                let (jobs, queue) = mpsc::channel(settings.queue_max.max(1));
-                tokio::spawn(work(store.clone(), queue, settings, metrics.clone()));
-                jobs
-            })
-            .collect();
-        Self { queues, metrics }
+    fn route(call: &Batched) -> &str {
+        call.write.route()
     }
 
-    /// Queues a call and waits for its batch. [`Decision::NotStarted`] (OVERLOADED) when its
-    /// queue is full; [`Decision::Alone`] when the workers are gone.
-    pub(super) async fn submit(&self, batched: Batched, presence: CallerPresence) -> Decision {
-        let mut hasher = std::hash::DefaultHasher::new();
-        batched.write.route().hash(&mut hasher);
-        let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
-        let (reply, decision) = oneshot::channel();
-        let link = tracing::Span::current().context().span().span_context().clone();
-        match queue.try_send(Job { batched, presence, link, reply }) {
-            Ok(()) => {
-                self.metrics.group_commit_queue_depth.inc();
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                self.metrics.shed(SHED_QUEUE_FULL);
-                return Decision::NotStarted(Error::Overloaded(SHED_QUEUE_FULL));
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => return Decision::Alone,
-        }
-        decision.await.unwrap_or(Decision::Alone)
+    async fn write(&self, calls: Vec<Batched>) -> Vec<Decision> {
+        write_together(&self.store, &calls, &self.metrics).await
+    }
+
+    fn not_started(refusal: Option<Error>) -> Decision {
+        refusal.map_or(Decision::Alone, Decision::NotStarted)
     }
 }
 
-/// A worker: takes whatever has queued up (at most `max_batch`) and runs it as one batch. A
-/// batch starts at once when none runs; while batches run, another starts only under light
-/// load: fewer than `pipeline` run and each of them holds one call. So a second caller is
-/// served beside the first instead of after it, and once batches hold several calls (the
-/// database is busy) calls queue up for the next batch, which takes them together: on two
-/// cores a batch's CPU, not its round trips, bounds the rate there, and more, smaller batches in
-/// flight lose (BENCHMARKS.md, "Batches in flight under light load"). A call whose caller has
-/// gone when its batch is formed is answered [`Decision::NotStarted`] and left out. Once the
-/// queue is closed, the batches in flight finish before the worker ends.
-///
-/// Batches in flight at once take their row locks in one order (orders by key, then accounts
-/// by account_id, as every transaction of the ledger does), so two batches on the same rows
-/// wait for each other, one after the other; on other rows they run side by side.
-async fn work(store: Store, mut queue: mpsc::Receiver<Job>, settings: GroupCommitSettings, metrics: LedgerMetrics) {
-    let (max_batch, pipeline) = (settings.max_batch.max(1), settings.pipeline.max(1));
-    // Each batch in flight returns the number of calls it holds.
-    let mut running = tokio::task::JoinSet::new();
-    let mut running_calls = 0;
-    loop {
-        // Each batch in flight holds one call: the database is not busy.
-        let light_load = running_calls <= running.len();
-        let may_start = running.is_empty() || (running.len() < pipeline && light_load);
-        if !may_start {
-            running_calls -= running.join_next().await.and_then(Result::ok).unwrap_or(0);
-            continue;
-        }
-        let first = tokio::select! {
-            job = queue.recv() => match job {
-                Some(job) => job,
-                None => break,
-            },
-            Some(done) = running.join_next(), if !running.is_empty() => {
-                running_calls -= done.unwrap_or(0);
-                continue;
-            }
-        };
-        let mut taken = vec![first];
-        while taken.len() < max_batch {
-            match queue.try_recv() {
-                Ok(job) => taken.push(job),
-                Err(_) => break,
-            }
-        }
-        metrics.group_commit_queue_depth.dec_by(taken.len() as i64);
-        let mut jobs = Vec::with_capacity(taken.len());
-        for job in taken {
-            match job.presence.gone() {
-                Some(deadline_passed) => {
-                    metrics.group_commit_not_started.inc();
-                    let _ = job.reply.send(Decision::NotStarted(Error::CallerGone { deadline_passed }));
-                }
-                None => jobs.push(job),
-            }
-        }
-        if !jobs.is_empty() {
-            let calls = jobs.len();
-            running_calls += calls;
-            let batch = run_batch(store.clone(), jobs, metrics.clone());
-            running.spawn(async move {
-                batch.await;
-                calls
-            });
-        }
-    }
-    while running.join_next().await.is_some() {}
-}
-
-/// Writes one batch and answers each of its calls.
-async fn run_batch(store: Store, jobs: Vec<Job>, metrics: LedgerMetrics) {
-    let span = tracing::info_span!("group_commit", calls = jobs.len());
-    for job in &jobs {
-        if job.link.is_valid() {
-            span.add_link(job.link.clone());
-        }
-    }
-    let (commands, replies): (Vec<Batched>, Vec<_>) = jobs.into_iter().map(|job| (job.batched, job.reply)).unzip();
-    let decisions = write_together(&store, &commands, &metrics).instrument(span).await;
-    for (reply, decision) in replies.into_iter().zip(decisions) {
-        // The caller may be gone (client cancelled); the batch is committed regardless.
-        let _ = reply.send(decision);
-    }
-}
+/// The batch workers of the group commit.
+pub(super) type Batcher = batching::Batcher<GroupCommit>;
 
 /// Runs `commands` as one group commit and returns one decision per command, in order:
 /// first one read (no transaction, no locks) finds the out_trade_nos already paid and the

@@ -22,7 +22,7 @@ use crate::domain::{AccountId, Actor, IdempotencyKey, MerchantId, OneTimeToken, 
 use crate::error::Error;
 use crate::store::{IdempotencyRecordRow, Queries, RecordCompletion, Savepoint, TokenRow};
 
-use super::group_commit::CallerPresence;
+use super::engine::batching::CallerPresence;
 use super::idempotent::{differing, Fields};
 use super::tokens::{RedisConsumption, TokenStore};
 use super::{now_micros, Inserted, Ledger, Replayable};

@@ -48,7 +48,7 @@ pub use accounts::{DepositReceipt, EntryPage, TransferReceipt, WithdrawalReceipt
 pub use commands::{
     Authorize, Capture, CreateOrder, Deposit, ListEntries, OpenAccount, Pay, QueryKey, Refund, Transfer, Void, Withdraw,
 };
-pub use group_commit::{CallGuard, CallerPresence, GroupCommitSettings};
+pub use engine::batching::{CallGuard, CallerPresence, GroupCommitSettings};
 pub use guards::{Guards, IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_TOKEN_HEADER};
 pub use holds::{CaptureReceipt, HoldReceipt};
 pub use payments::{BatchAnswer, BatchCall, OrderDetails, PayReceipt, RefundReceipt};

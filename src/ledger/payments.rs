@@ -11,7 +11,7 @@ use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
 use super::engine::posting::{post, EntryKind, Posting};
 use super::engine::transaction::CAS_ATTEMPTS_MAX;
-use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, Write};
+use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, GroupCommit, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
@@ -317,8 +317,15 @@ impl Ledger {
     /// The group-commit queue, started on first use; `None` when group commit is off.
     pub(super) fn batcher(&self) -> Option<&Batcher> {
         let settings = self.settings.group_commit;
-        (settings.max_batch > 1)
-            .then(|| self.batcher.get_or_init(|| Batcher::start(self.store.clone(), settings, self.metrics.clone())))
+        (settings.max_batch > 1).then(|| {
+            self.batcher.get_or_init(|| {
+                Batcher::start(
+                    GroupCommit { store: self.store.clone(), metrics: self.metrics.clone() },
+                    settings,
+                    self.metrics.clone(),
+                )
+            })
+        })
     }
 
     /// The answer a group commit gave a Pay; `None` when the Pay must run alone.

@@ -12,6 +12,7 @@
 //! The use cases (`payments`, `accounts`, `holds`) decide what a write does; group commit
 //! (`group_commit`) writes many of their decisions in one transaction.
 
+pub(in crate::ledger) mod batching;
 pub(in crate::ledger) mod book;
 pub(in crate::ledger) mod invariants;
 pub(in crate::ledger) mod posting;
