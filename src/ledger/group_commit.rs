@@ -55,10 +55,8 @@
 //! is idempotent by out_trade_no, out_refund_no and request_id: a call whose batch did commit after all
 //! is then answered as a replay.
 //!
-//! Batching is natural (no timer): a worker takes whatever has queued up, up to a maximum,
-//! while its batches in flight ran; under light load a batch holds one call and starts at once,
-//! beside the running ones while each of them holds a single call (at most
-//! [`GroupCommitSettings::pipeline`] of them at once; see `work`).
+//! The batches are formed by the workers of `engine::batching` (no timer: under light load a
+//! batch holds one call and starts at once; its queue is bounded).
 //!
 //! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
 //! Refund, Transfer, Deposit, Withdraw and CreateOrder goes through the idempotency driver:
@@ -85,10 +83,8 @@
 //! key or token: the second runs alone after it (a replay of the first's record, or, when the
 //! first was refused, afresh).
 //!
-//! Each worker's queue is bounded ([`GroupCommitSettings::queue_max`]): a call that finds it
-//! full is refused RESOURCE_EXHAUSTED (OVERLOADED) before anything is read or written. A
-//! queued call whose caller has gone (cancelled, or past its deadline) when its batch is
-//! formed is dropped unstarted; one already in a batch completes with it.
+//! A call refused before its batch (queue full: OVERLOADED; caller gone) is
+//! [`Decision::NotStarted`], with nothing read or written.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 

@@ -24,9 +24,14 @@
 //! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
 //! and the committed original is replayed.
 //!
-//! Pays, Refunds, Transfers, Deposits and Withdraws take the same steps for a whole batch at once (see `group_commit`): one
-//! replay read, one transaction, one statement per kind of row, and, for calls with an
-//! idempotency key or token, their records claimed and completed inside that transaction.
+//! What every write does the same way lives below the use cases, in `engine` (it imports
+//! none of them): the transaction, the posting, the money invariants, the batch workers, and
+//! a batch's book and write set. Each use case makes its posting and checks its accounts once
+//! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...), for its own transaction
+//! and for `group_commit` alike, which writes Pays, Refunds, Transfers, Deposits, Withdraws and
+//! CreateOrders in batches (its module doc gives the steps): one replay read, one transaction,
+//! one statement per kind of row, and, for calls with an idempotency key or token, their
+//! records claimed and completed inside that transaction.
 
 mod accounts;
 mod commands;

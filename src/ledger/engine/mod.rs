@@ -7,10 +7,15 @@
 //! - [`posting`]: double entry, one posting as two journal entries summing to zero, each
 //!   balance moved by a version CAS (optimistic lock), and the rules of one leg;
 //! - [`invariants`]: the money invariants every write set is checked against before it is
-//!   written, in release builds.
+//!   written, in release builds;
+//! - [`batching`]: the batch workers and their bounded queues, which hand the calls that
+//!   queued up to a writer as one batch, under light load a batch of one;
+//! - [`book`]: the accounts a batch holds under their row locks, moved in memory by its
+//!   postings in arrival order, and the write set it leaves, checked and written.
 //!
-//! The use cases (`payments`, `accounts`, `holds`) decide what a write does; group commit
-//! (`group_commit`) writes many of their decisions in one transaction.
+//! The use cases (`payments`, `accounts`, `holds`) decide what a write does; the group
+//! commit (`group_commit`) is the batch writer that applies their decisions, many in one
+//! transaction.
 
 pub(in crate::ledger) mod batching;
 pub(in crate::ledger) mod book;
