@@ -29,7 +29,10 @@ use sqlx::Row;
 /// The most statements that the first group commits prepare, whatever their size, beyond
 /// those of the set-up (whose Deposit and CreateOrders, group commits of their own, already
 /// prepared the orders' and the accounts' locks, the request_ids' read, the entries' read back
-/// and, on PostgreSQL, the one statement that writes a batch): PostgreSQL reads the replays
+/// and, on PostgreSQL, the statement that writes a batch of Deposits and the one that writes a
+/// batch of CreateOrders): PostgreSQL writes a batch of Pays, one of Refunds, one of Transfers
+/// and one that mixes kinds (Deposits and Withdraws) each with a statement of its shape
+/// (`postgres_write_shape`: seven at most, whatever the batch sizes), and reads the replays
 /// (MariaDB also writes in up to ten statements, one a kind of row); then the guards: the replay read of a record
 /// (a call with a token), the token's owner, and in the batch the records of the calls with a
 /// key alone read, the token consumed (and read back when it was not) and
@@ -40,7 +43,7 @@ use sqlx::Row;
 /// Deposits' records completed; then the Withdraws' replay read, and the refused Withdraw's
 /// own transaction (a Deposit or Withdraw the batch refuses runs alone): its request_id's
 /// insert and its account's locking read. Measured: exactly these.
-const POSTGRES_BATCH_STATEMENTS: i64 = 17;
+const POSTGRES_BATCH_STATEMENTS: i64 = 21;
 const MYSQL_BATCH_STATEMENTS: i64 = 23;
 
 /// sqlx's statement cache, a connection (`statement_cache_capacity`, 100 by default): a set

@@ -1647,24 +1647,51 @@ impl<'c> Queries<'c> {
         ]
         .map(|count| count as u64);
         if dialect == Dialect::Postgres {
-            let query = sqlx::query(batch::WRITE_BATCH_POSTGRES)
-                .bind_rows(dialect, &payments)
-                .bind_rows(dialect, &orders)
-                .bind_rows(dialect, &balances)
-                .bind_rows(dialect, &entries)
-                .bind(written.now)
-                .bind_rows(dialect, &refunds)
-                .bind_rows(dialect, &refunded)
-                .bind_rows(dialect, &transfers)
-                .bind_rows(dialect, &deposits)
-                .bind_rows(dialect, &withdrawals)
-                .bind_rows(dialect, &created);
-            let row = query.fetch_one(&mut *self.connection).await?;
-            let mut counts = [0_i64; 10];
-            for (index, count) in counts.iter_mut().enumerate() {
-                *count = row.try_get(index)?;
+            // The statement's shape (see `batch::write_batch_postgres`), its parts bound in order.
+            let shape = batch::postgres_write_shape(&expected);
+            if shape == 0 {
+                return Ok(true);
             }
-            return Ok(counts == expected.map(|count| count as i64));
+            let has = |part: usize| shape & (1 << part) != 0;
+            let mut query = sqlx::query(batch::write_batch_postgres(shape)).bind(written.now);
+            if has(0) {
+                query = query.bind_rows(dialect, &payments);
+            }
+            if has(1) {
+                query = query.bind_rows(dialect, &orders);
+            }
+            if has(2) {
+                query = query.bind_rows(dialect, &balances);
+            }
+            if has(3) {
+                query = query.bind_rows(dialect, &entries);
+            }
+            if has(4) {
+                query = query.bind_rows(dialect, &refunds);
+            }
+            if has(5) {
+                query = query.bind_rows(dialect, &refunded);
+            }
+            if has(6) {
+                query = query.bind_rows(dialect, &transfers);
+            }
+            if has(7) {
+                query = query.bind_rows(dialect, &deposits);
+            }
+            if has(8) {
+                query = query.bind_rows(dialect, &withdrawals);
+            }
+            if has(9) {
+                query = query.bind_rows(dialect, &created);
+            }
+            let row = query.fetch_one(&mut *self.connection).await?;
+            let counts = expected.iter().enumerate().filter(|(part, _)| has(*part));
+            for (column, (_, expected)) in counts.enumerate() {
+                if row.try_get::<i64, _>(column)? != *expected as i64 {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
         }
         // Each step runs only when the batch has rows of its kind: a batch of Refunds sends
         // no payment statements, and the other way round.
