@@ -350,6 +350,11 @@ pub struct ServeSettings {
     /// it where only the scraper reaches: it needs no credential.
     #[arg(long, env = "PAYLEDGER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Threads of the server's async runtime (tokio's worker threads), 1 to 1,024. Default:
+    /// one a CPU core. Where the database shares the machine, fewer threads than cores spare
+    /// the wake-ups of tasks moving between threads (BENCHMARKS.md, "Runtime threads").
+    #[arg(long, env = "PAYLEDGER_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1_024))]
+    pub worker_threads: Option<u16>,
 }
 
 /// `payledger health`: asks a running server's gRPC health service (for container
@@ -446,5 +451,23 @@ mod tests {
         assert!(Cli::try_parse_from(["payledger", "--idempotency-key-ttl-seconds", "0"]).is_err());
         assert!(Cli::try_parse_from(["payledger", "--token-ttl-seconds", "0"]).is_err());
         assert!(Cli::try_parse_from(["payledger", "--idempotency-key-ttl-seconds", "1"]).is_ok());
+    }
+
+    #[test]
+    fn runtime_threads_are_one_to_1024_and_default_to_tokios_choice() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeSettings,
+        }
+        use clap::Parser as _;
+        let threads = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("payledger").chain(args.iter().copied()))
+                .map(|cli| cli.serve.worker_threads)
+        };
+        assert!(threads(&["--worker-threads", "0"]).is_err());
+        assert!(threads(&["--worker-threads", "1025"]).is_err());
+        assert_eq!(threads(&["--worker-threads", "1"]).unwrap(), Some(1));
+        assert_eq!(threads(&[]).unwrap(), None);
     }
 }

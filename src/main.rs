@@ -77,9 +77,24 @@ enum AuthCommand {
     },
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Serve(settings) = &cli.command {
+        if let Some(threads) = settings.worker_threads {
+            runtime.worker_threads(usize::from(threads));
+        }
+    }
+    match runtime.enable_all().build() {
+        Ok(runtime) => runtime.block_on(run(cli)),
+        Err(error) => {
+            eprintln!("payledger: cannot start the async runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
     let _telemetry = match telemetry::init(&cli.log) {
         Ok(telemetry) => telemetry,
         Err(error) => {
