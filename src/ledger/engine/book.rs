@@ -167,16 +167,62 @@ mod tests {
     use crate::metrics::LedgerMetrics;
     use crate::store::{PoolSettings, Store};
 
-    /// A SQLite ledger with alice (10.00 USD) and bob (nothing).
-    async fn ledger_of_two(directory: &tempfile::TempDir) -> Ledger {
-        let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+    /// A database these tests own: a SQLite file, or a database of its own on the PostgreSQL
+    /// or MariaDB server of `PAYLEDGER_TEST_POSTGRES_URL` / `PAYLEDGER_TEST_MYSQL_URL`
+    /// (required under `CI=true`, as the backend suite requires them), dropped with it.
+    struct TestDatabase {
+        url: String,
+        server: Option<(String, String)>,
+        _directory: Option<tempfile::TempDir>,
+    }
+
+    impl Drop for TestDatabase {
+        fn drop(&mut self) {
+            let Some((admin, name)) = self.server.take() else { return };
+            // From a thread of its own: the test's runtime may be unwinding.
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                runtime.block_on(async {
+                    let pool = sqlx::AnyPool::connect(&admin).await.unwrap();
+                    let force = if admin.starts_with("postgres") { " WITH (FORCE)" } else { "" };
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS {name}{force}")).execute(&pool).await.unwrap();
+                })
+            })
+            .join();
+        }
+    }
+
+    /// SQLite, and every server backend the environment names.
+    async fn test_databases() -> Vec<TestDatabase> {
+        sqlx::any::install_default_drivers();
+        let directory = tempfile::tempdir().unwrap();
+        let sqlite = format!("sqlite:{}", directory.path().join("ledger.db").display());
+        let mut databases = vec![TestDatabase { url: sqlite, server: None, _directory: Some(directory) }];
+        for variable in ["PAYLEDGER_TEST_POSTGRES_URL", "PAYLEDGER_TEST_MYSQL_URL"] {
+            let Ok(admin) = std::env::var(variable) else {
+                assert!(std::env::var("CI").as_deref() != Ok("true"), "{variable} is required in CI");
+                continue;
+            };
+            let name = format!("payledger_book_{}", uuid::Uuid::new_v4().simple());
+            let pool = sqlx::AnyPool::connect(&admin).await.unwrap();
+            sqlx::query(&format!("CREATE DATABASE {name}")).execute(&pool).await.unwrap();
+            pool.close().await;
+            let base = admin.rsplit_once('/').map_or(admin.as_str(), |(base, _)| base);
+            let url = format!("{base}/{name}");
+            databases.push(TestDatabase { url, server: Some((admin, name)), _directory: None });
+        }
+        databases
+    }
+
+    /// A ledger on `database` with alice (10.00 USD) and bob (nothing).
+    async fn ledger_of_two(database: &TestDatabase) -> Ledger {
         let settings = PoolSettings {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(5),
             plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
         };
-        let store = Store::connect(&url, &settings).await.unwrap();
+        let store = Store::connect(&database.url, &settings).await.unwrap();
         store.migrate().await.unwrap();
         let ledger = Ledger::new(store);
         let usd = Currency::parse("currency", "USD").unwrap();
@@ -296,47 +342,57 @@ mod tests {
 
     #[tokio::test]
     async fn an_intact_write_set_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let (entries_before, _) = books(&ledger).await;
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let (entries_before, _) = books(&ledger).await;
 
-        let written = write_broken(&ledger, |_, _, _| {}).await.unwrap();
+            let written = write_broken(&ledger, |_, _, _| {}).await.unwrap();
 
-        assert!(matches!(written, Inserted::Done(true)));
-        let (entries, [alice, bob]) = books(&ledger).await;
-        assert_eq!(entries - entries_before, 4);
-        assert_eq!((alice.0, bob.0), (700, 300));
+            assert!(matches!(written, Inserted::Done(true)), "{}", database.url);
+            let (entries, [alice, bob]) = books(&ledger).await;
+            assert_eq!(entries - entries_before, 4, "{}", database.url);
+            assert_eq!((alice.0, bob.0), (700, 300), "{}", database.url);
+        }
     }
 
     #[tokio::test]
     async fn a_write_set_with_a_leg_dropped_is_refused_and_nothing_of_its_transaction_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let before = books(&ledger).await;
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let before = books(&ledger).await;
 
-        let refused = write_broken(&ledger, |_, _, entries| {
-            entries.pop();
-        })
-        .await;
+            let refused = write_broken(&ledger, |_, _, entries| {
+                entries.pop();
+            })
+            .await;
 
-        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("two legs")));
-        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+            let url = &database.url;
+            assert!(
+                matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("two legs")),
+                "{url}"
+            );
+            assert_eq!(books(&ledger).await, before, "{url}: the intact posting before it was rolled back too");
+        }
     }
 
     #[tokio::test]
     async fn a_write_set_with_a_version_skipped_is_refused_and_nothing_of_its_transaction_is_written() {
-        let directory = tempfile::tempdir().unwrap();
-        let ledger = ledger_of_two(&directory).await;
-        let before = books(&ledger).await;
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let before = books(&ledger).await;
 
-        let refused = write_broken(&ledger, |moves, balances, entries| {
-            moves[1].version_after += 1;
-            balances[1].version += 1;
-            entries[1].version_after += 1;
-        })
-        .await;
+            let refused = write_broken(&ledger, |moves, balances, entries| {
+                moves[1].version_after += 1;
+                balances[1].version += 1;
+                entries[1].version_after += 1;
+            })
+            .await;
 
-        assert!(matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after")));
-        assert_eq!(books(&ledger).await, before, "the intact posting before it was rolled back too");
+            let url = &database.url;
+            let skipped =
+                matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after"));
+            assert!(skipped, "{url}");
+            assert_eq!(books(&ledger).await, before, "{url}: the intact posting before it was rolled back too");
+        }
     }
 }
