@@ -6,8 +6,8 @@ use crate::proto;
 use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
-use super::engine::posting::{post, EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
-use super::group_commit::{Batchable, Decision, Write};
+use super::engine::posting::{EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use super::group_commit::{write_alone, Batchable, Decision, Write};
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
 use super::response;
@@ -405,7 +405,7 @@ impl FundingWrite {
     }
 
     /// The account's side of its rules, checked before its money moves (the account exists
-    /// and holds the amount's currency); the legs' own rules are [`balance_after`]'s.
+    /// and holds the amount's currency); the legs' own rules are [`balance_after`](super::engine::posting::balance_after)'s.
     ///
     /// # Errors
     /// [`Error::NotFound`] (ACCOUNT), [`Rejection::CurrencyMismatch`].
@@ -485,15 +485,7 @@ impl<F: Funding> IdempotentCall for FundingCall<F> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
-        let write = self.funding_write();
-        let account = write.check_account(queries.find_account(&write.account_id).await?.as_ref())?.clone();
-        let row = write.row(now);
-        if !queries.insert_funding(write.table, &row).await? {
-            return Ok(Inserted::KeyTaken);
-        }
-        let external = ensure_funding_account(queries, &write.funding_account_id, &account.currency, now).await?;
-        post(queries, &write.posting(&row), external.as_slice(), now).await?;
-        Ok(Inserted::Done(funding_receipt(queries, account, &self.id).await?))
+        write_alone(self, queries, now).await
     }
 }
 
@@ -526,14 +518,7 @@ impl IdempotentCall for Identified<Transfer> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<TransferReceipt>, Error> {
-        let Identified { command, id: transfer_id } = self;
-        let transfer = transfer_row(command, transfer_id, now);
-        post(queries, &transfer_posting(&transfer), &[], now).await?;
-        queries.insert_transfer(&transfer).await?;
-        let missing = || Error::Internal("a transfer's entry is missing".into());
-        let from_entry = queries.find_entry(transfer_id, &transfer.from_account_id).await?.ok_or_else(missing)?;
-        let to_entry = queries.find_entry(transfer_id, &transfer.to_account_id).await?.ok_or_else(missing)?;
-        Ok(Inserted::Done(TransferReceipt { transfer, from_entry, to_entry }))
+        write_alone(self, queries, now).await
     }
 }
 
@@ -581,7 +566,7 @@ pub(super) fn transfer_posting(transfer: &TransferRow) -> Posting<'_> {
 /// The row of a funding account, inserted on its first use (a shard other than the first is
 /// created by the first Deposit or Withdraw that needs it; OpenAccount creates the first).
 /// `None` when a concurrent transaction inserted it first: the posting then reads it.
-async fn ensure_funding_account(
+pub(super) async fn ensure_funding_account(
     queries: &mut Queries<'_>,
     account_id: &str,
     currency: &str,

@@ -24,15 +24,15 @@
 //!    account's lock, held now, makes that rare, as the calls of one request_id on servers of
 //!    one configuration all move one funding account; a call whose funding account shard has
 //!    no row yet runs alone, where its transaction creates it), and apply the calls one after
-//!    another in arrival order, in memory, with the same rules as the one-call transactions: a Pay's legs ([`balance_after`]); a Refund's order state
+//!    another in arrival order, in memory, by each use case's rules: a Pay's legs ([`balance_after`](super::engine::posting::balance_after)); a Refund's order state
 //!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
 //!    after another to its state), then its legs, payee to payer; a Transfer's legs, from to
-//!    to ([`move_money`], the rules of a single posting); a Deposit's or Withdraw's account
+//!    to ([`Book::post`], the rules of a single posting); a Deposit's or Withdraw's account
 //!    and currency, then its legs ([`apply_funding`]); a CreateOrder's expires_at, payee and
 //!    currency ([`NewOrder::order_at`], [`check_payee`]: its payee is locked with the
 //!    accounts, and moves no money). A call that breaks a rule is
 //!    rejected alone and changes nothing (a Deposit or Withdraw then runs alone, see
-//!    [`write_batch`]);
+//!    [`write_alone`]);
 //! 3. write what the accepted calls did: one multi-row INSERT of new orders, one of payments,
 //!    one conditional UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
 //!    one refund CAS of the refunded orders (from the state read under the lock, the new
@@ -51,9 +51,11 @@
 //! or Refund of an order a CreateOrder of the batch creates, a second Deposit or Withdraw of one
 //! request_id, one whose funding account has no row yet, a key taken under it by a concurrent
 //! writer, any database error that is not a transient conflict) makes those calls, or the
-//! whole batch after a rollback, run alone through the ordinary one-call transaction, which
-//! is idempotent by out_trade_no, out_refund_no and request_id: a call whose batch did commit after all
-//! is then answered as a replay.
+//! whole batch after a rollback, run alone: each in a transaction of its own, the idempotency
+//! driver's, through these same steps as a batch of one ([`write_alone`]: there is no other
+//! way a Pay, Refund, Transfer, Deposit, Withdraw or CreateOrder is written, with group
+//! commit on or off). Alone is idempotent by out_trade_no, out_refund_no, request_id and order:
+//! a call whose batch did commit after all is then answered as a replay.
 //!
 //! The batches are formed by the workers of `engine::batching` (no timer: under light load a
 //! batch holds one call and starts at once; its queue is bounded).
@@ -97,7 +99,8 @@ use crate::store::{
 use prost::Message as _;
 
 use super::accounts::{
-    receipt_after, transfer_posting, transfer_row, DepositReceipt, FundingCall, FundingWrite, TransferReceipt,
+    ensure_funding_account, receipt_after, transfer_posting, transfer_row, DepositReceipt, FundingCall, FundingWrite,
+    TransferReceipt,
 };
 use super::commands::{Deposit, Pay, Refund, Transfer, Withdraw};
 use super::engine::batching::{self, BatchWriter};
@@ -110,7 +113,7 @@ use super::payments::{
     check_pay, check_payee, check_payer, check_refund, new_payment, new_refund, paid_receipt, payment_posting,
     refund_posting, refunded_order, NewOrder, PayCheck, PayReceipt, RefundReceipt,
 };
-use super::{deadline_clock, new_id, now_micros, Identified, Inserted};
+use super::{deadline_clock, now_micros, Identified, Inserted};
 use crate::metrics::LedgerMetrics;
 
 /// What the batch decided for one write.
@@ -159,18 +162,13 @@ pub(super) enum Decision {
 /// A write a batch takes.
 #[derive(Debug, Clone)]
 pub(super) enum Write {
-    Pay(Pay),
+    /// A Pay, with the trade_no its payment gets.
+    Pay { command: Pay, trade_no: String },
     /// A Refund, with the refund_no its row gets (the same the call's own transaction
     /// would write, should it run alone).
-    Refund {
-        command: Refund,
-        refund_no: String,
-    },
+    Refund { command: Refund, refund_no: String },
     /// A Transfer (always with an `idempotency-key`), with the transfer_id its row gets.
-    Transfer {
-        command: Transfer,
-        transfer_id: String,
-    },
+    Transfer { command: Transfer, transfer_id: String },
     /// A Deposit or Withdraw, with the funding_id its row gets and its funding account.
     Funding(FundingWrite),
     /// A CreateOrder, with the server's default lifetime of an order.
@@ -187,7 +185,7 @@ impl Write {
     /// every one of them moves), so the calls of one shard share a worker.
     fn route(&self) -> &str {
         match self {
-            Write::Pay(command) => command.merchant_id.as_str(),
+            Write::Pay { command, .. } => command.merchant_id.as_str(),
             Write::CreateOrder(call) => call.command.merchant_id.as_str(),
             Write::Refund { command, .. } => command.merchant_id.as_str(),
             Write::Transfer { command, .. } => command.from_account_id.as_str(),
@@ -199,7 +197,7 @@ impl Write {
     /// Transfer, Deposit, Withdraw or CreateOrder.
     fn trade_key(&self) -> Option<(&str, &str)> {
         match self {
-            Write::Pay(command) => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
+            Write::Pay { command, .. } => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
             Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_trade_no.as_str())),
             Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
         }
@@ -209,7 +207,7 @@ impl Write {
     fn created_order(&self) -> Option<(&str, &str)> {
         match self {
             Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
-            Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::Funding(_) => None,
+            Write::Pay { .. } | Write::Refund { .. } | Write::Transfer { .. } | Write::Funding(_) => None,
         }
     }
 }
@@ -279,13 +277,21 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
     }
     let batch: Vec<&Batched> = open.iter().map(|index| &commands[*index]).collect();
     let now = now_micros();
-    let trade_nos: Vec<String> = batch.iter().map(|_| new_id('T')).collect();
     let outcome = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
-        write_batch(&mut queries, &batch, &payments, &trade_nos, now).await
+        write_batch(&mut queries, &batch, &payments, now).await
     });
     let written = match outcome {
-        Ok(Inserted::Done(written)) => written,
+        // A Deposit or Withdraw the batch refuses runs alone, where it inserts its request_id
+        // before its refusal is answered (see `write_alone`).
+        Ok(Inserted::Done(written)) => written
+            .into_iter()
+            .zip(&batch)
+            .map(|(decision, batched)| match (decision, &batched.write) {
+                (Decision::Rejected(_), Write::Funding(_)) => Decision::Alone,
+                (decision, _) => decision,
+            })
+            .collect(),
         Ok(Inserted::KeyTaken) => alone(batch.len()),
         // A broken money invariant (see `invariants`) is a bug: the batch was rolled back and
         // its calls are refused, never written again another way.
@@ -324,6 +330,83 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
     decisions.into_iter().map(|decision| decision.unwrap_or(Decision::Alone)).collect()
 }
 
+/// One call written in a transaction of its own, the idempotency driver's (which claims and
+/// completes the call's guards around it): the batch's steps for a batch of one, so a call
+/// written alone is decided by the same rules, locks and statements as one written with others.
+/// What only a call alone does: a Refund's payment is read first, in the transaction (payments
+/// never change; none is PAYMENT_NOT_FOUND); a Deposit's or Withdraw's funding account, a shard
+/// with no row yet, is created, and the call decided again; a Deposit or Withdraw refused
+/// inserts its request_id before it answers the refusal, so that an original of that request_id
+/// still in flight (one that took it before this call locked the funding account: invisible to
+/// the batch's read) is waited for and answers it, rather than the state it is about to leave.
+/// `KeyTaken` when a key of the call (its out_trade_no, the order's one payment, its
+/// out_refund_no, its order, its request_id) was committed by another: the driver then answers
+/// the committed original.
+///
+/// # Errors
+/// The call's rejection; [`Error::InvariantBroken`] (nothing written); [`Error::Database`].
+pub(super) async fn write_alone<C: Batchable>(
+    call: &C,
+    queries: &mut Queries<'_>,
+    now: i64,
+) -> Result<Inserted<C::Answer>, Error> {
+    let batched = Batched { write: call.write(), claim: None };
+    let mut payments = PaymentsRead::new();
+    if let Write::Refund { command, .. } = &batched.write {
+        let (merchant_id, out_trade_no) = (command.merchant_id.as_str(), command.out_trade_no.as_str());
+        let found = queries.find_payment_and_order(merchant_id, out_trade_no).await?;
+        payments.insert(order_key(merchant_id, out_trade_no), found.ok_or(Error::NotFound(Resource::Payment))?);
+    }
+    let mut decision = decide_alone(queries, &batched, &payments, now).await?;
+    if let (Some(Decision::Alone), Write::Funding(funding)) = (&decision, &batched.write) {
+        let currency = funding.amount.currency().code();
+        ensure_funding_account(queries, &funding.funding_account_id, currency, now).await?;
+        decision = decide_alone(queries, &batched, &payments, now).await?;
+    }
+    let Some(decision) = decision else { return Ok(Inserted::KeyTaken) };
+    let decision = match C::written(decision) {
+        Ok(answer) => return Ok(Inserted::Done(answer)),
+        Err(decision) => *decision,
+    };
+    match decision {
+        Decision::Found(..)
+        | Decision::PaidBefore
+        | Decision::RefundedBefore
+        | Decision::FundedBefore
+        | Decision::CreatedBefore => Ok(Inserted::KeyTaken),
+        Decision::Rejected(error) => match &batched.write {
+            Write::Funding(funding) if !queries.insert_funding(funding.table, &funding.row(now)).await? => {
+                Ok(Inserted::KeyTaken)
+            }
+            _ => Err(error),
+        },
+        // A call alone has no guard of its own in the batch, and nothing else of one call's
+        // batch hands it on.
+        Decision::Alone
+        | Decision::GuardTaken
+        | Decision::GuardAnswered(_)
+        | Decision::NotStarted(_)
+        | Decision::Paid(_)
+        | Decision::Refunded(_)
+        | Decision::Transferred(_)
+        | Decision::Funded(_)
+        | Decision::Created(_) => Err(Error::Internal(format!("a {} written alone was left undecided", C::METHOD))),
+    }
+}
+
+/// The decision of a batch of one, `None` when a key of it was found taken as it wrote.
+async fn decide_alone(
+    queries: &mut Queries<'_>,
+    batched: &Batched,
+    payments: &PaymentsRead,
+    now: i64,
+) -> Result<Option<Decision>, Error> {
+    Ok(match write_batch(queries, &[batched], payments, now).await? {
+        Inserted::Done(mut decisions) => Some(decisions.pop().expect("one decision a call")),
+        Inserted::KeyTaken => None,
+    })
+}
+
 /// Payments found by (merchant_id, out_trade_no).
 type PaymentsRead = HashMap<(String, String), (PaymentRow, OrderRow)>;
 
@@ -348,7 +431,7 @@ async fn read_payments(store: &Store, commands: &[Batched]) -> Result<(Vec<Optio
     let decisions = commands
         .iter()
         .map(|batched| {
-            let Write::Pay(command) = &batched.write else { return None };
+            let Write::Pay { command, .. } = &batched.write else { return None };
             let key = (command.merchant_id.as_str().to_owned(), command.out_trade_no.as_str().to_owned());
             found.get(&key).map(|(payment, order)| Decision::Found(payment.clone(), order.clone()))
         })
@@ -363,8 +446,8 @@ fn alone(count: usize) -> Vec<Decision> {
 /// What the batch can go on with for one write, its rows locked and read.
 #[allow(clippy::large_enum_variant)] // one a call of one batch, never moved
 enum Candidate<'a> {
-    /// A Pay of this order (as read under its lock).
-    Pay(&'a Pay, OrderRow),
+    /// A Pay, with its trade_no, of this order (as read under its lock).
+    Pay(&'a Pay, &'a str, OrderRow),
     /// A Refund of this payment.
     Refund(&'a Refund, &'a str, &'a PaymentRow),
     /// A Transfer, with its transfer_id.
@@ -449,7 +532,7 @@ fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
     }
     for ((decision, batched), payment) in decisions.iter_mut().zip(batch).zip(&refunded) {
         let moved = match &batched.write {
-            Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
+            Write::Pay { command, .. } => Some((command.merchant_id.as_str(), command.order_no.as_str())),
             Write::Refund { .. } => payment.map(|payment| (payment.merchant_id.as_str(), payment.order_no.as_str())),
             Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
         };
@@ -463,7 +546,7 @@ fn runs_alone(batch: &[&Batched], payments: &PaymentsRead) -> Vec<bool> {
     let mut orders_paid = HashSet::new();
     let mut trade_nos_seen = HashSet::new();
     for (decision, batched) in decisions.iter_mut().zip(batch) {
-        let Write::Pay(command) = &batched.write else { continue };
+        let Write::Pay { command, .. } = &batched.write else { continue };
         let merchant_id = command.merchant_id.as_str();
         let first_of_order = orders_paid.insert((merchant_id, command.order_no.as_str()));
         let first_of_trade_no = trade_nos_seen.insert((merchant_id, command.out_trade_no.as_str()));
@@ -517,7 +600,7 @@ fn refunded_payments<'a>(batch: &[&Batched], payments: &'a PaymentsRead) -> Vec<
             Write::Refund { command, .. } => payments
                 .get(&order_key(command.merchant_id.as_str(), command.out_trade_no.as_str()))
                 .map(|(payment, _)| payment),
-            Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
+            Write::Pay { .. } | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
         })
         .collect()
 }
@@ -528,14 +611,12 @@ async fn write_batch(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
     payments: &PaymentsRead,
-    trade_nos: &[String],
     now: i64,
 ) -> Result<Inserted<Vec<Decision>>, Error> {
     let mut deciding = Deciding {
         batch,
         claims: batch.iter().map(|batched| batched.claim.as_ref()).collect(),
         refunded: refunded_payments(batch, payments),
-        trade_nos,
         now,
         decisions: batch.iter().map(|_| None).collect(),
     };
@@ -590,8 +671,6 @@ struct Deciding<'b> {
     claims: Vec<Option<&'b BatchClaim>>,
     /// The payment each Refund refunds, as read before the batch.
     refunded: Vec<Option<&'b PaymentRow>>,
-    /// The trade_no each call's payment gets, should it be a Pay.
-    trade_nos: &'b [String],
     /// When the batch writes, in microseconds since the epoch.
     now: i64,
     decisions: Vec<Option<Decision>>,
@@ -644,7 +723,7 @@ impl<'b> Deciding<'b> {
     /// one committed before); none for a Transfer, Deposit or Withdraw.
     fn order_of(&self, index: usize) -> Option<(&'b str, &'b str)> {
         match &self.batch[index].write {
-            Write::Pay(command) => Some((command.merchant_id.as_str(), command.order_no.as_str())),
+            Write::Pay { command, .. } => Some((command.merchant_id.as_str(), command.order_no.as_str())),
             Write::CreateOrder(call) => Some((call.command.merchant_id.as_str(), call.command.order_no.as_str())),
             Write::Refund { .. } => {
                 let payment = self.refunded[index].expect("a Refund without its payment runs alone");
@@ -681,7 +760,7 @@ impl<'b> Deciding<'b> {
             .iter()
             .filter_map(|index| match &self.batch[*index].write {
                 Write::Refund { command, .. } => Some((command.merchant_id.as_str(), command.out_refund_no.as_str())),
-                Write::Pay(_) | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
+                Write::Pay { .. } | Write::Transfer { .. } | Write::Funding(_) | Write::CreateOrder(_) => None,
             })
             .collect();
         let refunded_before: HashSet<OrderKey> = if refund_keys.is_empty() {
@@ -714,12 +793,14 @@ impl<'b> Deciding<'b> {
                     Some(_) => Err(Decision::CreatedBefore),
                     None => call.order_at(self.now).map(Candidate::CreateOrder).map_err(Decision::Rejected),
                 },
-                Write::Pay(command) => match order.map(|order| (order, check_pay(order, command, checked_at))) {
-                    None => Err(Decision::Rejected(Error::NotFound(Resource::Order))),
-                    Some((order, Ok(PayCheck::Proceed))) => Ok(Candidate::Pay(command, order.clone())),
-                    Some((_, Ok(PayCheck::PaidByThisCall))) => Err(Decision::PaidBefore),
-                    Some((_, Err(error))) => Err(Decision::Rejected(error)),
-                },
+                Write::Pay { command, trade_no } => {
+                    match order.map(|order| (order, check_pay(order, command, checked_at))) {
+                        None => Err(Decision::Rejected(Error::NotFound(Resource::Order))),
+                        Some((order, Ok(PayCheck::Proceed))) => Ok(Candidate::Pay(command, trade_no, order.clone())),
+                        Some((_, Ok(PayCheck::PaidByThisCall))) => Err(Decision::PaidBefore),
+                        Some((_, Err(error))) => Err(Decision::Rejected(error)),
+                    }
+                }
                 // A Refund's checks in the one-refund transaction's order: currency, order, key.
                 Write::Refund { command, refund_no } => {
                     let payment = self.refunded[index].expect("a Refund without its payment runs alone");
@@ -758,9 +839,7 @@ impl<'b> Deciding<'b> {
         let now = self.now;
         for (index, candidate) in candidates.iter().filter(|(index, _)| self.decisions[*index].is_none()) {
             let applied = match candidate {
-                Candidate::Pay(command, order) => {
-                    apply_pay(&mut accounts, command, order, &self.trade_nos[*index], now)
-                }
+                Candidate::Pay(command, trade_no, order) => apply_pay(&mut accounts, command, order, trade_no, now),
                 Candidate::Refund(command, refund_no, payment) => {
                     let key = order_key(&payment.merchant_id, &payment.order_no);
                     let order = refunded_orders.get(&key).or_else(|| orders.get(&key)).expect("locked above");
@@ -818,19 +897,10 @@ impl<'b> Deciding<'b> {
         Ok(false)
     }
 
-    /// The writes the final pass refused. A Deposit or Withdraw the batch refuses runs alone:
-    /// its own transaction inserts its request_id before it checks the rules, so it waits for
-    /// an original of that request_id still in flight (one that inserted it before it waited
-    /// for the funding account this batch holds: invisible to the batch's read) and is
-    /// answered by it, not refused on the state the original is about to leave.
+    /// The writes the final pass refused: nothing of them is written.
     fn refuse(&mut self, refused: Vec<(usize, Error)>) {
         for (index, error) in refused {
-            self.decisions[index] = Some(match self.batch[index].write {
-                Write::Funding(_) => Decision::Alone,
-                Write::Pay(_) | Write::Refund { .. } | Write::Transfer { .. } | Write::CreateOrder(_) => {
-                    Decision::Rejected(error)
-                }
-            });
+            self.decisions[index] = Some(Decision::Rejected(error));
         }
     }
 
@@ -889,7 +959,9 @@ async fn lock_accounts(queries: &mut Queries<'_>, candidates: &[(usize, Candidat
     let account_ids: BTreeSet<&str> = candidates
         .iter()
         .flat_map(|(_, candidate)| match candidate {
-            Candidate::Pay(command, order) => vec![command.payer_account_id.as_str(), order.payee_account_id.as_str()],
+            Candidate::Pay(command, _, order) => {
+                vec![command.payer_account_id.as_str(), order.payee_account_id.as_str()]
+            }
             Candidate::Refund(_, _, payment) => {
                 vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
             }

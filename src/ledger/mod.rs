@@ -18,20 +18,25 @@
 //! | balances     | version CAS on every account, in account_id order                 |
 //!
 //! The shape is the same everywhere: a read-only replay path answers a key that is already
-//! committed; otherwise one transaction inserts the key row first (a concurrent duplicate
-//! waits on the unique index for the first one's outcome), advances the state machine with
-//! a conditional UPDATE, moves money by version CAS with two journal entries, and commits
-//! all of it or nothing. When the insert finds the key taken, the transaction is rolled back
-//! and the committed original is replayed.
+//! committed; otherwise one transaction locks the rows the call moves (its order, then its
+//! accounts in account_id order), finds under those locks whether its key was taken
+//! meanwhile, decides by the use case's rules, advances the state machine with a conditional
+//! UPDATE, moves money by version CAS with two journal entries, and commits all of it or
+//! nothing. A key row's unique index catches a duplicate the locks did not order (a
+//! concurrent duplicate waits on it for the first one's outcome): the transaction is rolled
+//! back and the committed original is replayed.
 //!
 //! What every write does the same way lives below the use cases, in `engine` (it imports
 //! none of them): the transaction, the posting, the money invariants, the batch workers, and
 //! a batch's book and write set. Each use case makes its posting and checks its accounts once
-//! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...), for its own transaction
-//! and for `group_commit` alike, which writes Pays, Refunds, Transfers, Deposits, Withdraws and
-//! CreateOrders in batches (its module doc gives the steps): one replay read, one transaction,
-//! one statement per kind of row, and, for calls with an idempotency key or token, their
-//! records claimed and completed inside that transaction.
+//! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...). Pays, Refunds, Transfers,
+//! Deposits, Withdraws and CreateOrders are all written by `group_commit` (its module doc
+//! gives the steps): in batches, one replay read, one transaction, one statement per kind of
+//! row, and, for calls with an idempotency key or token, their records claimed and completed
+//! inside that transaction; a call written alone (group commit off, or a call its batch could
+//! not decide) is a batch of one through the same steps, inside the idempotency driver's
+//! transaction. OpenAccount, CloseOrder and the hold steps still write in their own
+//! transaction bodies, posting through `engine::posting`.
 
 mod accounts;
 mod commands;

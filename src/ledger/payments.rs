@@ -9,14 +9,13 @@ use crate::store::{AccountRow, HoldRow, OrderRow, PaymentRow, Queries, RefundRow
 
 use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
-use super::engine::posting::{post, EntryKind, Posting};
-use super::engine::transaction::CAS_ATTEMPTS_MAX;
-use super::group_commit::{write_together, Batchable, Batched, Batcher, Decision, GroupCommit, Write};
+use super::engine::posting::{EntryKind, Posting};
+use super::group_commit::{write_alone, write_together, Batchable, Batched, Batcher, Decision, GroupCommit, Write};
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::response;
-use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -80,7 +79,7 @@ enum Step<'a> {
 
 impl Batchable for Identified<Pay> {
     fn write(&self) -> Write {
-        Write::Pay(self.command.clone())
+        Write::Pay { command: self.command.clone(), trade_no: self.id.clone() }
     }
 
     fn written(decision: Decision) -> Result<PayReceipt, Box<Decision>> {
@@ -199,8 +198,12 @@ impl Ledger {
             let call = Identified { command, id: new_id('T') };
             return self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<Identified<Pay>>);
         }
-        let decision =
-            batcher.submit(Batched { write: Write::Pay(command.clone()), claim: None }, guards.presence.clone()).await;
+        let decision = batcher
+            .submit(
+                Batched { write: Write::Pay { command: command.clone(), trade_no: new_id('T') }, claim: None },
+                guards.presence.clone(),
+            )
+            .await;
         if let Some(answer) = self.answer_decided(&command, decision).await {
             return answer?.try_map(<Identified<Pay>>::message);
         }
@@ -369,8 +372,13 @@ impl Ledger {
     /// # Errors
     /// Per Pay, in its own `Result`: the errors of [`Ledger::pay`].
     pub async fn pay_together(&self, commands: Vec<Pay>) -> Vec<Result<Replayable<PayReceipt>, Error>> {
-        let batch: Vec<Batched> =
-            commands.iter().map(|command| Batched { write: Write::Pay(command.clone()), claim: None }).collect();
+        let batch: Vec<Batched> = commands
+            .iter()
+            .map(|command| Batched {
+                write: Write::Pay { command: command.clone(), trade_no: new_id('T') },
+                claim: None,
+            })
+            .collect();
         let decisions = write_together(&self.store, &batch, &self.metrics).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
@@ -774,12 +782,7 @@ impl IdempotentCall for NewOrder {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
-        let order = self.order_at(now)?;
-        check_payee(queries.find_account(&order.payee_account_id).await?.as_ref(), &order)?;
-        if !queries.insert_order(&order).await? {
-            return Ok(Inserted::KeyTaken);
-        }
-        Ok(Inserted::Done(order))
+        write_alone(self, queries, now).await
     }
 }
 
@@ -890,7 +893,7 @@ impl IdempotentCall for Identified<Pay> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<PayReceipt>, Error> {
-        pay_in_transaction(queries, &self.command, &self.id, now).await
+        write_alone(self, queries, now).await
     }
 }
 
@@ -948,7 +951,7 @@ impl IdempotentCall for Identified<Refund> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<RefundReceipt>, Error> {
-        refund_in_transaction(queries, &self.command, &self.id, now).await
+        write_alone(self, queries, now).await
     }
 }
 
@@ -1061,67 +1064,6 @@ pub(super) fn paid_receipt(payment: PaymentRow, order: OrderRow, now: i64) -> Pa
     PayReceipt { payment, order }
 }
 
-/// The writes of one Pay, in order: the payment row first (it claims out_trade_no and, by
-/// the unique (merchant_id, order_no), the order's one payment; a concurrent duplicate waits
-/// here for the first one's outcome), then PENDING -> PAID by conditional UPDATE, then the
-/// money.
-async fn pay_in_transaction(
-    queries: &mut Queries<'_>,
-    command: &Pay,
-    trade_no: &str,
-    now: i64,
-) -> Result<Inserted<PayReceipt>, Error> {
-    let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
-    // The order's row lock orders every Pay of this order: a duplicate waits here for the
-    // first one's outcome (and on MySQL no two inserts of one key race into a deadlock).
-    let order = queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-    if check_pay(&order, command, deadline_clock(now))? == PayCheck::PaidByThisCall {
-        return Ok(Inserted::KeyTaken);
-    }
-    // Both balances in one round trip; the posting's first CAS starts from this read.
-    let accounts = queries.find_two_accounts(command.payer_account_id.as_str(), &order.payee_account_id).await?;
-    check_payer(accounts.iter().find(|account| account.account_id == command.payer_account_id.as_str()), &order)?;
-    let payment = new_payment(command, &order, trade_no, now);
-    if !queries.insert_payment(&payment).await? {
-        return Ok(Inserted::KeyTaken);
-    }
-    if !queries.mark_order_paid(merchant_id, order_no, &payment.out_trade_no, now).await? {
-        // The state moved on; the state machine says why, and nothing is written.
-        let current = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        order_state(&current, now)?.apply(OrderEvent::Pay)?;
-        return Err(Error::Contention);
-    }
-    post(queries, &payment_posting(&payment), &accounts, now).await?;
-    Ok(Inserted::Done(paid_receipt(payment, order, now)))
-}
-
-/// The writes of one Refund: the refund row first (it claims out_refund_no), then the order's
-/// refund CAS (status and refunded amount move only from the values read, and the new
-/// refunded amount is bounded by the order amount in the same statement), then the money.
-async fn refund_in_transaction(
-    queries: &mut Queries<'_>,
-    command: &Refund,
-    refund_no: &str,
-    now: i64,
-) -> Result<Inserted<RefundReceipt>, Error> {
-    let merchant_id = command.merchant_id.as_str();
-    let payment = queries
-        .find_payment(merchant_id, command.out_trade_no.as_str())
-        .await?
-        .ok_or(Error::NotFound(Resource::Payment))?;
-    check_refund(command, &payment)?;
-    let refund = new_refund(command, &payment, refund_no, now);
-    // The order's row lock orders every refund of this order (see pay_in_transaction).
-    let order =
-        queries.find_order_for_update(merchant_id, &payment.order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-    if !queries.insert_refund(&refund).await? {
-        return Ok(Inserted::KeyTaken);
-    }
-    let order = refund_order(queries, order, refund.amount, now).await?;
-    post(queries, &refund_posting(&refund, &payment), &[], now).await?;
-    Ok(Inserted::Done(RefundReceipt { refund, order }))
-}
-
 /// The refund row of a Refund of `payment`, as it is recorded when the Refund succeeds.
 pub(super) fn new_refund(command: &Refund, payment: &PaymentRow, refund_no: &str, now: i64) -> RefundRow {
     RefundRow {
@@ -1170,39 +1112,4 @@ pub(super) fn refunded_order(order: OrderRow, amount: i64, now: i64) -> Result<O
         updated_at: now,
         ..order
     })
-}
-
-/// Applies a refund to the order with a CAS on (status, refunded_amount), starting from the
-/// row `read` in this transaction, re-reading under a row lock and retrying if another writer
-/// won. Returns the order after.
-async fn refund_order(queries: &mut Queries<'_>, read: OrderRow, amount: i64, now: i64) -> Result<OrderRow, Error> {
-    let (merchant_id, order_no) = (read.merchant_id.clone(), read.order_no.clone());
-    let (merchant_id, order_no) = (merchant_id.as_str(), order_no.as_str());
-    let mut known = Some(read);
-    for attempt in 1..=CAS_ATTEMPTS_MAX {
-        let order = match known.take() {
-            Some(order) => order,
-            None => {
-                queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?
-            }
-        };
-        let after = refunded_order(order.clone(), amount, now)?;
-        let moved = queries
-            .transition_order(
-                merchant_id,
-                order_no,
-                &order.status,
-                order.refunded_amount,
-                &after.status,
-                after.refunded_amount,
-                now,
-            )
-            .await?;
-        if moved {
-            return Ok(after);
-        }
-        tracing::debug!(merchant_id, order_no, attempt, "order CAS lost; re-reading the order under a row lock");
-        queries.count_cas_retry();
-    }
-    Err(Error::Contention)
 }

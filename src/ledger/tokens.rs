@@ -29,9 +29,9 @@ const TOKEN_RANDOM_BYTES: usize = 24;
 const REDIS_KEY_PREFIX: &str = "payledger:token:";
 
 /// Consumes an issued token: 1 consumed now, 2 consumed before, 0 unknown or expired,
-/// -1 issued to another merchant or caller (whether consumed or not). KEYS[1] token key;
-/// ARGV[1] the owner a merchant-scoped call requires ('' on AccountService); ARGV[2] this
-/// consumer's mark; ARGV[3] the caller tag an AccountService call requires ('' without
+/// -1 issued to another merchant or caller (whether consumed or not). KEYS\[1\] token key;
+/// ARGV\[1\] the owner a merchant-scoped call requires ('' on AccountService); ARGV\[2\] this
+/// consumer's mark; ARGV\[3\] the caller tag an AccountService call requires ('' without
 /// authentication). An issued token's value is `i:<owner>`, the owner being
 /// `<merchant>[/by:<caller tag>]`; a consumed one's `c:<mark>:i:<owner>` (marks are hex,
 /// without ':').
