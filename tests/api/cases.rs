@@ -788,7 +788,7 @@ async fn one_token_runs_exactly_once(app: &TestApp) {
     let outcomes: Vec<_> = futures::future::join_all(calls).await.into_iter().map(|joined| joined.unwrap()).collect();
 
     let winners: Vec<_> = outcomes.iter().filter(|(_, outcome)| outcome.is_ok()).collect();
-    assert_eq!(winners.len(), 1, "exactly one request ran");
+    assert_eq!(winners.len(), 1, "exactly one request ran: {:?}", outcomes.iter().take(2).collect::<Vec<_>>());
     for (_, outcome) in &outcomes {
         if let Err(status) = outcome {
             assert_status(status, Code::AlreadyExists, "TOKEN_REUSED");
