@@ -1,89 +1,27 @@
-//! Group commit of Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders: the calls
-//! that arrive while the database is busy are written together (each worker takes the calls
-//! routed to it: Pays, Refunds and CreateOrders by merchant_id, Transfers by from_account_id,
-//! Deposits and Withdraws by their funding account, the one row all of them move), in one
-//! transaction, with one statement per kind of row instead of one per call:
+//! The group commit: the batch writer of Pays, Refunds, Transfers, Deposits, Withdraws and
+//! CreateOrders, many calls in one transaction, and a call alone as a batch of one
+//! ([`write_alone`]). What it does and why, what runs alone, and its bounds are explained once,
+//! in `docs/write-engine.md`; the engine it writes through, in `engine`'s module doc. Here,
+//! the steps of [`write_together`] as the code takes them:
 //!
-//! 0. before the transaction, one read (no locks) finds the out_trade_nos already paid (those
-//!    Pays are replays) and the payments the Refunds refund (payments never change); there is
-//!    nothing to read for a Transfer, Deposit, Withdraw or CreateOrder, and a batch of those
-//!    alone skips this read. First in the transaction, one read finds the committed records of
-//!    the idempotency keys of the calls that carry a key alone (and, for an authenticated
-//!    caller, of its key before authentication was turned on): a call one of them answers
-//!    is taken out, and answered by it after the batch;
-//! 1. lock every order of the batch (one `SELECT ... FOR UPDATE`, in key order; a CreateOrder's
-//!    order is read there, and one committed before is a replay: [`Decision::CreatedBefore`];
-//!    one inserted after fails the batch's INSERT, and the batch runs alone), check each
-//!    Pay against its order ([`check_pay`]: terms and state machine), and read the Refunds'
-//!    out_refund_nos (one SELECT): one committed before the lock was taken is a replay (a
-//!    Refund locks its order before it inserts its row, so none can commit after);
-//! 2. lock every account the batch touches (one `SELECT ... FOR UPDATE`, in account_id order),
-//!    read the Deposits' and Withdraws' request_ids (one SELECT; one committed before is a
-//!    replay; the request_id's primary key is what keeps a Deposit once only: a request_id
-//!    taken after this read fails the batch's INSERT, and the batch runs alone; the funding
-//!    account's lock, held now, makes that rare, as the calls of one request_id on servers of
-//!    one configuration all move one funding account; a call whose funding account shard has
-//!    no row yet runs alone, where its transaction creates it), and apply the calls one after
-//!    another in arrival order, in memory, by each use case's rules: a Pay's legs ([`balance_after`](super::engine::posting::balance_after)); a Refund's order state
-//!    by the state machine ([`refunded_order`]: refunds of one order in one batch apply one
-//!    after another to its state), then its legs, payee to payer; a Transfer's legs, from to
-//!    to ([`Book::post`], the rules of a single posting); a Deposit's or Withdraw's account
-//!    and currency, then its legs ([`apply_funding`]); a CreateOrder's expires_at, payee and
-//!    currency ([`NewOrder::order_at`], [`check_payee`]: its payee is locked with the
-//!    accounts, and moves no money). A call that breaks a rule is
-//!    rejected alone and changes nothing (a Deposit or Withdraw then runs alone, see
-//!    [`write_alone`]);
-//! 3. write what the accepted calls did: one multi-row INSERT of new orders, one of payments,
-//!    one conditional UPDATE of the paid orders (`WHERE status = 'PENDING'`), one multi-row INSERT of refunds,
-//!    one refund CAS of the refunded orders (from the state read under the lock, the new
-//!    refunded amount within the order's amount), one multi-row INSERT of transfers, one of
-//!    deposits and one of withdrawals, one version CAS per account (all in one UPDATE; an account moved N times in the batch
-//!    moves N versions at once), one multi-row INSERT of journal entries (two legs per call,
-//!    in order, so every entry records the balance and version right after it), then one
-//!    COMMIT. PostgreSQL sends all of it as one statement; MySQL and SQLite one a kind of row
-//!    the batch has. A Transfer's answer holds its entries, and a Deposit's or Withdraw's its
-//!    account's entry, whose ids the database assigns: one read after the write fetches them.
-//!
-//! Each call keeps its own outcome: a rejection is that call's answer only, a replay stays a
-//! replay. Whatever the batch cannot decide on its own (a second Pay of the same order or
-//! out_trade_no, a second Refund of one out_refund_no, a Refund whose payment the read did
-//! not find or whose order a Pay of the batch names, a second CreateOrder of one order, a Pay
-//! or Refund of an order a CreateOrder of the batch creates, a second Deposit or Withdraw of one
-//! request_id, one whose funding account has no row yet, a key taken under it by a concurrent
-//! writer, any database error that is not a transient conflict) makes those calls, or the
-//! whole batch after a rollback, run alone: each in a transaction of its own, the idempotency
-//! driver's, through these same steps as a batch of one ([`write_alone`]: there is no other
-//! way a Pay, Refund, Transfer, Deposit, Withdraw or CreateOrder is written, with group
-//! commit on or off). Alone is idempotent by out_trade_no, out_refund_no, request_id and order:
-//! a call whose batch did commit after all is then answered as a replay.
-//!
-//! The batches are formed by the workers of `engine::batching` (no timer: under light load a
-//! batch holds one call and starts at once; its queue is bounded).
-//!
-//! Calls with an `idempotency-key` or `idempotency-token` (guarded) are batched too, and every
-//! Refund, Transfer, Deposit, Withdraw and CreateOrder goes through the idempotency driver:
-//! a call with a token reads its guards before the batch on its own (a committed record
-//! answers it; the token's owner is checked), one with an idempotency key alone leaves that
-//! read to its batch (0), and neither reads its natural key: the batch reads the natural keys of all
-//! its calls with its own rows (a Pay's out_trade_no and a Refund's payment in the replay read,
-//! a Refund's out_refund_no, an order and a request_id under their locks), and a call whose
-//! natural key it finds taken is answered after it by that key, as a transaction that found
-//! its key taken is. The batch does step 4 for all of them in its one transaction: once the
-//! accepted calls are known (after 2), it claims the accepted calls' records, inserting them
-//! already COMPLETED with the response that call gets if the batch commits: those of the calls
-//! before the first that consumes a token in one statement, all or none; when a key of them is
-//! taken, or after that call, one call at a time in arrival order (a token with the database
-//! store is consumed there, under a savepoint, so a claim that fails part way leaves nothing).
-//! The records of a Transfer, Deposit or Withdraw are inserted IN_PROGRESS instead, as the
-//! one-call path claims them, and completed with its receipt once its entries are read back
-//! (one UPDATE for all of them, in the same transaction: no other transaction sees a record
-//! before the commit).
-//! A guard found taken (its original committed, or was in flight, under the batch) or a
-//! token found invalid takes that call out with nothing of it written, and the calls after
-//! it are applied again without it; the call is then answered as the driver answers a key
-//! taken: the original's stored response, or ALREADY_EXISTS. Two calls of one batch with one
-//! key or token: the second runs alone after it (a replay of the first's record, or, when the
-//! first was refused, afresh).
+//! 0. [`read_payments`], before the transaction: the out_trade_nos already paid
+//!    ([`Decision::Found`]) and the payments the Refunds refund; [`runs_alone`]: the calls the
+//!    batch cannot decide ([`Decision::Alone`]); in the transaction, [`Deciding::read_guards`]:
+//!    the committed records of the calls with an idempotency key alone
+//!    ([`Decision::GuardAnswered`]);
+//! 1. [`Deciding::lock_orders`] (orders locked in key order, then the Refunds' out_refund_nos)
+//!    and [`Deciding::candidates`]: each call checked against its order ([`check_pay`],
+//!    [`check_refund`], [`NewOrder::order_at`]);
+//! 2. [`lock_accounts`] (in account_id order), [`decide_fundings`] (the request_ids under the
+//!    funding accounts' locks), then [`Deciding::apply`]: the calls applied one after another in
+//!    arrival order to a [`Book`], by their use cases' rules ([`apply_pay`], [`apply_refund`]
+//!    with [`refunded_order`], [`Book::post`], [`apply_funding`], [`check_payee`]);
+//! 3. [`claim_prefix_together`] and [`Deciding::claim_guards`]: the accepted calls' guards
+//!    claimed, a call whose guard is taken taken out and the others applied again;
+//!    [`Deciding::refuse`]: the refused calls' decisions;
+//! 4. [`write_accepted`]: the [`WriteSet`] of the accepted calls, written by [`book::write`]
+//!    (checked against the money invariants); [`entries_read_back`] and [`complete_claims`];
+//! 5. [`Deciding::answer`]: each accepted call's answer.
 //!
 //! A call refused before its batch (queue full: OVERLOADED; caller gone) is
 //! [`Decision::NotStarted`], with nothing read or written.

@@ -30,13 +30,10 @@
 //! none of them): the transaction, the posting, the money invariants, the batch workers, and
 //! a batch's book and write set. Each use case makes its posting and checks its accounts once
 //! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...). Pays, Refunds, Transfers,
-//! Deposits, Withdraws and CreateOrders are all written by `group_commit` (its module doc
-//! gives the steps): in batches, one replay read, one transaction, one statement per kind of
-//! row, and, for calls with an idempotency key or token, their records claimed and completed
-//! inside that transaction; a call written alone (group commit off, or a call its batch could
-//! not decide) is a batch of one through the same steps, inside the idempotency driver's
-//! transaction. OpenAccount, CloseOrder and the hold steps still write in their own
-//! transaction bodies, posting through `engine::posting`.
+//! Deposits, Withdraws and CreateOrders are all written by `group_commit`, in batches or alone
+//! as a batch of one; OpenAccount, CloseOrder and the hold steps still write in transaction
+//! bodies of their own, posting through `engine::posting`. The write path is explained once,
+//! in `docs/write-engine.md`.
 
 mod accounts;
 mod commands;

@@ -2028,6 +2028,32 @@ pub async fn a_refused_withdraw_waits_for_its_request_id_in_flight_and_is_answer
     sqlx::query("DELETE FROM withdrawals WHERE request_id = 'wq'").execute(&app.raw).await.unwrap();
 }
 
+/// The same refused Withdraw while the other call holding its request_id rolls back: its
+/// probe insert then takes the request_id, and the refusal stands (INSUFFICIENT_FUNDS), with
+/// nothing of the Withdraw written (the probe rolls back with it).
+pub async fn a_refused_withdraw_whose_request_id_in_flight_rolls_back_stays_refused(app: &TestApp) {
+    app.open("bob", "USD").await;
+    app.open("carol", "USD").await;
+    let mut holder = app.raw.begin().await.unwrap();
+    let original = "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, \
+                    created_by) VALUES ('wr', 'W-original', 'carol', 500, 'USD', 1, 'anonymous')";
+    sqlx::query(original).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        ledger.write_together(vec![(funding_command("wr", "bob", "5.00", "USD", true), guards(None, None))]).await
+    });
+    app.wait_for_a_write_waiting_on("withdrawals").await;
+    holder.rollback().await.unwrap();
+    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
+
+    let refused = answers[0].as_ref().expect_err("bob has nothing to withdraw");
+    assert_status(refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(app.balance("bob").await, "0.00");
+    assert_eq!(app.rows("withdrawals").await, 0, "neither the other call's nor the probe's");
+    assert_eq!(app.rows("journal_entries").await, 0);
+}
+
 /// With four funding shards, a Deposit whose shard has no row yet runs alone (its transaction
 /// creates the shard); once every shard exists, Deposits of every shard share one batch.
 pub async fn deposits_over_funding_shards_are_group_committed_once_each_shard_exists(app: &TestApp) {

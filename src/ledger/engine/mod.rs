@@ -15,7 +15,7 @@
 //!
 //! The use cases (`payments`, `accounts`, `holds`) decide what a write does; the group
 //! commit (`group_commit`) is the batch writer that applies their decisions, many in one
-//! transaction.
+//! transaction or one alone. The whole write path is explained in `docs/write-engine.md`.
 
 pub(in crate::ledger) mod batching;
 pub(in crate::ledger) mod book;
