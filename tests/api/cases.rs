@@ -1085,13 +1085,69 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
 }
 
 // Cases run a second time with group commit off (see `main.rs`).
+pub use a_failed_transfer_leaves_no_record_and_its_retry_runs_afresh as a_failed_transfer_one_by_one;
 pub use callers_reach_only_their_merchants_objects_and_their_own_idempotency_records as callers_are_kept_apart_with_redis_tokens;
+pub use concurrent_partial_refunds_never_exceed_the_paid_amount as concurrent_partial_refunds_one_by_one;
 pub use concurrent_pays_against_one_balance_never_overdraw_it as concurrent_pays_against_one_balance_one_by_one;
+pub use create_order_for_a_missing_payee_is_not_found as create_order_for_a_missing_payee_one_by_one;
+pub use create_order_is_replayed_and_other_fields_are_already_exists as create_order_replays_one_by_one;
+pub use deposit_credits_the_account_and_a_repeated_request_id_is_a_replay as deposit_replays_one_by_one;
+pub use deposit_into_a_missing_account_or_in_another_currency_is_refused as deposit_refusals_one_by_one;
 pub use every_bench_scenario_runs_clean_and_keeps_the_ledger_sound as every_bench_scenario_runs_clean_with_a_token;
+pub use every_bench_scenario_runs_clean_and_keeps_the_ledger_sound as every_bench_scenario_one_by_one;
+pub use fifty_concurrent_requests_presenting_one_token_run_exactly_once as fifty_requests_with_one_token_one_by_one;
+pub use fifty_concurrent_transfers_with_one_idempotency_key_move_money_once as fifty_keyed_transfers_one_by_one;
 pub use opposite_payments_between_two_accounts_finish_without_deadlock as opposite_payments_between_two_accounts_one_by_one;
+pub use partial_then_full_refunds_move_money_back_and_replays_do_not as refunds_one_by_one;
 pub use pay_refuses_mismatched_amount_currency_and_self_payment_leaving_nothing as pay_refusals_one_by_one;
 pub use pay_without_funds_leaves_nothing_and_succeeds_after_a_deposit as pay_without_funds_one_by_one;
+pub use refund_of_an_unknown_payment_or_without_an_amount_is_refused as refund_refusals_one_by_one;
 pub use twenty_concurrent_identical_pays_execute_once_with_one_trade_no as twenty_concurrent_identical_pays_one_by_one;
+
+/// With group commit off and four funding shards, concurrent Deposits and Withdraws each run
+/// alone (a batch of one): the first call of a shard with no row creates it, concurrent
+/// creators of one shard agree on one row, a repeated request_id replays, a Withdraw past the
+/// balance is refused, and the books balance.
+pub async fn deposits_and_withdrawals_over_new_funding_shards_one_by_one(app: &TestApp) {
+    app.open("bob", "USD").await;
+    let deposits = (0..16).map(|n| {
+        let app_accounts = app.accounts.clone();
+        async move {
+            let request = proto::DepositRequest {
+                request_id: format!("d-{n}"),
+                account_id: "bob".into(),
+                amount: "1.00".into(),
+                currency: "USD".into(),
+            };
+            app_accounts.clone().deposit(request).await
+        }
+    });
+    let answers = futures::future::join_all(deposits).await;
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    let again = app.deposit("d-3", "bob", "1.00", "USD").await.expect("a replay");
+    assert!(replayed(&again));
+    let shards = "SELECT COUNT(*) FROM accounts WHERE account_id LIKE '@external:USD%'";
+    let shards = sqlx::query_scalar::<_, i64>(shards).fetch_one(&app.raw).await.unwrap();
+    assert!((1..=4).contains(&shards), "{shards} shards");
+    let withdraw = |request_id: &str, amount: &str| {
+        let request = proto::WithdrawRequest {
+            request_id: request_id.into(),
+            account_id: "bob".into(),
+            amount: amount.into(),
+            currency: "USD".into(),
+        };
+        let mut accounts = app.accounts.clone();
+        async move { accounts.withdraw(request).await }
+    };
+    withdraw("w-1", "10.00").await.expect("within the balance");
+    let refused = withdraw("w-2", "6.01").await.expect_err("past the balance");
+    assert_status(&refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert_eq!(app.balance("bob").await, "6.00");
+    assert_eq!(app.rows("deposits").await, 16);
+    assert_eq!(app.rows("withdrawals").await, 1);
+    assert_eq!(app.ledger.counters().group_commits, 0, "group commit is off");
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
 
 /// A Pay command as the gRPC edge would build it.
 fn pay_command(out_trade_no: &str, order_no: &str, payer: &str, amount: &str) -> payledger::ledger::Pay {

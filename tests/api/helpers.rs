@@ -107,6 +107,11 @@ impl TestOptions {
         Self { funding_account_shards: 4, ..Self::default() }
     }
 
+    /// Four funding shards, and every call in its own transaction (group commit off).
+    pub fn four_funding_shards_one_by_one() -> Self {
+        Self { funding_account_shards: 4, ..Self::one_by_one() }
+    }
+
     /// Authorization holds last 2 s (`--hold-ttl-seconds 2`).
     pub fn short_hold_ttl() -> Self {
         Self { hold_ttl: Duration::from_secs(2), ..Self::default() }
