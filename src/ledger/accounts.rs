@@ -201,8 +201,15 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] (ACCOUNT_NOT_FOUND).
     pub async fn list_entries(&self, request: ListEntries) -> Result<EntryPage, Error> {
-        let mut reader = self.store.reader().await?;
-        let mut queries = reader.queries();
+        // The account's existence and its page, at one moment.
+        let mut snapshot = self.store.snapshot().await?;
+        let page = Self::entry_page(&mut snapshot.queries(), request).await?;
+        snapshot.finish().await?;
+        Ok(page)
+    }
+
+    /// [`Ledger::list_entries`]'s reads, in the caller's snapshot.
+    async fn entry_page(queries: &mut Queries<'_>, request: ListEntries) -> Result<EntryPage, Error> {
         let account_id = request.account_id.as_str();
         if queries.find_account(account_id).await?.is_none() {
             return Err(Error::NotFound(Resource::Account));

@@ -608,8 +608,21 @@ impl Ledger {
     /// # Errors
     /// [`Error::NotFound`] for the number asked by.
     pub async fn query(&self, merchant_id: &MerchantId, key: &QueryKey) -> Result<OrderDetails, Error> {
-        let mut reader = self.store.reader().await?;
-        let mut queries = reader.queries();
+        // The order, its payment, its refunds and its hold as they stood at one moment: read
+        // one by one outside a snapshot, refunds landing meanwhile could be listed beside an
+        // order that does not count them yet.
+        let mut snapshot = self.store.snapshot().await?;
+        let details = Self::order_details(&mut snapshot.queries(), merchant_id, key).await?;
+        snapshot.finish().await?;
+        Ok(details)
+    }
+
+    /// [`Ledger::query`]'s reads, in the caller's snapshot.
+    async fn order_details(
+        queries: &mut Queries<'_>,
+        merchant_id: &MerchantId,
+        key: &QueryKey,
+    ) -> Result<OrderDetails, Error> {
         let merchant_id = merchant_id.as_str();
         // The payment a lookup by out_trade_no found is the order's (one payment per order),
         // and an order nothing was refunded from has no refunds: neither is read twice.

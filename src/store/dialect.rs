@@ -139,6 +139,28 @@ impl Dialect {
             Dialect::Postgres | Dialect::MySql => "BEGIN",
         }
     }
+
+    /// How a read of several rows at one moment begins: the statement to run first, if any,
+    /// and the one that begins a read-only transaction whose every read sees one snapshot.
+    /// - PostgreSQL: REPEATABLE READ, READ ONLY: one snapshot from the transaction's first
+    ///   statement to its end; a read-only transaction never fails to serialize (PostgreSQL
+    ///   manual, 13.2.2).
+    /// - MySQL/MariaDB: the session's READ COMMITTED gives each statement a read view of its
+    ///   own, so this transaction alone is REPEATABLE READ (`SET TRANSACTION` applies to the
+    ///   next transaction only), begun `WITH CONSISTENT SNAPSHOT`: InnoDB's read view is taken
+    ///   at START TRANSACTION (MariaDB manual, "START TRANSACTION").
+    /// - SQLite: a deferred BEGIN; in WAL mode a read transaction's first read fixes the
+    ///   snapshot it sees until it ends (SQLite manual, "Write-Ahead Logging", 2.2).
+    pub(super) fn snapshot_statements(self) -> (Option<&'static str>, &'static str) {
+        match self {
+            Dialect::Postgres => (None, "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"),
+            Dialect::MySql => (
+                Some("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"),
+                "START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY",
+            ),
+            Dialect::Sqlite => (None, "BEGIN"),
+        }
+    }
 }
 
 /// The causal wait of a Galera node, run on a connection when it is taken from the pool for

@@ -342,6 +342,27 @@ impl Store {
         Ok(Reader { connection: self.acquire().await?, dialect: self.dialect })
     }
 
+    /// Takes a pooled connection for reads that must reflect one moment: every read through
+    /// the [`Snapshot`] sees the same committed state, whatever commits meanwhile (see
+    /// [`Dialect::snapshot_statements`] for how each backend begins it). Ended by
+    /// [`Snapshot::finish`]; dropped, it is rolled back (it wrote nothing).
+    ///
+    /// # Errors
+    /// The driver error when no connection is free in time or the transaction cannot begin.
+    pub async fn snapshot(&self) -> Result<Snapshot, sqlx::Error> {
+        let mut connection = self.acquire().await?;
+        let (before, begin) = self.dialect.snapshot_statements();
+        for statement in before.into_iter().chain([begin]) {
+            if let Err(error) = connection.execute(statement).await {
+                // What the statements left on the session (MySQL's isolation level for the
+                // next transaction) must not reach the pool's next user: the connection goes.
+                drop(connection.detach());
+                return Err(error);
+            }
+        }
+        Ok(Snapshot { connection: Some(connection), dialect: self.dialect })
+    }
+
     async fn acquire(&self) -> Result<PoolConnection<Any>, sqlx::Error> {
         let started = Instant::now();
         let connection = self.pool.acquire().await;
@@ -549,6 +570,43 @@ impl Tx {
     /// The driver error; the connection is then closed rather than returned to the pool.
     pub async fn rollback(self) -> Result<(), sqlx::Error> {
         self.transaction.rollback().await
+    }
+}
+
+/// A read-only transaction whose reads all see one moment (see [`Store::snapshot`]). Dropped
+/// before [`Snapshot::finish`] (an error, a caller gone), its connection is closed instead of
+/// going back to the pool inside the transaction.
+pub struct Snapshot {
+    /// Taken by `finish` or `drop`.
+    connection: Option<PoolConnection<Any>>,
+    dialect: Dialect,
+}
+
+impl Snapshot {
+    pub fn queries(&mut self) -> Queries<'_> {
+        let connection: &mut AnyConnection = self.connection.as_mut().expect("open until finished");
+        Queries::new(connection, self.dialect)
+    }
+
+    /// Ends the read (it wrote nothing); the connection goes back to the pool.
+    ///
+    /// # Errors
+    /// The driver error (the connection is then closed).
+    pub async fn finish(mut self) -> Result<(), sqlx::Error> {
+        let mut connection = self.connection.take().expect("open until finished");
+        if let Err(error) = connection.execute("COMMIT").await {
+            drop(connection.detach());
+            return Err(error);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Snapshot {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            drop(connection.detach());
+        }
     }
 }
 

@@ -97,6 +97,7 @@ backend_suite!(
     twenty_concurrent_identical_pays_execute_once_with_one_trade_no,
     concurrent_pays_against_one_balance_never_overdraw_it,
     concurrent_partial_refunds_never_exceed_the_paid_amount,
+    a_query_racing_refunds_answers_one_moment,
     opposite_payments_between_two_accounts_finish_without_deadlock,
     a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact,
     health_is_serving_and_reflection_lists_both_services,
