@@ -16,7 +16,8 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
 
 use super::commands::{Authorize, Capture, Void};
-use super::engine::posting::post;
+use super::engine::book::{self, Book, WriteSet};
+use super::engine::posting::Posting;
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
@@ -174,6 +175,25 @@ pub(super) async fn release_hold(
         ..order.clone()
     };
     Ok(Some(HoldReceipt { hold, order }))
+}
+
+/// A Capture's posting, through the engine's book and write set as every posting is: its two
+/// accounts locked (in account_id order), the posting applied by a single posting's rules, and
+/// its balances and entries written, checked against the money invariants.
+///
+/// # Errors
+/// The rules of a leg ([`Book::post`]); [`Error::InvariantBroken`] (nothing written);
+/// [`Error::Contention`] if a version moved under the lock (it cannot).
+async fn move_money(queries: &mut Queries<'_>, posting: Posting<'_>, now: i64) -> Result<(), Error> {
+    let mut account_ids = [posting.from_account_id, posting.to_account_id];
+    account_ids.sort_unstable();
+    let mut book = Book::locked(queries.lock_accounts(&account_ids).await?);
+    let legs = book.post(&posting)?;
+    let set = WriteSet { postings: vec![(posting, legs)], ..WriteSet::default() };
+    if !book::write(queries, &set, &book, now).await? {
+        return Err(Error::Contention);
+    }
+    Ok(())
 }
 
 /// The hold of (merchant_id, out_auth_no) and its order as they stand, read after the order's
@@ -440,7 +460,7 @@ impl IdempotentCall for Identified<Capture> {
         if !queries.release_held(&hold.payer_account_id, hold.amount, now).await? {
             return Err(Error::Internal("an account holds less than its active hold".into()));
         }
-        post(queries, &payment_posting(&payment), &[], now).await?;
+        move_money(queries, payment_posting(&payment), now).await?;
         let order = OrderRow {
             status: next.status.as_str().to_owned(),
             amount: captured,

@@ -32,7 +32,7 @@
 //! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...). Pays, Refunds, Transfers,
 //! Deposits, Withdraws and CreateOrders are all written by `group_commit`, in batches or alone
 //! as a batch of one; OpenAccount, CloseOrder and the hold steps still write in transaction
-//! bodies of their own, posting through `engine::posting`. The write path is explained once,
+//! bodies of their own (Capture's money through the engine's book and write set). The write path is explained once,
 //! in `docs/write-engine.md`.
 
 mod accounts;

@@ -43,8 +43,8 @@ impl Book {
         self.accounts.get(account_id).map(|account| &account.row)
     }
 
-    /// Applies a posting with the rules of a single posting (legs checked in account_id order,
-    /// as [`super::posting::post`] checks them; each leg moves its account's version by one), or
+    /// Applies a posting with the rules of a single posting (legs checked in account_id order;
+    /// each leg moves its account's version by one), or
     /// changes nothing and says why. Returns the (balance, version) each leg leaves: (from, to).
     ///
     /// # Errors

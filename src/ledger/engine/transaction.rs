@@ -11,8 +11,6 @@ use crate::ledger::Inserted;
 
 /// Runs of a whole transaction before a transient failure is returned (as ABORTED).
 const TRANSACTION_ATTEMPTS_MAX: u32 = 5;
-/// Attempts of one version CAS or conditional UPDATE inside a transaction.
-pub(in crate::ledger) const CAS_ATTEMPTS_MAX: u32 = 4;
 /// The first backoff step; each retry doubles the ceiling, with full jitter.
 const BACKOFF_BASE_MS: u64 = 2;
 
