@@ -203,9 +203,13 @@ impl Ledger {
     pub async fn list_entries(&self, request: ListEntries) -> Result<EntryPage, Error> {
         // The account's existence and its page, at one moment.
         let mut snapshot = self.store.snapshot().await?;
-        let page = Self::entry_page(&mut snapshot.queries(), request).await?;
-        snapshot.finish().await?;
-        Ok(page)
+        let page = Self::entry_page(&mut snapshot.queries(), request).await;
+        // ACCOUNT_NOT_FOUND is an answer too: the snapshot ends cleanly; after a driver error
+        // it is dropped, and its connection closed.
+        if !matches!(page, Err(Error::Database(_))) {
+            snapshot.finish().await?;
+        }
+        page
     }
 
     /// [`Ledger::list_entries`]'s reads, in the caller's snapshot.

@@ -178,15 +178,15 @@ pub(super) async fn release_hold(
 }
 
 /// A Capture's posting, through the engine's book and write set as every posting is: its two
-/// accounts locked (in account_id order), the posting applied by a single posting's rules, and
-/// its balances and entries written, checked against the money invariants.
+/// accounts read under their locks, the posting applied by a single posting's rules, and its
+/// balances and entries written, checked against the money invariants.
 ///
 /// # Errors
 /// The rules of a leg ([`Book::post`]); [`Error::InvariantBroken`] (nothing written);
 /// [`Error::Contention`] if a version moved under the lock (it cannot).
 async fn move_money(queries: &mut Queries<'_>, posting: Posting<'_>, now: i64) -> Result<(), Error> {
-    let mut account_ids = [posting.from_account_id, posting.to_account_id];
-    account_ids.sort_unstable();
+    // Read again under the locks (taken already, see the body), as the hold's release left them.
+    let account_ids = sorted_pair(posting.from_account_id, posting.to_account_id);
     let mut book = Book::locked(queries.lock_accounts(&account_ids).await?);
     let legs = book.post(&posting)?;
     let set = WriteSet { postings: vec![(posting, legs)], ..WriteSet::default() };
@@ -194,6 +194,15 @@ async fn move_money(queries: &mut Queries<'_>, posting: Posting<'_>, now: i64) -
         return Err(Error::Contention);
     }
     Ok(())
+}
+
+/// Two account ids in ascending order, the order their rows are locked in.
+fn sorted_pair<'a>(first: &'a str, second: &'a str) -> [&'a str; 2] {
+    if first <= second {
+        [first, second]
+    } else {
+        [second, first]
+    }
 }
 
 /// The hold of (merchant_id, out_auth_no) and its order as they stand, read after the order's
@@ -449,6 +458,9 @@ impl IdempotentCall for Identified<Capture> {
         if !queries.insert_payment(&payment).await? {
             return Ok(Inserted::KeyTaken);
         }
+        // The two accounts locked now, in account_id order, before the payer's row is written
+        // below: the ledger's one lock order (orders, then accounts by account_id).
+        queries.lock_accounts(&sorted_pair(&payment.payer_account_id, &payment.payee_account_id)).await?;
         let out_trade_no = payment.out_trade_no.as_str();
         if !queries.capture_order(merchant_id, &order.order_no, out_trade_no, captured, now).await?
             || !queries.settle_hold(&hold.hold_no, HOLD_CAPTURED, captured, Some(out_trade_no), now).await?

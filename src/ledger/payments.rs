@@ -612,9 +612,13 @@ impl Ledger {
         // one by one outside a snapshot, refunds landing meanwhile could be listed beside an
         // order that does not count them yet.
         let mut snapshot = self.store.snapshot().await?;
-        let details = Self::order_details(&mut snapshot.queries(), merchant_id, key).await?;
-        snapshot.finish().await?;
-        Ok(details)
+        let details = Self::order_details(&mut snapshot.queries(), merchant_id, key).await;
+        // A key not found is an answer too: the snapshot ends cleanly and its connection is
+        // pooled again; after a driver error it is dropped, and its connection closed.
+        if !matches!(details, Err(Error::Database(_))) {
+            snapshot.finish().await?;
+        }
+        details
     }
 
     /// [`Ledger::query`]'s reads, in the caller's snapshot.

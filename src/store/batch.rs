@@ -784,8 +784,9 @@ pub(super) fn postgres_write_shape(rows: &[u64; 10]) -> u16 {
         // Nothing to write.
         [] if present == 0 => 0,
         [kind] => kind | (present & MONEY),
-        // Several kinds; or balances and entries without a row of any kind, which no use case
-        // writes today: every part, so that nothing given is left out.
+        // Several kinds; or balances and entries without a row of any kind (a Capture's
+        // posting, whose payment is written apart): every part, so that nothing given is left
+        // out, and no text beyond the seven.
         _ => EVERY_PART,
     }
 }

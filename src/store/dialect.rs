@@ -62,11 +62,12 @@ impl Dialect {
     /// (including a request waiting for an in-flight duplicate of its key).
     ///
     /// - PostgreSQL: READ COMMITTED, set explicitly: each statement sees what committed before
-    ///   it, so a version CAS that lost re-reads the winner's row. A session left idle
-    ///   inside a transaction is ended by the server (`idle_in_transaction_session_timeout`).
-    /// - MySQL/MariaDB default to REPEATABLE READ, where a plain re-read inside the
-    ///   transaction returns the old snapshot and a CAS retry loop would spin on a stale
-    ///   version; we choose READ COMMITTED (MySQL manual, "Transaction Isolation Levels").
+    ///   it, so a key read after a row-lock wait sees what the lock's holder committed. A
+    ///   session left idle inside a transaction is ended by the server
+    ///   (`idle_in_transaction_session_timeout`).
+    /// - MySQL/MariaDB default to REPEATABLE READ, where a plain read inside the transaction
+    ///   returns the snapshot of its first read, from before any row-lock wait; we choose READ
+    ///   COMMITTED (MySQL manual, "Transaction Isolation Levels").
     ///   Strict mode turns data errors into errors instead of warnings. InnoDB's lock wait
     ///   timeout has whole seconds.
     /// - On a MariaDB Galera node (`galera`), `wsrep_sync_wait = 0`, whatever the server's

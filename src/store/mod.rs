@@ -344,23 +344,23 @@ impl Store {
 
     /// Takes a pooled connection for reads that must reflect one moment: every read through
     /// the [`Snapshot`] sees the same committed state, whatever commits meanwhile (see
-    /// [`Dialect::snapshot_statements`] for how each backend begins it). Ended by
-    /// [`Snapshot::finish`]; dropped, it is rolled back (it wrote nothing).
+    /// [`Dialect::snapshot_statements`] for how each backend begins it). End it with
+    /// [`Snapshot::finish`], whatever the reads found; one dropped unfinished (a driver error,
+    /// a cancelled future) closes its connection instead of pooling it.
     ///
     /// # Errors
     /// The driver error when no connection is free in time or the transaction cannot begin.
     pub async fn snapshot(&self) -> Result<Snapshot, sqlx::Error> {
-        let mut connection = self.acquire().await?;
+        // The guard first: a future dropped while a statement below is in flight closes the
+        // connection rather than pooling it inside the transaction (or, on MySQL, with the
+        // next transaction's isolation level set).
+        let mut snapshot = Snapshot { connection: Some(self.acquire().await?), dialect: self.dialect };
         let (before, begin) = self.dialect.snapshot_statements();
+        let connection = snapshot.connection.as_mut().expect("just taken");
         for statement in before.into_iter().chain([begin]) {
-            if let Err(error) = connection.execute(statement).await {
-                // What the statements left on the session (MySQL's isolation level for the
-                // next transaction) must not reach the pool's next user: the connection goes.
-                drop(connection.detach());
-                return Err(error);
-            }
+            connection.execute(statement).await?;
         }
-        Ok(Snapshot { connection: Some(connection), dialect: self.dialect })
+        Ok(snapshot)
     }
 
     async fn acquire(&self) -> Result<PoolConnection<Any>, sqlx::Error> {
@@ -574,8 +574,8 @@ impl Tx {
 }
 
 /// A read-only transaction whose reads all see one moment (see [`Store::snapshot`]). Dropped
-/// before [`Snapshot::finish`] (an error, a caller gone), its connection is closed instead of
-/// going back to the pool inside the transaction.
+/// before [`Snapshot::finish`] (a driver error, a cancelled future), its connection is closed
+/// (gracefully) instead of going back to the pool inside the transaction.
 pub struct Snapshot {
     /// Taken by `finish` or `drop`.
     connection: Option<PoolConnection<Any>>,
@@ -593,19 +593,18 @@ impl Snapshot {
     /// # Errors
     /// The driver error (the connection is then closed).
     pub async fn finish(mut self) -> Result<(), sqlx::Error> {
-        let mut connection = self.connection.take().expect("open until finished");
-        if let Err(error) = connection.execute("COMMIT").await {
-            drop(connection.detach());
-            return Err(error);
-        }
+        let connection = self.connection.as_mut().expect("open until finished");
+        connection.execute("COMMIT").await?;
+        // Committed: the connection goes back to the pool.
+        drop(self.connection.take());
         Ok(())
     }
 }
 
 impl Drop for Snapshot {
     fn drop(&mut self) {
-        if let Some(connection) = self.connection.take() {
-            drop(connection.detach());
+        if let Some(mut connection) = self.connection.take() {
+            connection.close_on_drop();
         }
     }
 }

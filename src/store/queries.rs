@@ -94,11 +94,6 @@ static FIND_ACCOUNT: Sql = Sql::pair(
     concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = $1"),
     concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"),
 );
-static FIND_ACCOUNT_FOR_UPDATE: Sql = Sql {
-    postgres: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = $1 FOR NO KEY UPDATE"),
-    mysql: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ? FOR UPDATE"),
-    sqlite: concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id = ?"),
-};
 static FIND_TWO_ACCOUNTS: Sql = Sql::pair(
     concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN ($1, $2)"),
     concat!("SELECT ", account_columns!(), " FROM accounts WHERE account_id IN (?, ?)"),
@@ -111,15 +106,6 @@ static INSERT_ACCOUNT: Sql = Sql {
     sqlite: "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 };
-/// The version CAS; `held <= ?` (bound the new balance) keeps an account's active holds
-/// covered even when one was placed after the balance was read (placing a hold changes
-/// `held`, not the version).
-static CAS_BALANCE: Sql = Sql::pair(
-    "UPDATE accounts SET balance = $1, version = version + 1, updated_at = $2 WHERE account_id = $3 AND version = $4 \
-     AND (held = 0 OR held <= $5)",
-    "UPDATE accounts SET balance = ?, version = version + 1, updated_at = ? WHERE account_id = ? AND version = ? \
-     AND (held = 0 OR held <= ?)",
-);
 /// Reserves `?` on a customer account whose available balance covers it.
 static RESERVE_HELD: Sql = Sql::pair(
     "UPDATE accounts SET held = held + $1, updated_at = $2 WHERE account_id = $3 AND kind = 'CUSTOMER' AND balance - held >= $4",
@@ -129,13 +115,6 @@ static RESERVE_HELD: Sql = Sql::pair(
 static RELEASE_HELD: Sql = Sql::pair(
     "UPDATE accounts SET held = held - $1, updated_at = $2 WHERE account_id = $3 AND held >= $4",
     "UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?",
-);
-static INSERT_ENTRY_PAIR: Sql = Sql::pair(
-    concat!(
-    insert_entry_into!(),
-    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11), ($12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)"
-),
-    concat!(insert_entry_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
 );
 static FIND_ENTRY: Sql = Sql::pair(
     concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = $1 AND account_id = $2"),
@@ -824,15 +803,6 @@ impl<'c> Queries<'c> {
             .await
     }
 
-    /// Reads an account and locks its row until the transaction ends (`FOR UPDATE`), so the
-    /// version read cannot change before this transaction's CAS.
-    pub async fn find_account_for_update(&mut self, account_id: &str) -> Result<Option<AccountRow>, sqlx::Error> {
-        sqlx::query_as(FIND_ACCOUNT_FOR_UPDATE.text(self.dialect))
-            .bind(account_id)
-            .fetch_optional(&mut *self.connection)
-            .await
-    }
-
     pub async fn insert_account(&mut self, row: &AccountRow) -> Result<bool, sqlx::Error> {
         let query = self
             .query(&INSERT_ACCOUNT)
@@ -844,36 +814,6 @@ impl<'c> Queries<'c> {
             .bind(row.created_at)
             .bind(row.updated_at);
         self.insert_if_absent(query).await
-    }
-
-    /// The version CAS: sets the balance and bumps the version only if nobody else did
-    /// since `expected_version` was read. False means another writer won.
-    pub async fn cas_balance(
-        &mut self,
-        account_id: &str,
-        new_balance: i64,
-        expected_version: i64,
-        now: i64,
-    ) -> Result<bool, sqlx::Error> {
-        let query = self
-            .query(&CAS_BALANCE)
-            .bind(new_balance)
-            .bind(now)
-            .bind(account_id.to_owned())
-            .bind(expected_version)
-            .bind(new_balance);
-        self.update_one(query).await
-    }
-
-    /// Writes both legs of a posting in one statement.
-    pub async fn insert_entry_pair(&mut self, legs: &[NewEntry<'_>; 2]) -> Result<(), sqlx::Error> {
-        let mut query = sqlx::query(INSERT_ENTRY_PAIR.text(self.dialect));
-        for leg in legs {
-            query = bind_entry(query, leg);
-        }
-        let inserted = query.execute(&mut *self.connection).await?.rows_affected();
-        assert_eq!(inserted, 2, "a posting writes exactly two entries");
-        Ok(())
     }
 
     pub async fn find_entry(&mut self, posting_id: &str, account_id: &str) -> Result<Option<EntryRow>, sqlx::Error> {
@@ -1998,21 +1938,6 @@ fn bind_payment<'q>(query: AnyQuery<'q>, row: &'q PaymentRow) -> AnyQuery<'q> {
         .bind(row.created_by.as_str())
 }
 
-fn bind_entry<'q>(query: AnyQuery<'q>, entry: &NewEntry<'q>) -> AnyQuery<'q> {
-    query
-        .bind(entry.account_id)
-        .bind(entry.currency)
-        .bind(entry.amount)
-        .bind(entry.balance_after)
-        .bind(entry.version_after)
-        .bind(entry.kind)
-        .bind(entry.reference)
-        .bind(entry.posting_id)
-        .bind(entry.counterparty_account_id)
-        .bind(entry.created_at)
-        .bind(entry.created_by)
-}
-
 /// A row of `payment_and_order_select!`.
 fn payment_and_order(row: &AnyRow) -> Result<(PaymentRow, OrderRow), sqlx::Error> {
     let payment = PaymentRow::from_row(row)?;
@@ -2042,13 +1967,10 @@ mod tests {
     fn statements() -> Vec<(&'static str, &'static Sql)> {
         let mut statements: Vec<(&'static str, &'static Sql)> = vec![
             ("FIND_ACCOUNT", &FIND_ACCOUNT),
-            ("FIND_ACCOUNT_FOR_UPDATE", &FIND_ACCOUNT_FOR_UPDATE),
             ("FIND_TWO_ACCOUNTS", &FIND_TWO_ACCOUNTS),
             ("INSERT_ACCOUNT", &INSERT_ACCOUNT),
-            ("CAS_BALANCE", &CAS_BALANCE),
             ("RESERVE_HELD", &RESERVE_HELD),
             ("RELEASE_HELD", &RELEASE_HELD),
-            ("INSERT_ENTRY_PAIR", &INSERT_ENTRY_PAIR),
             ("FIND_ENTRY", &FIND_ENTRY),
             ("LIST_ENTRIES", &LIST_ENTRIES),
             ("FIND_ORDER", &FIND_ORDER),

@@ -4,14 +4,15 @@
 //!
 //! - [`transaction`]: one local transaction per write, committed or rolled back, run again
 //!   from BEGIN after a deadlock or serialization failure;
-//! - [`posting`]: double entry, one posting as two journal entries summing to zero, each
-//!   balance moved by a version CAS (optimistic lock), and the rules of one leg;
+//! - [`posting`]: double entry, one posting as two journal entries summing to zero, and the
+//!   rules of one leg;
 //! - [`invariants`]: the money invariants every write set is checked against before it is
 //!   written, in release builds;
 //! - [`batching`]: the batch workers and their bounded queues, which hand the calls that
 //!   queued up to a writer as one batch, under light load a batch of one;
-//! - [`book`]: the accounts a batch holds under their row locks, moved in memory by its
-//!   postings in arrival order, and the write set it leaves, checked and written.
+//! - [`book`]: the accounts a write holds under their row locks, moved in memory by its
+//!   postings in arrival order, and the write set it leaves, checked and written (each
+//!   balance by a version CAS from the row read under its lock).
 //!
 //! The use cases (`payments`, `accounts`, `holds`) decide what a write does; the group
 //! commit (`group_commit`) is the batch writer that applies their decisions, many in one
