@@ -273,10 +273,9 @@ pub(super) async fn write_together(store: &Store, commands: &[Batched], metrics:
 /// written alone is decided by the same rules, locks and statements as one written with others.
 /// What only a call alone does: a Refund's payment is read first, in the transaction (payments
 /// never change; none is PAYMENT_NOT_FOUND); a Deposit's or Withdraw's funding account, a shard
-/// with no row yet, is created, and the call decided again; a Deposit or Withdraw refused
-/// inserts its request_id before it answers the refusal, so that an original of that request_id
-/// still in flight (one that took it before this call locked the funding account: invisible to
-/// the batch's read) is waited for and answers it, rather than the state it is about to leave.
+/// with no row yet, is created, and the call decided again; a refused call inserts its key
+/// before it answers the refusal ([`key_taken_in_flight`]), so that another call holding that
+/// key, still in flight, is waited for and answers it.
 /// `KeyTaken` when a key of the call (its out_trade_no, the order's one payment, its
 /// out_refund_no, its order, its request_id) was committed by another: the driver then answers
 /// the committed original.
@@ -312,12 +311,12 @@ pub(super) async fn write_alone<C: Batchable>(
         | Decision::RefundedBefore
         | Decision::FundedBefore
         | Decision::CreatedBefore => Ok(Inserted::KeyTaken),
-        Decision::Rejected(error) => match &batched.write {
-            Write::Funding(funding) if !queries.insert_funding(funding.table, &funding.row(now)).await? => {
-                Ok(Inserted::KeyTaken)
+        Decision::Rejected(error) => {
+            if key_taken_in_flight(queries, &batched.write, &payments, now).await? {
+                return Ok(Inserted::KeyTaken);
             }
-            _ => Err(error),
-        },
+            Err(error)
+        }
         // A call alone has no guard of its own in the batch, and nothing else of one call's
         // batch hands it on.
         Decision::Alone
@@ -330,6 +329,39 @@ pub(super) async fn write_alone<C: Batchable>(
         | Decision::Funded(_)
         | Decision::Created(_) => Err(Error::Internal(format!("a {} written alone was left undecided", C::METHOD))),
     }
+}
+
+/// Whether a refused call alone finds its key taken by another call, waiting for it if it is
+/// in flight: its key row is inserted (the caller's transaction then rolls back with the
+/// refusal, the row with it). A call alone checks its rules under its locks before it inserts
+/// its key, so without this an original of its request_id, or another order's call holding its
+/// out_trade_no or out_refund_no, still in flight without the locks it took (a server of an
+/// earlier release inserted its key before its locks) would let it answer the refusal rather
+/// than the original, or OUT_TRADE_NO_REUSED / OUT_REFUND_NO_REUSED. A Pay of an order that
+/// does not exist has no key row to insert; nor has a Transfer (its key is its guard) or a
+/// CreateOrder (its order is its key, read under its lock).
+async fn key_taken_in_flight(
+    queries: &mut Queries<'_>,
+    write: &Write,
+    payments: &PaymentsRead,
+    now: i64,
+) -> Result<bool, Error> {
+    Ok(match write {
+        Write::Funding(funding) => !queries.insert_funding(funding.table, &funding.row(now)).await?,
+        Write::Pay { command, trade_no } => {
+            let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
+            match queries.find_order(merchant_id, order_no).await? {
+                Some(order) => !queries.insert_payment(&new_payment(command, &order, trade_no, now)).await?,
+                None => false,
+            }
+        }
+        Write::Refund { command, refund_no } => {
+            let key = order_key(command.merchant_id.as_str(), command.out_trade_no.as_str());
+            let (payment, _) = payments.get(&key).expect("a Refund alone reads its payment first");
+            !queries.insert_refund(&new_refund(command, payment, refund_no, now)).await?
+        }
+        Write::Transfer { .. } | Write::CreateOrder(_) => false,
+    })
 }
 
 /// The decision of a batch of one, `None` when a key of it was found taken as it wrote.

@@ -2162,6 +2162,37 @@ pub async fn a_refused_withdraw_whose_request_id_in_flight_rolls_back_stays_refu
     assert_eq!(app.rows("journal_entries").await, 0);
 }
 
+/// With group commit off, a Pay refused alone (alice has nothing) while another order's Pay
+/// holds its out_trade_no, not yet committed: the refused Pay inserts its key before it
+/// answers, waits for the other, and once that commits is answered OUT_TRADE_NO_REUSED (the
+/// key names another order), not INSUFFICIENT_FUNDS; nothing of it is written.
+pub async fn a_refused_pay_waits_for_its_out_trade_no_in_flight_and_is_answered_by_it(app: &TestApp) {
+    app.open("alice", "USD").await;
+    app.open("shop", "USD").await;
+    app.create_order("m1", "order-1", "shop", "10.00").await.unwrap();
+    app.create_order("m1", "order-2", "shop", "10.00").await.unwrap();
+    let mut holder = app.raw.begin().await.unwrap();
+    let other = "INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, \
+                 payee_account_id, amount, currency, status, created_at, created_by) VALUES ('T-other', 'm1', \
+                 'pay-x', 'order-2', 'alice', 'shop', 1000, 'USD', 'SUCCEEDED', 1, 'anonymous')";
+    sqlx::query(other).execute(&mut *holder).await.unwrap();
+
+    let mut payments = app.payments.clone();
+    let request = app.pay_request("m1", "pay-x", "order-1", "alice", "10.00");
+    let pay = tokio::spawn(async move { payments.pay(request).await });
+    app.wait_for_a_write_waiting_on("payment_flow").await;
+    holder.commit().await.unwrap();
+    let refused = pay.await.unwrap().expect_err("answered by the key's holder");
+
+    assert_status(&refused, Code::AlreadyExists, "OUT_TRADE_NO_REUSED");
+    assert!(refused.message().contains("order_no"), "{refused:?}");
+    assert_eq!(app.balance("alice").await, "0.00");
+    assert_eq!(app.rows("payment_flow").await, 1, "the other's only");
+    assert_eq!(app.rows("journal_entries").await, 0);
+    // The stand-in moved no money: its row goes, for the audit after the test.
+    sqlx::query("DELETE FROM payment_flow WHERE trade_no = 'T-other'").execute(&app.raw).await.unwrap();
+}
+
 /// With four funding shards, a Deposit whose shard has no row yet runs alone (its transaction
 /// creates the shard); once every shard exists, Deposits of every shard share one batch.
 pub async fn deposits_over_funding_shards_are_group_committed_once_each_shard_exists(app: &TestApp) {

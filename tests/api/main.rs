@@ -71,6 +71,7 @@ row_lock_suite!(
     a_second_caller_is_served_beside_a_batch_of_one_waiting_for_a_row_lock,
     a_refused_withdraw_waits_for_its_request_id_in_flight_and_is_answered_by_it,
     a_refused_withdraw_whose_request_id_in_flight_rolls_back_stays_refused,
+    a_refused_pay_waits_for_its_out_trade_no_in_flight_and_is_answered_by_it => one_by_one,
     the_sweeper_skips_an_order_another_transaction_holds,
     a_retry_its_batch_found_answered_stays_answered_when_its_key_expires_under_the_batch => short_lived,
 );
