@@ -12,7 +12,7 @@ use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
 use super::response;
 use super::tokens::IssuedToken;
-use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use super::{new_id, now_micros, read_ended, Identified, Inserted, Ledger, Replayable};
 
 /// The per-currency funding account: the counterparty of deposits and withdrawals, and the
 /// only account allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
@@ -204,12 +204,7 @@ impl Ledger {
         // The account's existence and its page, at one moment.
         let mut snapshot = self.store.snapshot().await?;
         let page = Self::entry_page(&mut snapshot.queries(), request).await;
-        // ACCOUNT_NOT_FOUND is an answer too: the snapshot ends cleanly; after a driver error
-        // it is dropped, and its connection closed.
-        if !matches!(page, Err(Error::Database(_))) {
-            snapshot.finish().await?;
-        }
-        page
+        read_ended(snapshot, page).await
     }
 
     /// [`Ledger::list_entries`]'s reads, in the caller's snapshot.

@@ -177,17 +177,14 @@ pub(super) async fn release_hold(
     Ok(Some(HoldReceipt { hold, order }))
 }
 
-/// A Capture's posting, through the engine's book and write set as every posting is: its two
-/// accounts read under their locks, the posting applied by a single posting's rules, and its
-/// balances and entries written, checked against the money invariants.
+/// A Capture's posting, through the engine's book and write set as every posting is: applied
+/// to its two accounts as `book` holds them under their locks, by a single posting's rules, and
+/// its balances and entries written, checked against the money invariants.
 ///
 /// # Errors
 /// The rules of a leg ([`Book::post`]); [`Error::InvariantBroken`] (nothing written);
 /// [`Error::Contention`] if a version moved under the lock (it cannot).
-async fn move_money(queries: &mut Queries<'_>, posting: Posting<'_>, now: i64) -> Result<(), Error> {
-    // Read again under the locks (taken already, see the body), as the hold's release left them.
-    let account_ids = sorted_pair(posting.from_account_id, posting.to_account_id);
-    let mut book = Book::locked(queries.lock_accounts(&account_ids).await?);
+async fn move_money(queries: &mut Queries<'_>, mut book: Book, posting: Posting<'_>, now: i64) -> Result<(), Error> {
     let legs = book.post(&posting)?;
     let set = WriteSet { postings: vec![(posting, legs)], ..WriteSet::default() };
     if !book::write(queries, &set, &book, now).await? {
@@ -460,7 +457,8 @@ impl IdempotentCall for Identified<Capture> {
         }
         // The two accounts locked now, in account_id order, before the payer's row is written
         // below: the ledger's one lock order (orders, then accounts by account_id).
-        queries.lock_accounts(&sorted_pair(&payment.payer_account_id, &payment.payee_account_id)).await?;
+        let mut accounts =
+            queries.lock_accounts(&sorted_pair(&payment.payer_account_id, &payment.payee_account_id)).await?;
         let out_trade_no = payment.out_trade_no.as_str();
         if !queries.capture_order(merchant_id, &order.order_no, out_trade_no, captured, now).await?
             || !queries.settle_hold(&hold.hold_no, HOLD_CAPTURED, captured, Some(out_trade_no), now).await?
@@ -472,7 +470,11 @@ impl IdempotentCall for Identified<Capture> {
         if !queries.release_held(&hold.payer_account_id, hold.amount, now).await? {
             return Err(Error::Internal("an account holds less than its active hold".into()));
         }
-        move_money(queries, payment_posting(&payment), now).await?;
+        // The rows as read under the locks, and the release just made.
+        for account in accounts.iter_mut().filter(|account| account.account_id == hold.payer_account_id) {
+            account.held -= hold.amount;
+        }
+        move_money(queries, Book::locked(accounts), payment_posting(&payment), now).await?;
         let order = OrderRow {
             status: next.status.as_str().to_owned(),
             amount: captured,

@@ -64,7 +64,7 @@ pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
 use crate::metrics::{LedgerMetrics, Mechanism};
-use crate::store::{AuditViolation, Store};
+use crate::store::{AuditViolation, Snapshot, Store};
 
 /// Stored records, as the use cases return them.
 pub mod records {
@@ -263,6 +263,19 @@ impl Ledger {
     pub async fn ping(&self) -> Result<(), Error> {
         Ok(self.store.reader().await?.ping().await?)
     }
+}
+
+/// The answer of reads at one moment (`outcome`), the snapshot ended: finished whatever the
+/// reads found (a key not found is an answer too, and the connection goes back to the pool),
+/// except after a driver error, when it is dropped and its connection closed.
+///
+/// # Errors
+/// The reads' error; then [`Error::Database`] when the snapshot cannot end.
+async fn read_ended<T>(snapshot: Snapshot, outcome: Result<T, Error>) -> Result<T, Error> {
+    if !matches!(outcome, Err(Error::Database(_))) {
+        snapshot.finish().await?;
+    }
+    outcome
 }
 
 /// Now, in microseconds since the Unix epoch.

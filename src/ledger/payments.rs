@@ -15,7 +15,7 @@ use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::response;
-use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use super::{new_id, now_micros, read_ended, Identified, Inserted, Ledger, Replayable};
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -613,12 +613,7 @@ impl Ledger {
         // order that does not count them yet.
         let mut snapshot = self.store.snapshot().await?;
         let details = Self::order_details(&mut snapshot.queries(), merchant_id, key).await;
-        // A key not found is an answer too: the snapshot ends cleanly and its connection is
-        // pooled again; after a driver error it is dropped, and its connection closed.
-        if !matches!(details, Err(Error::Database(_))) {
-            snapshot.finish().await?;
-        }
-        details
+        read_ended(snapshot, details).await
     }
 
     /// [`Ledger::query`]'s reads, in the caller's snapshot.

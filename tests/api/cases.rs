@@ -2111,23 +2111,9 @@ pub async fn a_request_id_taken_under_a_group_commit_is_replayed_and_the_rest_of
 /// once it commits, the Withdraw is answered by it (REQUEST_ID_REUSED: another account), not
 /// INSUFFICIENT_FUNDS. Nothing of the refused Withdraw is written.
 pub async fn a_refused_withdraw_waits_for_its_request_id_in_flight_and_is_answered_by_it(app: &TestApp) {
-    app.open("bob", "USD").await;
-    app.open("carol", "USD").await;
-    let mut holder = app.raw.begin().await.unwrap();
-    let original = "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, \
-                    created_by) VALUES ('wq', 'W-original', 'carol', 500, 'USD', 1, 'anonymous')";
-    sqlx::query(original).execute(&mut *holder).await.unwrap();
-
-    let ledger = app.ledger.clone();
-    let batch = tokio::spawn(async move {
-        ledger.write_together(vec![(funding_command("wq", "bob", "5.00", "USD", true), guards(None, None))]).await
-    });
-    app.wait_for_a_write_waiting_on("withdrawals").await;
-    holder.commit().await.unwrap();
-    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
-
-    let refused = answers[0].as_ref().expect_err("answered by the committed original");
-    assert_status(refused, Code::AlreadyExists, "REQUEST_ID_REUSED");
+    let refused = withdraw_bob_while_carol_holds_its_request_id(app, "wq", true).await;
+    let refused = refused.expect_err("answered by the committed original");
+    assert_status(&refused, Code::AlreadyExists, "REQUEST_ID_REUSED");
     assert!(refused.message().contains("account_id"), "{refused:?}");
     assert_eq!(app.balance("bob").await, "0.00");
     assert_eq!(app.rows("withdrawals").await, 1, "the original's only");
@@ -2140,26 +2126,44 @@ pub async fn a_refused_withdraw_waits_for_its_request_id_in_flight_and_is_answer
 /// probe insert then takes the request_id, and the refusal stands (INSUFFICIENT_FUNDS), with
 /// nothing of the Withdraw written (the probe rolls back with it).
 pub async fn a_refused_withdraw_whose_request_id_in_flight_rolls_back_stays_refused(app: &TestApp) {
-    app.open("bob", "USD").await;
-    app.open("carol", "USD").await;
-    let mut holder = app.raw.begin().await.unwrap();
-    let original = "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, \
-                    created_by) VALUES ('wr', 'W-original', 'carol', 500, 'USD', 1, 'anonymous')";
-    sqlx::query(original).execute(&mut *holder).await.unwrap();
-
-    let ledger = app.ledger.clone();
-    let batch = tokio::spawn(async move {
-        ledger.write_together(vec![(funding_command("wr", "bob", "5.00", "USD", true), guards(None, None))]).await
-    });
-    app.wait_for_a_write_waiting_on("withdrawals").await;
-    holder.rollback().await.unwrap();
-    let answers: Vec<_> = batch.await.unwrap().into_iter().map(|answer| answer.map_err(tonic::Status::from)).collect();
-
-    let refused = answers[0].as_ref().expect_err("bob has nothing to withdraw");
-    assert_status(refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    let refused = withdraw_bob_while_carol_holds_its_request_id(app, "wr", false).await;
+    let refused = refused.expect_err("bob has nothing to withdraw");
+    assert_status(&refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
     assert_eq!(app.balance("bob").await, "0.00");
     assert_eq!(app.rows("withdrawals").await, 0, "neither the other call's nor the probe's");
     assert_eq!(app.rows("journal_entries").await, 0);
+}
+
+/// A Withdraw of 5.00 from bob (who has nothing), in a batch, while an uncommitted Withdraw of
+/// carol's holds `request_id`; once the Withdraw waits on that request_id, the holder commits
+/// (`commit`) or rolls back. The Withdraw's answer.
+async fn withdraw_bob_while_carol_holds_its_request_id(
+    app: &TestApp,
+    request_id: &'static str,
+    commit: bool,
+) -> Result<payledger::ledger::Replayable<BatchAnswer>, tonic::Status> {
+    app.open("bob", "USD").await;
+    app.open("carol", "USD").await;
+    let mut holder = app.raw.begin().await.unwrap();
+    let original = format!(
+        "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by) \
+         VALUES ('{request_id}', 'W-original', 'carol', 500, 'USD', 1, 'anonymous')"
+    );
+    sqlx::query(&original).execute(&mut *holder).await.unwrap();
+
+    let ledger = app.ledger.clone();
+    let batch = tokio::spawn(async move {
+        let withdraw = funding_command(request_id, "bob", "5.00", "USD", true);
+        ledger.write_together(vec![(withdraw, guards(None, None))]).await
+    });
+    app.wait_for_a_write_waiting_on("withdrawals").await;
+    if commit {
+        holder.commit().await.unwrap();
+    } else {
+        holder.rollback().await.unwrap();
+    }
+    let mut answers = batch.await.unwrap();
+    answers.pop().expect("one answer").map_err(tonic::Status::from)
 }
 
 /// With group commit off, a Pay refused alone (alice has nothing) while another order's Pay
