@@ -5,10 +5,14 @@
 //! close the order.
 //!
 //! Every step locks the order's row first (`FOR UPDATE`) and only then reads the hold, so all
-//! the steps of one order, and the sweeper, take their turns on that one lock; each write is
-//! still a conditional UPDATE from the state it requires (hold `ACTIVE`, order `PENDING` or
-//! `AUTHORIZED`), and `held` changes only by `held = held +/- amount` with its bound in the
-//! predicate.
+//! the steps of one order, and the sweeper, take their turns on that one lock; then the
+//! payer's account (and a Capture's payee), in account_id order. Each order transition is a
+//! conditional UPDATE from the state it requires (order `PENDING` or `AUTHORIZED`). What a
+//! step does to money goes through the write engine as every write's does: the hold reserved
+//! ([`Book::reserve`]) or released ([`Book::release`]) and a Capture's posting applied to the
+//! accounts as read under their locks, then the write set (the new or settled hold, the new
+//! `held` and balances by version CAS, the entries) checked against the money invariants and
+//! written ([`book::write`]).
 
 use crate::domain::{CloseReason, OrderEvent, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
@@ -16,8 +20,7 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
 
 use super::commands::{Authorize, Capture, Void};
-use super::engine::book::{self, Book, WriteSet};
-use super::engine::posting::Posting;
+use super::engine::book::{self, Book, SettledHold, WriteSet};
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
@@ -157,14 +160,18 @@ pub(super) async fn release_hold(
     };
     let reason = next.close_reason.ok_or_else(|| Error::Internal("a released hold's order is not closed".into()))?;
     let hold_status = if reason == CloseReason::HoldExpired { HOLD_EXPIRED } else { HOLD_VOIDED };
-    if hold.status != HOLD_ACTIVE || !queries.settle_hold(&hold.hold_no, hold_status, 0, None, now).await? {
+    if hold.status != HOLD_ACTIVE {
         return Err(Error::Contention);
-    }
-    if !queries.release_held(&hold.payer_account_id, hold.amount, now).await? {
-        return Err(Error::Internal("an account holds less than its active hold".into()));
     }
     let (merchant_id, order_no) = (order.merchant_id.as_str(), order.order_no.as_str());
     if !queries.close_authorized_order(merchant_id, order_no, reason.as_str(), now).await? {
+        return Err(Error::Contention);
+    }
+    let mut book = Book::locked(queries.lock_accounts(&[hold.payer_account_id.as_str()]).await?);
+    book.release(hold)?;
+    let settled = SettledHold { hold, status: hold_status, captured_amount: 0, out_trade_no: None };
+    let set = WriteSet { settled_holds: vec![settled], ..WriteSet::default() };
+    if !book::write(queries, &set, &book, now).await? {
         return Err(Error::Contention);
     }
     let hold = HoldRow { status: hold_status.to_owned(), updated_at: now, ..hold.clone() };
@@ -175,22 +182,6 @@ pub(super) async fn release_hold(
         ..order.clone()
     };
     Ok(Some(HoldReceipt { hold, order }))
-}
-
-/// A Capture's posting, through the engine's book and write set as every posting is: applied
-/// to its two accounts as `book` holds them under their locks, by a single posting's rules, and
-/// its balances and entries written, checked against the money invariants.
-///
-/// # Errors
-/// The rules of a leg ([`Book::post`]); [`Error::InvariantBroken`] (nothing written);
-/// [`Error::Contention`] if a version moved under the lock (it cannot).
-async fn move_money(queries: &mut Queries<'_>, mut book: Book, posting: Posting<'_>, now: i64) -> Result<(), Error> {
-    let legs = book.post(&posting)?;
-    let set = WriteSet { postings: vec![(posting, legs)], ..WriteSet::default() };
-    if !book::write(queries, &set, &book, now).await? {
-        return Err(Error::Contention);
-    }
-    Ok(())
 }
 
 /// Two account ids in ascending order, the order their rows are locked in.
@@ -316,8 +307,9 @@ impl IdempotentCall for NewHold {
         if order.payee_account_id == command.payer_account_id.as_str() {
             return Err(Rejection::PayerIsPayee.into());
         }
-        let payer =
-            queries.find_account(command.payer_account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))?;
+        let payer_account_id = command.payer_account_id.as_str();
+        let mut book = Book::locked(queries.lock_accounts(&[payer_account_id]).await?);
+        let payer = book.get(payer_account_id).ok_or(Error::NotFound(Resource::Account))?;
         if payer.currency != order.currency {
             return Err(Rejection::CurrencyMismatch.into());
         }
@@ -326,7 +318,7 @@ impl IdempotentCall for NewHold {
             merchant_id: merchant_id.to_owned(),
             out_auth_no: command.out_auth_no.as_str().to_owned(),
             order_no: order_no.to_owned(),
-            payer_account_id: payer.account_id.clone(),
+            payer_account_id: payer_account_id.to_owned(),
             amount: order.amount,
             currency: order.currency.clone(),
             status: HOLD_ACTIVE.to_owned(),
@@ -337,14 +329,18 @@ impl IdempotentCall for NewHold {
             updated_at: now,
             created_by: command.created_by.created_by().to_owned(),
         };
-        if !queries.insert_hold(&hold).await? {
-            return Ok(Inserted::KeyTaken);
+        if let Err(refusal) = book.reserve(&hold) {
+            // Its out_auth_no inserted before the refusal is answered (the transaction rolls
+            // back with it): an original of it still in flight on another order is waited for
+            // and answers instead (a replay, or OUT_AUTH_NO_REUSED).
+            return if queries.insert_hold(&hold).await? { Err(refusal) } else { Ok(Inserted::KeyTaken) };
         }
         if !queries.authorize_order(merchant_id, order_no, now).await? {
             return Err(Error::Contention);
         }
-        if !queries.reserve_held(&hold.payer_account_id, hold.amount, now).await? {
-            return Err(Rejection::InsufficientFunds.into());
+        let set = WriteSet { holds: vec![hold.clone()], ..WriteSet::default() };
+        if !book::write(queries, &set, &book, now).await? {
+            return Ok(Inserted::KeyTaken);
         }
         let order = OrderRow { status: next.status.as_str().to_owned(), updated_at: now, ..order };
         Ok(Inserted::Done(HoldReceipt { hold, order }))
@@ -457,24 +453,28 @@ impl IdempotentCall for Identified<Capture> {
         }
         // The two accounts locked now, in account_id order, before the payer's row is written
         // below: the ledger's one lock order (orders, then accounts by account_id).
-        let mut accounts =
+        let accounts =
             queries.lock_accounts(&sorted_pair(&payment.payer_account_id, &payment.payee_account_id)).await?;
         let out_trade_no = payment.out_trade_no.as_str();
-        if !queries.capture_order(merchant_id, &order.order_no, out_trade_no, captured, now).await?
-            || !queries.settle_hold(&hold.hold_no, HOLD_CAPTURED, captured, Some(out_trade_no), now).await?
-        {
+        if !queries.capture_order(merchant_id, &order.order_no, out_trade_no, captured, now).await? {
             return Err(Error::Contention);
         }
-        // The whole hold is released before the money moves, so the payer's CAS sees what
+        // The whole hold is released before the money moves, so the payer's leg sees what
         // stays reserved by its other holds only.
-        if !queries.release_held(&hold.payer_account_id, hold.amount, now).await? {
-            return Err(Error::Internal("an account holds less than its active hold".into()));
+        let mut book = Book::locked(accounts);
+        book.release(&hold)?;
+        let posting = payment_posting(&payment);
+        let legs = book.post(&posting)?;
+        let settled = SettledHold {
+            hold: &hold,
+            status: HOLD_CAPTURED,
+            captured_amount: captured,
+            out_trade_no: Some(out_trade_no),
+        };
+        let set = WriteSet { settled_holds: vec![settled], postings: vec![(posting, legs)], ..WriteSet::default() };
+        if !book::write(queries, &set, &book, now).await? {
+            return Err(Error::Contention);
         }
-        // The rows as read under the locks, and the release just made.
-        for account in accounts.iter_mut().filter(|account| account.account_id == hold.payer_account_id) {
-            account.held -= hold.amount;
-        }
-        move_money(queries, Book::locked(accounts), payment_posting(&payment), now).await?;
         let order = OrderRow {
             status: next.status.as_str().to_owned(),
             amount: captured,

@@ -11,7 +11,7 @@
 //! | Pay          | unique (merchant_id, out_trade_no), then `WHERE status = 'PENDING'` |
 //! | Refund       | unique (merchant_id, out_refund_no), then the order's refund CAS  |
 //! | Authorize    | unique (merchant_id, out_auth_no) and one hold per order, then    |
-//! |              | `WHERE status = 'PENDING'`, then `held + amount` within balance   |
+//! |              | `WHERE status = 'PENDING'`, then `held` by version CAS            |
 //! | Capture      | unique (merchant_id, out_trade_no) as Pay, then `WHERE status =   |
 //! |              | 'AUTHORIZED'` and the hold `WHERE status = 'ACTIVE'`              |
 //! | Void         | the hold `WHERE status = 'ACTIVE'`, the order `'AUTHORIZED'`      |
@@ -31,9 +31,10 @@
 //! a batch's book and write set. Each use case makes its posting and checks its accounts once
 //! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...). Pays, Refunds, Transfers,
 //! Deposits, Withdraws and CreateOrders are all written by `group_commit`, in batches or alone
-//! as a batch of one; OpenAccount, CloseOrder and the hold steps still write in transaction
-//! bodies of their own (Capture's money through the engine's book and write set). The write path is explained once,
-//! in `docs/write-engine.md`.
+//! as a batch of one; OpenAccount, CloseOrder and the hold steps still decide in transaction
+//! bodies of their own, and the hold steps write what they do to money (holds reserved and
+//! released, a Capture's posting) through the engine's book and write set. The write path is
+//! explained once, in `docs/write-engine.md`.
 
 mod accounts;
 mod commands;

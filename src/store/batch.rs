@@ -443,16 +443,18 @@ pub(super) static MARK_ORDERS_PAID: StepSql = StepSql {
              AND orders.status = 'PENDING'",
 };
 
-/// One version CAS an account, for rows `[account_id, balance, expected_version, version]`,
-/// then `updated_at`.
+/// One version CAS an account, for rows `[account_id, balance, expected_version, version,
+/// held]`, then `updated_at`.
 pub(super) static CAS_BALANCES: StepSql = StepSql {
     mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
             k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
-            k_balance BIGINT PATH '$[1]', k_expected_version BIGINT PATH '$[2]', k_version BIGINT PATH '$[3]')) AS k \
+            k_balance BIGINT PATH '$[1]', k_expected_version BIGINT PATH '$[2]', k_version BIGINT PATH '$[3]', \
+            k_held BIGINT PATH '$[4]')) AS k \
             STRAIGHT_JOIN accounts FORCE INDEX (PRIMARY) ON accounts.account_id = k.k_account_id AND accounts.version = k.k_expected_version \
-            SET accounts.balance = k.k_balance, accounts.version = k.k_version, accounts.updated_at = ?",
+            SET accounts.balance = k.k_balance, accounts.version = k.k_version, accounts.held = k.k_held, \
+            accounts.updated_at = ?",
     sqlite: "UPDATE accounts SET balance = json_extract(k.value, '$[1]'), version = json_extract(k.value, '$[3]'), \
-             updated_at = ?2 FROM json_each(?1) AS k \
+             held = json_extract(k.value, '$[4]'), updated_at = ?2 FROM json_each(?1) AS k \
              WHERE accounts.account_id = json_extract(k.value, '$[0]') AND accounts.version = json_extract(k.value, '$[2]')",
 };
 
@@ -674,10 +676,10 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     },
     WritePart {
         name: "a",
-        arrays: 4,
-        text: "UPDATE accounts SET balance = k.balance, version = k.version, updated_at = {now} \
-               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[]) \
-               AS k(account_id, balance, expected_version, version) \
+        arrays: 5,
+        text: "UPDATE accounts SET balance = k.balance, version = k.version, held = k.held, updated_at = {now} \
+               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[]) \
+               AS k(account_id, balance, expected_version, version, held) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
                AND moved.version = k.expected_version LIMIT 1) AS found \
                WHERE accounts.ctid = found.row_id RETURNING 1",
@@ -865,7 +867,7 @@ mod tests {
         assert_eq!(postgres_write_shape(&postings_alone), (1 << 10) - 1);
         let text = write_batch_postgres(0b1111);
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
-        assert!(text.contains("$30") && !text.contains("$31") && !text.contains('{'), "{text}");
+        assert!(text.contains("$31") && !text.contains("$32") && !text.contains('{'), "{text}");
         assert!(text.ends_with("(SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)"), "{text}");
     }
 
@@ -906,7 +908,7 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$77") && !every_part.contains("$78") && !every_part.contains('{'));
+        assert!(every_part.contains("$78") && !every_part.contains("$79") && !every_part.contains('{'));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

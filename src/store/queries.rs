@@ -106,16 +106,6 @@ static INSERT_ACCOUNT: Sql = Sql {
     sqlite: "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
      VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 };
-/// Reserves `?` on a customer account whose available balance covers it.
-static RESERVE_HELD: Sql = Sql::pair(
-    "UPDATE accounts SET held = held + $1, updated_at = $2 WHERE account_id = $3 AND kind = 'CUSTOMER' AND balance - held >= $4",
-    "UPDATE accounts SET held = held + ?, updated_at = ? WHERE account_id = ? AND kind = 'CUSTOMER' AND balance - held >= ?",
-);
-/// Releases `?` of an account's holds.
-static RELEASE_HELD: Sql = Sql::pair(
-    "UPDATE accounts SET held = held - $1, updated_at = $2 WHERE account_id = $3 AND held >= $4",
-    "UPDATE accounts SET held = held - ?, updated_at = ? WHERE account_id = ? AND held >= ?",
-);
 static FIND_ENTRY: Sql = Sql::pair(
     concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = $1 AND account_id = $2"),
     concat!("SELECT ", entry_columns!(), " FROM journal_entries WHERE posting_id = ? AND account_id = ?"),
@@ -943,19 +933,6 @@ impl<'c> Queries<'c> {
         self.update_one(query).await
     }
 
-    /// Reserves `amount` (minor units) on a customer account whose balance minus its holds
-    /// covers it; false when it does not (or the account is not a customer account).
-    pub async fn reserve_held(&mut self, account_id: &str, amount: i64, now: i64) -> Result<bool, sqlx::Error> {
-        let query = self.query(&RESERVE_HELD).bind(amount).bind(now).bind(account_id.to_owned()).bind(amount);
-        self.update_one(query).await
-    }
-
-    /// Releases `amount` (minor units) of an account's holds; false when it holds less.
-    pub async fn release_held(&mut self, account_id: &str, amount: i64, now: i64) -> Result<bool, sqlx::Error> {
-        let query = self.query(&RELEASE_HELD).bind(amount).bind(now).bind(account_id.to_owned()).bind(amount);
-        self.update_one(query).await
-    }
-
     /// Records a hold; false when its out_auth_no, or its order's one hold, is taken.
     pub async fn insert_hold(&mut self, row: &HoldRow) -> Result<bool, sqlx::Error> {
         let query = self
@@ -1539,7 +1516,7 @@ impl<'c> Queries<'c> {
             .iter()
             .map(|row| [Value::Text(&row.merchant_id), Value::Text(&row.order_no), Value::Text(&row.out_trade_no)])
             .collect();
-        let balances: Vec<[Value<'_>; 4]> = written
+        let balances: Vec<[Value<'_>; 5]> = written
             .balances
             .iter()
             .map(|update| {
@@ -1548,6 +1525,7 @@ impl<'c> Queries<'c> {
                     Value::Int(update.balance),
                     Value::Int(update.expected_version),
                     Value::Int(update.version),
+                    Value::Int(update.held),
                 ]
             })
             .collect();
@@ -1969,8 +1947,6 @@ mod tests {
             ("FIND_ACCOUNT", &FIND_ACCOUNT),
             ("FIND_TWO_ACCOUNTS", &FIND_TWO_ACCOUNTS),
             ("INSERT_ACCOUNT", &INSERT_ACCOUNT),
-            ("RESERVE_HELD", &RESERVE_HELD),
-            ("RELEASE_HELD", &RELEASE_HELD),
             ("FIND_ENTRY", &FIND_ENTRY),
             ("LIST_ENTRIES", &LIST_ENTRIES),
             ("FIND_ORDER", &FIND_ORDER),

@@ -153,12 +153,15 @@ pub struct NewEntry<'a> {
     pub created_by: &'a str,
 }
 
-/// A new balance for one account, written by version CAS: only if the stored version is
-/// still `expected_version`, and then the version becomes `version`.
+/// A new balance and held amount for one account (minor units), written by version CAS:
+/// only if the stored version is still `expected_version`, and then the version becomes
+/// `version` (unchanged when only `held` moves: a hold reserved or released posts no entry).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BalanceUpdate<'a> {
     pub account_id: &'a str,
     pub balance: i64,
+    /// What the account's active holds reserve after the write.
+    pub held: i64,
     pub expected_version: i64,
     pub version: i64,
 }

@@ -1,25 +1,28 @@
-//! The accounts one batch holds under their row locks, moved in memory by its postings in the
-//! order its writes are applied, and the write set it leaves: checked against the money
-//! invariants, then written (on PostgreSQL in one statement).
+//! The accounts one batch holds under their row locks, moved in memory by its postings and
+//! holds in the order its writes are applied, and the write set it leaves: checked against the
+//! money invariants, then written (its rows, balances and entries on PostgreSQL in one
+//! statement; a hold reserved or settled by one statement of its own).
 
 use std::collections::BTreeMap;
 
+use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, FundingRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries, RefundRow,
-    TransferRow,
+    AccountRow, BalanceUpdate, BatchWrite, FundingRow, HoldRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries,
+    RefundRow, TransferRow,
 };
 
-use super::invariants::{self, AccountMove};
-use super::posting::{balance_after, balance_floor, Legs, Posting};
+use super::invariants::{self, AccountMove, HoldMove};
+use super::posting::{balance_after, balance_floor, Legs, Posting, KIND_CUSTOMER};
 
 /// One account as a batch moves it: the row as read under its lock, moved by the postings
-/// applied so far.
+/// and holds applied so far.
 #[derive(Clone)]
 struct Ledgered {
     row: AccountRow,
     read_version: i64,
     read_balance: i64,
+    read_held: i64,
 }
 
 /// The accounts a batch locked, by account_id, as the postings applied so far leave them.
@@ -33,7 +36,10 @@ impl Book {
     pub(in crate::ledger) fn locked(rows: Vec<AccountRow>) -> Self {
         let accounts = rows
             .into_iter()
-            .map(|row| (row.account_id.clone(), Ledgered { read_version: row.version, read_balance: row.balance, row }))
+            .map(|row| {
+                let read = Ledgered { read_version: row.version, read_balance: row.balance, read_held: row.held, row };
+                (read.row.account_id.clone(), read)
+            })
             .collect();
         Self { accounts }
     }
@@ -70,16 +76,71 @@ impl Book {
         Ok(after)
     }
 
-    /// The accounts the postings moved.
+    /// Reserves a new hold's amount on its payer (a customer account of the hold's currency
+    /// whose balance minus what its holds reserve already covers it), or changes nothing and
+    /// says why. The account's version does not move: a hold posts no entry.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] (ACCOUNT), [`Rejection::CurrencyMismatch`],
+    /// [`Rejection::InsufficientFunds`] (also for an account that is not a customer's).
+    pub(in crate::ledger) fn reserve(&mut self, hold: &HoldRow) -> Result<(), Error> {
+        let account = self.accounts.get_mut(&hold.payer_account_id).ok_or(Error::NotFound(Resource::Account))?;
+        let row = &mut account.row;
+        if row.currency != hold.currency {
+            return Err(Rejection::CurrencyMismatch.into());
+        }
+        let held = row.held.checked_add(hold.amount).filter(|held| *held <= row.balance);
+        match held {
+            Some(held) if row.kind == KIND_CUSTOMER && hold.amount > 0 => row.held = held,
+            _ => return Err(Rejection::InsufficientFunds.into()),
+        }
+        Ok(())
+    }
+
+    /// Releases an ACTIVE hold's amount from its payer, as the hold is settled (captured,
+    /// voided or expired).
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when the account is not locked or holds less than the hold.
+    pub(in crate::ledger) fn release(&mut self, hold: &HoldRow) -> Result<(), Error> {
+        let account = self
+            .accounts
+            .get_mut(&hold.payer_account_id)
+            .ok_or_else(|| Error::Internal("a hold's payer is not locked".into()))?;
+        if account.row.held < hold.amount {
+            return Err(Error::Internal("an account holds less than its active hold".into()));
+        }
+        account.row.held -= hold.amount;
+        Ok(())
+    }
+
+    /// The accounts the postings and holds moved.
     fn moved(&self) -> impl Iterator<Item = &Ledgered> {
-        self.accounts.values().filter(|account| account.row.version != account.read_version)
+        self.accounts
+            .values()
+            .filter(|account| account.row.version != account.read_version || account.row.held != account.read_held)
     }
 }
 
-/// What one batch writes: new rows by table, the orders its refunds move, and its postings
-/// with the (balance, version) each leg left, in the order they were applied.
+/// An ACTIVE hold a write settles, and how: `CAPTURED` (with the captured amount and the
+/// capture's out_trade_no), `VOIDED` or `EXPIRED`. Its whole amount is released from its payer.
+pub(in crate::ledger) struct SettledHold<'a> {
+    /// The hold as read under its order's lock.
+    pub(in crate::ledger) hold: &'a HoldRow,
+    pub(in crate::ledger) status: &'static str,
+    pub(in crate::ledger) captured_amount: i64,
+    pub(in crate::ledger) out_trade_no: Option<&'a str>,
+}
+
+/// What one batch writes: new rows by table, the orders its refunds move, the holds it
+/// reserves and settles, and its postings with the (balance, version) each leg left, in the
+/// order they were applied.
 #[derive(Default)]
 pub(in crate::ledger) struct WriteSet<'a> {
+    /// New ACTIVE holds, each reserved on its payer ([`Book::reserve`]).
+    pub(in crate::ledger) holds: Vec<HoldRow>,
+    /// ACTIVE holds settled, each released from its payer ([`Book::release`]).
+    pub(in crate::ledger) settled_holds: Vec<SettledHold<'a>>,
     pub(in crate::ledger) orders: Vec<OrderRow>,
     pub(in crate::ledger) payments: Vec<PaymentRow>,
     pub(in crate::ledger) refunds: Vec<RefundRow>,
@@ -90,10 +151,11 @@ pub(in crate::ledger) struct WriteSet<'a> {
     pub(in crate::ledger) postings: Vec<(Posting<'a>, Legs)>,
 }
 
-/// Writes `set` and the balances `book` moved (one version CAS per account: an account moved
-/// N times moves N versions at once), the entries of each posting in order, so that every entry
-/// records its account's balance and version right after it; at `now` (microseconds since the
-/// epoch). False when a key, an order's state or a version was taken under the batch (roll
+/// Writes `set` and the balances and held amounts `book` moved (one version CAS per account:
+/// an account moved N times moves N versions at once), the entries of each posting in order,
+/// so that every entry records its account's balance and version right after it; at `now`
+/// (microseconds since the epoch). False when a key (a hold's out_auth_no or its order's one
+/// hold among them), an order's or hold's state or a version was taken under the batch (roll
 /// back).
 ///
 /// # Errors
@@ -109,6 +171,7 @@ pub(in crate::ledger) async fn write(
         .map(|account| BalanceUpdate {
             account_id: &account.row.account_id,
             balance: account.row.balance,
+            held: account.row.held,
             expected_version: account.read_version,
             version: account.row.version,
         })
@@ -121,11 +184,19 @@ pub(in crate::ledger) async fn write(
             version_before: account.read_version,
             balance_after: account.row.balance,
             version_after: account.row.version,
+            held_before: account.read_held,
+            held_after: account.row.held,
             floor: balance_floor(&account.row),
         })
         .collect();
     let entries: Vec<NewEntry<'_>> =
         set.postings.iter().flat_map(|(posting, legs)| posting.entries(*legs, now)).collect();
+    let reserved = set.holds.iter().map(|hold| HoldMove { account_id: &hold.payer_account_id, amount: hold.amount });
+    let released = set
+        .settled_holds
+        .iter()
+        .map(|settled| HoldMove { account_id: &settled.hold.payer_account_id, amount: -settled.hold.amount });
+    let holds: Vec<HoldMove<'_>> = reserved.chain(released).collect();
     let written = BatchWrite {
         payments: &set.payments,
         refunds: &set.refunds,
@@ -138,20 +209,35 @@ pub(in crate::ledger) async fn write(
         entries: &entries,
         now,
     };
-    write_checked(queries, &moves, &written).await
+    write_checked(queries, &moves, &holds, set, &written).await
 }
 
-/// Checks the write set's money invariants ([`invariants::check`]), then writes it: false when a
-/// key, an order's state or a version was taken under the batch (roll back).
+/// Checks the write set's money invariants ([`invariants::check`]), then writes it: its holds
+/// (one statement each: reserves and settlements are rare and one a call), then its rows,
+/// balances and entries. False when a key, an order's or hold's state or a version was taken
+/// under the batch (roll back).
 ///
 /// # Errors
 /// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
 async fn write_checked(
     queries: &mut Queries<'_>,
     moves: &[AccountMove<'_>],
+    holds: &[HoldMove<'_>],
+    set: &WriteSet<'_>,
     written: &BatchWrite<'_>,
 ) -> Result<bool, Error> {
-    invariants::check(moves, written.entries)?;
+    invariants::check(moves, written.entries, holds)?;
+    for hold in &set.holds {
+        if !queries.insert_hold(hold).await? {
+            return Ok(false);
+        }
+    }
+    for settled in &set.settled_holds {
+        let SettledHold { hold, status, captured_amount, out_trade_no } = settled;
+        if !queries.settle_hold(&hold.hold_no, status, *captured_amount, *out_trade_no, written.now).await? {
+            return Ok(false);
+        }
+    }
     Ok(queries.write_batch(written).await?)
 }
 
@@ -271,6 +357,8 @@ mod tests {
                 version_before: account.version,
                 balance_after: account.balance + delta,
                 version_after: account.version + step,
+                held_before: account.held,
+                held_after: account.held,
                 floor: balance_floor(account),
             })
             .collect();
@@ -279,6 +367,7 @@ mod tests {
             .map(|moved| BalanceUpdate {
                 account_id: moved.account_id,
                 balance: moved.balance_after,
+                held: moved.held_after,
                 expected_version: moved.version_before,
                 version: moved.version_after,
             })
@@ -329,13 +418,13 @@ mod tests {
             let alice = queries.find_account("alice").await?.unwrap();
             let bob = queries.find_account("bob").await?.unwrap();
             let (moves, balances, entries) = posting("X1", &alice, &bob, 200, 1);
-            assert!(write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?);
+            assert!(write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries)).await?);
             let moved = [(moves[0].balance_after, moves[0].version_after), (moves[1].balance_after, moves[1].version_after)];
             let alice = AccountRow { balance: moved[0].0, version: moved[0].1, ..alice.clone() };
             let bob = AccountRow { balance: moved[1].0, version: moved[1].1, ..bob.clone() };
             let (mut moves, mut balances, mut entries) = posting("X2", &alice, &bob, 100, 1);
             break_it(&mut moves, &mut balances, &mut entries);
-            let written = write_checked(&mut queries, &moves, &write_set(&balances, &entries)).await?;
+            let written = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries)).await?;
             Ok(Inserted::Done(written))
         })
     }
@@ -392,6 +481,25 @@ mod tests {
             let skipped =
                 matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("version_after"));
             assert!(skipped, "{url}");
+            assert_eq!(books(&ledger).await, before, "{url}: the intact posting before it was rolled back too");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_set_moving_a_held_amount_without_its_hold_is_refused_and_nothing_of_its_transaction_is_written() {
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let before = books(&ledger).await;
+
+            let refused = write_broken(&ledger, |moves, balances, _| {
+                moves[0].held_after += 50;
+                balances[0].held += 50;
+            })
+            .await;
+
+            let url = &database.url;
+            let unheld = matches!(refused, Err(Error::InvariantBroken(invariant)) if invariant.contains("held amount"));
+            assert!(unheld, "{url}");
             assert_eq!(books(&ledger).await, before, "{url}: the intact posting before it was rolled back too");
         }
     }

@@ -6,6 +6,9 @@
 //!   ends at the balance and version the write set gives it (so its version moves by its number
 //!   of legs, and its new balance is its previous balance plus its legs);
 //! - no leg without its account's balance change, and no balance change without a leg;
+//! - each account's held amount moves by exactly the holds the write set reserves on it (new
+//!   ACTIVE holds) and releases from it (ACTIVE holds settled), and never below zero; no hold
+//!   reserved or released without its account's held amount moving;
 //! - every new balance within the balance limit and, for a customer account, at or above what
 //!   its active holds reserve.
 //!
@@ -27,18 +30,34 @@ pub(in crate::ledger) struct AccountMove<'a> {
     pub version_before: i64,
     pub balance_after: i64,
     pub version_after: i64,
+    /// What the account's active holds reserve before and after the write set.
+    pub held_before: i64,
+    pub held_after: i64,
     /// The lowest balance allowed: what the account's active holds reserve for a customer
     /// account; `None` for an external funding account, which may go negative.
     pub floor: Option<i64>,
 }
 
-/// Checks every invariant of the module docs over `moves` and `entries` (the entries in the
-/// order the balances moved).
+/// One hold a write set reserves (`amount` above zero: a new ACTIVE hold) or releases
+/// (`amount` below zero: an ACTIVE hold settled) on its payer's account, in minor units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::ledger) struct HoldMove<'a> {
+    pub account_id: &'a str,
+    pub amount: i64,
+}
+
+/// Checks every invariant of the module docs over `moves`, `entries` (in the order the
+/// balances moved) and `holds`.
 ///
 /// # Errors
 /// [`Error::InvariantBroken`], naming the first invariant broken.
-pub(in crate::ledger) fn check(moves: &[AccountMove<'_>], entries: &[NewEntry<'_>]) -> Result<(), Error> {
+pub(in crate::ledger) fn check(
+    moves: &[AccountMove<'_>],
+    entries: &[NewEntry<'_>],
+    holds: &[HoldMove<'_>],
+) -> Result<(), Error> {
     check_postings(entries)?;
+    check_holds(moves, holds)?;
     let mut chains: HashMap<&str, (i64, i64)> =
         moves.iter().map(|account| (account.account_id, (account.balance_before, account.version_before))).collect();
     if chains.len() != moves.len() {
@@ -59,8 +78,11 @@ pub(in crate::ledger) fn check(moves: &[AccountMove<'_>], entries: &[NewEntry<'_
     }
     for account in moves {
         let (balance, version) = chains[account.account_id];
-        if version == account.version_before {
+        if version == account.version_before && account.balance_after != account.balance_before {
             return Err(broken("a balance change without a leg"));
+        }
+        if version == account.version_before && account.held_after == account.held_before {
+            return Err(broken("an account written without a leg or a hold"));
         }
         if (balance, version) != (account.balance_after, account.version_after) {
             return Err(broken("an account's new balance or version is not its previous one plus its legs"));
@@ -76,6 +98,31 @@ pub(in crate::ledger) fn check(moves: &[AccountMove<'_>], entries: &[NewEntry<'_
 }
 
 /// Two legs a posting, on two accounts, in one currency, summing to zero, and not zero.
+/// Each account's held amount against the holds reserved and released on it.
+fn check_holds(moves: &[AccountMove<'_>], holds: &[HoldMove<'_>]) -> Result<(), Error> {
+    let mut held: HashMap<&str, i64> = moves.iter().map(|account| (account.account_id, account.held_before)).collect();
+    for hold in holds {
+        let amount = held
+            .get_mut(hold.account_id)
+            .ok_or_else(|| broken("a hold reserved or released on an account the write set does not move"))?;
+        if hold.amount == 0 {
+            return Err(broken("a hold of nothing"));
+        }
+        *amount = amount.checked_add(hold.amount).ok_or_else(|| broken("a held amount overflows"))?;
+    }
+    for account in moves {
+        if held[account.account_id] != account.held_after {
+            return Err(broken(
+                "an account's held amount is not its previous one plus the holds reserved and released",
+            ));
+        }
+        if account.held_after < 0 {
+            return Err(broken("an account holds less than nothing"));
+        }
+    }
+    Ok(())
+}
+
 fn check_postings(entries: &[NewEntry<'_>]) -> Result<(), Error> {
     let mut postings: BTreeMap<&str, Vec<&NewEntry<'_>>> = BTreeMap::new();
     for entry in entries {
@@ -132,6 +179,8 @@ mod tests {
             version_before: before.1,
             balance_after: after.0,
             version_after: after.1,
+            held_before: 0,
+            held_after: 0,
             floor: Some(0),
         }
     }
@@ -149,7 +198,11 @@ mod tests {
     }
 
     fn refusal(moves: &[AccountMove<'_>], entries: &[NewEntry<'_>]) -> String {
-        match check(moves, entries) {
+        refusal_with_holds(moves, entries, &[])
+    }
+
+    fn refusal_with_holds(moves: &[AccountMove<'_>], entries: &[NewEntry<'_>], holds: &[HoldMove<'_>]) -> String {
+        match check(moves, entries, holds) {
             Err(Error::InvariantBroken(invariant)) => invariant.to_owned(),
             other => panic!("a broken write set was accepted: {other:?}"),
         }
@@ -158,7 +211,7 @@ mod tests {
     #[test]
     fn a_write_set_whose_postings_and_chains_agree_is_accepted() {
         let (moves, entries) = two_pays();
-        check(&moves, &entries).unwrap();
+        check(&moves, &entries, &[]).unwrap();
     }
 
     #[test]
@@ -212,7 +265,7 @@ mod tests {
             account("payer", (0, 0), (100, 1)),
         ];
         let entries = vec![leg("@external:USD", "D1", -100, -100, 1), leg("payer", "D1", 100, 100, 1)];
-        check(&moves, &entries).unwrap();
+        check(&moves, &entries, &[]).unwrap();
         let beyond = BALANCE_MINOR_UNITS_MAX + 1;
         let moves = vec![
             AccountMove { floor: None, ..account("@external:USD", (0, 0), (-beyond, 1)) },
@@ -220,5 +273,52 @@ mod tests {
         ];
         let entries = vec![leg("@external:USD", "D1", -beyond, -beyond, 1), leg("payer", "D1", beyond, beyond, 1)];
         assert!(refusal(&moves, &entries).contains("balance limit"));
+    }
+
+    /// A hold of 300 reserved on the payer (no posting), and a Capture of 200: the hold
+    /// released and the payment posted.
+    fn reserve(amount: i64) -> (Vec<AccountMove<'static>>, Vec<HoldMove<'static>>) {
+        let moves = vec![AccountMove { held_after: amount, ..account("payer", (1_000, 7), (1_000, 7)) }];
+        (moves, vec![HoldMove { account_id: "payer", amount }])
+    }
+
+    #[test]
+    fn a_hold_reserved_with_its_account_moved_by_it_is_accepted() {
+        let (moves, holds) = reserve(300);
+        check(&moves, &[], &holds).unwrap();
+        let moves = vec![
+            AccountMove { held_before: 300, held_after: 0, ..account("payer", (1_000, 7), (900, 8)) },
+            account("payee", (0, 3), (100, 4)),
+        ];
+        let entries = vec![leg("payer", "T1", -100, 900, 8), leg("payee", "T1", 100, 100, 4)];
+        check(&moves, &entries, &[HoldMove { account_id: "payer", amount: -300 }]).unwrap();
+    }
+
+    #[test]
+    fn a_held_amount_moved_without_its_hold_is_refused() {
+        let (moves, _) = reserve(300);
+        assert!(refusal_with_holds(&moves, &[], &[]).contains("holds reserved and released"));
+    }
+
+    #[test]
+    fn a_hold_without_its_held_amount_moved_is_refused() {
+        let (mut moves, holds) = reserve(300);
+        moves[0].held_after = 200;
+        assert!(refusal_with_holds(&moves, &[], &holds).contains("holds reserved and released"));
+        assert!(refusal_with_holds(&[], &[], &holds).contains("does not move"));
+    }
+
+    #[test]
+    fn a_hold_released_below_nothing_is_refused() {
+        let moves =
+            vec![AccountMove { held_before: 100, held_after: -200, ..account("payer", (1_000, 7), (1_000, 7)) }];
+        let holds = [HoldMove { account_id: "payer", amount: -300 }];
+        assert!(refusal_with_holds(&moves, &[], &holds).contains("less than nothing"));
+    }
+
+    #[test]
+    fn an_account_written_without_a_leg_or_a_hold_is_refused() {
+        let moves = vec![account("payer", (1_000, 7), (1_000, 7))];
+        assert!(refusal(&moves, &[]).contains("without a leg or a hold"));
     }
 }
