@@ -6,13 +6,22 @@ use crate::proto;
 use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, TransferRow};
 
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
-use super::engine::posting::{EntryKind, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
-use super::group_commit::{write_alone, Batchable, Decision, Write};
+use super::engine::book::{Book, WriteSet};
+use super::engine::group_commit::{
+    write_alone, Accepted, Answer, BatchKey, BatchWrite, Batchable, Committed, Entries, KeyToFind, Outcome, Payments,
+    View,
+};
+use super::engine::posting::{EntryKind, Legs, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
+use crate::metrics::LedgerMetrics;
+use crate::store::OrderRow;
+
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
 use super::response;
 use super::tokens::IssuedToken;
 use super::{new_id, now_micros, read_ended, Identified, Inserted, Ledger, Replayable};
+use prometheus_client::metrics::counter::Counter;
+use prost::Message as _;
 
 /// The per-currency funding account: the counterparty of deposits and withdrawals, and the
 /// only account allowed below zero. Its id starts with `@`, which caller-chosen ids cannot contain.
@@ -368,6 +377,8 @@ pub(super) struct FundingWrite {
     pub(super) amount: Amount,
     pub(super) created_by: String,
     pub(super) funding_account_id: String,
+    /// Its answer's response message, as its guards record it.
+    encode: fn(DepositReceipt) -> Result<Vec<u8>, Error>,
 }
 
 impl FundingWrite {
@@ -437,20 +448,143 @@ impl<F: Funding> FundingCall<F> {
             amount,
             created_by: created_by.created_by().to_owned(),
             funding_account_id: self.funding_account_id.clone(),
+            encode: encode_funding::<F>,
         }
     }
 }
 
-impl<F: Funding> Batchable for FundingCall<F> {
-    fn write(&self) -> Write {
-        Write::Funding(self.funding_write())
+/// The response message of a Deposit or Withdraw, which its guards record.
+fn encode_funding<F: Funding>(receipt: DepositReceipt) -> Result<Vec<u8>, Error> {
+    Ok(<FundingCall<F> as IdempotentCall>::message(receipt)?.encode_to_vec())
+}
+
+impl BatchWrite for FundingWrite {
+    /// Its funding account, the row every one of them moves: the calls of one shard share a
+    /// worker.
+    fn route(&self) -> &str {
+        self.funding_account_id.as_str()
     }
 
-    fn written(decision: Decision) -> Result<DepositReceipt, Box<Decision>> {
-        match decision {
-            Decision::Funded(receipt) => Ok(receipt),
-            other => Err(Box::new(other)),
+    /// Its request_id: a second Deposit (or Withdraw) of it, alone after the batch, is a
+    /// replay of the first (or REQUEST_ID_REUSED).
+    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+        let of = match self.table {
+            FundingTable::Deposits => "deposit request_id",
+            FundingTable::Withdrawals => "withdrawal request_id",
+        };
+        Some(vec![BatchKey::sole(of, self.request_id.as_str(), "")])
+    }
+
+    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+        vec![self.account_id.as_str(), self.funding_account_id.as_str()]
+    }
+
+    /// Its request_id, read under its funding account's lock (every call of a request_id moves
+    /// that account; one taken after the read fails the batch's INSERT on the primary key, and
+    /// the batch runs alone).
+    fn key_to_find(&self) -> Option<KeyToFind> {
+        Some(KeyToFind::Funding(self.table, self.request_id.clone()))
+    }
+
+    /// A request_id committed before is a replay; a funding account (a shard not used yet)
+    /// with no row runs alone, where its own transaction creates it; then its account's checks
+    /// ([`FundingWrite::check_account`]) and its posting.
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        if view.taken(&KeyToFind::Funding(self.table, self.request_id.clone())) {
+            return Err(Outcome::TakenBefore);
         }
+        if view.book.get(&self.funding_account_id).is_none() {
+            return Err(Outcome::Alone);
+        }
+        self.check_account(view.book.get(&self.account_id)).map_err(Outcome::Rejected)?;
+        let row = self.row(view.now);
+        let legs = view.book.post(&self.posting(&row)).map_err(Outcome::Rejected)?;
+        Ok(Box::new(Funded { funding: self.clone(), row, legs }))
+    }
+
+    /// Refused in a batch, it runs alone, where it inserts its request_id before its refusal
+    /// is answered (see [`Batchable::key_taken_in_flight`]).
+    fn alone_when_refused(&self) -> bool {
+        true
+    }
+}
+
+/// A Deposit or Withdraw a batch accepted: its row and its legs (from, to). Its receipt holds
+/// its account's entry, whose id only the write gives: its guards are claimed IN_PROGRESS and
+/// completed after it.
+struct Funded {
+    funding: FundingWrite,
+    row: FundingRow,
+    legs: Legs,
+}
+
+impl Accepted for Funded {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        match self.funding.table {
+            FundingTable::Deposits => set.deposits.push(self.row.clone()),
+            FundingTable::Withdrawals => set.withdrawals.push(self.row.clone()),
+        }
+        set.postings.push((self.funding.posting(&self.row), self.legs));
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(None)
+    }
+
+    fn entries_to_read(&self) -> Vec<(&str, &str)> {
+        vec![(self.funding.funding_id.as_str(), self.funding.account_id.as_str())]
+    }
+
+    /// Its account as read under its lock, moved by its entry.
+    fn answer(self: Box<Self>, entries: &mut Entries, locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        let funding = &self.funding;
+        let entry = entries
+            .remove(&(funding.funding_id.clone(), funding.account_id.clone()))
+            .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
+        let account =
+            locked.get(&funding.account_id).ok_or_else(|| Error::Internal("a funded account is not locked".into()))?;
+        let receipt = receipt_after(account.clone(), entry);
+        let message = (funding.encode)(receipt.clone())?;
+        Ok((Box::new(receipt), Some(message)))
+    }
+
+    fn committed(&self) -> Committed {
+        match self.funding.table {
+            FundingTable::Deposits => deposits_committed,
+            FundingTable::Withdrawals => withdrawals_committed,
+        }
+    }
+}
+
+fn deposits_committed(metrics: &LedgerMetrics) -> &Counter {
+    &metrics.group_committed_deposits
+}
+
+fn withdrawals_committed(metrics: &LedgerMetrics) -> &Counter {
+    &metrics.group_committed_withdrawals
+}
+
+impl<F: Funding> Batchable for FundingCall<F> {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.funding_write())
+    }
+
+    /// Its funding account's shard, created (an EXTERNAL account of its currency).
+    async fn create_missing(&self, queries: &mut Queries<'_>, now: i64) -> Result<bool, Error> {
+        let currency = self.command.parts().2.currency().code();
+        ensure_funding_account(queries, &self.funding_account_id, currency, now).await?;
+        Ok(true)
+    }
+
+    /// Its request_id inserted.
+    async fn key_taken_in_flight(
+        &self,
+        queries: &mut Queries<'_>,
+        _payments: &Payments,
+        now: i64,
+    ) -> Result<bool, Error> {
+        let funding = self.funding_write();
+        Ok(!queries.insert_funding(funding.table, &funding.row(now)).await?)
     }
 }
 
@@ -528,16 +662,74 @@ impl IdempotentCall for Identified<Transfer> {
     }
 }
 
-impl Batchable for Identified<Transfer> {
-    fn write(&self) -> Write {
-        Write::Transfer { command: self.command.clone(), transfer_id: self.id.clone() }
+impl BatchWrite for Identified<Transfer> {
+    /// Its from_account_id: the Transfers of one account share a worker (their to-accounts may
+    /// be another worker's too: those batches then wait for each other's row locks, taken in
+    /// account_id order).
+    fn route(&self) -> &str {
+        self.command.from_account_id.as_str()
     }
 
-    fn written(decision: Decision) -> Result<TransferReceipt, Box<Decision>> {
-        match decision {
-            Decision::Transferred(receipt) => Ok(receipt),
-            other => Err(Box::new(other)),
-        }
+    /// None: its key is its guard.
+    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+        Some(Vec::new())
+    }
+
+    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+        vec![self.command.from_account_id.as_str(), self.command.to_account_id.as_str()]
+    }
+
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let transfer = transfer_row(&self.command, &self.id, view.now);
+        let legs = view.book.post(&transfer_posting(&transfer)).map_err(Outcome::Rejected)?;
+        Ok(Box::new(Transferred { transfer, legs }))
+    }
+}
+
+/// A Transfer a batch accepted: its row and its legs (from, to). Its receipt holds its
+/// entries, whose ids only the write gives: its guards are claimed IN_PROGRESS and completed
+/// after it.
+struct Transferred {
+    transfer: TransferRow,
+    legs: Legs,
+}
+
+impl Accepted for Transferred {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        set.transfers.push(self.transfer.clone());
+        set.postings.push((transfer_posting(&self.transfer), self.legs));
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(None)
+    }
+
+    fn entries_to_read(&self) -> Vec<(&str, &str)> {
+        let transfer_id = self.transfer.transfer_id.as_str();
+        vec![(transfer_id, self.transfer.from_account_id.as_str()), (transfer_id, self.transfer.to_account_id.as_str())]
+    }
+
+    fn answer(self: Box<Self>, entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        let transfer = self.transfer;
+        let mut entry = |account_id: &str| {
+            entries
+                .remove(&(transfer.transfer_id.clone(), account_id.to_owned()))
+                .ok_or_else(|| Error::Internal("a transfer's entry is missing".into()))
+        };
+        let (from_entry, to_entry) = (entry(&transfer.from_account_id)?, entry(&transfer.to_account_id)?);
+        let receipt = TransferReceipt { transfer, from_entry, to_entry };
+        let message = <Identified<Transfer> as IdempotentCall>::message(receipt.clone())?.encode_to_vec();
+        Ok((Box::new(receipt), Some(message)))
+    }
+
+    fn committed(&self) -> Committed {
+        |metrics| &metrics.group_committed_transfers
+    }
+}
+
+impl Batchable for Identified<Transfer> {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
     }
 }
 

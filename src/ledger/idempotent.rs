@@ -22,7 +22,7 @@
 //! A group commit of Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders
 //! (`group_commit`) runs steps 1-3 and 5 here for each call, and step 4 for the whole batch in
 //! its one transaction. The body of each of those calls, when it runs here alone, is the
-//! group commit's steps for a batch of one (`group_commit::write_alone`).
+//! group commit's steps for a batch of one (`engine::group_commit::write_alone`).
 
 use std::future::Future;
 use std::time::Duration;

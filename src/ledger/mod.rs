@@ -27,11 +27,11 @@
 //! back and the committed original is replayed.
 //!
 //! What every write does the same way lives below the use cases, in `engine` (it imports
-//! none of them): the transaction, the posting, the money invariants, the batch workers, and
-//! a batch's book and write set. Each use case makes its posting and checks its accounts once
-//! (`payment_posting`, `check_payer`, `FundingWrite::posting`, ...). Pays, Refunds, Transfers,
-//! Deposits, Withdraws and CreateOrders are all written by `group_commit`, in batches or alone
-//! as a batch of one; OpenAccount, CloseOrder and the hold steps still decide in transaction
+//! none of them): the transaction, the posting, the money invariants, the batch workers, a
+//! batch's book and write set, and the batch writer. Each use case decides once, in its own
+//! module (`impl BatchWrite for Identified<Pay>`, ...): Pays, Refunds, Transfers, Deposits,
+//! Withdraws and CreateOrders are all written by the engine's group commit, in batches or
+//! alone as a batch of one, by that one decision; OpenAccount, CloseOrder and the hold steps still decide in transaction
 //! bodies of their own, and the hold steps write what they do to money (holds reserved and
 //! released, a Capture's posting) through the engine's book and write set. The write path is
 //! explained once, in `docs/write-engine.md`.
@@ -39,7 +39,6 @@
 mod accounts;
 mod commands;
 mod engine;
-mod group_commit;
 mod guards;
 mod holds;
 mod idempotent;
@@ -158,7 +157,7 @@ pub struct Ledger {
     settings: LedgerSettings,
     metrics: LedgerMetrics,
     /// Started on the first call that can be batched.
-    batcher: Arc<OnceLock<group_commit::Batcher>>,
+    batcher: Arc<OnceLock<engine::group_commit::Batcher>>,
 }
 
 impl Ledger {
@@ -301,6 +300,7 @@ fn new_id(prefix: char) -> String {
 /// A command with the id the server gives what it creates (deposit_id, trade_no,
 /// refund_no, transfer_id), made once per call so that every run of its transaction writes
 /// the same id.
+#[derive(Clone)]
 struct Identified<C> {
     command: C,
     id: String,

@@ -9,13 +9,19 @@ use crate::store::{AccountRow, HoldRow, OrderRow, PaymentRow, Queries, RefundRow
 
 use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
-use super::engine::posting::{EntryKind, Posting};
-use super::group_commit::{write_alone, write_together, Batchable, Batched, Batcher, Decision, GroupCommit, Write};
+use super::engine::book::{Book, WriteSet};
+use super::engine::group_commit::{
+    write_alone, write_together, Accepted, Answer, BatchKey, BatchWrite, Batchable, Batched, Batcher, Committed,
+    Entries, GroupCommit, KeyToFind, Outcome, Payments, View,
+};
+use super::engine::posting::{EntryKind, Legs, Posting};
+
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
 use super::holds::release_hold;
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::response;
 use super::{new_id, now_micros, read_ended, Identified, Inserted, Ledger, Replayable};
+use prost::Message as _;
 
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
@@ -77,29 +83,225 @@ enum Step<'a> {
     Queued(GuardSession<'a>, Batched),
 }
 
-impl Batchable for Identified<Pay> {
-    fn write(&self) -> Write {
-        Write::Pay { command: self.command.clone(), trade_no: self.id.clone() }
+impl BatchWrite for Identified<Pay> {
+    /// Its merchant_id: concurrent batches then touch different orders and (when each merchant
+    /// is paid into its own account) different payee accounts.
+    fn route(&self) -> &str {
+        self.command.merchant_id.as_str()
     }
 
-    fn written(decision: Decision) -> Result<PayReceipt, Box<Decision>> {
-        match decision {
-            Decision::Paid(receipt) => Ok(receipt),
-            other => Err(Box::new(other)),
+    fn payment_to_read(&self) -> Option<(&str, &str)> {
+        Some((self.command.merchant_id.as_str(), self.command.out_trade_no.as_str()))
+    }
+
+    /// Its out_trade_no already paid: the payment and its order answer it (a replay, or
+    /// OUT_TRADE_NO_REUSED if it paid something else).
+    fn decided_before(&self, payments: &Payments) -> Option<Outcome> {
+        let key = (self.command.merchant_id.as_str().to_owned(), self.command.out_trade_no.as_str().to_owned());
+        payments.get(&key).map(|found| Outcome::Found(Box::new(found.clone())))
+    }
+
+    /// Its order and its out_trade_no: a second Pay of either waits for the first one's
+    /// outcome (alone after the batch it is a replay, ORDER_ALREADY_PAID or
+    /// OUT_TRADE_NO_REUSED), and no order is both paid and created or refunded by one batch.
+    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+        let merchant_id = self.command.merchant_id.as_str();
+        Some(vec![
+            BatchKey::sole("order", merchant_id, self.command.order_no.as_str()),
+            BatchKey::sole("out_trade_no", merchant_id, self.command.out_trade_no.as_str()),
+        ])
+    }
+
+    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+        Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
+    }
+
+    fn accounts_to_lock<'a>(&'a self, order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+        order.map_or_else(Vec::new, |order| {
+            vec![self.command.payer_account_id.as_str(), order.payee_account_id.as_str()]
+        })
+    }
+
+    /// Its order's checks under the lock ([`check_pay`]: terms, state machine, deadline), its
+    /// payer's ([`check_payer`]), then its payment's posting.
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let command = &self.command;
+        let order = view.order(command.merchant_id.as_str(), command.order_no.as_str());
+        let order = order.ok_or(Outcome::Rejected(Error::NotFound(Resource::Order)))?.clone();
+        match check_pay(&order, command, view.checked_at) {
+            Ok(PayCheck::Proceed) => {}
+            Ok(PayCheck::PaidByThisCall) => return Err(Outcome::TakenBefore),
+            Err(error) => return Err(Outcome::Rejected(error)),
         }
+        check_payer(view.book.get(command.payer_account_id.as_str()), &order).map_err(Outcome::Rejected)?;
+        let payment = new_payment(command, &order, &self.id, view.now);
+        let legs = view.book.post(&payment_posting(&payment)).map_err(Outcome::Rejected)?;
+        Ok(Box::new(Paid { receipt: paid_receipt(payment, order, view.now), legs }))
+    }
+}
+
+/// A Pay a batch accepted: its receipt if the batch commits, and its legs (payer, payee).
+struct Paid {
+    receipt: PayReceipt,
+    legs: Legs,
+}
+
+impl Accepted for Paid {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        set.payments.push(self.receipt.payment.clone());
+        set.postings.push((payment_posting(&self.receipt.payment), self.legs));
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(<Identified<Pay> as IdempotentCall>::message(self.receipt.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.receipt), None))
+    }
+
+    fn committed(&self) -> Committed {
+        |metrics| &metrics.group_committed_pays
+    }
+}
+
+impl Batchable for Identified<Pay> {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
+    }
+
+    /// Its payment inserted: a Pay of an order that does not exist has no key row to insert.
+    async fn key_taken_in_flight(
+        &self,
+        queries: &mut Queries<'_>,
+        _payments: &Payments,
+        now: i64,
+    ) -> Result<bool, Error> {
+        let command = &self.command;
+        Ok(match queries.find_order(command.merchant_id.as_str(), command.order_no.as_str()).await? {
+            Some(order) => !queries.insert_payment(&new_payment(command, &order, &self.id, now)).await?,
+            None => false,
+        })
+    }
+}
+
+impl BatchWrite for Identified<Refund> {
+    fn route(&self) -> &str {
+        self.command.merchant_id.as_str()
+    }
+
+    fn payment_to_read(&self) -> Option<(&str, &str)> {
+        Some((self.command.merchant_id.as_str(), self.command.out_trade_no.as_str()))
+    }
+
+    /// Its order, shared with the batch's other Refunds of it (applied one after another to
+    /// its state), and its out_refund_no (a second Refund of it is a replay, after the batch).
+    /// Without its payment read before the batch (it may be paid by this very batch) it runs
+    /// alone: there it finds it, or answers PAYMENT_NOT_FOUND.
+    fn batch_keys(&self, payments: &Payments) -> Option<Vec<BatchKey>> {
+        let (payment, _) = payments.get(&self.payment_key())?;
+        Some(vec![
+            BatchKey::shared("order", &payment.merchant_id, &payment.order_no),
+            BatchKey::sole("out_refund_no", self.command.merchant_id.as_str(), self.command.out_refund_no.as_str()),
+        ])
+    }
+
+    fn order_to_lock<'a>(&'a self, payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+        let (payment, _) = payments.get(&self.payment_key())?;
+        Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
+    }
+
+    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, payments: &'a Payments) -> Vec<&'a str> {
+        payments.get(&self.payment_key()).map_or_else(Vec::new, |(payment, _)| {
+            vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
+        })
+    }
+
+    fn key_to_find(&self) -> Option<KeyToFind> {
+        let command = &self.command;
+        Some(KeyToFind::Refund(command.merchant_id.as_str().to_owned(), command.out_refund_no.as_str().to_owned()))
+    }
+
+    /// Its checks in order: currency, order, key (an out_refund_no committed before the lock
+    /// is a replay); then its order's state by the state machine ([`refunded_order`], after
+    /// the batch's refunds of it before this one), then its posting (payee back to payer).
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let command = &self.command;
+        let payment = view.payment(command.merchant_id.as_str(), command.out_trade_no.as_str());
+        let payment = payment.ok_or(Outcome::Rejected(Error::NotFound(Resource::Payment)))?.clone();
+        check_refund(command, &payment).map_err(Outcome::Rejected)?;
+        let order = view.order(&payment.merchant_id, &payment.order_no);
+        let order = order.ok_or(Outcome::Rejected(Error::NotFound(Resource::Order)))?.clone();
+        let key = KeyToFind::Refund(payment.merchant_id.clone(), command.out_refund_no.as_str().to_owned());
+        if view.taken(&key) {
+            return Err(Outcome::TakenBefore);
+        }
+        let refund = new_refund(command, &payment, &self.id, view.now);
+        let order = refunded_order(order, refund.amount, view.now).map_err(Outcome::Rejected)?;
+        let legs = view.book.post(&refund_posting(&refund, &payment)).map_err(Outcome::Rejected)?;
+        view.move_order(order.clone());
+        Ok(Box::new(Refunded { receipt: RefundReceipt { refund, order }, legs, payment }))
+    }
+}
+
+impl Identified<Refund> {
+    /// The (merchant_id, out_trade_no) of the payment it refunds.
+    fn payment_key(&self) -> (String, String) {
+        (self.command.merchant_id.as_str().to_owned(), self.command.out_trade_no.as_str().to_owned())
+    }
+}
+
+/// A Refund a batch accepted: its receipt if the batch commits (its order as this refund
+/// leaves it), its legs (payee, payer) and the payment it refunds.
+struct Refunded {
+    receipt: RefundReceipt,
+    legs: Legs,
+    payment: PaymentRow,
+}
+
+impl Accepted for Refunded {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        set.refunds.push(self.receipt.refund.clone());
+        set.postings.push((refund_posting(&self.receipt.refund, &self.payment), self.legs));
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(<Identified<Refund> as IdempotentCall>::message(self.receipt.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.receipt), None))
+    }
+
+    fn committed(&self) -> Committed {
+        |metrics| &metrics.group_committed_refunds
     }
 }
 
 impl Batchable for Identified<Refund> {
-    fn write(&self) -> Write {
-        Write::Refund { command: self.command.clone(), refund_no: self.id.clone() }
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
     }
 
-    fn written(decision: Decision) -> Result<RefundReceipt, Box<Decision>> {
-        match decision {
-            Decision::Refunded(receipt) => Ok(receipt),
-            other => Err(Box::new(other)),
+    /// Its payment, read in its transaction (payments never change).
+    async fn read_alone(&self, queries: &mut Queries<'_>, payments: &mut Payments) -> Result<(), Error> {
+        let command = &self.command;
+        let found = queries.find_payment_and_order(command.merchant_id.as_str(), command.out_trade_no.as_str()).await?;
+        if let Some(found) = found {
+            payments.insert(self.payment_key(), found);
         }
+        Ok(())
+    }
+
+    /// Its refund inserted: a Refund without its payment has no key row to insert.
+    async fn key_taken_in_flight(
+        &self,
+        queries: &mut Queries<'_>,
+        payments: &Payments,
+        now: i64,
+    ) -> Result<bool, Error> {
+        let Some((payment, _)) = payments.get(&self.payment_key()) else { return Ok(false) };
+        Ok(!queries.insert_refund(&new_refund(&self.command, payment, &self.id, now)).await?)
     }
 }
 
@@ -198,13 +400,11 @@ impl Ledger {
             let call = Identified { command, id: new_id('T') };
             return self.run_in_batch(batcher, &call, guards).await?.try_map(reply_message::<Identified<Pay>>);
         }
-        let decision = batcher
-            .submit(
-                Batched { write: Write::Pay { command: command.clone(), trade_no: new_id('T') }, claim: None },
-                guards.presence.clone(),
-            )
-            .await;
-        if let Some(answer) = self.answer_decided(&command, decision).await {
+        let call = Identified { command, id: new_id('T') };
+        let outcome =
+            batcher.submit(Batched { write: Box::new(call.clone()), claim: None }, guards.presence.clone()).await;
+        let command = call.command;
+        if let Some(answer) = self.answer_decided(&command, outcome).await {
             return answer?.try_map(<Identified<Pay>>::message);
         }
         self.run_idempotent(&Identified { command, id: new_id('T') }, guards).await
@@ -260,29 +460,25 @@ impl Ledger {
         &self,
         call: &C,
         session: &mut GuardSession<'_>,
-        decision: Decision,
+        outcome: Outcome,
         now: i64,
     ) -> Result<Inserted<C::Answer>, Error> {
-        let decision = match C::written(decision) {
+        let outcome = match C::written(outcome) {
             Ok(answer) => return Ok(Inserted::Done(answer)),
-            Err(decision) => *decision,
+            Err(outcome) => *outcome,
         };
-        match decision {
-            Decision::GuardAnswered(record) => {
+        match outcome {
+            Outcome::GuardAnswered(record) => {
                 session.answer_from_batch(*record)?;
                 Ok(Inserted::KeyTaken)
             }
-            Decision::Found(..)
-            | Decision::PaidBefore
-            | Decision::RefundedBefore
-            | Decision::FundedBefore
-            | Decision::CreatedBefore => {
+            Outcome::Found(_) | Outcome::TakenBefore => {
                 session.found_committed_by_batch();
                 Ok(Inserted::KeyTaken)
             }
-            Decision::GuardTaken => Ok(Inserted::KeyTaken),
-            Decision::Rejected(error) if !session.records_response() => Err(error),
-            Decision::NotStarted(error) => Err(error),
+            Outcome::GuardTaken => Ok(Inserted::KeyTaken),
+            Outcome::Rejected(error) if !session.records_response() => Err(error),
+            Outcome::NotStarted(error) => Err(error),
             // A call with guards that the batch refused runs alone too: there, as every single
             // call, its guards are claimed before its rules are checked, so a retry whose
             // original committed after the retry's own check (or is still in flight) is
@@ -293,18 +489,14 @@ impl Ledger {
             // A call whose guards nobody has read yet reads them first, as step 1 does (its
             // claim would find its own key taken, but not the record its key left before
             // authentication), and a committed record answers it.
-            Decision::Alone | Decision::Rejected(_) => {
+            Outcome::Alone | Outcome::Rejected(_) => {
                 if session.read_before_alone().await? {
                     return Ok(Inserted::KeyTaken);
                 }
                 self.metrics.group_commit_alone.inc();
                 self.transact(call, session, now).await
             }
-            Decision::Paid(_)
-            | Decision::Refunded(_)
-            | Decision::Transferred(_)
-            | Decision::Funded(_)
-            | Decision::Created(_) => {
+            Outcome::Written(..) => {
                 Err(Error::Internal(format!("a group commit wrote a {} as another call", C::METHOD)))
             }
         }
@@ -332,35 +524,35 @@ impl Ledger {
     }
 
     /// The answer a group commit gave a Pay; `None` when the Pay must run alone.
-    async fn answer_decided(&self, command: &Pay, decision: Decision) -> Option<Result<Replayable<PayReceipt>, Error>> {
-        Some(match decision {
-            Decision::Paid(receipt) => Ok(Replayable { value: receipt, replayed: false, key_expires_at: None }),
-            Decision::Found(payment, order) => self
-                .replay_of(command, payment, order)
-                .map(|receipt| self.natural_replay(receipt))
-                .map_err(|error| self.natural_conflict(error)),
-            Decision::PaidBefore => self
+    async fn answer_decided(&self, command: &Pay, outcome: Outcome) -> Option<Result<Replayable<PayReceipt>, Error>> {
+        let outcome = match <Identified<Pay> as Batchable>::written(outcome) {
+            Ok(receipt) => return Some(Ok(Replayable { value: receipt, replayed: false, key_expires_at: None })),
+            Err(outcome) => *outcome,
+        };
+        Some(match outcome {
+            Outcome::Found(found) => match found.downcast::<(PaymentRow, OrderRow)>() {
+                Ok(found) => {
+                    let (payment, order) = *found;
+                    self.replay_of(command, payment, order)
+                        .map(|receipt| self.natural_replay(receipt))
+                        .map_err(|error| self.natural_conflict(error))
+                }
+                Err(_) => Err(Error::Internal("a Pay was found as another row".into())),
+            },
+            Outcome::TakenBefore => self
                 .pay_after_taken(command)
                 .await
                 .map(|receipt| self.natural_replay(receipt))
                 .map_err(|error| self.natural_conflict(error)),
-            Decision::Rejected(error) | Decision::NotStarted(error) => Err(error),
-            Decision::Alone => {
+            Outcome::Rejected(error) | Outcome::NotStarted(error) => Err(error),
+            Outcome::Alone => {
                 self.metrics.group_commit_alone.inc();
                 return None;
             }
-            Decision::GuardTaken | Decision::GuardAnswered(_) => {
-                return Some(Err(Error::Internal("a Pay without guards had a guard taken".into())))
+            Outcome::GuardTaken | Outcome::GuardAnswered(_) => {
+                Err(Error::Internal("a Pay without guards had a guard taken".into()))
             }
-            Decision::Refunded(_)
-            | Decision::RefundedBefore
-            | Decision::Transferred(_)
-            | Decision::Funded(_)
-            | Decision::FundedBefore
-            | Decision::Created(_)
-            | Decision::CreatedBefore => {
-                return Some(Err(Error::Internal("a group commit answered a Pay as another call".into())))
-            }
+            Outcome::Written(..) => Err(Error::Internal("a group commit answered a Pay as another call".into())),
         })
     }
 
@@ -375,7 +567,7 @@ impl Ledger {
         let batch: Vec<Batched> = commands
             .iter()
             .map(|command| Batched {
-                write: Write::Pay { command: command.clone(), trade_no: new_id('T') },
+                write: Box::new(Identified { command: command.clone(), id: new_id('T') }),
                 claim: None,
             })
             .collect();
@@ -537,11 +729,11 @@ impl Ledger {
         &self,
         call: &C,
         session: &mut GuardSession<'_>,
-        decision: Decision,
+        outcome: Outcome,
         now: i64,
         wrap: fn(C::Message) -> BatchAnswer,
     ) -> Result<Replayable<BatchAnswer>, Error> {
-        let outcome = self.batched_outcome(call, session, decision, now).await;
+        let outcome = self.batched_outcome(call, session, outcome, now).await;
         self.settle_call(call, session, outcome, now).await?.try_map(|reply| reply_message::<C>(reply).map(wrap))
     }
 
@@ -734,16 +926,65 @@ pub(super) fn check_payee(payee: Option<&AccountRow>, order: &OrderRow) -> Resul
     Ok(())
 }
 
-impl Batchable for NewOrder {
-    fn write(&self) -> Write {
-        Write::CreateOrder(self.clone())
+impl BatchWrite for NewOrder {
+    fn route(&self) -> &str {
+        self.command.merchant_id.as_str()
     }
 
-    fn written(decision: Decision) -> Result<OrderRow, Box<Decision>> {
-        match decision {
-            Decision::Created(order) => Ok(order),
-            other => Err(Box::new(other)),
+    /// Its order: a second CreateOrder of it runs alone after the first (a replay of it, or
+    /// ORDER_NO_REUSED), and so does a later Pay or Refund of it (alone it finds the order the
+    /// batch committed, or ORDER_NOT_FOUND if the batch refused it).
+    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+        Some(vec![BatchKey::sole("order", self.command.merchant_id.as_str(), self.command.order_no.as_str())])
+    }
+
+    /// Its order's key, locked to find one committed before.
+    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+        Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
+    }
+
+    /// Its payee (it moves no money: its lock only orders it with the batch's other rows).
+    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+        vec![self.command.payee_account_id.as_str()]
+    }
+
+    /// An order committed before is a replay (or ORDER_NO_REUSED), whatever its expires_at
+    /// says now, as the driver's read before the batch answers it; then the order's own checks
+    /// ([`NewOrder::order_at`]) and its payee's ([`check_payee`]).
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        if view.order(self.command.merchant_id.as_str(), self.command.order_no.as_str()).is_some() {
+            return Err(Outcome::TakenBefore);
         }
+        let order = self.order_at(view.now).map_err(Outcome::Rejected)?;
+        check_payee(view.book.get(&order.payee_account_id), &order).map_err(Outcome::Rejected)?;
+        Ok(Box::new(Created(order)))
+    }
+}
+
+/// A new order a batch accepted; it moves no money.
+struct Created(OrderRow);
+
+impl Accepted for Created {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        set.orders.push(self.0.clone());
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(NewOrder::message(self.0.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.0), None))
+    }
+
+    fn committed(&self) -> Committed {
+        |metrics| &metrics.group_committed_orders
+    }
+}
+
+impl Batchable for NewOrder {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
     }
 }
 

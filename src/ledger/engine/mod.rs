@@ -11,15 +11,18 @@
 //! - [`batching`]: the batch workers and their bounded queues, which hand the calls that
 //!   queued up to a writer as one batch, under light load a batch of one;
 //! - [`book`]: the accounts a write holds under their row locks, moved in memory by its
-//!   postings in arrival order, and the write set it leaves, checked and written (each
-//!   balance by a version CAS from the row read under its lock).
+//!   postings and holds in arrival order, and the write set it leaves, checked and written
+//!   (each balance by a version CAS from the row read under its lock);
+//! - [`group_commit`]: the batch writer: it locks and reads what each write says it needs,
+//!   runs each write's decision in arrival order, claims the writes' guards and writes one
+//!   write set, many calls in one transaction or one alone.
 //!
-//! The use cases (`payments`, `accounts`, `holds`) decide what a write does; the group
-//! commit (`group_commit`) is the batch writer that applies their decisions, many in one
-//! transaction or one alone. The whole write path is explained in `docs/write-engine.md`.
+//! The use cases (`payments`, `accounts`, `holds`) decide what a write does, each once
+//! (`group_commit::BatchWrite`). The whole write path is explained in `docs/write-engine.md`.
 
 pub(in crate::ledger) mod batching;
 pub(in crate::ledger) mod book;
+pub(in crate::ledger) mod group_commit;
 pub(in crate::ledger) mod invariants;
 pub(in crate::ledger) mod posting;
 pub(in crate::ledger) mod transaction;

@@ -1,0 +1,882 @@
+//! The group commit: the batch writer every batched write goes through, many calls in one
+//! transaction ([`write_together`]), and a call alone as a batch of one ([`write_alone`]). It
+//! knows no use case: each write says what it needs read and locked and decides its outcome
+//! from those rows ([`BatchWrite`]), and what it accepted says what it writes and answers
+//! ([`Accepted`]). What it does and why, what runs alone, and its bounds are explained once, in
+//! `docs/write-engine.md`. Here, the steps of [`write_together`] as the code takes them:
+//!
+//! 0. [`read_payments`], before the transaction: the payments the writes read
+//!    ([`BatchWrite::payment_to_read`]; a write they decide, [`BatchWrite::decided_before`], is
+//!    answered so); [`runs_alone`]: a write holding a key an earlier write of the batch holds
+//!    ([`BatchWrite::batch_keys`]) runs alone after it ([`Outcome::Alone`]); in the transaction,
+//!    [`Deciding::read_guards`]: the committed records of the calls with an idempotency key
+//!    alone ([`Outcome::GuardAnswered`]);
+//! 1. [`Deciding::lock`]: the orders locked in key order, the accounts in account_id order, then
+//!    the keys the writes find taken or not under those locks ([`BatchWrite::key_to_find`]);
+//! 2. [`Deciding::apply`]: the writes decided one after another in arrival order
+//!    ([`BatchWrite::decide`]), each in a [`View`] of the rows as the writes before it leave
+//!    them;
+//! 3. [`claim_prefix_together`] and [`Deciding::claim_guards`]: the accepted writes' guards
+//!    claimed, a write whose guard is taken taken out and the others decided again;
+//! 4. [`write_accepted`]: the [`WriteSet`] of the accepted writes, written by [`book::write`]
+//!    (checked against the money invariants); [`entries_read_back`] and [`complete_claims`];
+//! 5. [`Deciding::answer`]: each accepted write's answer.
+//!
+//! A call refused before its batch (queue full: OVERLOADED; caller gone) is
+//! [`Outcome::NotStarted`], with nothing read or written.
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::future::Future;
+
+use prometheus_client::metrics::counter::Counter;
+
+use crate::error::Error;
+use crate::metrics::LedgerMetrics;
+use crate::store::{EntryRow, FundingTable, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries, Store};
+
+use super::batching::{self, BatchWriter};
+use super::book::{self, Book, WriteSet};
+use super::transaction::in_transaction;
+use crate::ledger::guards::{complete_claims, BatchClaim};
+use crate::ledger::idempotent::IdempotentCall;
+use crate::ledger::{deadline_clock, now_micros, Inserted};
+
+/// A use case's answer to one write, as the write's [`Accepted::answer`] made it.
+pub(in crate::ledger) type Answer = Box<dyn Any + Send + Sync>;
+
+/// The counter of one kind of write a group commit committed.
+pub(in crate::ledger) type Committed = fn(&LedgerMetrics) -> &Counter;
+
+/// What the batch decided for one write.
+pub(in crate::ledger) enum Outcome {
+    /// Written and committed by the batch: its answer, and the counter of its kind.
+    Written(Answer, Committed),
+    /// Answered by what was read before the batch (a Pay whose out_trade_no was paid already:
+    /// the payment and its order): a replay, or a key reused for something else.
+    Found(Answer),
+    /// Its natural key (an out_trade_no that paid its order, an out_refund_no, a request_id, an
+    /// order) was committed before the batch locked its rows: replay it by that key.
+    TakenBefore,
+    /// The write breaks a rule; nothing of it was written.
+    Rejected(Error),
+    /// One of the write's guards (`idempotency-key` or `idempotency-token`) was found taken
+    /// when the batch claimed it; nothing of the write was written: the committed original
+    /// answers it.
+    GuardTaken,
+    /// The batch's read of the guards' records (of a call that did not read them before it
+    /// queued) found this committed record, which answers the write; nothing of it was
+    /// written.
+    GuardAnswered(Box<IdempotencyRecordRow>),
+    /// The batch could not decide it: run it in its own transaction.
+    Alone,
+    /// Refused before it was queued or started: the queue was full, or the caller had gone.
+    NotStarted(Error),
+}
+
+impl std::fmt::Debug for Outcome {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Written(..) => formatter.write_str("Written"),
+            Outcome::Found(_) => formatter.write_str("Found"),
+            Outcome::TakenBefore => formatter.write_str("TakenBefore"),
+            Outcome::Rejected(error) => write!(formatter, "Rejected({error})"),
+            Outcome::GuardTaken => formatter.write_str("GuardTaken"),
+            Outcome::GuardAnswered(_) => formatter.write_str("GuardAnswered"),
+            Outcome::Alone => formatter.write_str("Alone"),
+            Outcome::NotStarted(error) => write!(formatter, "NotStarted({error})"),
+        }
+    }
+}
+
+/// An order key, or a payment's: (merchant_id, order_no or out_trade_no), owned.
+pub(in crate::ledger) type OrderKey = (String, String);
+
+fn order_key(merchant_id: &str, number: &str) -> OrderKey {
+    (merchant_id.to_owned(), number.to_owned())
+}
+
+/// Payments (with their orders) found by (merchant_id, out_trade_no).
+pub(in crate::ledger) type Payments = HashMap<OrderKey, (PaymentRow, OrderRow)>;
+
+/// A key whose row a write finds taken or not under the batch's locks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(in crate::ledger) enum KeyToFind {
+    /// A refund's (merchant_id, out_refund_no), read under its order's lock.
+    Refund(String, String),
+    /// A Deposit's or Withdraw's request_id, read under its funding account's lock.
+    Funding(FundingTable, String),
+}
+
+/// A key a write holds in its batch: a later write of the batch holding the same key runs
+/// alone after the batch, unless both hold it shared.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(in crate::ledger) struct BatchKey {
+    /// What the key is of ("order", "out_trade_no", ...), and the key.
+    pub(in crate::ledger) of: (&'static str, String, String),
+    pub(in crate::ledger) shared: bool,
+}
+
+impl BatchKey {
+    pub(in crate::ledger) fn sole(of: &'static str, first: &str, second: &str) -> Self {
+        Self { of: (of, first.to_owned(), second.to_owned()), shared: false }
+    }
+
+    pub(in crate::ledger) fn shared(of: &'static str, first: &str, second: &str) -> Self {
+        Self { of: (of, first.to_owned(), second.to_owned()), shared: true }
+    }
+}
+
+/// One write a batch can take: what it needs read and locked, and its decision from those
+/// rows. Each use case that batches implements it once; a call alone runs the same decision
+/// on a batch of one.
+pub(in crate::ledger) trait BatchWrite: Send + Sync {
+    /// What routes it to its worker: writes of one route share a worker, so concurrent batches
+    /// touch different rows and do not queue on each other's row locks.
+    fn route(&self) -> &str;
+
+    /// The (merchant_id, out_trade_no) of the payment it reads before the batch (payments
+    /// never change once written).
+    fn payment_to_read(&self) -> Option<(&str, &str)> {
+        None
+    }
+
+    /// Its outcome when the payments read before the batch decide it.
+    fn decided_before(&self, _payments: &Payments) -> Option<Outcome> {
+        None
+    }
+
+    /// The keys it holds in its batch; `None` when it runs alone after the batch whatever the
+    /// batch holds.
+    fn batch_keys(&self, payments: &Payments) -> Option<Vec<BatchKey>>;
+
+    /// The order whose row it locks, (merchant_id, order_no).
+    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+        None
+    }
+
+    /// The accounts whose rows it locks, given its order as locked.
+    fn accounts_to_lock<'a>(&'a self, order: Option<&'a OrderRow>, payments: &'a Payments) -> Vec<&'a str>;
+
+    /// The key it finds taken or not once its rows are locked.
+    fn key_to_find(&self) -> Option<KeyToFind> {
+        None
+    }
+
+    /// Its decision in `view` (the rows as the batch's writes before it leave them): accepted,
+    /// with what it writes and answers, or its outcome, with nothing of it changed in `view`.
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome>;
+
+    /// Whether the batch's refusal of it runs it alone rather than answering it (default
+    /// false).
+    fn alone_when_refused(&self) -> bool {
+        false
+    }
+}
+
+/// What a write the batch accepted writes and answers.
+pub(in crate::ledger) trait Accepted: Send + Sync {
+    /// Its rows and its posting, into the batch's write set.
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>);
+
+    /// The response message its guards record when claimed, when known before the write;
+    /// `None` when only the write makes it (its records are claimed IN_PROGRESS and completed
+    /// with [`Accepted::answer`]'s message).
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when the answer cannot be encoded.
+    fn message(&self) -> Result<Option<Vec<u8>>, Error>;
+
+    /// The journal entries its answer reads back once written, (posting_id, account_id).
+    fn entries_to_read(&self) -> Vec<(&str, &str)> {
+        Vec::new()
+    }
+
+    /// Its answer once written, from the entries read back (`entries`) and the accounts as read
+    /// under their locks (`locked`); and its message when [`Accepted::message`] had none.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when an entry it wrote is missing.
+    fn answer(self: Box<Self>, entries: &mut Entries, locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error>;
+
+    /// The counter of its kind of write.
+    fn committed(&self) -> Committed;
+}
+
+/// Journal entries read back after the write, by (posting_id, account_id).
+pub(in crate::ledger) type Entries = HashMap<(String, String), EntryRow>;
+
+/// The rows a write decides in: the orders and accounts as locked and moved by the writes
+/// before it, the payments read before the batch and the keys found taken under the locks.
+pub(in crate::ledger) struct View<'v> {
+    /// When the batch writes, in microseconds since the epoch.
+    pub(in crate::ledger) now: i64,
+    /// The clock deadlines are judged by, now that the orders are locked (see
+    /// `deadline_clock`).
+    pub(in crate::ledger) checked_at: i64,
+    /// The accounts as read under their locks and moved by the writes before.
+    pub(in crate::ledger) book: Book,
+    orders: &'v HashMap<OrderKey, OrderRow>,
+    /// The orders the writes before moved, as they leave them.
+    moved: BTreeMap<OrderKey, OrderRow>,
+    payments: &'v Payments,
+    taken: &'v HashSet<KeyToFind>,
+}
+
+impl View<'_> {
+    /// The order of (merchant_id, order_no) as locked and moved by the writes before.
+    pub(in crate::ledger) fn order(&self, merchant_id: &str, order_no: &str) -> Option<&OrderRow> {
+        let key = order_key(merchant_id, order_no);
+        self.moved.get(&key).or_else(|| self.orders.get(&key))
+    }
+
+    /// Moves a locked order to `order`'s status and refunded_amount, written by the order's
+    /// CAS from the state it was locked in.
+    pub(in crate::ledger) fn move_order(&mut self, order: OrderRow) {
+        self.moved.insert(order_key(&order.merchant_id, &order.order_no), order);
+    }
+
+    /// The payment of (merchant_id, out_trade_no), as read before the batch.
+    pub(in crate::ledger) fn payment(&self, merchant_id: &str, out_trade_no: &str) -> Option<&PaymentRow> {
+        self.payments.get(&order_key(merchant_id, out_trade_no)).map(|(payment, _)| payment)
+    }
+
+    /// Whether `key` was found taken under the batch's locks.
+    pub(in crate::ledger) fn taken(&self, key: &KeyToFind) -> bool {
+        self.taken.contains(key)
+    }
+}
+
+/// A call a group commit can write: its write, and its answer out of the batch's outcome (the
+/// outcome back when the batch did not write it); and what a call alone does beyond the
+/// batch's steps.
+pub(in crate::ledger) trait Batchable: IdempotentCall<Answer: 'static> {
+    fn write(&self) -> Box<dyn BatchWrite>;
+
+    fn written(outcome: Outcome) -> Result<Self::Answer, Box<Outcome>> {
+        match outcome {
+            Outcome::Written(answer, committed) => {
+                answer.downcast().map(|answer| *answer).map_err(|answer| Box::new(Outcome::Written(answer, committed)))
+            }
+            other => Err(Box::new(other)),
+        }
+    }
+
+    /// Alone, in its transaction before its decision: the payments it reads there (a Refund's).
+    fn read_alone(
+        &self,
+        _queries: &mut Queries<'_>,
+        _payments: &mut Payments,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Alone, when its decision was [`Outcome::Alone`]: creates the row it lacked (a funding
+    /// account's shard); true when it is to be decided again.
+    fn create_missing(
+        &self,
+        _queries: &mut Queries<'_>,
+        _now: i64,
+    ) -> impl Future<Output = Result<bool, Error>> + Send {
+        async { Ok(false) }
+    }
+
+    /// Alone, refused: whether its key is taken by another call, waiting for it if it is in
+    /// flight (see [`write_alone`]); false when it has no key row to insert.
+    fn key_taken_in_flight(
+        &self,
+        _queries: &mut Queries<'_>,
+        _payments: &Payments,
+        _now: i64,
+    ) -> impl Future<Output = Result<bool, Error>> + Send {
+        async { Ok(false) }
+    }
+}
+
+/// A write as a batch takes it: the write, and the claim of its guards when it carries an
+/// `idempotency-key` or `idempotency-token`.
+pub(in crate::ledger) struct Batched {
+    pub(in crate::ledger) write: Box<dyn BatchWrite>,
+    pub(in crate::ledger) claim: Option<BatchClaim>,
+}
+
+/// The group commit's writer: the batch workers' batches of [`Batched`] writes, each written
+/// by [`write_together`].
+pub(in crate::ledger) struct GroupCommit {
+    pub(in crate::ledger) store: Store,
+    pub(in crate::ledger) metrics: LedgerMetrics,
+}
+
+impl BatchWriter for GroupCommit {
+    type Call = Batched;
+    type Outcome = Outcome;
+
+    fn route(call: &Batched) -> &str {
+        call.write.route()
+    }
+
+    async fn write(&self, calls: Vec<Batched>) -> Vec<Outcome> {
+        write_together(&self.store, &calls, &self.metrics).await
+    }
+
+    fn not_started(refusal: Option<Error>) -> Outcome {
+        refusal.map_or(Outcome::Alone, Outcome::NotStarted)
+    }
+}
+
+/// The batch workers of the group commit.
+pub(in crate::ledger) type Batcher = batching::Batcher<GroupCommit>;
+
+/// Runs `calls` as one group commit and returns one outcome per call, in order: first one
+/// read (no transaction, no locks) finds the payments the writes read, then one transaction
+/// writes the rest.
+pub(in crate::ledger) async fn write_together(
+    store: &Store,
+    calls: &[Batched],
+    metrics: &LedgerMetrics,
+) -> Vec<Outcome> {
+    let (mut outcomes, payments) = match read_payments(store, calls).await {
+        Ok(read) => read,
+        Err(error) => {
+            tracing::debug!(%error, calls = calls.len(), "group commit could not read; every call of it runs alone");
+            return alone(calls.len());
+        }
+    };
+    let open: Vec<usize> = (0..calls.len()).filter(|index| outcomes[*index].is_none()).collect();
+    let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
+    for (index, alone) in open.iter().zip(runs_alone(&batch, &payments)) {
+        if alone {
+            outcomes[*index] = Some(Outcome::Alone);
+        }
+    }
+    let open: Vec<usize> = (0..calls.len()).filter(|index| outcomes[*index].is_none()).collect();
+    if open.is_empty() {
+        return outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect();
+    }
+    let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
+    let now = now_micros();
+    let result = in_transaction!(store, metrics, tx => {
+        let mut queries = tx.queries();
+        write_batch(&mut queries, &batch, &payments, now).await
+    });
+    let written: Vec<Outcome> = match result {
+        Ok(Inserted::Done(written)) => written
+            .into_iter()
+            .zip(&batch)
+            .map(|(outcome, batched)| match outcome {
+                Outcome::Rejected(_) if batched.write.alone_when_refused() => Outcome::Alone,
+                outcome => outcome,
+            })
+            .collect(),
+        Ok(Inserted::KeyTaken) => alone(batch.len()),
+        // A broken money invariant (see `invariants`) is a bug: the batch was rolled back and
+        // its calls are refused, never written again another way.
+        Err(Error::InvariantBroken(invariant)) => {
+            tracing::error!(invariant, calls = batch.len(), "group commit refused; nothing of it was written");
+            batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect()
+        }
+        Err(error) => {
+            tracing::debug!(%error, calls = batch.len(), "group commit failed; every call of it runs alone");
+            alone(batch.len())
+        }
+    };
+    count_committed(&written, metrics);
+    for (index, outcome) in open.into_iter().zip(written) {
+        outcomes[index] = Some(outcome);
+    }
+    outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
+}
+
+/// The committed batch's counters: the batch, its size, and each kind of write.
+fn count_committed(written: &[Outcome], metrics: &LedgerMetrics) {
+    let mut committed = 0_u64;
+    for outcome in written {
+        if let Outcome::Written(_, counter) = outcome {
+            counter(metrics).inc();
+            committed += 1;
+        }
+    }
+    if committed > 0 {
+        metrics.group_commits.inc();
+        metrics.group_commit_batch.observe(committed as f64);
+    }
+}
+
+/// One call written in a transaction of its own, the idempotency driver's (which claims and
+/// completes the call's guards around it): the batch's steps for a batch of one, so a call
+/// written alone is decided by the same rules, locks and statements as one written with others.
+/// What only a call alone does ([`Batchable`]): the payments it reads in its transaction (a
+/// Refund's: payments never change; none is PAYMENT_NOT_FOUND); the row it lacked created (a
+/// funding account's shard) and the call decided again; a refused call inserts its key before
+/// it answers the refusal ([`Batchable::key_taken_in_flight`]), so that another call holding
+/// that key, still in flight (a server of an earlier release inserted its key before its locks,
+/// or the key is used on other rows), is waited for and answers it.
+/// `KeyTaken` when a key of the call (its out_trade_no, the order's one payment, its
+/// out_refund_no, its order, its request_id) was committed by another: the driver then answers
+/// the committed original.
+///
+/// # Errors
+/// The call's rejection; [`Error::InvariantBroken`] (nothing written); [`Error::Database`].
+pub(in crate::ledger) async fn write_alone<C: Batchable>(
+    call: &C,
+    queries: &mut Queries<'_>,
+    now: i64,
+) -> Result<Inserted<C::Answer>, Error> {
+    let batched = Batched { write: call.write(), claim: None };
+    let mut payments = Payments::new();
+    call.read_alone(queries, &mut payments).await?;
+    let mut outcome = decide_alone(queries, &batched, &payments, now).await?;
+    if matches!(outcome, Some(Outcome::Alone)) && call.create_missing(queries, now).await? {
+        outcome = decide_alone(queries, &batched, &payments, now).await?;
+    }
+    let Some(outcome) = outcome else { return Ok(Inserted::KeyTaken) };
+    let outcome = match C::written(outcome) {
+        Ok(answer) => return Ok(Inserted::Done(answer)),
+        Err(outcome) => *outcome,
+    };
+    match outcome {
+        Outcome::Found(_) | Outcome::TakenBefore => Ok(Inserted::KeyTaken),
+        Outcome::Rejected(error) => {
+            if call.key_taken_in_flight(queries, &payments, now).await? {
+                return Ok(Inserted::KeyTaken);
+            }
+            Err(error)
+        }
+        // A call alone has no guard of its own in the batch, and nothing else of one call's
+        // batch hands it on.
+        Outcome::Alone
+        | Outcome::GuardTaken
+        | Outcome::GuardAnswered(_)
+        | Outcome::NotStarted(_)
+        | Outcome::Written(..) => Err(Error::Internal(format!("a {} written alone was left undecided", C::METHOD))),
+    }
+}
+
+/// The outcome of a batch of one, `None` when a key of it was found taken as it wrote.
+async fn decide_alone(
+    queries: &mut Queries<'_>,
+    batched: &Batched,
+    payments: &Payments,
+    now: i64,
+) -> Result<Option<Outcome>, Error> {
+    Ok(match write_batch(queries, &[batched], payments, now).await? {
+        Inserted::Done(mut outcomes) => Some(outcomes.pop().expect("one outcome a call")),
+        Inserted::KeyTaken => None,
+    })
+}
+
+/// The read before the batch, one statement for every payment its writes read; the outcome
+/// of each write those payments decide.
+async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<Outcome>>, Payments), Error> {
+    let keys: BTreeSet<(&str, &str)> = calls.iter().filter_map(|batched| batched.write.payment_to_read()).collect();
+    let keys: Vec<(&str, &str)> = keys.into_iter().collect();
+    if keys.is_empty() {
+        return Ok((calls.iter().map(|_| None).collect(), Payments::new()));
+    }
+    let mut reader = store.reader().await?;
+    let found: Payments = reader
+        .queries()
+        .find_payments_and_orders(&keys)
+        .await?
+        .into_iter()
+        .map(|(payment, order)| (order_key(&payment.merchant_id, &payment.out_trade_no), (payment, order)))
+        .collect();
+    let outcomes = calls.iter().map(|batched| batched.write.decided_before(&found)).collect();
+    Ok((outcomes, found))
+}
+
+fn alone(count: usize) -> Vec<Outcome> {
+    (0..count).map(|_| Outcome::Alone).collect()
+}
+
+/// The writes of `batch` that run alone after it, known before any lock: one that says so
+/// ([`BatchWrite::batch_keys`]), one holding a key an earlier write holds (unless both hold it
+/// shared: Refunds of one order are applied one after another to its state in memory), and a
+/// second call with one idempotency key or token (alone after the batch, it is answered by the
+/// first one's record or, when the first was refused, runs afresh). Every key of a write is
+/// noted, even of one that runs alone.
+fn runs_alone(batch: &[&Batched], payments: &Payments) -> Vec<bool> {
+    let mut held: HashMap<(&'static str, String, String), bool> = HashMap::new();
+    let mut guards_seen = HashSet::new();
+    batch
+        .iter()
+        .map(|batched| {
+            let mut alone = false;
+            match batched.write.batch_keys(payments) {
+                None => alone = true,
+                Some(keys) => {
+                    for key in keys {
+                        match held.get_mut(&key.of) {
+                            Some(shared) => {
+                                alone |= !(*shared && key.shared);
+                                *shared &= key.shared;
+                            }
+                            None => {
+                                held.insert(key.of, key.shared);
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(claim) = &batched.claim {
+                let seen: Vec<bool> = claim.keys().map(|key| !guards_seen.insert(key)).collect();
+                alone |= seen.contains(&true);
+            }
+            alone
+        })
+        .collect()
+}
+
+/// The batch's writes (none of them one [`runs_alone`] names), in the steps of the module doc.
+/// `Inserted::KeyTaken` means "roll back, every call runs alone".
+async fn write_batch(
+    queries: &mut Queries<'_>,
+    batch: &[&Batched],
+    payments: &Payments,
+    now: i64,
+) -> Result<Inserted<Vec<Outcome>>, Error> {
+    let mut deciding = Deciding {
+        batch,
+        claims: batch.iter().map(|batched| batched.claim.as_ref()).collect(),
+        payments,
+        now,
+        outcomes: batch.iter().map(|_| None).collect(),
+    };
+    deciding.read_guards(queries).await?;
+    if deciding.undecided().is_empty() {
+        return Ok(Inserted::Done(deciding.into_outcomes()));
+    }
+    let locked = deciding.lock(queries).await?;
+    let mut claimed: HashSet<usize> = HashSet::new();
+    // Until a claim of several found a key taken (see `claim_prefix_together`).
+    let mut claim_together = true;
+    let (moved_orders, book_after, accepted) = loop {
+        let applied = deciding.apply(&locked);
+        if claim_together {
+            claim_together = claim_prefix_together(queries, &deciding.claims, &applied.accepted, &mut claimed).await?;
+        }
+        if !deciding.claim_guards(queries, &applied.accepted, &mut claimed).await? {
+            let Applied { book, moved, accepted, refused } = applied;
+            deciding.refuse(refused);
+            break (moved, book, accepted);
+        }
+        // A claimed write refused on the next pass would need its claim undone in the middle
+        // of the batch (it cannot be: it came before the one taken out): the batch would roll
+        // back instead, and every call of it run alone.
+        if applied.refused.iter().any(|(index, _)| claimed.contains(index)) {
+            return Ok(Inserted::KeyTaken);
+        }
+    };
+    if !accepted.is_empty()
+        && !write_accepted(queries, &accepted, &locked.orders, &moved_orders, &book_after, now).await?
+    {
+        return Ok(Inserted::KeyTaken);
+    }
+    let mut entries = entries_read_back(queries, &accepted).await?;
+    let completions = deciding.answer(accepted, &mut entries, &locked.book)?;
+    let completions: Vec<_> = completions.into_iter().map(|(claim, message)| claim.completion(message)).collect();
+    complete_claims(queries, &completions).await?;
+    Ok(Inserted::Done(deciding.into_outcomes()))
+}
+
+/// One batch's writes as its transaction decides them: each write's outcome once it has one.
+struct Deciding<'b> {
+    batch: &'b [&'b Batched],
+    /// Each call's guards, when it carries an `idempotency-key` or `idempotency-token`.
+    claims: Vec<Option<&'b BatchClaim>>,
+    /// The payments read before the batch.
+    payments: &'b Payments,
+    /// When the batch writes, in microseconds since the epoch.
+    now: i64,
+    outcomes: Vec<Option<Outcome>>,
+}
+
+/// The rows a batch locked and the keys it found taken under those locks.
+struct Locked {
+    orders: HashMap<OrderKey, OrderRow>,
+    book: Book,
+    taken: HashSet<KeyToFind>,
+    /// Deadlines are judged now that the orders are locked (see `deadline_clock`).
+    checked_at: i64,
+}
+
+/// The writes of a batch decided in arrival order (one pass of step 2).
+struct Applied {
+    /// The accounts as the accepted writes leave them.
+    book: Book,
+    /// The orders the accepted writes moved, as they leave them.
+    moved: BTreeMap<OrderKey, OrderRow>,
+    accepted: Vec<(usize, Box<dyn Accepted>)>,
+    /// The writes not accepted, and their outcomes.
+    refused: Vec<(usize, Outcome)>,
+}
+
+impl<'b> Deciding<'b> {
+    /// Every write's outcome; a write the batch could not decide runs alone.
+    fn into_outcomes(self) -> Vec<Outcome> {
+        self.outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
+    }
+
+    /// The writes not decided yet, in arrival order.
+    fn undecided(&self) -> Vec<usize> {
+        (0..self.batch.len()).filter(|index| self.outcomes[*index].is_none()).collect()
+    }
+
+    /// 0. The committed records of the guards that the calls did not read before they queued
+    ///    (an idempotency key alone), in one read: a record that answers a call takes it out
+    ///    with nothing of it written, answered by that record after the batch. A record
+    ///    committed after this read is found by the claim (3).
+    async fn read_guards(&mut self, queries: &mut Queries<'_>) -> Result<(), Error> {
+        let keys_to_read: Vec<(&str, &str)> =
+            self.claims.iter().flatten().flat_map(|claim| claim.keys_to_read()).collect();
+        if keys_to_read.is_empty() {
+            return Ok(());
+        }
+        let found = queries.find_answered_records(&keys_to_read).await?;
+        for (outcome, claim) in self.outcomes.iter_mut().zip(&self.claims) {
+            if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, self.now)) {
+                *outcome = Some(Outcome::GuardAnswered(Box::new(record)));
+            }
+        }
+        Ok(())
+    }
+
+    /// 1. The orders the undecided writes name, locked (one `SELECT ... FOR UPDATE`, in key
+    ///    order); then their accounts (one `SELECT ... FOR UPDATE`, in account_id order); then
+    ///    the keys they find taken or not under those locks (one read a kind of key): a
+    ///    refund's out_refund_no under its order's lock (every Refund locks its order before it
+    ///    inserts), a request_id under its funding account's (every call of a request_id moves
+    ///    that account).
+    async fn lock(&self, queries: &mut Queries<'_>) -> Result<Locked, Error> {
+        let undecided = self.undecided();
+        let writes = || undecided.iter().map(|index| &self.batch[*index].write);
+        let order_keys: BTreeSet<(&str, &str)> =
+            writes().filter_map(|write| write.order_to_lock(self.payments)).collect();
+        let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
+        let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
+            HashMap::new()
+        } else {
+            let rows = queries.lock_orders(&order_keys).await?;
+            rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
+        };
+        let checked_at = deadline_clock(self.now);
+        let account_ids: BTreeSet<&str> = writes()
+            .flat_map(|write| {
+                let order = write
+                    .order_to_lock(self.payments)
+                    .and_then(|(merchant_id, order_no)| orders.get(&order_key(merchant_id, order_no)));
+                write.accounts_to_lock(order, self.payments)
+            })
+            .collect();
+        let account_ids: Vec<&str> = account_ids.into_iter().collect();
+        let book = if account_ids.is_empty() {
+            Book::default()
+        } else {
+            Book::locked(queries.lock_accounts(&account_ids).await?)
+        };
+        let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
+        let taken = find_taken(queries, &keys).await?;
+        Ok(Locked { orders, book, taken, checked_at })
+    }
+
+    /// 2. The writes not decided yet, decided one after another in arrival order, in memory,
+    ///    each in a view of the rows (as read under their locks) as the ones before it leave
+    ///    them.
+    fn apply(&self, locked: &Locked) -> Applied {
+        let mut view = View {
+            now: self.now,
+            checked_at: locked.checked_at,
+            book: locked.book.clone(),
+            orders: &locked.orders,
+            moved: BTreeMap::new(),
+            payments: self.payments,
+            taken: &locked.taken,
+        };
+        let (mut accepted, mut refused) = (Vec::new(), Vec::new());
+        for index in self.undecided() {
+            match self.batch[index].write.decide(&mut view) {
+                Ok(accepted_one) => accepted.push((index, accepted_one)),
+                Err(outcome) => refused.push((index, outcome)),
+            }
+        }
+        Applied { book: view.book, moved: view.moved, accepted, refused }
+    }
+
+    /// 3. Each accepted write's guards, claimed in arrival order, their records written with
+    ///    the answer the write gets if the batch commits. A guard found taken, or a token found
+    ///    invalid, takes that write out of the batch with nothing of it written (true: decide
+    ///    the writes again without it, as one it paid into may now lack funds, one it spent
+    ///    from may now have them, a refund after it may now fit its order). The writes before
+    ///    it, claimed already, keep their outcome (each is decided after the ones before it
+    ///    only).
+    async fn claim_guards(
+        &mut self,
+        queries: &mut Queries<'_>,
+        accepted: &[(usize, Box<dyn Accepted>)],
+        claimed: &mut HashSet<usize>,
+    ) -> Result<bool, Error> {
+        for (index, accepted_one) in accepted {
+            let Some(claim) = self.claims[*index].filter(|_| !claimed.contains(index)) else { continue };
+            let records = records_to_claim(claim, accepted_one.as_ref())?;
+            match claim.claim(queries, &records, self.now).await {
+                Ok(true) => {
+                    claimed.insert(*index);
+                    continue;
+                }
+                Ok(false) => self.outcomes[*index] = Some(Outcome::GuardTaken),
+                Err(error @ Error::Rejected(_)) => self.outcomes[*index] = Some(Outcome::Rejected(error)),
+                Err(error) => return Err(error),
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// The outcomes of the writes the final pass did not accept: nothing of them is written.
+    fn refuse(&mut self, refused: Vec<(usize, Outcome)>) {
+        for (index, outcome) in refused {
+            self.outcomes[index] = Some(outcome);
+        }
+    }
+
+    /// 5. Each accepted write's answer, once written. Returns the claims to complete with the
+    ///    messages of the answers known only now (their records were claimed IN_PROGRESS).
+    fn answer(
+        &mut self,
+        accepted: Vec<(usize, Box<dyn Accepted>)>,
+        entries: &mut Entries,
+        locked: &Book,
+    ) -> Result<Vec<(&'b BatchClaim, Vec<u8>)>, Error> {
+        let mut completions = Vec::new();
+        for (index, accepted_one) in accepted {
+            let committed = accepted_one.committed();
+            let (answer, message) = accepted_one.answer(entries, locked)?;
+            if let (Some(claim), Some(message)) = (self.claims[index], message) {
+                completions.push((claim, message));
+            }
+            self.outcomes[index] = Some(Outcome::Written(answer, committed));
+        }
+        Ok(completions)
+    }
+}
+
+/// The keys of `keys` found taken: the refunds' out_refund_nos in one read, the request_ids of
+/// deposits and withdrawals in another.
+async fn find_taken(queries: &mut Queries<'_>, keys: &[KeyToFind]) -> Result<HashSet<KeyToFind>, Error> {
+    let mut taken = HashSet::new();
+    let refunds: Vec<(&str, &str)> = keys
+        .iter()
+        .filter_map(|key| match key {
+            KeyToFind::Refund(merchant_id, out_refund_no) => Some((merchant_id.as_str(), out_refund_no.as_str())),
+            KeyToFind::Funding(..) => None,
+        })
+        .collect();
+    if !refunds.is_empty() {
+        let found = queries.find_refunds(&refunds).await?;
+        taken.extend(found.into_iter().map(|row| KeyToFind::Refund(row.merchant_id, row.out_refund_no)));
+    }
+    let request_ids = |table: FundingTable| -> Vec<&str> {
+        keys.iter()
+            .filter_map(|key| match key {
+                KeyToFind::Funding(of, request_id) if *of == table => Some(request_id.as_str()),
+                KeyToFind::Funding(..) | KeyToFind::Refund(..) => None,
+            })
+            .collect()
+    };
+    let (deposits, withdrawals) = (request_ids(FundingTable::Deposits), request_ids(FundingTable::Withdrawals));
+    if !deposits.is_empty() || !withdrawals.is_empty() {
+        let found = queries.find_fundings(&deposits, &withdrawals).await?;
+        taken.extend(found.into_iter().map(|(table, request_id)| KeyToFind::Funding(table, request_id)));
+    }
+    Ok(taken)
+}
+
+/// The records an accepted write's guards claim: COMPLETED with its answer when known before
+/// the write, IN_PROGRESS otherwise (completed once the write makes its answer).
+fn records_to_claim(claim: &BatchClaim, accepted: &dyn Accepted) -> Result<Vec<IdempotencyRecordRow>, Error> {
+    Ok(match accepted.message()? {
+        Some(message) => claim.completed_records(&message),
+        None => claim.in_progress_records().to_vec(),
+    })
+}
+
+/// The guards of the accepted writes not claimed yet, up to the first that consumes a
+/// token, claimed in one statement, all or none ([`Queries::claim_records`]): what the loop of
+/// step 3 does one write at a time, in one round trip. It claims a prefix, in arrival order, so
+/// that a write the loop takes out afterwards still comes after every write claimed. False
+/// when nothing was claimed for a key taken (or on SQLite): the loop then claims each write
+/// alone, which names the taken key and replaces an expired record, and this is not tried again
+/// in the batch.
+async fn claim_prefix_together(
+    queries: &mut Queries<'_>,
+    claims: &[Option<&BatchClaim>],
+    accepted: &[(usize, Box<dyn Accepted>)],
+    claimed: &mut HashSet<usize>,
+) -> Result<bool, Error> {
+    let mut together: Vec<(usize, Vec<IdempotencyRecordRow>)> = Vec::new();
+    for (index, accepted_one) in accepted {
+        let Some(claim) = claims[*index].filter(|_| !claimed.contains(index)) else { continue };
+        if claim.consumes_token() {
+            break;
+        }
+        together.push((*index, records_to_claim(claim, accepted_one.as_ref())?));
+    }
+    // One claim alone gains nothing over the loop.
+    if together.len() < 2 {
+        return Ok(true);
+    }
+    let records: Vec<&IdempotencyRecordRow> = together.iter().flat_map(|(_, records)| records).collect();
+    if !queries.claim_records(&records).await? {
+        return Ok(false);
+    }
+    claimed.extend(together.iter().map(|(index, _)| *index));
+    Ok(true)
+}
+
+/// The journal entries the accepted writes read back, by (posting_id, account_id): one read,
+/// none without them.
+async fn entries_read_back(
+    queries: &mut Queries<'_>,
+    accepted: &[(usize, Box<dyn Accepted>)],
+) -> Result<Entries, Error> {
+    let legs: Vec<(&str, &str)> =
+        accepted.iter().flat_map(|(_, accepted_one)| accepted_one.entries_to_read()).collect();
+    if legs.is_empty() {
+        return Ok(Entries::new());
+    }
+    let entries = queries.find_entries(&legs).await?;
+    Ok(entries.into_iter().map(|entry| ((entry.posting_id.clone(), entry.account_id.clone()), entry)).collect())
+}
+
+/// Step 4: the write set of the accepted writes, each row in its table and each posting in
+/// the order the batch applied it, and each order moved by its CAS from the state it was
+/// locked in, written by [`book::write`]: false when a key, an order's state or a version was
+/// taken under the batch (roll back).
+async fn write_accepted(
+    queries: &mut Queries<'_>,
+    accepted: &[(usize, Box<dyn Accepted>)],
+    orders: &HashMap<OrderKey, OrderRow>,
+    moved: &BTreeMap<OrderKey, OrderRow>,
+    book: &Book,
+    now: i64,
+) -> Result<bool, Error> {
+    let mut set = WriteSet::default();
+    for (_, accepted_one) in accepted {
+        accepted_one.add_to(&mut set);
+    }
+    set.refunded_orders = moved
+        .iter()
+        .map(|(key, after)| {
+            let before = &orders[key];
+            OrderRefund {
+                merchant_id: &after.merchant_id,
+                order_no: &after.order_no,
+                from_status: &before.status,
+                from_refunded: before.refunded_amount,
+                to_status: &after.status,
+                to_refunded: after.refunded_amount,
+            }
+        })
+        .collect();
+    book::write(queries, &set, book, now).await
+}
