@@ -35,8 +35,8 @@ impl EntryKind {
 
 /// One posting: `amount` minor units of `currency` move from one account to another, as two
 /// journal entries that sum to zero. Each use case makes its posting from the row it records
-/// (a payment, refund, transfer, deposit or withdrawal), once, for both ways it is written:
-/// alone ([`post`]) and in a group commit.
+/// (a payment, refund, transfer, deposit, withdrawal or capture), once; it is applied to a
+/// `book::Book` and written with the write set, in a batch or alone.
 pub(in crate::ledger) struct Posting<'a> {
     /// Links both legs: the trade_no, refund_no, transfer_id or funding_id.
     pub posting_id: &'a str,
