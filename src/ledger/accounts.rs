@@ -8,12 +8,11 @@ use crate::store::{AccountRow, EntryRow, FundingRow, FundingTable, Queries, Tran
 use super::commands::{Deposit, ListEntries, OpenAccount, Transfer, Withdraw};
 use super::engine::book::{Book, WriteSet};
 use super::engine::group_commit::{
-    write_alone, Accepted, Answer, BatchKey, BatchWrite, Batchable, Committed, Entries, KeyToFind, Outcome, Payments,
-    View,
+    write_alone, Accepted, Answer, BatchKey, BatchWrite, Batchable, Committed, Entries, KeyToFind, Outcome, ReadFirst,
+    Rows, View,
 };
 use super::engine::posting::{EntryKind, Legs, Posting, KIND_CUSTOMER, KIND_EXTERNAL};
 use crate::metrics::LedgerMetrics;
-use crate::store::OrderRow;
 
 use super::guards::{Guards, Scope, IDEMPOTENCY_KEY_HEADER};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall};
@@ -289,13 +288,64 @@ impl IdempotentCall for OpenAccount {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<AccountRow>, Error> {
-        let code = self.currency.code();
-        let account = new_account(self.account_id.as_str(), code, KIND_CUSTOMER, now);
-        ensure_funding_account(queries, &external_account_id(code), code, now).await?;
-        if !queries.insert_account(&account).await? {
-            return Ok(Inserted::KeyTaken);
+        write_alone(self, queries, now).await
+    }
+}
+
+impl BatchWrite for OpenAccount {
+    fn route(&self) -> &str {
+        self.account_id.as_str()
+    }
+
+    /// None: an OpenAccount runs alone.
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        None
+    }
+
+    /// Its account_id, locked to find one committed before (a row lock on no row orders
+    /// nothing: a concurrent OpenAccount of it fails the INSERT, and is then a replay).
+    fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
+        vec![self.account_id.as_str()]
+    }
+
+    /// An account of this id is a replay (or ALREADY_EXISTS in another currency); otherwise a
+    /// new customer account, empty.
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        if view.book.get(self.account_id.as_str()).is_some() {
+            return Err(Outcome::TakenBefore);
         }
-        Ok(Inserted::Done(account))
+        Ok(Box::new(Opened(new_account(self.account_id.as_str(), self.currency.code(), KIND_CUSTOMER, view.now))))
+    }
+}
+
+/// An account an OpenAccount opened.
+struct Opened(AccountRow);
+
+impl Accepted for Opened {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        set.accounts.push(self.0.clone());
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(OpenAccount::message(self.0.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.0), None))
+    }
+}
+
+impl Batchable for OpenAccount {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
+    }
+
+    /// Its currency's funding account, created if absent (every currency's first account
+    /// creates it).
+    async fn before_alone(&self, queries: &mut Queries<'_>, _read: &mut ReadFirst, now: i64) -> Result<(), Error> {
+        let code = self.currency.code();
+        ensure_funding_account(queries, &external_account_id(code), code, now).await?;
+        Ok(())
     }
 }
 
@@ -467,7 +517,7 @@ impl BatchWrite for FundingWrite {
 
     /// Its request_id: a second Deposit (or Withdraw) of it, alone after the batch, is a
     /// replay of the first (or REQUEST_ID_REUSED).
-    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
         let of = match self.table {
             FundingTable::Deposits => "deposit request_id",
             FundingTable::Withdrawals => "withdrawal request_id",
@@ -475,7 +525,7 @@ impl BatchWrite for FundingWrite {
         Some(vec![BatchKey::sole(of, self.request_id.as_str(), "")])
     }
 
-    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+    fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
         vec![self.account_id.as_str(), self.funding_account_id.as_str()]
     }
 
@@ -548,11 +598,11 @@ impl Accepted for Funded {
         Ok((Box::new(receipt), Some(message)))
     }
 
-    fn committed(&self) -> Committed {
-        match self.funding.table {
+    fn committed(&self) -> Option<Committed> {
+        Some(match self.funding.table {
             FundingTable::Deposits => deposits_committed,
             FundingTable::Withdrawals => withdrawals_committed,
-        }
+        })
     }
 }
 
@@ -580,7 +630,8 @@ impl<F: Funding> Batchable for FundingCall<F> {
     async fn key_taken_in_flight(
         &self,
         queries: &mut Queries<'_>,
-        _payments: &Payments,
+        _read: &ReadFirst,
+        _refusal: &Error,
         now: i64,
     ) -> Result<bool, Error> {
         let funding = self.funding_write();
@@ -671,11 +722,11 @@ impl BatchWrite for Identified<Transfer> {
     }
 
     /// None: its key is its guard.
-    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
         Some(Vec::new())
     }
 
-    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+    fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
         vec![self.command.from_account_id.as_str(), self.command.to_account_id.as_str()]
     }
 
@@ -722,8 +773,8 @@ impl Accepted for Transferred {
         Ok((Box::new(receipt), Some(message)))
     }
 
-    fn committed(&self) -> Committed {
-        |metrics| &metrics.group_committed_transfers
+    fn committed(&self) -> Option<Committed> {
+        Some(|metrics| &metrics.group_committed_transfers)
     }
 }
 

@@ -4,15 +4,15 @@
 //! the order PAID) and releases the rest; Void, CloseOrder and the hold sweeper release it and
 //! close the order.
 //!
-//! Every step locks the order's row first (`FOR UPDATE`) and only then reads the hold, so all
-//! the steps of one order, and the sweeper, take their turns on that one lock; then the
-//! payer's account (and a Capture's payee), in account_id order. Each order transition is a
-//! conditional UPDATE from the state it requires (order `PENDING` or `AUTHORIZED`). What a
-//! step does to money goes through the write engine as every write's does: the hold reserved
-//! ([`Book::reserve`]) or released ([`Book::release`]) and a Capture's posting applied to the
-//! accounts as read under their locks, then the write set (the new or settled hold, the new
-//! `held` and balances by version CAS, the entries) checked against the money invariants and
-//! written ([`book::write`]).
+//! Each step is a write of the engine's group commit, run alone (`BatchWrite`): it locks the
+//! order's row first (`FOR UPDATE`; a Capture's or Void's order named by its hold, read first)
+//! and only then reads the hold, so all the steps of one order, and the sweeper, take their
+//! turns on that one lock; then the payer's account (and a Capture's payee), in account_id
+//! order. Its decision applies the state machine; the hold is reserved ([`Book::reserve`]) or
+//! released ([`Book::release`]) and a Capture's posting applied to the accounts as read under
+//! their locks; the write set (the new or settled hold, the order's conditional UPDATE from the
+//! state it requires, `held` and balances by version CAS, the entries) is checked against the
+//! money invariants and written ([`book::write`]).
 
 use crate::domain::{CloseReason, OrderEvent, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
@@ -20,12 +20,18 @@ use crate::proto;
 use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
 
 use super::commands::{Authorize, Capture, Void};
-use super::engine::book::{self, Book, SettledHold, WriteSet};
+use super::engine::book::{self, Book, OrderMove, OrderTo, SettledHold, WriteSet};
+use super::engine::group_commit::{
+    write_alone, Accepted, Answer, BatchKey, BatchWrite, Batchable, Entries, Outcome, ReadFirst, Rows, View,
+};
+use super::engine::posting::Legs;
+
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
 use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
 use super::response;
-use super::{deadline_clock, new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
+use prost::Message as _;
 
 /// Stored statuses of a hold.
 pub(crate) const HOLD_ACTIVE: &str = "ACTIVE";
@@ -117,9 +123,7 @@ impl Ledger {
                 };
                 let hold = queries.find_hold_of_order(merchant_id, order_no).await?;
                 let outcome = match &hold {
-                    Some(hold) if hold.status == HOLD_ACTIVE => {
-                        release_hold(&mut queries, &order, hold, OrderEvent::HoldExpire, now).await
-                    }
+                    Some(hold) if hold.status == HOLD_ACTIVE => release_expired(&mut queries, &order, hold, now).await,
                     _ => Ok(None),
                 };
                 match outcome {
@@ -140,83 +144,135 @@ impl Ledger {
     }
 }
 
-/// Releases an ACTIVE `hold` of `order` (whose row this transaction has locked) for `event`:
-/// Void (hold VOIDED, order CLOSED as VOIDED), Close (hold VOIDED, order CLOSED by the
-/// merchant) or HoldExpire (hold EXPIRED, order CLOSED as HOLD_EXPIRED). `None` when the event
-/// is already in effect (nothing written); the hold and order after it otherwise.
+/// An ACTIVE hold released with its order closed: the hold and order as the release leaves
+/// them, and the hold's new status and the order's close reason.
+pub(super) struct Release {
+    pub(super) hold: HoldRow,
+    pub(super) order: OrderRow,
+    status: &'static str,
+    reason: &'static str,
+}
+
+/// Releases an ACTIVE `hold` of `order` (both as read under the order's lock) for `event` in
+/// `book` (the payer locked): Void (hold VOIDED, order CLOSED as VOIDED), Close (hold VOIDED,
+/// order CLOSED by the merchant) or HoldExpire (hold EXPIRED, order CLOSED as HOLD_EXPIRED).
+/// `None` when the event is already in effect (nothing to write).
 ///
 /// # Errors
 /// The state machine's [`Rejection`] (ORDER_ALREADY_PAID once captured, HOLD_NOT_EXPIRED for
-/// an early sweep); [`Error::Contention`] if a conditional UPDATE found its row moved.
-pub(super) async fn release_hold(
-    queries: &mut Queries<'_>,
+/// an early sweep); [`Error::Contention`] if the hold is no longer ACTIVE.
+pub(super) fn release(
     order: &OrderRow,
     hold: &HoldRow,
     event: OrderEvent,
     now: i64,
-) -> Result<Option<HoldReceipt>, Error> {
+    book: &mut Book,
+) -> Result<Option<Release>, Error> {
     let Transition::To(next) = order_state_with_hold(order, Some(hold), now)?.apply(event)? else {
         return Ok(None);
     };
     let reason = next.close_reason.ok_or_else(|| Error::Internal("a released hold's order is not closed".into()))?;
-    let hold_status = if reason == CloseReason::HoldExpired { HOLD_EXPIRED } else { HOLD_VOIDED };
+    let status = if reason == CloseReason::HoldExpired { HOLD_EXPIRED } else { HOLD_VOIDED };
     if hold.status != HOLD_ACTIVE {
         return Err(Error::Contention);
     }
-    let (merchant_id, order_no) = (order.merchant_id.as_str(), order.order_no.as_str());
-    if !queries.close_authorized_order(merchant_id, order_no, reason.as_str(), now).await? {
-        return Err(Error::Contention);
-    }
-    let mut book = Book::locked(queries.lock_accounts(&[hold.payer_account_id.as_str()]).await?);
     book.release(hold)?;
-    let settled = SettledHold { hold, status: hold_status, captured_amount: 0, out_trade_no: None };
-    let set = WriteSet { settled_holds: vec![settled], ..WriteSet::default() };
-    if !book::write(queries, &set, &book, now).await? {
-        return Err(Error::Contention);
-    }
-    let hold = HoldRow { status: hold_status.to_owned(), updated_at: now, ..hold.clone() };
+    let hold = HoldRow { status: status.to_owned(), updated_at: now, ..hold.clone() };
     let order = OrderRow {
         status: OrderStatus::Closed.as_str().to_owned(),
         close_reason: Some(reason.as_str().to_owned()),
         updated_at: now,
         ..order.clone()
     };
-    Ok(Some(HoldReceipt { hold, order }))
+    Ok(Some(Release { hold, order, status, reason: reason.as_str() }))
 }
 
-/// Two account ids in ascending order, the order their rows are locked in.
-fn sorted_pair<'a>(first: &'a str, second: &'a str) -> [&'a str; 2] {
-    if first <= second {
-        [first, second]
-    } else {
-        [second, first]
+impl Release {
+    /// Its order closed from AUTHORIZED and its hold (`before`: as read under the order's
+    /// lock) settled, into `set`.
+    pub(super) fn add_to<'s>(&'s self, before: &'s HoldRow, set: &mut WriteSet<'s>) {
+        let (merchant_id, order_no) = (self.order.merchant_id.as_str(), self.order.order_no.as_str());
+        set.order_moves.push(OrderMove {
+            merchant_id,
+            order_no,
+            to: OrderTo::ClosedFromAuthorized { reason: self.reason },
+        });
+        set.settled_holds.push(SettledHold {
+            hold: before,
+            status: self.status,
+            captured_amount: 0,
+            out_trade_no: None,
+        });
     }
 }
 
-/// The hold of (merchant_id, out_auth_no) and its order as they stand, read after the order's
-/// row lock when `queries` is a transaction's.
+/// The sweeper's release of an expired ACTIVE `hold` of `order` (locked by this
+/// transaction): its payer locked, [`release`], and the write set written through the engine.
+/// `None` when there was nothing to release.
+///
+/// # Errors
+/// As [`release`]; [`Error::InvariantBroken`] (nothing written); [`Error::Contention`] if a
+/// row moved under its lock.
+async fn release_expired(
+    queries: &mut Queries<'_>,
+    order: &OrderRow,
+    hold: &HoldRow,
+    now: i64,
+) -> Result<Option<Release>, Error> {
+    let mut book = Book::locked(queries.lock_accounts(&[hold.payer_account_id.as_str()]).await?);
+    let Some(released) = release(order, hold, OrderEvent::HoldExpire, now, &mut book)? else { return Ok(None) };
+    let mut set = WriteSet::default();
+    released.add_to(hold, &mut set);
+    if !book::write(queries, &set, &book, now).await? {
+        return Err(Error::Contention);
+    }
+    Ok(Some(released))
+}
+
+/// The hold of (merchant_id, out_auth_no) and its order as they stand (for a replay).
 async fn hold_and_order(
     queries: &mut Queries<'_>,
     merchant_id: &str,
     out_auth_no: &str,
-    lock: bool,
 ) -> Result<(HoldRow, OrderRow), Error> {
     let hold = queries.find_hold(merchant_id, out_auth_no).await?.ok_or(Error::NotFound(Resource::Hold))?;
-    let order = if lock {
-        queries.find_order_for_update(merchant_id, &hold.order_no).await?
-    } else {
-        queries.find_order(merchant_id, &hold.order_no).await?
-    };
+    let order = queries.find_order(merchant_id, &hold.order_no).await?;
     let order = order.ok_or_else(|| Error::Internal("a hold's order is missing".into()))?;
-    if !lock {
-        return Ok((hold, order));
-    }
-    // Read again under the order's lock: every change of a hold is made under it.
-    let hold = queries
-        .find_hold(merchant_id, out_auth_no)
-        .await?
-        .ok_or_else(|| Error::Internal("a hold vanished under its order's lock".into()))?;
     Ok((hold, order))
+}
+
+/// A hold step's hold, read before its order's lock (it names the order), into `read`.
+async fn read_hold(
+    queries: &mut Queries<'_>,
+    read: &mut ReadFirst,
+    merchant_id: &str,
+    out_auth_no: &str,
+) -> Result<(), Error> {
+    if let Some(hold) = queries.find_hold(merchant_id, out_auth_no).await? {
+        read.add_hold(hold);
+    }
+    Ok(())
+}
+
+/// A hold step's hold and its order, as read under the order's lock; HOLD_NOT_FOUND when the
+/// hold was not read first.
+fn locked_hold_and_order(
+    view: &View<'_>,
+    merchant_id: &str,
+    out_auth_no: &str,
+) -> Result<(HoldRow, OrderRow), Outcome> {
+    let first = view.read_first().hold(merchant_id, out_auth_no);
+    let first = first.ok_or(Outcome::Rejected(Error::NotFound(Resource::Hold)))?;
+    let internal = |what: &str| Outcome::Rejected(Error::Internal(what.into()));
+    let order = view.order(merchant_id, &first.order_no).ok_or_else(|| internal("a hold's order is missing"))?;
+    let hold = view.hold_of_order(merchant_id, &first.order_no);
+    let hold = hold.ok_or_else(|| internal("a hold vanished under its order's lock"))?;
+    Ok((hold.clone(), order.clone()))
+}
+
+/// The order a hold step locks: its hold's, as read first.
+fn order_of_hold<'a>(read: &'a ReadFirst, merchant_id: &'a str, out_auth_no: &str) -> Option<(&'a str, &'a str)> {
+    read.hold(merchant_id, out_auth_no).map(|hold| (merchant_id, hold.order_no.as_str()))
 }
 
 /// Authorize's business fields, from a request or a stored hold.
@@ -231,6 +287,7 @@ fn authorize_fields(out_auth_no: &str, order_no: &str, payer: &str, amount: i64,
 }
 
 /// An Authorize call with the id of its hold and the hold's lifetime (microseconds).
+#[derive(Clone)]
 struct NewHold {
     command: Authorize,
     hold_no: String,
@@ -272,7 +329,7 @@ impl IdempotentCall for NewHold {
         if queries.find_hold(merchant_id, out_auth_no).await?.is_none() {
             return Ok(None);
         }
-        let (hold, order) = hold_and_order(&mut queries, merchant_id, out_auth_no, false).await?;
+        let (hold, order) = hold_and_order(&mut queries, merchant_id, out_auth_no).await?;
         let stored =
             authorize_fields(&hold.out_auth_no, &hold.order_no, &hold.payer_account_id, hold.amount, &hold.currency);
         let fields = differing_from(&self.fields(), &stored);
@@ -283,67 +340,7 @@ impl IdempotentCall for NewHold {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<HoldReceipt>, Error> {
-        let command = &self.command;
-        let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
-        let order =
-            queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        let hold = queries.find_hold_of_order(merchant_id, order_no).await?;
-        if hold.as_ref().is_some_and(|hold| hold.out_auth_no == command.out_auth_no.as_str()) {
-            return Ok(Inserted::KeyTaken);
-        }
-        // The state machine first: an order that moved on is refused as such, whatever the
-        // request's amount (a captured order's amount is what was captured).
-        let at = deadline_clock(now);
-        let Transition::To(next) = order_state_with_hold(&order, hold.as_ref(), at)?.apply(OrderEvent::Authorize)?
-        else {
-            return Err(Error::Internal("the state machine found an Authorize already applied".into()));
-        };
-        if order.currency != command.amount.currency().code() {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
-        if order.amount != command.amount.minor_units() {
-            return Err(Rejection::AmountMismatch.into());
-        }
-        if order.payee_account_id == command.payer_account_id.as_str() {
-            return Err(Rejection::PayerIsPayee.into());
-        }
-        let payer_account_id = command.payer_account_id.as_str();
-        let mut book = Book::locked(queries.lock_accounts(&[payer_account_id]).await?);
-        let payer = book.get(payer_account_id).ok_or(Error::NotFound(Resource::Account))?;
-        if payer.currency != order.currency {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
-        let hold = HoldRow {
-            hold_no: self.hold_no.clone(),
-            merchant_id: merchant_id.to_owned(),
-            out_auth_no: command.out_auth_no.as_str().to_owned(),
-            order_no: order_no.to_owned(),
-            payer_account_id: payer_account_id.to_owned(),
-            amount: order.amount,
-            currency: order.currency.clone(),
-            status: HOLD_ACTIVE.to_owned(),
-            captured_amount: 0,
-            out_trade_no: None,
-            expires_at: now.saturating_add(self.ttl),
-            created_at: now,
-            updated_at: now,
-            created_by: command.created_by.created_by().to_owned(),
-        };
-        if let Err(refusal) = book.reserve(&hold) {
-            // Its out_auth_no inserted before the refusal is answered (the transaction rolls
-            // back with it): an original of it still in flight on another order is waited for
-            // and answers instead (a replay, or OUT_AUTH_NO_REUSED).
-            return if queries.insert_hold(&hold).await? { Err(refusal) } else { Ok(Inserted::KeyTaken) };
-        }
-        if !queries.authorize_order(merchant_id, order_no, now).await? {
-            return Err(Error::Contention);
-        }
-        let set = WriteSet { holds: vec![hold.clone()], ..WriteSet::default() };
-        if !book::write(queries, &set, &book, now).await? {
-            return Ok(Inserted::KeyTaken);
-        }
-        let order = OrderRow { status: next.status.as_str().to_owned(), updated_at: now, ..order };
-        Ok(Inserted::Done(HoldReceipt { hold, order }))
+        write_alone(self, queries, now).await
     }
 }
 
@@ -411,85 +408,14 @@ impl IdempotentCall for Identified<Capture> {
         let mut reader = ledger.store.reader().await?;
         let mut queries = reader.queries();
         let (merchant_id, out_auth_no) = (self.command.merchant_id.as_str(), self.command.out_auth_no.as_str());
-        let (hold, order) = hold_and_order(&mut queries, merchant_id, out_auth_no, false).await?;
+        let (hold, order) = hold_and_order(&mut queries, merchant_id, out_auth_no).await?;
         let capture = OrderEvent::Capture { amount_minor_units: self.command.amount.minor_units() };
         order_state_with_hold(&order, Some(&hold), now_micros())?.apply(capture)?;
         Ok(None)
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<CaptureReceipt>, Error> {
-        let Identified { command, id: trade_no } = self;
-        let merchant_id = command.merchant_id.as_str();
-        let (hold, order) = hold_and_order(queries, merchant_id, command.out_auth_no.as_str(), true).await?;
-        if hold.currency != command.amount.currency().code() {
-            return Err(Rejection::CurrencyMismatch.into());
-        }
-        if order.status != OrderStatus::Authorized.as_str()
-            && order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str())
-        {
-            return Ok(Inserted::KeyTaken);
-        }
-        let captured = command.amount.minor_units();
-        let capture = OrderEvent::Capture { amount_minor_units: captured };
-        let Transition::To(next) = order_state_with_hold(&order, Some(&hold), deadline_clock(now))?.apply(capture)?
-        else {
-            return Err(Error::Internal("the state machine found a Capture already applied".into()));
-        };
-        let payment = PaymentRow {
-            trade_no: trade_no.clone(),
-            merchant_id: merchant_id.to_owned(),
-            out_trade_no: command.out_trade_no.as_str().to_owned(),
-            order_no: order.order_no.clone(),
-            payer_account_id: hold.payer_account_id.clone(),
-            payee_account_id: order.payee_account_id.clone(),
-            amount: captured,
-            currency: hold.currency.clone(),
-            status: PAYMENT_SUCCEEDED.to_owned(),
-            created_at: now,
-            created_by: command.created_by.created_by().to_owned(),
-        };
-        if !queries.insert_payment(&payment).await? {
-            return Ok(Inserted::KeyTaken);
-        }
-        // The two accounts locked now, in account_id order, before the payer's row is written
-        // below: the ledger's one lock order (orders, then accounts by account_id).
-        let accounts =
-            queries.lock_accounts(&sorted_pair(&payment.payer_account_id, &payment.payee_account_id)).await?;
-        let out_trade_no = payment.out_trade_no.as_str();
-        if !queries.capture_order(merchant_id, &order.order_no, out_trade_no, captured, now).await? {
-            return Err(Error::Contention);
-        }
-        // The whole hold is released before the money moves, so the payer's leg sees what
-        // stays reserved by its other holds only.
-        let mut book = Book::locked(accounts);
-        book.release(&hold)?;
-        let posting = payment_posting(&payment);
-        let legs = book.post(&posting)?;
-        let settled = SettledHold {
-            hold: &hold,
-            status: HOLD_CAPTURED,
-            captured_amount: captured,
-            out_trade_no: Some(out_trade_no),
-        };
-        let set = WriteSet { settled_holds: vec![settled], postings: vec![(posting, legs)], ..WriteSet::default() };
-        if !book::write(queries, &set, &book, now).await? {
-            return Err(Error::Contention);
-        }
-        let order = OrderRow {
-            status: next.status.as_str().to_owned(),
-            amount: captured,
-            out_trade_no: Some(payment.out_trade_no.clone()),
-            updated_at: now,
-            ..order
-        };
-        let hold = HoldRow {
-            status: HOLD_CAPTURED.to_owned(),
-            captured_amount: captured,
-            out_trade_no: Some(payment.out_trade_no.clone()),
-            updated_at: now,
-            ..hold
-        };
-        Ok(Inserted::Done(CaptureReceipt { payment, order, hold }))
+        write_alone(self, queries, now).await
     }
 }
 
@@ -517,21 +443,350 @@ impl IdempotentCall for Void {
     async fn replay_after_taken(&self, ledger: &Ledger) -> Result<Option<HoldReceipt>, Error> {
         let mut reader = ledger.store.reader().await?;
         let mut queries = reader.queries();
-        let (hold, order) =
-            hold_and_order(&mut queries, self.merchant_id.as_str(), self.out_auth_no.as_str(), false).await?;
+        let (hold, order) = hold_and_order(&mut queries, self.merchant_id.as_str(), self.out_auth_no.as_str()).await?;
         Ok(Some(HoldReceipt { hold, order }))
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<HoldReceipt>, Error> {
-        let (hold, order) = hold_and_order(queries, self.merchant_id.as_str(), self.out_auth_no.as_str(), true).await?;
-        if hold.status != HOLD_ACTIVE {
-            // Released or captured already: the state machine says which answer that is.
-            order_state_with_hold(&order, Some(&hold), now)?.apply(OrderEvent::Void)?;
-            return Ok(Inserted::KeyTaken);
+        write_alone(self, queries, now).await
+    }
+}
+
+impl NewHold {
+    /// The hold it places on `order` at `now`.
+    fn hold(&self, order: &OrderRow, now: i64) -> HoldRow {
+        let command = &self.command;
+        HoldRow {
+            hold_no: self.hold_no.clone(),
+            merchant_id: command.merchant_id.as_str().to_owned(),
+            out_auth_no: command.out_auth_no.as_str().to_owned(),
+            order_no: command.order_no.as_str().to_owned(),
+            payer_account_id: command.payer_account_id.as_str().to_owned(),
+            amount: order.amount,
+            currency: order.currency.clone(),
+            status: HOLD_ACTIVE.to_owned(),
+            captured_amount: 0,
+            out_trade_no: None,
+            expires_at: now.saturating_add(self.ttl),
+            created_at: now,
+            updated_at: now,
+            created_by: command.created_by.created_by().to_owned(),
         }
-        Ok(match release_hold(queries, &order, &hold, OrderEvent::Void, now).await? {
-            Some(receipt) => Inserted::Done(receipt),
-            None => Inserted::KeyTaken,
+    }
+}
+
+impl BatchWrite for NewHold {
+    fn route(&self) -> &str {
+        self.command.merchant_id.as_str()
+    }
+
+    /// None: a hold step runs alone.
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        None
+    }
+
+    fn order_to_lock<'a>(&'a self, _read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
+        Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
+    }
+
+    fn reads_hold(&self) -> bool {
+        true
+    }
+
+    fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
+        vec![self.command.payer_account_id.as_str()]
+    }
+
+    /// Its order's hold under this out_auth_no is a replay; then the state machine (an order
+    /// that moved on is refused as such, whatever the request's amount), the order's terms,
+    /// the payer's currency, and the hold reserved on the payer ([`Book::reserve`]).
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let command = &self.command;
+        let (merchant_id, order_no) = (command.merchant_id.as_str(), command.order_no.as_str());
+        let order =
+            view.order(merchant_id, order_no).ok_or(Outcome::Rejected(Error::NotFound(Resource::Order)))?.clone();
+        let hold = view.hold_of_order(merchant_id, order_no);
+        if hold.is_some_and(|hold| hold.out_auth_no == command.out_auth_no.as_str()) {
+            return Err(Outcome::TakenBefore);
+        }
+        let refused = |error: Error| Outcome::Rejected(error);
+        let state = order_state_with_hold(&order, hold, view.checked_at).map_err(refused)?;
+        let Transition::To(next) = state.apply(OrderEvent::Authorize).map_err(|error| refused(error.into()))? else {
+            return Err(refused(Error::Internal("the state machine found an Authorize already applied".into())));
+        };
+        if order.currency != command.amount.currency().code() {
+            return Err(refused(Rejection::CurrencyMismatch.into()));
+        }
+        if order.amount != command.amount.minor_units() {
+            return Err(refused(Rejection::AmountMismatch.into()));
+        }
+        if order.payee_account_id == command.payer_account_id.as_str() {
+            return Err(refused(Rejection::PayerIsPayee.into()));
+        }
+        let payer =
+            view.book.get(command.payer_account_id.as_str()).ok_or(refused(Error::NotFound(Resource::Account)))?;
+        if payer.currency != order.currency {
+            return Err(refused(Rejection::CurrencyMismatch.into()));
+        }
+        let hold = self.hold(&order, view.now);
+        view.book.reserve(&hold).map_err(refused)?;
+        let order = OrderRow { status: next.status.as_str().to_owned(), updated_at: view.now, ..order };
+        Ok(Box::new(Authorized(HoldReceipt { hold, order })))
+    }
+}
+
+/// An Authorize accepted: its new hold, and its order AUTHORIZED.
+struct Authorized(HoldReceipt);
+
+impl Accepted for Authorized {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        let order = &self.0.order;
+        set.holds.push(self.0.hold.clone());
+        set.order_moves.push(OrderMove {
+            merchant_id: &order.merchant_id,
+            order_no: &order.order_no,
+            to: OrderTo::Authorized,
+        });
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(NewHold::message(self.0.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.0), None))
+    }
+}
+
+impl Batchable for NewHold {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
+    }
+
+    /// Refused for its payer's funds, its hold is inserted before the refusal is answered
+    /// (the transaction rolls back with it): an original of its out_auth_no still in flight on
+    /// another order is waited for and answers instead (a replay, or OUT_AUTH_NO_REUSED).
+    async fn key_taken_in_flight(
+        &self,
+        queries: &mut Queries<'_>,
+        _read: &ReadFirst,
+        refusal: &Error,
+        now: i64,
+    ) -> Result<bool, Error> {
+        if !matches!(refusal, Error::Rejected(Rejection::InsufficientFunds)) {
+            return Ok(false);
+        }
+        let command = &self.command;
+        Ok(match queries.find_order(command.merchant_id.as_str(), command.order_no.as_str()).await? {
+            Some(order) => !queries.insert_hold(&self.hold(&order, now)).await?,
+            None => false,
         })
+    }
+}
+
+impl BatchWrite for Identified<Capture> {
+    fn route(&self) -> &str {
+        self.command.merchant_id.as_str()
+    }
+
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        None
+    }
+
+    fn order_to_lock<'a>(&'a self, read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
+        order_of_hold(read, self.command.merchant_id.as_str(), self.command.out_auth_no.as_str())
+    }
+
+    fn reads_hold(&self) -> bool {
+        true
+    }
+
+    /// Its payer and payee, in account_id order.
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
+        match (rows.hold, rows.order) {
+            (Some(hold), Some(order)) => vec![hold.payer_account_id.as_str(), order.payee_account_id.as_str()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The hold's currency; its order already paid under this out_trade_no is a replay; the
+    /// state machine; then the whole hold released (so the payer's leg sees what stays
+    /// reserved by its other holds only) and the captured amount posted, as a Pay's payment.
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let Identified { command, id: trade_no } = self;
+        let merchant_id = command.merchant_id.as_str();
+        let (hold, order) = locked_hold_and_order(view, merchant_id, command.out_auth_no.as_str())?;
+        let refused = |error: Error| Outcome::Rejected(error);
+        if hold.currency != command.amount.currency().code() {
+            return Err(refused(Rejection::CurrencyMismatch.into()));
+        }
+        if order.status != OrderStatus::Authorized.as_str()
+            && order.out_trade_no.as_deref() == Some(command.out_trade_no.as_str())
+        {
+            return Err(Outcome::TakenBefore);
+        }
+        let captured = command.amount.minor_units();
+        let capture = OrderEvent::Capture { amount_minor_units: captured };
+        let state = order_state_with_hold(&order, Some(&hold), view.checked_at).map_err(refused)?;
+        let Transition::To(next) = state.apply(capture).map_err(|error| refused(error.into()))? else {
+            return Err(refused(Error::Internal("the state machine found a Capture already applied".into())));
+        };
+        let now = view.now;
+        let payment = PaymentRow {
+            trade_no: trade_no.clone(),
+            merchant_id: merchant_id.to_owned(),
+            out_trade_no: command.out_trade_no.as_str().to_owned(),
+            order_no: order.order_no.clone(),
+            payer_account_id: hold.payer_account_id.clone(),
+            payee_account_id: order.payee_account_id.clone(),
+            amount: captured,
+            currency: hold.currency.clone(),
+            status: PAYMENT_SUCCEEDED.to_owned(),
+            created_at: now,
+            created_by: command.created_by.created_by().to_owned(),
+        };
+        let mut book = view.book.clone();
+        book.release(&hold).map_err(refused)?;
+        let legs = book.post(&payment_posting(&payment)).map_err(refused)?;
+        view.book = book;
+        let order = OrderRow {
+            status: next.status.as_str().to_owned(),
+            amount: captured,
+            out_trade_no: Some(payment.out_trade_no.clone()),
+            updated_at: now,
+            ..order
+        };
+        let captured_hold = HoldRow {
+            status: HOLD_CAPTURED.to_owned(),
+            captured_amount: captured,
+            out_trade_no: Some(payment.out_trade_no.clone()),
+            updated_at: now,
+            ..hold.clone()
+        };
+        Ok(Box::new(Captured { receipt: CaptureReceipt { payment, order, hold: captured_hold }, before: hold, legs }))
+    }
+}
+
+/// A Capture accepted: its receipt, its hold as read under the order's lock, and its legs.
+struct Captured {
+    receipt: CaptureReceipt,
+    before: HoldRow,
+    legs: Legs,
+}
+
+impl Accepted for Captured {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        let CaptureReceipt { payment, order, .. } = &self.receipt;
+        let out_trade_no = payment.out_trade_no.as_str();
+        set.captured_payments.push(payment.clone());
+        let to = OrderTo::Captured { out_trade_no, amount: payment.amount };
+        set.order_moves.push(OrderMove { merchant_id: &order.merchant_id, order_no: &order.order_no, to });
+        let settled = SettledHold {
+            hold: &self.before,
+            status: HOLD_CAPTURED,
+            captured_amount: payment.amount,
+            out_trade_no: Some(out_trade_no),
+        };
+        set.settled_holds.push(settled);
+        set.postings.push((payment_posting(payment), self.legs));
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(<Identified<Capture> as IdempotentCall>::message(self.receipt.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.receipt), None))
+    }
+}
+
+impl Batchable for Identified<Capture> {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
+    }
+
+    async fn before_alone(&self, queries: &mut Queries<'_>, read: &mut ReadFirst, _now: i64) -> Result<(), Error> {
+        read_hold(queries, read, self.command.merchant_id.as_str(), self.command.out_auth_no.as_str()).await
+    }
+}
+
+impl BatchWrite for Void {
+    fn route(&self) -> &str {
+        self.merchant_id.as_str()
+    }
+
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        None
+    }
+
+    fn order_to_lock<'a>(&'a self, read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
+        order_of_hold(read, self.merchant_id.as_str(), self.out_auth_no.as_str())
+    }
+
+    fn reads_hold(&self) -> bool {
+        true
+    }
+
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
+        rows.hold.map_or_else(Vec::new, |hold| vec![hold.payer_account_id.as_str()])
+    }
+
+    /// A hold released or captured already: the state machine says which answer that is (a
+    /// replay, or ORDER_ALREADY_PAID); an ACTIVE one is released ([`release`]).
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+        let (hold, order) = locked_hold_and_order(view, self.merchant_id.as_str(), self.out_auth_no.as_str())?;
+        let refused = |error: Error| Outcome::Rejected(error);
+        if hold.status != HOLD_ACTIVE {
+            let state = order_state_with_hold(&order, Some(&hold), view.now).map_err(refused)?;
+            state.apply(OrderEvent::Void).map_err(|error| refused(error.into()))?;
+            return Err(Outcome::TakenBefore);
+        }
+        let mut book = view.book.clone();
+        let Some(released) = release(&order, &hold, OrderEvent::Void, view.now, &mut book).map_err(refused)? else {
+            return Err(Outcome::TakenBefore);
+        };
+        view.book = book;
+        Ok(Box::new(Released { released, before: hold }))
+    }
+}
+
+/// A hold released with its order closed (Void, or CloseOrder of an AUTHORIZED order): the
+/// release, and the hold as read under the order's lock.
+pub(super) struct Released {
+    pub(super) released: Release,
+    pub(super) before: HoldRow,
+}
+
+impl Released {
+    /// Into `set`, as [`Release::add_to`].
+    pub(super) fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        self.released.add_to(&self.before, set);
+    }
+}
+
+impl Accepted for Released {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        Released::add_to(self, set);
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        let receipt = HoldReceipt { hold: self.released.hold.clone(), order: self.released.order.clone() };
+        Ok(Some(Void::message(receipt)?.encode_to_vec()))
+    }
+
+    /// The hold and its order as the release leaves them.
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        let Release { hold, order, .. } = self.released;
+        Ok((Box::new(HoldReceipt { hold, order }), None))
+    }
+}
+
+impl Batchable for Void {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
+    }
+
+    async fn before_alone(&self, queries: &mut Queries<'_>, read: &mut ReadFirst, _now: i64) -> Result<(), Error> {
+        read_hold(queries, read, self.merchant_id.as_str(), self.out_auth_no.as_str()).await
     }
 }

@@ -28,13 +28,12 @@
 //!
 //! What every write does the same way lives below the use cases, in `engine` (it imports
 //! none of them): the transaction, the posting, the money invariants, the batch workers, a
-//! batch's book and write set, and the batch writer. Each use case decides once, in its own
-//! module (`impl BatchWrite for Identified<Pay>`, ...): Pays, Refunds, Transfers, Deposits,
-//! Withdraws and CreateOrders are all written by the engine's group commit, in batches or
-//! alone as a batch of one, by that one decision; OpenAccount, CloseOrder and the hold steps still decide in transaction
-//! bodies of their own, and the hold steps write what they do to money (holds reserved and
-//! released, a Capture's posting) through the engine's book and write set. The write path is
-//! explained once, in `docs/write-engine.md`.
+//! batch's book and write set, and the batch writer. Each write decides once, in its use
+//! case's module (`impl BatchWrite for Identified<Pay>`, ...), and every write goes through
+//! the engine's group commit by that one decision: Pays, Refunds, Transfers, Deposits,
+//! Withdraws and CreateOrders in batches or alone as a batch of one; OpenAccount, CloseOrder,
+//! Authorize, Capture and Void always alone. The write path is explained once, in
+//! `docs/write-engine.md`.
 
 mod accounts;
 mod commands;

@@ -9,15 +9,15 @@ use crate::store::{AccountRow, HoldRow, OrderRow, PaymentRow, Queries, RefundRow
 
 use super::accounts::{check_transfer, FundingCall};
 use super::commands::{CreateOrder, Deposit, Pay, QueryKey, Refund, Transfer, Withdraw};
-use super::engine::book::{Book, WriteSet};
+use super::engine::book::{Book, OrderMove, OrderTo, WriteSet};
 use super::engine::group_commit::{
     write_alone, write_together, Accepted, Answer, BatchKey, BatchWrite, Batchable, Batched, Batcher, Committed,
-    Entries, GroupCommit, KeyToFind, Outcome, Payments, View,
+    Entries, GroupCommit, KeyToFind, Outcome, ReadFirst, Rows, View,
 };
 use super::engine::posting::{EntryKind, Legs, Posting};
 
 use super::guards::{BatchClaim, Call, GuardSession, Guards, Scope};
-use super::holds::release_hold;
+use super::holds::{release, Released};
 use super::idempotent::{differing_from, reply_message, Fields, IdempotentCall, Prepared, Reply};
 use super::response;
 use super::{new_id, now_micros, read_ended, Identified, Inserted, Ledger, Replayable};
@@ -96,15 +96,15 @@ impl BatchWrite for Identified<Pay> {
 
     /// Its out_trade_no already paid: the payment and its order answer it (a replay, or
     /// OUT_TRADE_NO_REUSED if it paid something else).
-    fn decided_before(&self, payments: &Payments) -> Option<Outcome> {
-        let key = (self.command.merchant_id.as_str().to_owned(), self.command.out_trade_no.as_str().to_owned());
-        payments.get(&key).map(|found| Outcome::Found(Box::new(found.clone())))
+    fn decided_before(&self, read: &ReadFirst) -> Option<Outcome> {
+        let found = read.payment(self.command.merchant_id.as_str(), self.command.out_trade_no.as_str());
+        found.map(|found| Outcome::Found(Box::new(found.clone())))
     }
 
     /// Its order and its out_trade_no: a second Pay of either waits for the first one's
     /// outcome (alone after the batch it is a replay, ORDER_ALREADY_PAID or
     /// OUT_TRADE_NO_REUSED), and no order is both paid and created or refunded by one batch.
-    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
         let merchant_id = self.command.merchant_id.as_str();
         Some(vec![
             BatchKey::sole("order", merchant_id, self.command.order_no.as_str()),
@@ -112,12 +112,12 @@ impl BatchWrite for Identified<Pay> {
         ])
     }
 
-    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+    fn order_to_lock<'a>(&'a self, _read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
         Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
     }
 
-    fn accounts_to_lock<'a>(&'a self, order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
-        order.map_or_else(Vec::new, |order| {
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
+        rows.order.map_or_else(Vec::new, |order| {
             vec![self.command.payer_account_id.as_str(), order.payee_account_id.as_str()]
         })
     }
@@ -160,8 +160,8 @@ impl Accepted for Paid {
         Ok((Box::new(self.receipt), None))
     }
 
-    fn committed(&self) -> Committed {
-        |metrics| &metrics.group_committed_pays
+    fn committed(&self) -> Option<Committed> {
+        Some(|metrics| &metrics.group_committed_pays)
     }
 }
 
@@ -174,7 +174,8 @@ impl Batchable for Identified<Pay> {
     async fn key_taken_in_flight(
         &self,
         queries: &mut Queries<'_>,
-        _payments: &Payments,
+        _read: &ReadFirst,
+        _refusal: &Error,
         now: i64,
     ) -> Result<bool, Error> {
         let command = &self.command;
@@ -198,21 +199,21 @@ impl BatchWrite for Identified<Refund> {
     /// its state), and its out_refund_no (a second Refund of it is a replay, after the batch).
     /// Without its payment read before the batch (it may be paid by this very batch) it runs
     /// alone: there it finds it, or answers PAYMENT_NOT_FOUND.
-    fn batch_keys(&self, payments: &Payments) -> Option<Vec<BatchKey>> {
-        let (payment, _) = payments.get(&self.payment_key())?;
+    fn batch_keys(&self, read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        let (payment, _) = self.payment(read)?;
         Some(vec![
             BatchKey::shared("order", &payment.merchant_id, &payment.order_no),
             BatchKey::sole("out_refund_no", self.command.merchant_id.as_str(), self.command.out_refund_no.as_str()),
         ])
     }
 
-    fn order_to_lock<'a>(&'a self, payments: &'a Payments) -> Option<(&'a str, &'a str)> {
-        let (payment, _) = payments.get(&self.payment_key())?;
+    fn order_to_lock<'a>(&'a self, read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
+        let (payment, _) = self.payment(read)?;
         Some((payment.merchant_id.as_str(), payment.order_no.as_str()))
     }
 
-    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, payments: &'a Payments) -> Vec<&'a str> {
-        payments.get(&self.payment_key()).map_or_else(Vec::new, |(payment, _)| {
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
+        self.payment(rows.read).map_or_else(Vec::new, |(payment, _)| {
             vec![payment.payee_account_id.as_str(), payment.payer_account_id.as_str()]
         })
     }
@@ -246,8 +247,8 @@ impl BatchWrite for Identified<Refund> {
 
 impl Identified<Refund> {
     /// The (merchant_id, out_trade_no) of the payment it refunds.
-    fn payment_key(&self) -> (String, String) {
-        (self.command.merchant_id.as_str().to_owned(), self.command.out_trade_no.as_str().to_owned())
+    fn payment<'r>(&self, read: &'r ReadFirst) -> Option<&'r (PaymentRow, OrderRow)> {
+        read.payment(self.command.merchant_id.as_str(), self.command.out_trade_no.as_str())
     }
 }
 
@@ -273,8 +274,8 @@ impl Accepted for Refunded {
         Ok((Box::new(self.receipt), None))
     }
 
-    fn committed(&self) -> Committed {
-        |metrics| &metrics.group_committed_refunds
+    fn committed(&self) -> Option<Committed> {
+        Some(|metrics| &metrics.group_committed_refunds)
     }
 }
 
@@ -284,11 +285,11 @@ impl Batchable for Identified<Refund> {
     }
 
     /// Its payment, read in its transaction (payments never change).
-    async fn read_alone(&self, queries: &mut Queries<'_>, payments: &mut Payments) -> Result<(), Error> {
+    async fn before_alone(&self, queries: &mut Queries<'_>, read: &mut ReadFirst, _now: i64) -> Result<(), Error> {
         let command = &self.command;
         let found = queries.find_payment_and_order(command.merchant_id.as_str(), command.out_trade_no.as_str()).await?;
         if let Some(found) = found {
-            payments.insert(self.payment_key(), found);
+            read.add_payment(found.0, found.1);
         }
         Ok(())
     }
@@ -297,10 +298,11 @@ impl Batchable for Identified<Refund> {
     async fn key_taken_in_flight(
         &self,
         queries: &mut Queries<'_>,
-        payments: &Payments,
+        read: &ReadFirst,
+        _refusal: &Error,
         now: i64,
     ) -> Result<bool, Error> {
-        let Some((payment, _)) = payments.get(&self.payment_key()) else { return Ok(false) };
+        let Some((payment, _)) = self.payment(read) else { return Ok(false) };
         Ok(!queries.insert_refund(&new_refund(&self.command, payment, &self.id, now)).await?)
     }
 }
@@ -378,7 +380,7 @@ impl Ledger {
         order_no: &OrderNo,
         guards: &Guards,
     ) -> Result<Replayable<proto::CloseOrderResponse>, Error> {
-        self.run_idempotent(&CloseOrder { merchant_id, order_no }, guards).await
+        self.run_idempotent(&CloseOrder { merchant_id: merchant_id.clone(), order_no: order_no.clone() }, guards).await
     }
 
     /// Pays an order: the payer's money moves to the order's payee and the order moves from
@@ -934,17 +936,17 @@ impl BatchWrite for NewOrder {
     /// Its order: a second CreateOrder of it runs alone after the first (a replay of it, or
     /// ORDER_NO_REUSED), and so does a later Pay or Refund of it (alone it finds the order the
     /// batch committed, or ORDER_NOT_FOUND if the batch refused it).
-    fn batch_keys(&self, _payments: &Payments) -> Option<Vec<BatchKey>> {
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
         Some(vec![BatchKey::sole("order", self.command.merchant_id.as_str(), self.command.order_no.as_str())])
     }
 
     /// Its order's key, locked to find one committed before.
-    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+    fn order_to_lock<'a>(&'a self, _read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
         Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
     }
 
     /// Its payee (it moves no money: its lock only orders it with the batch's other rows).
-    fn accounts_to_lock<'a>(&'a self, _order: Option<&'a OrderRow>, _payments: &'a Payments) -> Vec<&'a str> {
+    fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
         vec![self.command.payee_account_id.as_str()]
     }
 
@@ -977,8 +979,8 @@ impl Accepted for Created {
         Ok((Box::new(self.0), None))
     }
 
-    fn committed(&self) -> Committed {
-        |metrics| &metrics.group_committed_orders
+    fn committed(&self) -> Option<Committed> {
+        Some(|metrics| &metrics.group_committed_orders)
     }
 }
 
@@ -1040,12 +1042,13 @@ impl IdempotentCall for NewOrder {
 }
 
 /// A CloseOrder call: the order it closes.
-struct CloseOrder<'a> {
-    merchant_id: &'a MerchantId,
-    order_no: &'a OrderNo,
+#[derive(Clone)]
+struct CloseOrder {
+    merchant_id: MerchantId,
+    order_no: OrderNo,
 }
 
-impl IdempotentCall for CloseOrder<'_> {
+impl IdempotentCall for CloseOrder {
     type Answer = OrderRow;
     type Message = proto::CloseOrderResponse;
     const METHOD: &'static str = "CloseOrder";
@@ -1055,7 +1058,7 @@ impl IdempotentCall for CloseOrder<'_> {
     }
 
     fn scope(&self) -> Scope<'_> {
-        Scope::Merchant(self.merchant_id)
+        Scope::Merchant(&self.merchant_id)
     }
 
     fn fields(&self) -> Fields {
@@ -1069,33 +1072,112 @@ impl IdempotentCall for CloseOrder<'_> {
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
+        write_alone(self, queries, now).await
+    }
+}
+
+impl BatchWrite for CloseOrder {
+    fn route(&self) -> &str {
+        self.merchant_id.as_str()
+    }
+
+    /// None: a CloseOrder runs alone.
+    fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+        None
+    }
+
+    fn order_to_lock<'a>(&'a self, _read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
+        Some((self.merchant_id.as_str(), self.order_no.as_str()))
+    }
+
+    /// An AUTHORIZED order's hold is released with it.
+    fn reads_hold(&self) -> bool {
+        true
+    }
+
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
+        let authorized = rows.order.is_some_and(|order| order.status == OrderStatus::Authorized.as_str());
+        match rows.hold {
+            Some(hold) if authorized => vec![hold.payer_account_id.as_str()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The state machine says what closing means: a closed order is a replay (nothing
+    /// written); a PENDING one is CLOSED by the merchant; an AUTHORIZED one too, its hold
+    /// released ([`release`]).
+    fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
         let (merchant_id, order_no) = (self.merchant_id.as_str(), self.order_no.as_str());
-        let moved = queries.close_order(merchant_id, order_no, CloseReason::Merchant.as_str(), now, None).await?;
-        if moved {
-            let order = queries.find_order(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-            return Ok(Inserted::Done(order));
+        let refused = |error: Error| Outcome::Rejected(error);
+        let order = view.order(merchant_id, order_no).ok_or(refused(Error::NotFound(Resource::Order)))?.clone();
+        let state = order_state(&order, view.now).map_err(refused)?;
+        let Transition::To(next) = state.apply(OrderEvent::Close).map_err(|error| refused(error.into()))? else {
+            return Err(Outcome::TakenBefore);
+        };
+        if order.status == OrderStatus::Authorized.as_str() {
+            let hold = view.hold_of_order(merchant_id, order_no);
+            let hold = hold.ok_or_else(|| refused(Error::Internal("an authorized order has no hold".into())))?.clone();
+            let mut book = view.book.clone();
+            let released = release(&order, &hold, OrderEvent::Close, view.now, &mut book).map_err(refused)?;
+            let released = released
+                .ok_or_else(|| refused(Error::Internal("closing an authorized order changed nothing".into())))?;
+            view.book = book;
+            return Ok(Box::new(ClosedWithHold(Released { released, before: hold })));
         }
-        // Not PENDING: under the order's lock, the state machine says what closing means now.
-        let order =
-            queries.find_order_for_update(merchant_id, order_no).await?.ok_or(Error::NotFound(Resource::Order))?;
-        match order_state(&order, now)?.apply(OrderEvent::Close)? {
-            // Closing a closed order: nothing to write, answered as a replay.
-            Transition::AlreadyApplied => Ok(Inserted::KeyTaken),
-            // AUTHORIZED: its hold is released with it.
-            Transition::To(_) if order.status == OrderStatus::Authorized.as_str() => {
-                let hold = queries
-                    .find_hold_of_order(merchant_id, order_no)
-                    .await?
-                    .ok_or_else(|| Error::Internal("an authorized order has no hold".into()))?;
-                let receipt = release_hold(queries, &order, &hold, OrderEvent::Close, now).await?;
-                let receipt =
-                    receipt.ok_or_else(|| Error::Internal("closing an authorized order changed nothing".into()))?;
-                Ok(Inserted::Done(receipt.order))
-            }
-            // PENDING again after the UPDATE found it otherwise: cannot happen with the
-            // transitions that exist, so report contention.
-            Transition::To(_) => Err(Error::Contention),
-        }
+        let reason =
+            next.close_reason.ok_or_else(|| refused(Error::Internal("a closed order has no reason".into())))?;
+        let order = OrderRow {
+            status: next.status.as_str().to_owned(),
+            close_reason: Some(reason.as_str().to_owned()),
+            updated_at: view.now,
+            ..order
+        };
+        Ok(Box::new(Closed { order, reason: reason.as_str() }))
+    }
+}
+
+/// A PENDING order a CloseOrder closed, and why.
+struct Closed {
+    order: OrderRow,
+    reason: &'static str,
+}
+
+impl Accepted for Closed {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        let (merchant_id, order_no) = (self.order.merchant_id.as_str(), self.order.order_no.as_str());
+        let to = OrderTo::ClosedFromPending { reason: self.reason };
+        set.order_moves.push(OrderMove { merchant_id, order_no, to });
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(CloseOrder::message(self.order.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.order), None))
+    }
+}
+
+/// An AUTHORIZED order a CloseOrder closed, its hold released.
+struct ClosedWithHold(Released);
+
+impl Accepted for ClosedWithHold {
+    fn add_to<'s>(&'s self, set: &mut WriteSet<'s>) {
+        self.0.add_to(set);
+    }
+
+    fn message(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(Some(CloseOrder::message(self.0.released.order.clone())?.encode_to_vec()))
+    }
+
+    fn answer(self: Box<Self>, _entries: &mut Entries, _locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error> {
+        Ok((Box::new(self.0.released.order), None))
+    }
+}
+
+impl Batchable for CloseOrder {
+    fn write(&self) -> Box<dyn BatchWrite> {
+        Box::new(self.clone())
     }
 }
 

@@ -132,11 +132,37 @@ pub(in crate::ledger) struct SettledHold<'a> {
     pub(in crate::ledger) out_trade_no: Option<&'a str>,
 }
 
-/// What one batch writes: new rows by table, the orders its refunds move, the holds it
-/// reserves and settles, and its postings with the (balance, version) each leg left, in the
-/// order they were applied.
+/// An order moved by one write from the state it requires, by a conditional UPDATE of its
+/// own: false (roll back) when the order is no longer in that state.
+pub(in crate::ledger) struct OrderMove<'a> {
+    pub(in crate::ledger) merchant_id: &'a str,
+    pub(in crate::ledger) order_no: &'a str,
+    pub(in crate::ledger) to: OrderTo<'a>,
+}
+
+/// Where an [`OrderMove`] takes its order.
+pub(in crate::ledger) enum OrderTo<'a> {
+    /// PENDING -> AUTHORIZED (a hold placed on it).
+    Authorized,
+    /// AUTHORIZED -> PAID by the capture of `amount` minor units under `out_trade_no`.
+    Captured { out_trade_no: &'a str, amount: i64 },
+    /// AUTHORIZED -> CLOSED with `reason` (its hold released).
+    ClosedFromAuthorized { reason: &'static str },
+    /// PENDING -> CLOSED with `reason`.
+    ClosedFromPending { reason: &'static str },
+}
+
+/// What one batch writes: new rows by table, the orders it moves, the holds it reserves and
+/// settles, and its postings with the (balance, version) each leg left, in the order they were
+/// applied.
 #[derive(Default)]
 pub(in crate::ledger) struct WriteSet<'a> {
+    /// New accounts, empty (no money, no holds, version 0): false when one is taken.
+    pub(in crate::ledger) accounts: Vec<AccountRow>,
+    /// Orders moved by a conditional UPDATE of their own (holds, CloseOrder).
+    pub(in crate::ledger) order_moves: Vec<OrderMove<'a>>,
+    /// Payments of captures (their orders move by [`OrderTo::Captured`], not PENDING -> PAID).
+    pub(in crate::ledger) captured_payments: Vec<PaymentRow>,
     /// New ACTIVE holds, each reserved on its payer ([`Book::reserve`]).
     pub(in crate::ledger) holds: Vec<HoldRow>,
     /// ACTIVE holds settled, each released from its payer ([`Book::release`]).
@@ -227,6 +253,24 @@ async fn write_checked(
     written: &BatchWrite<'_>,
 ) -> Result<bool, Error> {
     invariants::check(moves, written.entries, holds)?;
+    if set.accounts.iter().any(|account| (account.balance, account.held, account.version) != (0, 0, 0)) {
+        return Err(Error::InvariantBroken("a new account that is not empty"));
+    }
+    for account in &set.accounts {
+        if !queries.insert_account(account).await? {
+            return Ok(false);
+        }
+    }
+    for order in &set.order_moves {
+        if !move_order(queries, order, written.now).await? {
+            return Ok(false);
+        }
+    }
+    for payment in &set.captured_payments {
+        if !queries.insert_payment(payment).await? {
+            return Ok(false);
+        }
+    }
     for hold in &set.holds {
         if !queries.insert_hold(hold).await? {
             return Ok(false);
@@ -239,6 +283,22 @@ async fn write_checked(
         }
     }
     Ok(queries.write_batch(written).await?)
+}
+
+/// One order's move by its conditional UPDATE: false when it was not in the state the move
+/// requires.
+async fn move_order(queries: &mut Queries<'_>, order: &OrderMove<'_>, now: i64) -> Result<bool, Error> {
+    let (merchant_id, order_no) = (order.merchant_id, order.order_no);
+    Ok(match order.to {
+        OrderTo::Authorized => queries.authorize_order(merchant_id, order_no, now).await?,
+        OrderTo::Captured { out_trade_no, amount } => {
+            queries.capture_order(merchant_id, order_no, out_trade_no, amount, now).await?
+        }
+        OrderTo::ClosedFromAuthorized { reason } => {
+            queries.close_authorized_order(merchant_id, order_no, reason, now).await?
+        }
+        OrderTo::ClosedFromPending { reason } => queries.close_order(merchant_id, order_no, reason, now, None).await?,
+    })
 }
 
 #[cfg(test)]

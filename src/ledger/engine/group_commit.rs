@@ -33,7 +33,9 @@ use prometheus_client::metrics::counter::Counter;
 
 use crate::error::Error;
 use crate::metrics::LedgerMetrics;
-use crate::store::{EntryRow, FundingTable, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries, Store};
+use crate::store::{
+    EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+};
 
 use super::batching::{self, BatchWriter};
 use super::book::{self, Book, WriteSet};
@@ -51,7 +53,7 @@ pub(in crate::ledger) type Committed = fn(&LedgerMetrics) -> &Counter;
 /// What the batch decided for one write.
 pub(in crate::ledger) enum Outcome {
     /// Written and committed by the batch: its answer, and the counter of its kind.
-    Written(Answer, Committed),
+    Written(Answer, Option<Committed>),
     /// Answered by what was read before the batch (a Pay whose out_trade_no was paid already:
     /// the payment and its order): a replay, or a key reused for something else.
     Found(Answer),
@@ -96,8 +98,43 @@ fn order_key(merchant_id: &str, number: &str) -> OrderKey {
     (merchant_id.to_owned(), number.to_owned())
 }
 
-/// Payments (with their orders) found by (merchant_id, out_trade_no).
-pub(in crate::ledger) type Payments = HashMap<OrderKey, (PaymentRow, OrderRow)>;
+/// What writes read before their rows are locked: payments (with their orders) by
+/// (merchant_id, out_trade_no), which never change once written; holds by (merchant_id,
+/// out_auth_no), which name the order to lock (a hold is read again under its order's lock).
+#[derive(Default)]
+pub(in crate::ledger) struct ReadFirst {
+    payments: HashMap<OrderKey, (PaymentRow, OrderRow)>,
+    holds: HashMap<OrderKey, HoldRow>,
+}
+
+impl ReadFirst {
+    /// The payment of (merchant_id, out_trade_no) and its order.
+    pub(in crate::ledger) fn payment(&self, merchant_id: &str, out_trade_no: &str) -> Option<&(PaymentRow, OrderRow)> {
+        self.payments.get(&order_key(merchant_id, out_trade_no))
+    }
+
+    pub(in crate::ledger) fn add_payment(&mut self, payment: PaymentRow, order: OrderRow) {
+        self.payments.insert(order_key(&payment.merchant_id, &payment.out_trade_no), (payment, order));
+    }
+
+    /// The hold of (merchant_id, out_auth_no), as read before the locks.
+    pub(in crate::ledger) fn hold(&self, merchant_id: &str, out_auth_no: &str) -> Option<&HoldRow> {
+        self.holds.get(&order_key(merchant_id, out_auth_no))
+    }
+
+    pub(in crate::ledger) fn add_hold(&mut self, hold: HoldRow) {
+        self.holds.insert(order_key(&hold.merchant_id, &hold.out_auth_no), hold);
+    }
+}
+
+/// The rows the accounts a write locks may depend on: its order and its order's hold as read
+/// under the order's lock, and what it read first.
+#[derive(Clone, Copy)]
+pub(in crate::ledger) struct Rows<'a> {
+    pub(in crate::ledger) order: Option<&'a OrderRow>,
+    pub(in crate::ledger) hold: Option<&'a HoldRow>,
+    pub(in crate::ledger) read: &'a ReadFirst,
+}
 
 /// A key whose row a write finds taken or not under the batch's locks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -142,21 +179,27 @@ pub(in crate::ledger) trait BatchWrite: Send + Sync {
     }
 
     /// Its outcome when the payments read before the batch decide it.
-    fn decided_before(&self, _payments: &Payments) -> Option<Outcome> {
+    fn decided_before(&self, _read: &ReadFirst) -> Option<Outcome> {
         None
     }
 
     /// The keys it holds in its batch; `None` when it runs alone after the batch whatever the
     /// batch holds.
-    fn batch_keys(&self, payments: &Payments) -> Option<Vec<BatchKey>>;
+    fn batch_keys(&self, read: &ReadFirst) -> Option<Vec<BatchKey>>;
 
     /// The order whose row it locks, (merchant_id, order_no).
-    fn order_to_lock<'a>(&'a self, _payments: &'a Payments) -> Option<(&'a str, &'a str)> {
+    fn order_to_lock<'a>(&'a self, _read: &'a ReadFirst) -> Option<(&'a str, &'a str)> {
         None
     }
 
-    /// The accounts whose rows it locks, given its order as locked.
-    fn accounts_to_lock<'a>(&'a self, order: Option<&'a OrderRow>, payments: &'a Payments) -> Vec<&'a str>;
+    /// Whether it reads its order's hold, under the order's lock (every change of a hold is
+    /// made under it).
+    fn reads_hold(&self) -> bool {
+        false
+    }
+
+    /// The accounts whose rows it locks, given its order (and hold) as locked.
+    fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str>;
 
     /// The key it finds taken or not once its rows are locked.
     fn key_to_find(&self) -> Option<KeyToFind> {
@@ -199,8 +242,10 @@ pub(in crate::ledger) trait Accepted: Send + Sync {
     /// [`Error::Internal`] when an entry it wrote is missing.
     fn answer(self: Box<Self>, entries: &mut Entries, locked: &Book) -> Result<(Answer, Option<Vec<u8>>), Error>;
 
-    /// The counter of its kind of write.
-    fn committed(&self) -> Committed;
+    /// The counter of its kind of write, when group commit batches that kind.
+    fn committed(&self) -> Option<Committed> {
+        None
+    }
 }
 
 /// Journal entries read back after the write, by (posting_id, account_id).
@@ -219,7 +264,8 @@ pub(in crate::ledger) struct View<'v> {
     orders: &'v HashMap<OrderKey, OrderRow>,
     /// The orders the writes before moved, as they leave them.
     moved: BTreeMap<OrderKey, OrderRow>,
-    payments: &'v Payments,
+    holds: &'v HashMap<OrderKey, HoldRow>,
+    read: &'v ReadFirst,
     taken: &'v HashSet<KeyToFind>,
 }
 
@@ -238,7 +284,18 @@ impl View<'_> {
 
     /// The payment of (merchant_id, out_trade_no), as read before the batch.
     pub(in crate::ledger) fn payment(&self, merchant_id: &str, out_trade_no: &str) -> Option<&PaymentRow> {
-        self.payments.get(&order_key(merchant_id, out_trade_no)).map(|(payment, _)| payment)
+        self.read.payment(merchant_id, out_trade_no).map(|(payment, _)| payment)
+    }
+
+    /// The hold of the order (merchant_id, order_no), as read under the order's lock (for a
+    /// write that reads it, [`BatchWrite::reads_hold`]).
+    pub(in crate::ledger) fn hold_of_order(&self, merchant_id: &str, order_no: &str) -> Option<&HoldRow> {
+        self.holds.get(&order_key(merchant_id, order_no))
+    }
+
+    /// What the writes read before the locks.
+    pub(in crate::ledger) fn read_first(&self) -> &ReadFirst {
+        self.read
     }
 
     /// Whether `key` was found taken under the batch's locks.
@@ -262,11 +319,14 @@ pub(in crate::ledger) trait Batchable: IdempotentCall<Answer: 'static> {
         }
     }
 
-    /// Alone, in its transaction before its decision: the payments it reads there (a Refund's).
-    fn read_alone(
+    /// Alone, in its transaction before its locks and decision: what it reads there first (a
+    /// Refund's payment, a Capture's or Void's hold), or the row it needs created if absent (an
+    /// OpenAccount's funding account).
+    fn before_alone(
         &self,
         _queries: &mut Queries<'_>,
-        _payments: &mut Payments,
+        _read: &mut ReadFirst,
+        _now: i64,
     ) -> impl Future<Output = Result<(), Error>> + Send {
         async { Ok(()) }
     }
@@ -281,12 +341,13 @@ pub(in crate::ledger) trait Batchable: IdempotentCall<Answer: 'static> {
         async { Ok(false) }
     }
 
-    /// Alone, refused: whether its key is taken by another call, waiting for it if it is in
-    /// flight (see [`write_alone`]); false when it has no key row to insert.
+    /// Alone, refused for `refusal`: whether its key is taken by another call, waiting for it
+    /// if it is in flight (see [`write_alone`]); false when it has no key row to insert.
     fn key_taken_in_flight(
         &self,
         _queries: &mut Queries<'_>,
-        _payments: &Payments,
+        _read: &ReadFirst,
+        _refusal: &Error,
         _now: i64,
     ) -> impl Future<Output = Result<bool, Error>> + Send {
         async { Ok(false) }
@@ -335,7 +396,7 @@ pub(in crate::ledger) async fn write_together(
     calls: &[Batched],
     metrics: &LedgerMetrics,
 ) -> Vec<Outcome> {
-    let (mut outcomes, payments) = match read_payments(store, calls).await {
+    let (mut outcomes, read) = match read_payments(store, calls).await {
         Ok(read) => read,
         Err(error) => {
             tracing::debug!(%error, calls = calls.len(), "group commit could not read; every call of it runs alone");
@@ -344,7 +405,7 @@ pub(in crate::ledger) async fn write_together(
     };
     let open: Vec<usize> = (0..calls.len()).filter(|index| outcomes[*index].is_none()).collect();
     let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
-    for (index, alone) in open.iter().zip(runs_alone(&batch, &payments)) {
+    for (index, alone) in open.iter().zip(runs_alone(&batch, &read)) {
         if alone {
             outcomes[*index] = Some(Outcome::Alone);
         }
@@ -357,7 +418,7 @@ pub(in crate::ledger) async fn write_together(
     let now = now_micros();
     let result = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
-        write_batch(&mut queries, &batch, &payments, now).await
+        write_batch(&mut queries, &batch, &read, now).await
     });
     let written: Vec<Outcome> = match result {
         Ok(Inserted::Done(written)) => written
@@ -392,7 +453,9 @@ fn count_committed(written: &[Outcome], metrics: &LedgerMetrics) {
     let mut committed = 0_u64;
     for outcome in written {
         if let Outcome::Written(_, counter) = outcome {
-            counter(metrics).inc();
+            if let Some(counter) = counter {
+                counter(metrics).inc();
+            }
             committed += 1;
         }
     }
@@ -423,11 +486,11 @@ pub(in crate::ledger) async fn write_alone<C: Batchable>(
     now: i64,
 ) -> Result<Inserted<C::Answer>, Error> {
     let batched = Batched { write: call.write(), claim: None };
-    let mut payments = Payments::new();
-    call.read_alone(queries, &mut payments).await?;
-    let mut outcome = decide_alone(queries, &batched, &payments, now).await?;
+    let mut read = ReadFirst::default();
+    call.before_alone(queries, &mut read, now).await?;
+    let mut outcome = decide_alone(queries, &batched, &read, now).await?;
     if matches!(outcome, Some(Outcome::Alone)) && call.create_missing(queries, now).await? {
-        outcome = decide_alone(queries, &batched, &payments, now).await?;
+        outcome = decide_alone(queries, &batched, &read, now).await?;
     }
     let Some(outcome) = outcome else { return Ok(Inserted::KeyTaken) };
     let outcome = match C::written(outcome) {
@@ -437,7 +500,7 @@ pub(in crate::ledger) async fn write_alone<C: Batchable>(
     match outcome {
         Outcome::Found(_) | Outcome::TakenBefore => Ok(Inserted::KeyTaken),
         Outcome::Rejected(error) => {
-            if call.key_taken_in_flight(queries, &payments, now).await? {
+            if call.key_taken_in_flight(queries, &read, &error, now).await? {
                 return Ok(Inserted::KeyTaken);
             }
             Err(error)
@@ -456,10 +519,10 @@ pub(in crate::ledger) async fn write_alone<C: Batchable>(
 async fn decide_alone(
     queries: &mut Queries<'_>,
     batched: &Batched,
-    payments: &Payments,
+    read: &ReadFirst,
     now: i64,
 ) -> Result<Option<Outcome>, Error> {
-    Ok(match write_batch(queries, &[batched], payments, now).await? {
+    Ok(match write_batch(queries, &[batched], read, now).await? {
         Inserted::Done(mut outcomes) => Some(outcomes.pop().expect("one outcome a call")),
         Inserted::KeyTaken => None,
     })
@@ -467,20 +530,17 @@ async fn decide_alone(
 
 /// The read before the batch, one statement for every payment its writes read; the outcome
 /// of each write those payments decide.
-async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<Outcome>>, Payments), Error> {
+async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<Outcome>>, ReadFirst), Error> {
     let keys: BTreeSet<(&str, &str)> = calls.iter().filter_map(|batched| batched.write.payment_to_read()).collect();
     let keys: Vec<(&str, &str)> = keys.into_iter().collect();
     if keys.is_empty() {
-        return Ok((calls.iter().map(|_| None).collect(), Payments::new()));
+        return Ok((calls.iter().map(|_| None).collect(), ReadFirst::default()));
     }
     let mut reader = store.reader().await?;
-    let found: Payments = reader
-        .queries()
-        .find_payments_and_orders(&keys)
-        .await?
-        .into_iter()
-        .map(|(payment, order)| (order_key(&payment.merchant_id, &payment.out_trade_no), (payment, order)))
-        .collect();
+    let mut found = ReadFirst::default();
+    for (payment, order) in reader.queries().find_payments_and_orders(&keys).await? {
+        found.add_payment(payment, order);
+    }
     let outcomes = calls.iter().map(|batched| batched.write.decided_before(&found)).collect();
     Ok((outcomes, found))
 }
@@ -495,14 +555,14 @@ fn alone(count: usize) -> Vec<Outcome> {
 /// second call with one idempotency key or token (alone after the batch, it is answered by the
 /// first one's record or, when the first was refused, runs afresh). Every key of a write is
 /// noted, even of one that runs alone.
-fn runs_alone(batch: &[&Batched], payments: &Payments) -> Vec<bool> {
+fn runs_alone(batch: &[&Batched], read: &ReadFirst) -> Vec<bool> {
     let mut held: HashMap<(&'static str, String, String), bool> = HashMap::new();
     let mut guards_seen = HashSet::new();
     batch
         .iter()
         .map(|batched| {
             let mut alone = false;
-            match batched.write.batch_keys(payments) {
+            match batched.write.batch_keys(read) {
                 None => alone = true,
                 Some(keys) => {
                     for key in keys {
@@ -532,13 +592,13 @@ fn runs_alone(batch: &[&Batched], payments: &Payments) -> Vec<bool> {
 async fn write_batch(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
-    payments: &Payments,
+    read: &ReadFirst,
     now: i64,
 ) -> Result<Inserted<Vec<Outcome>>, Error> {
     let mut deciding = Deciding {
         batch,
         claims: batch.iter().map(|batched| batched.claim.as_ref()).collect(),
-        payments,
+        read,
         now,
         outcomes: batch.iter().map(|_| None).collect(),
     };
@@ -584,8 +644,8 @@ struct Deciding<'b> {
     batch: &'b [&'b Batched],
     /// Each call's guards, when it carries an `idempotency-key` or `idempotency-token`.
     claims: Vec<Option<&'b BatchClaim>>,
-    /// The payments read before the batch.
-    payments: &'b Payments,
+    /// What the writes read before the locks.
+    read: &'b ReadFirst,
     /// When the batch writes, in microseconds since the epoch.
     now: i64,
     outcomes: Vec<Option<Outcome>>,
@@ -594,6 +654,8 @@ struct Deciding<'b> {
 /// The rows a batch locked and the keys it found taken under those locks.
 struct Locked {
     orders: HashMap<OrderKey, OrderRow>,
+    /// The holds of the locked orders, read under their locks, by order.
+    holds: HashMap<OrderKey, HoldRow>,
     book: Book,
     taken: HashSet<KeyToFind>,
     /// Deadlines are judged now that the orders are locked (see `deadline_clock`).
@@ -642,16 +704,16 @@ impl<'b> Deciding<'b> {
     }
 
     /// 1. The orders the undecided writes name, locked (one `SELECT ... FOR UPDATE`, in key
-    ///    order); then their accounts (one `SELECT ... FOR UPDATE`, in account_id order); then
-    ///    the keys they find taken or not under those locks (one read a kind of key): a
-    ///    refund's out_refund_no under its order's lock (every Refund locks its order before it
+    ///    order), and the holds of those whose writes read them (one read an order); then
+    ///    their accounts (one `SELECT ... FOR UPDATE`, in account_id order); then the keys they
+    ///    find taken or not under those locks (one read a kind of key): a refund's
+    ///    out_refund_no under its order's lock (every Refund locks its order before it
     ///    inserts), a request_id under its funding account's (every call of a request_id moves
     ///    that account).
     async fn lock(&self, queries: &mut Queries<'_>) -> Result<Locked, Error> {
         let undecided = self.undecided();
         let writes = || undecided.iter().map(|index| &self.batch[*index].write);
-        let order_keys: BTreeSet<(&str, &str)> =
-            writes().filter_map(|write| write.order_to_lock(self.payments)).collect();
+        let order_keys: BTreeSet<(&str, &str)> = writes().filter_map(|write| write.order_to_lock(self.read)).collect();
         let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
         let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
             HashMap::new()
@@ -660,12 +722,24 @@ impl<'b> Deciding<'b> {
             rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
         };
         let checked_at = deadline_clock(self.now);
+        let hold_keys: BTreeSet<(&str, &str)> = writes()
+            .filter(|write| write.reads_hold())
+            .filter_map(|write| write.order_to_lock(self.read))
+            .filter(|(merchant_id, order_no)| orders.contains_key(&order_key(merchant_id, order_no)))
+            .collect();
+        let mut holds = HashMap::new();
+        for (merchant_id, order_no) in hold_keys {
+            if let Some(hold) = queries.find_hold_of_order(merchant_id, order_no).await? {
+                holds.insert(order_key(merchant_id, order_no), hold);
+            }
+        }
         let account_ids: BTreeSet<&str> = writes()
             .flat_map(|write| {
-                let order = write
-                    .order_to_lock(self.payments)
-                    .and_then(|(merchant_id, order_no)| orders.get(&order_key(merchant_id, order_no)));
-                write.accounts_to_lock(order, self.payments)
+                let key =
+                    write.order_to_lock(self.read).map(|(merchant_id, order_no)| order_key(merchant_id, order_no));
+                let order = key.as_ref().and_then(|key| orders.get(key));
+                let hold = key.as_ref().and_then(|key| holds.get(key));
+                write.accounts_to_lock(Rows { order, hold, read: self.read })
             })
             .collect();
         let account_ids: Vec<&str> = account_ids.into_iter().collect();
@@ -676,7 +750,7 @@ impl<'b> Deciding<'b> {
         };
         let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
         let taken = find_taken(queries, &keys).await?;
-        Ok(Locked { orders, book, taken, checked_at })
+        Ok(Locked { orders, holds, book, taken, checked_at })
     }
 
     /// 2. The writes not decided yet, decided one after another in arrival order, in memory,
@@ -689,7 +763,8 @@ impl<'b> Deciding<'b> {
             book: locked.book.clone(),
             orders: &locked.orders,
             moved: BTreeMap::new(),
-            payments: self.payments,
+            holds: &locked.holds,
+            read: self.read,
             taken: &locked.taken,
         };
         let (mut accepted, mut refused) = (Vec::new(), Vec::new());
