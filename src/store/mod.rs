@@ -68,6 +68,31 @@ impl PoolSettings {
     pub const PLAN_LIFETIME_DEFAULT: Duration = Duration::from_secs(30);
 }
 
+/// How long a pooled connection may sit idle before it is closed rather than used (a server
+/// may have dropped it meanwhile: MySQL's `wait_timeout`, a proxy's idle timeout): 10 min,
+/// sqlx's own default.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A pool's options with sqlx's background reaper off: it is spawned only when the pool has an
+/// idle timeout or a maximum lifetime, and sqlx 0.8 can wedge it in a busy loop, the process at
+/// 100% of a core and the pool's connections stranded (sqlx issue #3645: a race in the pool's
+/// idle count; fixed upstream by pull request #4289). The same bounds are kept where no task is
+/// needed: a connection idle longer than [`IDLE_TIMEOUT`], or older than `max_age` (when
+/// given), is closed when it is next taken, and one older than `max_age` when it is released.
+fn without_reaper(options: AnyPoolOptions, max_age: Option<Duration>) -> AnyPoolOptions {
+    options
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .before_acquire(move |_, meta| {
+            let usable = meta.idle_for <= IDLE_TIMEOUT && max_age.is_none_or(|max_age| meta.age <= max_age);
+            Box::pin(async move { Ok(usable) })
+        })
+        .after_release(move |_, meta| {
+            let usable = max_age.is_none_or(|max_age| meta.age <= max_age);
+            Box::pin(async move { Ok(usable) })
+        })
+}
+
 /// A connection pool to one database, and the rules of its dialect.
 #[derive(Clone)]
 pub struct Store {
@@ -163,15 +188,12 @@ impl Store {
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
         let galera = dialect == Dialect::MySql && is_galera_node(url).await?;
         let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout, galera));
-        let mut options = AnyPoolOptions::new();
-        if dialect == Dialect::Postgres {
-            // Bounds the age of the generic plans a PostgreSQL connection keeps (see
-            // `PoolSettings::plan_lifetime`); sqlx closes an older connection when it is
-            // released or next taken. The other backends plan at each execution (MariaDB,
-            // MySQL) or from fixed estimates (SQLite), and keep sqlx's default lifetime.
-            options = options.max_lifetime(settings.plan_lifetime);
-        }
-        let pool = options
+        // PostgreSQL: the age of the generic plans a connection keeps is bounded (see
+        // `PoolSettings::plan_lifetime`); an older connection is closed when it is released or
+        // next taken. The other backends plan at each execution (MariaDB, MySQL) or from fixed
+        // estimates (SQLite), and keep their connections.
+        let max_age = (dialect == Dialect::Postgres).then_some(settings.plan_lifetime);
+        let pool = without_reaper(AnyPoolOptions::new(), max_age)
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
             // No ping on every checkout: it costs a round trip per request. A connection that
@@ -190,7 +212,7 @@ impl Store {
             .connect_with(connect_options(&dialect.driver_url(url, create), create)?)
             .await
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
-        let probe = AnyPoolOptions::new()
+        let probe = without_reaper(AnyPoolOptions::new(), None)
             .max_connections(1)
             .acquire_timeout(PROBE_TIMEOUT)
             // A connection the database dropped is found out here, and replaced.
