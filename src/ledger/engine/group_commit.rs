@@ -955,3 +955,58 @@ async fn write_accepted(
         .collect();
     book::write(queries, &set, book, now).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write that holds `keys` in its batch (`None`: it runs alone) and decides nothing.
+    struct Holding(Option<Vec<BatchKey>>);
+
+    impl BatchWrite for Holding {
+        fn route(&self) -> &str {
+            "route"
+        }
+
+        fn batch_keys(&self, _read: &ReadFirst) -> Option<Vec<BatchKey>> {
+            self.0.clone()
+        }
+
+        fn accounts_to_lock<'a>(&'a self, _rows: Rows<'a>) -> Vec<&'a str> {
+            Vec::new()
+        }
+
+        fn decide(&self, _view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {
+            Err(Outcome::Alone)
+        }
+    }
+
+    fn holding(keys: Option<Vec<BatchKey>>) -> Batched {
+        Batched { write: Box::new(Holding(keys)), claim: None }
+    }
+
+    #[test]
+    fn a_later_write_holding_a_key_an_earlier_one_holds_runs_alone_unless_both_share_it() {
+        let calls = [
+            holding(Some(vec![BatchKey::sole("order", "m", "o-1")])),
+            // o-1 is held by the write before, not shared: alone.
+            holding(Some(vec![BatchKey::shared("order", "m", "o-1")])),
+            holding(Some(vec![BatchKey::shared("order", "m", "o-2")])),
+            // Shared by both: in the batch, after the one before.
+            holding(Some(vec![BatchKey::shared("order", "m", "o-2"), BatchKey::sole("out_refund_no", "m", "r-1")])),
+            // o-2 shared before, held alone now; r-1 held before: alone.
+            holding(Some(vec![BatchKey::sole("order", "m", "o-2")])),
+            holding(Some(vec![BatchKey::sole("out_refund_no", "m", "r-1")])),
+            // Another merchant's key of the same name is another key.
+            holding(Some(vec![BatchKey::sole("out_refund_no", "n", "r-1")])),
+            // It says so.
+            holding(None),
+            holding(Some(Vec::new())),
+        ];
+        let batch: Vec<&Batched> = calls.iter().collect();
+
+        let alone = runs_alone(&batch, &ReadFirst::default());
+
+        assert_eq!(alone, [false, true, false, false, true, true, false, true, false]);
+    }
+}
