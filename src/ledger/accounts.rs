@@ -432,8 +432,9 @@ pub(super) struct FundingWrite {
 }
 
 impl FundingWrite {
-    /// Its row at `now`, in the account's currency (the caller has checked the amount's).
-    pub(super) fn row(&self, now: i64) -> FundingRow {
+    /// Its row at `now`, in the account's currency (the caller has checked the amount's), with
+    /// what the account's holds reserve right after it.
+    pub(super) fn row(&self, now: i64, held_after: Option<i64>) -> FundingRow {
         FundingRow {
             request_id: self.request_id.clone(),
             funding_id: self.funding_id.clone(),
@@ -442,6 +443,7 @@ impl FundingWrite {
             currency: self.amount.currency().code().to_owned(),
             created_at: now,
             created_by: self.created_by.clone(),
+            held_after,
         }
     }
 
@@ -546,8 +548,9 @@ impl BatchWrite for FundingWrite {
         if view.book.get(&self.funding_account_id).is_none() {
             return Err(Outcome::Alone);
         }
-        self.check_account(view.book.get(&self.account_id)).map_err(Outcome::Rejected)?;
-        let row = self.row(view.now);
+        let account = self.check_account(view.book.get(&self.account_id)).map_err(Outcome::Rejected)?;
+        // A posting moves no hold: the account's holds right after it are those it holds now.
+        let row = self.row(view.now, Some(account.held));
         let legs = view.book.post(&self.posting(&row)).map_err(Outcome::Rejected)?;
         Ok(Box::new(Funded { funding: self.clone(), row, legs }))
     }
@@ -635,7 +638,8 @@ impl<F: Funding> Batchable for FundingCall<F> {
         now: i64,
     ) -> Result<bool, Error> {
         let funding = self.funding_write();
-        Ok(!queries.insert_funding(funding.table, &funding.row(now)).await?)
+        // Rolled back with the refusal: what the account holds does not matter.
+        Ok(!queries.insert_funding(funding.table, &funding.row(now, None)).await?)
     }
 }
 
@@ -672,7 +676,7 @@ impl<F: Funding> IdempotentCall for FundingCall<F> {
             .find_account(&row.account_id)
             .await?
             .ok_or_else(|| Error::Internal(format!("the account of a {} is missing", F::METHOD)))?;
-        Ok(Some(funding_receipt(&mut queries, account, &row.funding_id).await?))
+        Ok(Some(funding_receipt(&mut queries, account, &row).await?))
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<DepositReceipt>, Error> {
@@ -842,18 +846,20 @@ fn new_account(account_id: &str, currency: &str, kind: &str, now: i64) -> Accoun
     }
 }
 
-/// The account as it stood right after the entry of a Deposit or Withdraw (`funding_id`, its
-/// posting_id) on it, with that entry.
+/// The account as it stood right after the Deposit or Withdraw of `row` (its balance and
+/// version from its entry, what its holds reserved from the row; a row older than that column
+/// leaves the account's holds as they are now), with that entry.
 async fn funding_receipt(
     queries: &mut Queries<'_>,
     account: AccountRow,
-    funding_id: &str,
+    row: &FundingRow,
 ) -> Result<DepositReceipt, Error> {
     let entry = queries
-        .find_entry(funding_id, &account.account_id)
+        .find_entry(&row.funding_id, &account.account_id)
         .await?
         .ok_or_else(|| Error::Internal("the entry of a deposit or withdrawal is missing".into()))?;
-    Ok(receipt_after(account, entry))
+    let held = row.held_after.unwrap_or(account.held);
+    Ok(receipt_after(AccountRow { held, ..account }, entry))
 }
 
 /// The receipt of a Deposit or Withdraw: `account` (as read before it) as its `entry` on it

@@ -52,6 +52,7 @@ impl StepSql {
 pub(super) enum Value<'a> {
     Text(&'a str),
     Int(i64),
+    Null,
 }
 
 impl Serialize for Value<'_> {
@@ -59,6 +60,7 @@ impl Serialize for Value<'_> {
         match self {
             Value::Text(text) => serializer.serialize_str(text),
             Value::Int(int) => serializer.serialize_i64(*int),
+            Value::Null => serializer.serialize_none(),
         }
     }
 }
@@ -86,6 +88,7 @@ fn postgres_array<'a>(values: impl Iterator<Item = Value<'a>>) -> String {
         }
         match value {
             Value::Int(int) => text.push_str(&int.to_string()),
+            Value::Null => text.push_str("NULL"),
             Value::Text(string) => {
                 text.push('"');
                 for c in string.chars() {
@@ -572,13 +575,13 @@ pub(super) static INSERT_TRANSFERS: StepSql = StepSql {
 
 /// The columns a deposit or withdrawal row of [`INSERT_DEPOSITS`], [`INSERT_WITHDRAWALS`] and
 /// [`WRITE_PARTS_POSTGRES`] gives, in order.
-pub(super) const FUNDING_COLUMNS: usize = 7;
+pub(super) const FUNDING_COLUMNS: usize = 8;
 
 /// The MySQL rows of a deposit or withdrawal, `[request_id, funding_id, account_id, amount,
-/// currency, created_at, created_by]`.
+/// currency, created_at, created_by, held_after]`.
 macro_rules! mysql_funding_rows {
     () => {
-        " SELECT request_id, funding_id, account_id, amount, currency, created_at, created_by \
+        " SELECT request_id, funding_id, account_id, amount, currency, created_at, created_by, held_after \
          FROM JSON_TABLE(?, '$[*]' COLUMNS (\
          request_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
          funding_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
@@ -586,7 +589,8 @@ macro_rules! mysql_funding_rows {
          amount BIGINT PATH '$[3]', \
          currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[4]', \
          created_at BIGINT PATH '$[5]', \
-         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]')) AS k"
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]', \
+         held_after BIGINT PATH '$[7]')) AS k"
     };
 }
 
@@ -595,12 +599,13 @@ macro_rules! sqlite_funding_rows {
     () => {
         " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
          json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
-         json_extract(k.value, '$[6]') FROM json_each(?1) AS k WHERE true ON CONFLICT DO NOTHING"
+         json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]') FROM json_each(?1) AS k WHERE true \
+         ON CONFLICT DO NOTHING"
     };
 }
 
 /// Deposit rows `[request_id, deposit_id, account_id, amount, currency, created_at,
-/// created_by]`; a taken request_id fails the statement on MySQL (duplicate key) and inserts
+/// created_by, held_after]`; a taken request_id fails the statement on MySQL (duplicate key) and inserts
 /// fewer rows elsewhere.
 pub(super) static INSERT_DEPOSITS: StepSql = StepSql {
     mysql: concat!(super::queries::insert_deposit_into!(), mysql_funding_rows!()),
@@ -608,7 +613,7 @@ pub(super) static INSERT_DEPOSITS: StepSql = StepSql {
 };
 
 /// Withdrawal rows `[request_id, withdrawal_id, account_id, amount, currency, created_at,
-/// created_by]`, as [`INSERT_DEPOSITS`].
+/// created_by, held_after]`, as [`INSERT_DEPOSITS`].
 pub(super) static INSERT_WITHDRAWALS: StepSql = StepSql {
     mysql: concat!(super::queries::insert_withdrawal_into!(), mysql_funding_rows!()),
     sqlite: concat!(super::queries::insert_withdrawal_into!(), sqlite_funding_rows!()),
@@ -728,20 +733,20 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     },
     WritePart {
         name: "d",
-        arrays: 7,
+        arrays: 8,
         text: concat!(
             super::queries::insert_deposit_into!(),
             " SELECT * FROM UNNEST({1}::text[], {2}::text[], {3}::text[], {4}::bigint[], {5}::text[], {6}::bigint[], \
-             {7}::text[]) ON CONFLICT DO NOTHING RETURNING 1"
+             {7}::text[], {8}::bigint[]) ON CONFLICT DO NOTHING RETURNING 1"
         ),
     },
     WritePart {
         name: "w",
-        arrays: 7,
+        arrays: 8,
         text: concat!(
             super::queries::insert_withdrawal_into!(),
             " SELECT * FROM UNNEST({1}::text[], {2}::text[], {3}::text[], {4}::bigint[], {5}::text[], {6}::bigint[], \
-             {7}::text[]) ON CONFLICT DO NOTHING RETURNING 1"
+             {7}::text[], {8}::bigint[]) ON CONFLICT DO NOTHING RETURNING 1"
         ),
     },
     WritePart {
@@ -908,7 +913,7 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$78") && !every_part.contains("$79") && !every_part.contains('{'));
+        assert!(every_part.contains("$80") && !every_part.contains("$81") && !every_part.contains('{'));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

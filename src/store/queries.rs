@@ -72,13 +72,14 @@ macro_rules! insert_transfer_into {
 pub(super) use insert_transfer_into;
 macro_rules! insert_deposit_into {
     () => {
-        "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by)"
+        "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by, held_after)"
     };
 }
 pub(super) use insert_deposit_into;
 macro_rules! insert_withdrawal_into {
     () => {
-        "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by)"
+        "INSERT INTO withdrawals (request_id, withdrawal_id, account_id, amount, currency, created_at, created_by, \
+         held_after)"
     };
 }
 pub(super) use insert_withdrawal_into;
@@ -326,26 +327,26 @@ static INSERT_REFUND: Sql = Sql {
 };
 
 static FIND_DEPOSIT: Sql = Sql::pair(
-    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
-     WHERE request_id = $1",
-    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by FROM deposits \
-     WHERE request_id = ?",
+    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by, held_after \
+     FROM deposits WHERE request_id = $1",
+    "SELECT request_id, deposit_id AS funding_id, account_id, amount, currency, created_at, created_by, held_after \
+     FROM deposits WHERE request_id = ?",
 );
 static INSERT_DEPOSIT: Sql = Sql {
-    postgres: concat!(insert_deposit_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING"),
-    mysql: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?)"),
-    sqlite: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+    postgres: concat!(insert_deposit_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING"),
+    mysql: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_deposit_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
 };
 static FIND_WITHDRAWAL: Sql = Sql::pair(
-    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
-     WHERE request_id = $1",
-    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by FROM withdrawals \
-     WHERE request_id = ?",
+    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by, held_after \
+     FROM withdrawals WHERE request_id = $1",
+    "SELECT request_id, withdrawal_id AS funding_id, account_id, amount, currency, created_at, created_by, held_after \
+     FROM withdrawals WHERE request_id = ?",
 );
 static INSERT_WITHDRAWAL: Sql = Sql {
-    postgres: concat!(insert_withdrawal_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING"),
-    mysql: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?)"),
-    sqlite: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+    postgres: concat!(insert_withdrawal_into!(), " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING"),
+    mysql: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_withdrawal_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
 };
 
 /// The columns of an idempotency record, as `IdempotencyRecordRow` reads them.
@@ -1357,7 +1358,8 @@ impl<'c> Queries<'c> {
             .bind(row.amount)
             .bind(row.currency.clone())
             .bind(row.created_at)
-            .bind(row.created_by.clone());
+            .bind(row.created_by.clone())
+            .bind(row.held_after);
         self.insert_if_absent(query).await
     }
 
@@ -1881,6 +1883,7 @@ fn funding_values(row: &FundingRow) -> [Value<'_>; batch::FUNDING_COLUMNS] {
         Value::Text(&row.currency),
         Value::Int(row.created_at),
         Value::Text(&row.created_by),
+        row.held_after.map_or(Value::Null, Value::Int),
     ]
 }
 

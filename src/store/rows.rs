@@ -116,6 +116,9 @@ pub struct FundingRow {
     pub created_at: i64,
     /// The `sub` of the caller that made it; `unknown` in rows older than the column.
     pub created_by: String,
+    /// What the account's active holds reserved right after it (minor units); `None` in rows
+    /// older than the column.
+    pub held_after: Option<i64>,
 }
 
 /// `journal_entries`: one leg of a double-entry posting.

@@ -1137,6 +1137,7 @@ pub async fn a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_
 }
 
 // Cases run a second time with group commit off (see `main.rs`).
+pub use a_deposit_or_withdraw_replayed_by_its_request_id_answers_the_account_as_it_stood as funding_replays_as_they_stood_one_by_one;
 pub use a_failed_transfer_leaves_no_record_and_its_retry_runs_afresh as a_failed_transfer_one_by_one;
 pub use callers_reach_only_their_merchants_objects_and_their_own_idempotency_records as callers_are_kept_apart_with_redis_tokens;
 pub use concurrent_partial_refunds_never_exceed_the_paid_amount as concurrent_partial_refunds_one_by_one;

@@ -456,6 +456,37 @@ fn pair(balance: &str, available: &str) -> (String, String) {
     (balance.to_owned(), available.to_owned())
 }
 
+pub async fn a_deposit_or_withdraw_replayed_by_its_request_id_answers_the_account_as_it_stood(app: &TestApp) {
+    app.open("alice", "USD").await;
+    app.open("shop", "USD").await;
+    let deposited = app.deposit("dep-1", "alice", "100.00", "USD").await.unwrap().into_inner();
+    let withdraw = proto::WithdrawRequest {
+        request_id: "wd-1".into(),
+        account_id: "alice".into(),
+        amount: "10.00".into(),
+        currency: "USD".into(),
+    };
+    let withdrawn = app.accounts.clone().withdraw(withdraw.clone()).await.unwrap().into_inner();
+    app.create_order("m1", "o-1", "shop", "30.00").await.unwrap();
+    app.payments.clone().authorize(authorize_request("a-1", "o-1", "30.00")).await.unwrap();
+
+    // Replayed after a hold that came later: each answers the account as it was right after it.
+    let deposited_again = app.deposit("dep-1", "alice", "100.00", "USD").await.unwrap();
+    let withdrawn_again = app.accounts.clone().withdraw(withdraw).await.unwrap();
+
+    assert!(replayed(&deposited_again) && replayed(&withdrawn_again));
+    assert_eq!(deposited_again.into_inner(), deposited, "the deposit's replay is its original answer");
+    assert_eq!(withdrawn_again.into_inner(), withdrawn, "the withdrawal's replay is its original answer");
+    let available = |account: Option<proto::Account>| {
+        let account = account.unwrap();
+        (account.balance, account.available_balance)
+    };
+    assert_eq!(available(deposited.account), pair("100.00", "100.00"));
+    assert_eq!(available(withdrawn.account), pair("90.00", "90.00"));
+    let now = app.accounts.clone().get_account(proto::GetAccountRequest { account_id: "alice".into() }).await;
+    assert_eq!(available(now.unwrap().into_inner().account), pair("90.00", "60.00"), "the hold holds now");
+}
+
 pub async fn a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay(app: &TestApp) {
     app.funded("alice", "100.00").await;
     app.open("shop", "USD").await;
