@@ -4,15 +4,9 @@
 //! the order PAID) and releases the rest; Void, CloseOrder and the hold sweeper release it and
 //! close the order.
 //!
-//! Each step is a write of the engine's group commit, run alone (`BatchWrite`): it locks the
-//! order's row first (`FOR UPDATE`; a Capture's or Void's order named by its hold, read first)
-//! and only then reads the hold, so all the steps of one order, and the sweeper, take their
-//! turns on that one lock; then the payer's account (and a Capture's payee), in account_id
-//! order. Its decision applies the state machine; the hold is reserved ([`Book::reserve`]) or
-//! released ([`Book::release`]) and a Capture's posting applied to the accounts as read under
-//! their locks; the write set (the new or settled hold, the order's conditional UPDATE from the
-//! state it requires, `held` and balances by version CAS, the entries) is checked against the
-//! money invariants and written ([`book::write`]).
+//! Each step is a write of the engine's group commit, run alone (`BatchWrite`): its order
+//! locked first, then its hold read under that lock, then the payer (and a Capture's payee);
+//! how the engine writes it is explained once, in `docs/write-engine.md` ("Which calls").
 
 use crate::domain::{CloseReason, OrderEvent, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
