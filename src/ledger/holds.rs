@@ -22,7 +22,7 @@ use super::engine::posting::Legs;
 
 use super::guards::{Guards, Scope};
 use super::idempotent::{differing_from, Fields, IdempotentCall};
-use super::payments::{order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
+use super::payments::{order_as_paid, order_state_with_hold, payment_posting, PAYMENT_SUCCEEDED};
 use super::response;
 use super::{new_id, now_micros, Identified, Inserted, Ledger, Replayable};
 use prost::Message as _;
@@ -224,6 +224,30 @@ async fn release_expired(
 }
 
 /// The hold of (merchant_id, out_auth_no) and its order as they stand (for a replay).
+/// The answer an Authorize gave, from its hold and order as they stand: the hold ACTIVE as
+/// placed and its order AUTHORIZED for the hold's amount, both at the hold's `created_at`, with
+/// what only later steps change (a capture, a release, the order's payment, refunds or close)
+/// set back.
+fn authorized_receipt(hold: HoldRow, order: OrderRow) -> HoldReceipt {
+    let order = OrderRow {
+        status: OrderStatus::Authorized.as_str().to_owned(),
+        amount: hold.amount,
+        out_trade_no: None,
+        refunded_amount: 0,
+        updated_at: hold.created_at,
+        close_reason: None,
+        ..order
+    };
+    let hold = HoldRow {
+        status: HOLD_ACTIVE.to_owned(),
+        captured_amount: 0,
+        out_trade_no: None,
+        updated_at: hold.created_at,
+        ..hold
+    };
+    HoldReceipt { hold, order }
+}
+
 async fn hold_and_order(
     queries: &mut Queries<'_>,
     merchant_id: &str,
@@ -330,7 +354,7 @@ impl IdempotentCall for NewHold {
         if !fields.is_empty() {
             return Err(Error::KeyReused { key: ReusedKey::OutAuthNo, fields });
         }
-        Ok(Some(HoldReceipt { hold, order }))
+        Ok(Some(authorized_receipt(hold, order)))
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<HoldReceipt>, Error> {
@@ -390,7 +414,8 @@ impl IdempotentCall for Identified<Capture> {
             return Err(Error::KeyReused { key: ReusedKey::OutTradeNo, fields });
         }
         let hold = hold.ok_or_else(|| Error::Internal("a capture's hold is missing".into()))?;
-        Ok(Some(CaptureReceipt { payment, order, hold }))
+        // A captured hold never changes again: as it stands is as the capture left it.
+        Ok(Some(CaptureReceipt { order: order_as_paid(&payment, order), payment, hold }))
     }
 
     /// The taken key may be the order's one payment under another out_trade_no: the state

@@ -26,14 +26,16 @@ use prost::Message as _;
 /// Stored status of a payment row; payments are recorded only when they succeed.
 pub(crate) const PAYMENT_SUCCEEDED: &str = "SUCCEEDED";
 
-/// The answer to a Pay: the payment (as first recorded) and the order as it stands now.
+/// The answer to a Pay: the payment (as first recorded) and the order as it stood right after
+/// the Pay (a replay too: [`order_as_paid`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PayReceipt {
     pub payment: PaymentRow,
     pub order: OrderRow,
 }
 
-/// The answer to a Refund: the refund (as first recorded) and the order as it stands now.
+/// The answer to a Refund: the refund (as first recorded) and the order as it stood right after
+/// the refund (a replay too: [`order_as_refunded`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RefundReceipt {
     pub refund: RefundRow,
@@ -136,7 +138,7 @@ impl BatchWrite for Identified<Pay> {
         check_payer(view.book.get(command.payer_account_id.as_str()), &order).map_err(Outcome::Rejected)?;
         let payment = new_payment(command, &order, &self.id, view.now);
         let legs = view.book.post(&payment_posting(&payment)).map_err(Outcome::Rejected)?;
-        Ok(Box::new(Paid { receipt: paid_receipt(payment, order, view.now), legs }))
+        Ok(Box::new(Paid { receipt: paid_receipt(payment, order), legs }))
     }
 }
 
@@ -239,6 +241,7 @@ impl BatchWrite for Identified<Refund> {
         }
         let refund = new_refund(command, &payment, &self.id, view.now);
         let order = refunded_order(order, refund.amount, view.now).map_err(Outcome::Rejected)?;
+        let refund = RefundRow { order_refunded_after: Some(order.refunded_amount), ..refund };
         let legs = view.book.post(&refund_posting(&refund, &payment)).map_err(Outcome::Rejected)?;
         view.move_order(order.clone());
         Ok(Box::new(Refunded { receipt: RefundReceipt { refund, order }, legs, payment }))
@@ -762,7 +765,8 @@ impl Ledger {
     }
 
     /// The replay of a Pay whose out_trade_no holds `payment`: the payment as first recorded
-    /// and its order as it stands; OUT_TRADE_NO_REUSED when the key paid something else.
+    /// and its order as it stood right after it ([`order_as_paid`]); OUT_TRADE_NO_REUSED when
+    /// the key paid something else.
     fn replay_of(&self, command: &Pay, payment: PaymentRow, order: OrderRow) -> Result<PayReceipt, Error> {
         let stored = pay_fields(
             &payment.out_trade_no,
@@ -775,7 +779,7 @@ impl Ledger {
         if !fields.is_empty() {
             return Err(Error::KeyReused { key: ReusedKey::OutTradeNo, fields });
         }
-        Ok(PayReceipt { payment, order })
+        Ok(PayReceipt { order: order_as_paid(&payment, order), payment })
     }
 
     /// Refunds part or all of a payment, once per (merchant_id, out_refund_no).
@@ -1265,6 +1269,8 @@ impl IdempotentCall for Identified<Refund> {
         refund_fields(out_trade_no.as_str(), out_refund_no.as_str(), minor_units, currency, reason.as_str())
     }
 
+    /// The refund as first recorded and its order as it stood right after it
+    /// ([`order_as_refunded`]).
     async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<RefundReceipt>, Error> {
         let mut reader = ledger.store.reader().await?;
         let mut queries = reader.queries();
@@ -1278,10 +1284,11 @@ impl IdempotentCall for Identified<Refund> {
         if !fields.is_empty() {
             return Err(Error::KeyReused { key: ReusedKey::OutRefundNo, fields });
         }
-        let order = queries
-            .find_order(merchant_id, &refund.order_no)
+        let (payment, order) = queries
+            .find_payment_and_order(merchant_id, &refund.out_trade_no)
             .await?
-            .ok_or_else(|| Error::Internal("a refund's order is missing".into()))?;
+            .ok_or_else(|| Error::Internal("a refund's payment is missing".into()))?;
+        let order = order_as_refunded(&refund, &payment, order)?;
         Ok(Some(RefundReceipt { refund, order }))
     }
 
@@ -1388,18 +1395,36 @@ pub(super) fn payment_posting(payment: &PaymentRow) -> Posting<'_> {
 }
 
 /// The answer to a Pay that just committed: its payment, and the order as read under its lock
-/// moved to PAID.
-pub(super) fn paid_receipt(payment: PaymentRow, order: OrderRow, now: i64) -> PayReceipt {
-    let order = OrderRow {
-        status: OrderStatus::Paid.as_str().to_owned(),
-        out_trade_no: Some(payment.out_trade_no.clone()),
-        updated_at: now,
-        ..order
-    };
-    PayReceipt { payment, order }
+/// moved to PAID ([`order_as_paid`]).
+pub(super) fn paid_receipt(payment: PaymentRow, order: OrderRow) -> PayReceipt {
+    PayReceipt { order: order_as_paid(&payment, order), payment }
 }
 
-/// The refund row of a Refund of `payment`, as it is recorded when the Refund succeeds.
+/// `order` as it stood right after the Pay or Capture that recorded `payment` moved it to PAID,
+/// at the payment's `created_at`: what only later steps change (its status and refunded
+/// amount by refunds, `updated_at`) set back; its terms never change once it is paid. So a
+/// replay answers the order the original answered, from today's row.
+pub(super) fn order_as_paid(payment: &PaymentRow, order: OrderRow) -> OrderRow {
+    OrderRow {
+        status: OrderStatus::Paid.as_str().to_owned(),
+        out_trade_no: Some(payment.out_trade_no.clone()),
+        refunded_amount: 0,
+        updated_at: payment.created_at,
+        close_reason: None,
+        ..order
+    }
+}
+
+/// `order` as it stood right after `refund`: paid, with what the refund recorded its order had
+/// refunded then, as one refund of the paid order by the state machine ([`refunded_order`]);
+/// a refund recorded before that column has only `order` as it stands.
+fn order_as_refunded(refund: &RefundRow, payment: &PaymentRow, order: OrderRow) -> Result<OrderRow, Error> {
+    let Some(refunded_after) = refund.order_refunded_after else { return Ok(order) };
+    refunded_order(order_as_paid(payment, order), refunded_after, refund.created_at)
+}
+
+/// The refund row of a Refund of `payment`, as it is recorded when the Refund succeeds, but
+/// for what its order has refunded after it (`None`: the decision sets it).
 pub(super) fn new_refund(command: &Refund, payment: &PaymentRow, refund_no: &str, now: i64) -> RefundRow {
     RefundRow {
         refund_no: refund_no.to_owned(),
@@ -1412,6 +1437,7 @@ pub(super) fn new_refund(command: &Refund, payment: &PaymentRow, refund_no: &str
         reason: command.reason.as_str().to_owned(),
         created_at: now,
         created_by: command.created_by.created_by().to_owned(),
+        order_refunded_after: None,
     }
 }
 

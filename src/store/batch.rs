@@ -491,16 +491,16 @@ pub(super) static INSERT_ENTRIES: StepSql = StepSql {
 };
 
 /// The columns a refund row of [`INSERT_REFUNDS`] and [`WRITE_PARTS_POSTGRES`] gives, in order.
-pub(super) const REFUND_COLUMNS: usize = 10;
+pub(super) const REFUND_COLUMNS: usize = 11;
 
 /// Rows `[refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency,
-/// reason, created_at, created_by]`; a taken key fails the statement on MySQL (duplicate key)
+/// reason, created_at, created_by, order_refunded_after]`; a taken key fails the statement on MySQL (duplicate key)
 /// and inserts fewer rows elsewhere.
 pub(super) static INSERT_REFUNDS: StepSql = StepSql {
     mysql: concat!(
         super::queries::insert_refund_into!(),
         " SELECT refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, \
-         created_by FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         created_by, order_refunded_after FROM JSON_TABLE(?, '$[*]' COLUMNS (\
          refund_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
          merchant_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
          out_refund_no VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[2]', \
@@ -510,14 +510,16 @@ pub(super) static INSERT_REFUNDS: StepSql = StepSql {
          currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[6]', \
          reason VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
          created_at BIGINT PATH '$[8]', \
-         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[9]')) AS k"
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[9]', \
+         order_refunded_after BIGINT PATH '$[10]')) AS k"
     ),
     sqlite: concat!(
         super::queries::insert_refund_into!(),
         " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
          json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
          json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]'), json_extract(k.value, '$[8]'), \
-         json_extract(k.value, '$[9]') FROM json_each(?1) AS k WHERE true ON CONFLICT DO NOTHING"
+         json_extract(k.value, '$[9]'), json_extract(k.value, '$[10]') FROM json_each(?1) AS k WHERE true \
+         ON CONFLICT DO NOTHING"
     ),
 };
 
@@ -703,11 +705,11 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     },
     WritePart {
         name: "r",
-        arrays: 10,
+        arrays: 11,
         text: concat!(
             super::queries::insert_refund_into!(),
             " SELECT * FROM UNNEST({1}::text[], {2}::text[], {3}::text[], {4}::text[], {5}::text[], {6}::bigint[], \
-             {7}::text[], {8}::text[], {9}::bigint[], {10}::text[]) ON CONFLICT DO NOTHING RETURNING 1"
+             {7}::text[], {8}::text[], {9}::bigint[], {10}::text[], {11}::bigint[]) ON CONFLICT DO NOTHING RETURNING 1"
         ),
     },
     WritePart {
@@ -913,7 +915,7 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$80") && !every_part.contains("$81") && !every_part.contains('{'));
+        assert!(every_part.contains("$81") && !every_part.contains("$82") && !every_part.contains('{'));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

@@ -53,13 +53,14 @@ pub(super) use insert_entry_into;
 macro_rules! insert_refund_into {
     () => {
         "INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, \
-         created_at, created_by)"
+         created_at, created_by, order_refunded_after)"
     };
 }
 pub(super) use insert_refund_into;
 macro_rules! refund_columns {
     () => {
-        "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, created_by"
+        "refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, reason, created_at, created_by, \
+         order_refunded_after"
     };
 }
 pub(super) use refund_columns;
@@ -320,10 +321,10 @@ static LIST_REFUNDS: Sql = Sql::pair(
 static INSERT_REFUND: Sql = Sql {
     postgres: concat!(
         insert_refund_into!(),
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING"
     ),
-    mysql: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
-    sqlite: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
+    mysql: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"),
+    sqlite: concat!(insert_refund_into!(), " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"),
 };
 
 static FIND_DEPOSIT: Sql = Sql::pair(
@@ -1327,7 +1328,8 @@ impl<'c> Queries<'c> {
             .bind(row.currency.clone())
             .bind(row.reason.clone())
             .bind(row.created_at)
-            .bind(row.created_by.clone());
+            .bind(row.created_by.clone())
+            .bind(row.order_refunded_after);
         self.insert_if_absent(query).await
     }
 
@@ -1840,6 +1842,7 @@ fn refund_values(row: &RefundRow) -> [Value<'_>; batch::REFUND_COLUMNS] {
         Value::Text(&row.reason),
         Value::Int(row.created_at),
         Value::Text(&row.created_by),
+        row.order_refunded_after.map_or(Value::Null, Value::Int),
     ]
 }
 

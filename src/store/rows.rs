@@ -101,6 +101,10 @@ pub struct RefundRow {
     /// The `sub` of the caller that made it; `unknown` in rows older than the column.
     #[serde(default = "created_by_unknown")]
     pub created_by: String,
+    /// What its order had refunded right after it, this refund included (minor units);
+    /// `None` in rows older than the column.
+    #[serde(default)]
+    pub order_refunded_after: Option<i64>,
 }
 
 /// `deposits` or `withdrawals`: one row per successful Deposit or Withdraw, keyed by

@@ -487,6 +487,50 @@ pub async fn a_deposit_or_withdraw_replayed_by_its_request_id_answers_the_accoun
     assert_eq!(available(now.unwrap().into_inner().account), pair("90.00", "60.00"), "the hold holds now");
 }
 
+pub async fn every_natural_replay_answers_what_its_original_answered_after_later_steps_moved_its_order(app: &TestApp) {
+    app.funded("alice", "500.00").await;
+    app.open("shop", "USD").await;
+    let mut payments = app.payments.clone();
+    app.create_order("m1", "o-1", "shop", "100.00").await.unwrap();
+    let paid = app.pay("m1", "t-1", "o-1", "alice", "100.00").await.unwrap().into_inner();
+    let first_refund = app.refund("m1", "t-1", "r-1", "30.00").await.unwrap().into_inner();
+    let last_refund = app.refund("m1", "t-1", "r-2", "70.00").await.unwrap().into_inner();
+    app.create_order("m1", "o-2", "shop", "80.00").await.unwrap();
+    let authorized = payments.authorize(authorize_request("a-2", "o-2", "80.00")).await.unwrap().into_inner();
+    let captured = payments.capture(capture_request("a-2", "t-2", "50.00")).await.unwrap().into_inner();
+    app.refund("m1", "t-2", "r-3", "20.00").await.unwrap();
+
+    // Each replayed after the steps that moved its order (and hold) on.
+    let paid_again = app.pay("m1", "t-1", "o-1", "alice", "100.00").await.unwrap();
+    let first_refund_again = app.refund("m1", "t-1", "r-1", "30.00").await.unwrap();
+    let last_refund_again = app.refund("m1", "t-1", "r-2", "70.00").await.unwrap();
+    let authorized_again = payments.authorize(authorize_request("a-2", "o-2", "80.00")).await.unwrap();
+    let captured_again = payments.capture(capture_request("a-2", "t-2", "50.00")).await.unwrap();
+
+    for was_replayed in [
+        replayed(&paid_again),
+        replayed(&first_refund_again),
+        replayed(&last_refund_again),
+        replayed(&authorized_again),
+        replayed(&captured_again),
+    ] {
+        assert!(was_replayed, "every repeat is a replay");
+    }
+    assert_eq!(paid_again.into_inner(), paid, "a Pay replays its order as PAID, before its refunds");
+    assert_eq!(first_refund_again.into_inner(), first_refund, "a refund replays its order as it left it");
+    assert_eq!(last_refund_again.into_inner(), last_refund);
+    assert_eq!(authorized_again.into_inner(), authorized, "an Authorize replays its hold ACTIVE, before the capture");
+    assert_eq!(captured_again.into_inner(), captured, "a Capture replays its order before the refund");
+    let status = |order: Option<proto::Order>| order.unwrap().status();
+    assert_eq!(status(paid.order), OrderStatus::Paid);
+    assert_eq!(status(first_refund.order), OrderStatus::PartiallyRefunded);
+    assert_eq!(status(last_refund.order), OrderStatus::Refunded);
+    assert_eq!(status(authorized.order), OrderStatus::Authorized);
+    assert_eq!(status(captured.order), OrderStatus::Paid);
+    let now = app.query("m1", Key::OrderNo("o-2".into())).await.unwrap();
+    assert_eq!(status(now.order), OrderStatus::PartiallyRefunded, "the order moved on meanwhile");
+}
+
 pub async fn a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay(app: &TestApp) {
     app.funded("alice", "100.00").await;
     app.open("shop", "USD").await;
