@@ -142,6 +142,16 @@ pub struct AuditSettings {
     /// after a full audit that passed up to that checkpoint.
     #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
     pub from_entry: Option<i64>,
+    /// Seconds the database has to accept the audit's connection and answer its first read;
+    /// past it the audit fails, naming the database, instead of waiting on a server that
+    /// accepts connections and never answers (1-3600).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub connect_timeout_seconds: u64,
+    /// Seconds the whole audit may take; past it the audit fails with what it was doing.
+    /// A full audit of 10 million orders took 23 minutes on MariaDB here (BENCHMARKS.md); the
+    /// default leaves room for ten times that (1-604800).
+    #[arg(long, default_value_t = 14_400, value_parser = clap::value_parser!(u64).range(1..=604_800))]
+    pub timeout_seconds: u64,
 }
 
 impl std::fmt::Debug for AuditSettings {
@@ -149,6 +159,8 @@ impl std::fmt::Debug for AuditSettings {
         f.debug_struct("AuditSettings")
             .field("database_url", &crate::store::redacted(&self.database_url))
             .field("from_entry", &self.from_entry)
+            .field("connect_timeout_seconds", &self.connect_timeout_seconds)
+            .field("timeout_seconds", &self.timeout_seconds)
             .finish()
     }
 }

@@ -233,7 +233,25 @@ async fn health(settings: HealthSettings) -> Result<ExitCode, AnyError> {
 const AUDIT_SETTLE: std::time::Duration = std::time::Duration::from_secs(300);
 
 async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
-    let ledger = open_existing_ledger(&settings).await?;
+    let limit = std::time::Duration::from_secs(settings.timeout_seconds);
+    tokio::time::timeout(limit, audit_within(&settings)).await.unwrap_or_else(|_| {
+        Err(format!(
+            "the audit did not finish within {} s (--timeout-seconds); nothing was concluded",
+            settings.timeout_seconds
+        )
+        .into())
+    })
+}
+
+async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
+    let connect_limit = std::time::Duration::from_secs(settings.connect_timeout_seconds);
+    let ledger = tokio::time::timeout(connect_limit, open_existing_ledger(settings)).await.map_err(|_| {
+        format!(
+            "no answer from the database at {} within {} s of connecting (--connect-timeout-seconds)",
+            payledger::store::redacted(&settings.database_url),
+            settings.connect_timeout_seconds
+        )
+    })??;
     let settled_before = std::time::SystemTime::now() - AUDIT_SETTLE;
     let settled_before = settled_before.duration_since(std::time::UNIX_EPOCH)?.as_micros();
     // Taken before the checks run: a full audit covers at least every entry up to it.

@@ -68,3 +68,46 @@ fn an_audit_of_a_file_without_a_ledger_names_the_cause_and_writes_nothing() {
     names.sort();
     assert_eq!(names, ["empty.db", "junk.db"], "no -wal or -shm beside them");
 }
+
+/// A database server that accepts the audit's connection and never answers: the audit fails
+/// after `--connect-timeout-seconds`, naming the database and the setting, instead of hanging.
+#[test]
+fn an_audit_of_a_database_that_never_answers_fails_naming_its_connect_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Accepts every connection and holds it open, silent.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    for url in [
+        format!("postgres://auditor:secret@127.0.0.1:{port}/ledger"),
+        format!("mysql://auditor:secret@127.0.0.1:{port}/ledger"),
+    ] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+            .args(["audit", "--connect-timeout-seconds", "1", "--database-url", &url])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A guard against the hang itself, far above the 1 s asked for (not a measure of it).
+        let guard = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > guard {
+                child.kill().unwrap();
+                panic!("the audit of {url} still waits after 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(
+            stderr.contains("no answer from the database at") && stderr.contains("--connect-timeout-seconds"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("secret"), "the password is never printed: {stderr}");
+    }
+}

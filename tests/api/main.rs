@@ -162,6 +162,7 @@ backend_suite!(
     funding_replays_as_they_stood_one_by_one => one_by_one,
     every_natural_replay_answers_what_its_original_answered_after_later_steps_moved_its_order,
     natural_replays_as_they_stood_one_by_one => one_by_one,
+    replays_racing_refunds_of_their_order_each_answer_their_original,
     void_close_order_and_expiry_release_a_hold_and_a_released_hold_replays,
     a_hold_past_its_expires_at_refuses_capture_and_the_sweeper_releases_it => short_hold_ttl,
     captures_void_and_close_order_racing_on_one_hold_end_with_one_winner,
