@@ -426,8 +426,51 @@ static INSERT_TRANSFER: Sql = Sql::pair(
 /// The position in [`AUDIT_CHECKS`] of the check that each currency's balances sum to zero.
 const CURRENCY_SUMS: usize = 3;
 
+/// The journal entries that no business row accounts for: an entry whose posting is not the
+/// payment, refund, transfer, deposit or withdrawal its kind names, or whose account, amount
+/// (sign: the money's direction) or counterparty is not that row's leg: a payment's and a
+/// capture's from payer to payee, a refund's back from its payment's payee to its payer, a
+/// transfer's from `from_account_id` to `to_account_id`, a deposit's from an EXTERNAL (funding)
+/// account to its account, a withdrawal's the other way. `$filter` narrows the entries read
+/// (and ends in AND), or is empty.
+macro_rules! unaccounted_entries {
+    ($filter:literal) => {
+        concat!(
+            "SELECT e.posting_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(e.entry_id AS CHAR(24))), ' ', e.kind, ' ', \
+               e.account_id, ' ', TRIM(CAST(e.amount AS CHAR(24)))) AS detail FROM journal_entries e WHERE ",
+            $filter,
+            " NOT ( \
+             (e.kind = 'PAY' AND EXISTS (SELECT 1 FROM payment_flow p WHERE p.trade_no = e.posting_id \
+               AND p.currency = e.currency AND ( \
+               (e.account_id = p.payer_account_id AND e.counterparty_account_id = p.payee_account_id AND e.amount = -p.amount) \
+               OR (e.account_id = p.payee_account_id AND e.counterparty_account_id = p.payer_account_id AND e.amount = p.amount)))) \
+             OR (e.kind = 'REFUND' AND EXISTS (SELECT 1 FROM refunds r JOIN payment_flow p \
+               ON p.merchant_id = r.merchant_id AND p.out_trade_no = r.out_trade_no WHERE r.refund_no = e.posting_id \
+               AND r.currency = e.currency AND ( \
+               (e.account_id = p.payee_account_id AND e.counterparty_account_id = p.payer_account_id AND e.amount = -r.amount) \
+               OR (e.account_id = p.payer_account_id AND e.counterparty_account_id = p.payee_account_id AND e.amount = r.amount)))) \
+             OR (e.kind = 'TRANSFER' AND EXISTS (SELECT 1 FROM transfers t WHERE t.transfer_id = e.posting_id \
+               AND t.currency = e.currency AND ( \
+               (e.account_id = t.from_account_id AND e.counterparty_account_id = t.to_account_id AND e.amount = -t.amount) \
+               OR (e.account_id = t.to_account_id AND e.counterparty_account_id = t.from_account_id AND e.amount = t.amount)))) \
+             OR (e.kind = 'DEPOSIT' AND EXISTS (SELECT 1 FROM deposits d WHERE d.deposit_id = e.posting_id \
+               AND d.currency = e.currency AND ( \
+               (e.account_id = d.account_id AND e.amount = d.amount AND EXISTS (SELECT 1 FROM accounts f \
+                 WHERE f.account_id = e.counterparty_account_id AND f.kind = 'EXTERNAL')) \
+               OR (e.counterparty_account_id = d.account_id AND e.amount = -d.amount AND EXISTS (SELECT 1 FROM accounts f \
+                 WHERE f.account_id = e.account_id AND f.kind = 'EXTERNAL'))))) \
+             OR (e.kind = 'WITHDRAWAL' AND EXISTS (SELECT 1 FROM withdrawals w WHERE w.withdrawal_id = e.posting_id \
+               AND w.currency = e.currency AND ( \
+               (e.account_id = w.account_id AND e.amount = -w.amount AND EXISTS (SELECT 1 FROM accounts f \
+                 WHERE f.account_id = e.counterparty_account_id AND f.kind = 'EXTERNAL')) \
+               OR (e.counterparty_account_id = w.account_id AND e.amount = w.amount AND EXISTS (SELECT 1 FROM accounts f \
+                 WHERE f.account_id = e.account_id AND f.kind = 'EXTERNAL'))))))"
+        )
+    };
+}
+
 /// Each audit query returns (subject, detail) rows, one per violation.
-static AUDIT_CHECKS: [(&str, Sql); 10] = [
+static AUDIT_CHECKS: [(&str, Sql); 13] = [
     (
         "every entry, payment, order and deposit names an existing account and order",
         Sql::same(
@@ -541,13 +584,48 @@ static AUDIT_CHECKS: [(&str, Sql); 10] = [
              OR (o.status <> 'PENDING' AND o.pending_deadline IS NOT NULL)",
         ),
     ),
+    (
+        "every entry is a leg of the payment, refund, transfer, deposit or withdrawal its posting names: its accounts, \
+         amount and direction",
+        Sql::same(unaccounted_entries!("")),
+    ),
+    (
+        "an order's status says how much of it was refunded: PAID none, PARTIALLY_REFUNDED some, REFUNDED all",
+        Sql::same(
+            "SELECT CONCAT_WS('', o.merchant_id, '/', o.order_no) AS subject, \
+             CONCAT_WS('', o.status, ' refunded ', TRIM(CAST(o.refunded_amount AS CHAR(24)))) AS detail FROM orders o \
+             WHERE (o.status = 'PARTIALLY_REFUNDED' AND (o.refunded_amount = 0 OR o.refunded_amount >= o.amount)) \
+             OR (o.status = 'REFUNDED' AND o.refunded_amount <> o.amount) \
+             OR (o.status NOT IN ('PARTIALLY_REFUNDED', 'REFUNDED') AND o.refunded_amount <> 0)",
+        ),
+    ),
+    (
+        "every entry continues its account: the balance and version of the entry before (0 before the first), plus \
+         its amount and one",
+        Sql::same(
+            "SELECT c.account_id AS subject, CONCAT_WS('', 'entry ', TRIM(CAST(c.entry_id AS CHAR(24)))) AS detail FROM \
+             (SELECT entry_id, account_id, amount, balance_after, version_after, \
+               COALESCE(LAG(balance_after) OVER (PARTITION BY account_id ORDER BY entry_id), 0) AS balance_before, \
+               COALESCE(LAG(version_after) OVER (PARTITION BY account_id ORDER BY entry_id), 0) AS version_before \
+             FROM journal_entries) c \
+             WHERE c.balance_after <> c.balance_before + c.amount OR c.version_after <> c.version_before + 1",
+        ),
+    ),
 ];
 
 /// The checks of an audit from a checkpoint (see [`Queries::audit_entries`]): what was
 /// written in an entry-id range `(after, upto]`, read through the journal's primary key and the
 /// indexes a lookup uses, so that the time grows with the range, not with the ledger. Each `?`
 /// pair is bound `after`, then `upto`.
-static AUDIT_ENTRY_CHECKS: [(&str, Sql); 5] = [
+static AUDIT_ENTRY_CHECKS: [(&str, Sql); 6] = [
+    (
+        "every entry is a leg of the payment, refund, transfer, deposit or withdrawal its posting names: its accounts, \
+         amount and direction",
+        Sql::pair(
+            unaccounted_entries!("e.entry_id > $1 AND e.entry_id <= $2 AND"),
+            unaccounted_entries!("e.entry_id > ? AND e.entry_id <= ? AND"),
+        ),
+    ),
     (
         "every entry continues its account: the balance and version of the entry before, plus its amount and one",
         Sql::pair(entry_continuity!("$1", "$2", "$3", "$4"), entry_continuity!("?", "?", "?", "?")),

@@ -611,6 +611,92 @@ pub async fn audit_reports_a_balance_that_disagrees_with_its_entries(app: &TestA
     assert!(details.contains(&("USD", "sum 1")), "the balances no longer sum to zero: {violations:#?}");
 }
 
+/// Rows edited by hand the way the audit once could not see: a posting whose accounts are not
+/// its payment's or transfer's, a refunded order set back to PAID, an old entry's balance or
+/// version rewritten, and a consistent posting forged between two new accounts. Each is named
+/// by its check, by the full audit and (what lies in its range) by the audit from a checkpoint.
+pub async fn the_audit_finds_legs_that_are_not_their_rows_statuses_that_misstate_refunds_and_rewritten_history(
+    app: &TestApp,
+) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.open("carol", "USD").await;
+    let checkpoint = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
+    app.refund("m1", "pay-1", "refund-1", "30.00").await.unwrap();
+    let transfer = with_key(transfer_request("alice", "carol", "5.00"), "transfer-1");
+    app.accounts.clone().transfer(transfer).await.unwrap();
+    let newest = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new());
+    assert_eq!(app.ledger.audit_entries(checkpoint, newest).await.unwrap(), Vec::new());
+    let first: i64 = sqlx::query_scalar("SELECT MIN(entry_id) FROM journal_entries WHERE account_id = 'alice'")
+        .fetch_one(&app.raw)
+        .await
+        .unwrap();
+
+    let legs = "is a leg of the payment, refund, transfer, deposit or withdrawal";
+    let forged = [
+        "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) VALUES \
+         ('mallory', 'USD', 'CUSTOMER', 700, 1, 0, 0), ('mallory-source', 'USD', 'EXTERNAL', -700, 1, 0, 0)",
+        "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, reference, \
+         posting_id, counterparty_account_id, created_at) VALUES \
+         ('mallory-source', 'USD', -700, -700, 1, 'PAY', 'forged', 'forged-1', 'mallory', 0), \
+         ('mallory', 'USD', 700, 700, 1, 'PAY', 'forged', 'forged-1', 'mallory-source', 0)",
+    ];
+    let unforged = [
+        "DELETE FROM journal_entries WHERE posting_id = 'forged-1'",
+        "DELETE FROM accounts WHERE account_id IN ('mallory', 'mallory-source')",
+    ];
+    let first_entry = |change: &str| change.replace("{first}", &first.to_string());
+    let breaks: [(Vec<String>, Vec<String>, &str, bool); 6] = [
+        (
+            vec!["UPDATE payment_flow SET payer_account_id = 'carol' WHERE out_trade_no = 'pay-1'".into()],
+            vec!["UPDATE payment_flow SET payer_account_id = 'alice' WHERE out_trade_no = 'pay-1'".into()],
+            legs,
+            true,
+        ),
+        (
+            vec!["UPDATE transfers SET to_account_id = 'shop' WHERE to_account_id = 'carol'".into()],
+            vec!["UPDATE transfers SET to_account_id = 'carol' WHERE to_account_id = 'shop'".into()],
+            legs,
+            true,
+        ),
+        (
+            vec!["UPDATE orders SET status = 'PAID' WHERE order_no = 'order-1'".into()],
+            vec!["UPDATE orders SET status = 'REFUNDED' WHERE order_no = 'order-1'".into()],
+            "status says how much of it was refunded",
+            false,
+        ),
+        (
+            vec![first_entry("UPDATE journal_entries SET balance_after = balance_after + 1 WHERE entry_id = {first}")],
+            vec![first_entry("UPDATE journal_entries SET balance_after = balance_after - 1 WHERE entry_id = {first}")],
+            "every entry continues its account",
+            false,
+        ),
+        (
+            vec![first_entry("UPDATE journal_entries SET version_after = version_after + 1 WHERE entry_id = {first}")],
+            vec![first_entry("UPDATE journal_entries SET version_after = version_after - 1 WHERE entry_id = {first}")],
+            "every entry continues its account",
+            false,
+        ),
+        (forged.map(str::to_owned).to_vec(), unforged.map(str::to_owned).to_vec(), legs, true),
+    ];
+    for (edits, mends, check, in_range) in breaks {
+        for edit in &edits {
+            sqlx::query(edit).execute(&app.raw).await.unwrap();
+        }
+        let full = app.ledger.audit().await.unwrap();
+        let ranged = app.ledger.audit_entries(checkpoint, i64::MAX).await.unwrap();
+        for mend in &mends {
+            sqlx::query(mend).execute(&app.raw).await.unwrap();
+        }
+        assert!(full.iter().any(|violation| violation.check.contains(check)), "{edits:?}: {full:#?}");
+        if in_range {
+            assert!(ranged.iter().any(|violation| violation.check.contains(check)), "{edits:?}: {ranged:#?}");
+        }
+    }
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new(), "every edit mended");
+}
+
 pub async fn an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_since(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "30.00").await;
     let checkpoint = app.ledger.settled_entry(i64::MAX).await.unwrap();

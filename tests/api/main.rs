@@ -103,6 +103,7 @@ backend_suite!(
     a_pay_whose_client_gave_up_is_all_or_nothing_and_a_retry_is_exact,
     health_is_serving_and_reflection_lists_both_services,
     audit_reports_a_balance_that_disagrees_with_its_entries,
+    the_audit_finds_legs_that_are_not_their_rows_statuses_that_misstate_refunds_and_rewritten_history,
     an_audit_from_a_checkpoint_finds_what_breaks_the_entries_written_since,
     fifty_concurrent_transfers_with_one_idempotency_key_move_money_once,
     an_idempotency_key_reused_for_another_request_is_already_exists,
