@@ -5,6 +5,8 @@
 #   database      pgbench -M prepared -b tpcb-like (scale 32), the curve's reference;
 #   as-sent       a Pay's statements as payledger sends them (bench/floor/as-sent.sql);
 #   minimal       the fewest statements a Pay's rows need, in a transaction (minimal.sql);
+#   two-round-trips  a read without locks, then the as-sent write as one statement that commits
+#                 itself (two-round-trips.sql): what an optimistic write path could cost;
 #   one-statement every row of a Pay in one statement, one round trip (one-statement.sql);
 #   pay           payledger's `pay` scenario through a release server (gRPC, 1 call = 1 Pay).
 # The floor scripts run through pgbench on the server's own database (their own orders and
@@ -31,10 +33,14 @@ need pgbench postgresql-contrib
 CSV="$OUT/floor-postgres.csv"
 echo "concurrency,series,per_second,latency_ms" > "$CSV"
 
+# pgbench vacuums its own tables before a tpcb-like run, as bench/curve.sh lets it (with
+# autovacuum off, its 32 branch rows would otherwise carry every earlier run's dead versions);
+# the floor scripts run with -n on payledger's tables, which no one vacuums, as in production
+# between autovacuum's visits.
 pgbench_run() { # series, clients, pgbench arguments...
   local series=$1 clients=$2 out tps latency
   shift 2
-  out=$(pgbench -h "$PG_HOST" -U postgres -n -M prepared -c "$clients" -j "$(( clients < 2 ? 1 : 2 ))" \
+  out=$(pgbench -h "$PG_HOST" -U postgres -M prepared -c "$clients" -j "$(( clients < 2 ? 1 : 2 ))" \
     -T "$SECONDS_RUN" "$@" 2>&1) || { echo "$out" >&2; return 1; }
   tps=$(echo "$out" | awk '/^tps = / {print $3; exit}')
   latency=$(echo "$out" | awk '/^latency average = / {print $4; exit}')
@@ -51,13 +57,13 @@ COUNT=5000 bench warm-up pay 32
 psql -h "$PG_HOST" -U postgres -d payledger_floor -q -v n="$ORDERS" -f bench/floor/seed.sql
 analyze_pg payledger_floor
 
-# The server's sessions plan each statement once and keep it (src/store/dialect.rs).
-export PGOPTIONS="-c plan_cache_mode=force_generic_plan"
 for clients in $CONCURRENCIES; do
   echo "== $clients clients"
   pgbench_run database "$clients" -b tpcb-like pgbench_reference
-  for script in as-sent minimal one-statement; do
-    pgbench_run "$script" "$clients" -f "bench/floor/$script.sql" payledger_floor
+  for script in as-sent minimal two-round-trips one-statement; do
+    # With the server's session setting: each statement planned once and kept (src/store/dialect.rs).
+    PGOPTIONS="-c plan_cache_mode=force_generic_plan" \
+      pgbench_run "$script" "$clients" -n -f "bench/floor/$script.sql" payledger_floor
   done
   COUNT=$(( 5000 * SECONDS_RUN )) bench "pay-$clients" pay "$clients" --duration-seconds "$SECONDS_RUN"
   echo "$clients,pay,$(rate "pay-$clients"),$(python3 -c "import json; print(json.load(open('$RESULTS/pay-$clients.json'))['latency_us']['mean'] / 1000)")" >> "$CSV"
