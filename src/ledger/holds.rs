@@ -223,7 +223,6 @@ async fn release_expired(
     Ok(Some(released))
 }
 
-/// The hold of (merchant_id, out_auth_no) and its order as they stand (for a replay).
 /// The answer an Authorize gave, from its hold and order as they stand: the hold ACTIVE as
 /// placed and its order AUTHORIZED for the hold's amount, both at the hold's `created_at`, with
 /// what only later steps change (a capture, a release, the order's payment, refunds or close)
@@ -248,6 +247,7 @@ fn authorized_receipt(hold: HoldRow, order: OrderRow) -> HoldReceipt {
     HoldReceipt { hold, order }
 }
 
+/// The hold of (merchant_id, out_auth_no) and its order as they stand.
 async fn hold_and_order(
     queries: &mut Queries<'_>,
     merchant_id: &str,
