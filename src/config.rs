@@ -147,9 +147,10 @@ pub struct AuditSettings {
     /// accepts connections and never answers (1-3600).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub connect_timeout_seconds: u64,
-    /// Seconds the whole audit may take; past it the audit fails with what it was doing.
-    /// A full audit of 10 million orders took 23 minutes on MariaDB here (BENCHMARKS.md); the
-    /// default leaves room for ten times that (1-604800).
+    /// Seconds the whole audit may take; past it the audit fails and concludes nothing (a
+    /// database that goes silent mid-audit ends here). A full audit of a ledger of 10 million
+    /// orders took 23 minutes on MariaDB here (BENCHMARKS.md); the default leaves room for ten
+    /// times that (1-604800).
     #[arg(long, default_value_t = 14_400, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub timeout_seconds: u64,
 }
