@@ -257,8 +257,22 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
     // Taken before the checks run: a full audit covers at least every entry up to it.
     let checkpoint = ledger.settled_entry(i64::try_from(settled_before)?).await?;
     let newest = ledger.settled_entry(i64::MAX).await?;
+    // Each check as it finishes, on stderr (a full audit of a large ledger runs for minutes;
+    // stdout keeps the violations and the verdict).
+    let mut started = std::time::Instant::now();
+    let mut report = |step: payledger::store::AuditProgress| {
+        eprintln!(
+            "audit: check {} of {} done in {:.1} s, {} violation(s): {}",
+            step.done,
+            step.of,
+            started.elapsed().as_secs_f64(),
+            step.violations,
+            step.check
+        );
+        started = std::time::Instant::now();
+    };
     let (violations, covered, next) = match settings.from_entry {
-        None => (ledger.audit().await?, "the ledger is".to_owned(), checkpoint),
+        None => (ledger.audit_reporting(&mut report).await?, "the ledger is".to_owned(), checkpoint),
         // A checkpoint is an id an earlier audit printed, never past the journal's end: a
         // mistyped one would otherwise check nothing, night after night.
         Some(after) if after > newest => {
@@ -270,7 +284,7 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
         // Nothing settled since: the range is empty, and the balances of each currency are
         // still checked.
         Some(after) if after >= checkpoint => (
-            ledger.audit_entries(after, after).await?,
+            ledger.audit_entries_reporting(after, after, &mut report).await?,
             format!(
                 "no settled journal entry after {after} ({} newer, audited once 5 minutes old); the currency sums are",
                 newest - after
@@ -278,7 +292,7 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
             after,
         ),
         Some(after) => (
-            ledger.audit_entries(after, checkpoint).await?,
+            ledger.audit_entries_reporting(after, checkpoint, &mut report).await?,
             format!("journal entries {} to {checkpoint} are", after + 1),
             checkpoint,
         ),

@@ -21,6 +21,12 @@ async fn an_audit_from_a_checkpoint_refuses_one_past_the_journal_and_still_sums_
     let quiet = audit(&url, "0");
     let stdout = String::from_utf8_lossy(&quiet.stdout);
     assert!(quiet.status.success(), "{stdout}");
+    // Each check is reported on stderr as it finishes, the last one numbered as the total.
+    let stderr = String::from_utf8_lossy(&quiet.stderr);
+    let steps: Vec<&str> = stderr.lines().filter(|line| line.starts_with("audit: check ")).collect();
+    assert!(steps.len() > 1 && steps[0].starts_with("audit: check 1 of "), "{stderr}");
+    let total = steps.len().to_string();
+    assert!(steps.last().unwrap().starts_with(&format!("audit: check {total} of {total} done in ")), "{stderr}");
     assert!(stdout.contains("no settled journal entry after 0") && stdout.contains("checkpoint: entry 0"), "{stdout}");
 
     let mistyped = audit(&url, "1");

@@ -63,7 +63,7 @@ pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
 use crate::metrics::{LedgerMetrics, Mechanism};
-use crate::store::{AuditViolation, Snapshot, Store};
+use crate::store::{AuditProgress, AuditViolation, Snapshot, Store};
 
 /// Stored records, as the use cases return them.
 pub mod records {
@@ -223,15 +223,26 @@ impl Ledger {
         &self.store
     }
 
-    /// Checks every ledger invariant (see `payledger audit`): for every account, balance =
-    /// sum of its entries and version = their count; the balances of each currency sum to
-    /// zero; every posting has two legs summing to zero; refunds never exceed payments.
+    /// Checks every ledger invariant (see `payledger audit` and README, "The audit"): for
+    /// every account, balance = sum of its entries and version = their count; the balances of
+    /// each currency sum to zero; every entry is a leg of its business row; and the rest.
     ///
     /// # Errors
     /// [`Error::Database`] when the checks cannot run.
     pub async fn audit(&self) -> Result<Vec<AuditViolation>, Error> {
+        self.audit_reporting(&mut |_| {}).await
+    }
+
+    /// [`Ledger::audit`], telling `progress` of each check as it finishes.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the checks cannot run.
+    pub async fn audit_reporting(
+        &self,
+        progress: &mut (dyn FnMut(AuditProgress) + Send),
+    ) -> Result<Vec<AuditViolation>, Error> {
         let mut reader = self.store.reader().await?;
-        Ok(reader.queries().audit().await?)
+        Ok(reader.queries().audit(progress).await?)
     }
 
     /// Checks what the journal entries with ids in `(after, upto]` wrote, in time that grows
@@ -241,8 +252,21 @@ impl Ledger {
     /// # Errors
     /// [`Error::Database`] when the checks cannot run.
     pub async fn audit_entries(&self, after: i64, upto: i64) -> Result<Vec<AuditViolation>, Error> {
+        self.audit_entries_reporting(after, upto, &mut |_| {}).await
+    }
+
+    /// [`Ledger::audit_entries`], telling `progress` of each check as it finishes.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the checks cannot run.
+    pub async fn audit_entries_reporting(
+        &self,
+        after: i64,
+        upto: i64,
+        progress: &mut (dyn FnMut(AuditProgress) + Send),
+    ) -> Result<Vec<AuditViolation>, Error> {
         let mut reader = self.store.reader().await?;
-        Ok(reader.queries().audit_entries(after, upto).await?)
+        Ok(reader.queries().audit_entries(after, upto, progress).await?)
     }
 
     /// The id of the newest journal entry written at or before `time` (microseconds since the

@@ -30,8 +30,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
 pub use queries::{BatchWrite, FundingTable, OrderRefund, Queries, RecordCompletion, Savepoint};
 pub use rows::{
-    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
-    PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AuditProgress, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow,
+    NewEntry, OrderRow, PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 // A migration applied by a newer release is ignored, not refused: during a rolling deploy an

@@ -9,8 +9,8 @@ use sqlx::{Any, FromRow, Row};
 use super::batch::{self, Value};
 use super::dialect::{Dialect, Sql};
 use super::rows::{
-    AccountRow, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRow,
-    PaymentRow, RefundRow, TokenRow, TransferRow,
+    AccountRow, AuditProgress, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow,
+    NewEntry, OrderRow, PaymentRow, RefundRow, TokenRow, TransferRow,
 };
 
 /// The column lists of the rows in `rows.rs`, written once for every SELECT of that row.
@@ -1776,12 +1776,17 @@ impl<'c> Queries<'c> {
         sqlx::query("SELECT COUNT(*) FROM accounts").fetch_one(&mut *self.connection).await?.try_get(0)
     }
 
-    /// Runs every ledger invariant check and returns what breaks them (empty when sound).
-    pub async fn audit(&mut self) -> Result<Vec<AuditViolation>, sqlx::Error> {
+    /// Runs every ledger invariant check and returns what breaks them (empty when sound);
+    /// `progress` hears of each check as it finishes.
+    pub async fn audit(
+        &mut self,
+        progress: &mut (dyn FnMut(AuditProgress) + Send),
+    ) -> Result<Vec<AuditViolation>, sqlx::Error> {
         let mut violations = Vec::new();
-        for (check, sql) in &AUDIT_CHECKS {
+        for (index, (check, sql)) in AUDIT_CHECKS.iter().enumerate() {
             let rows: Vec<AnyRow> = self.query(sql).fetch_all(&mut *self.connection).await?;
             violations.extend(audit_violations(check, &rows)?);
+            progress(AuditProgress { check, done: index + 1, of: AUDIT_CHECKS.len(), violations: rows.len() });
         }
         Ok(violations)
     }
@@ -1793,19 +1798,27 @@ impl<'c> Queries<'c> {
     /// refunds agree with them; then that the balances of each currency sum to zero (a read of
     /// `accounts`). Together with a full [`Queries::audit`] that passed up to `after`, this
     /// proves every balance still equals the sum of its entries.
-    pub async fn audit_entries(&mut self, after: i64, upto: i64) -> Result<Vec<AuditViolation>, sqlx::Error> {
+    pub async fn audit_entries(
+        &mut self,
+        after: i64,
+        upto: i64,
+        progress: &mut (dyn FnMut(AuditProgress) + Send),
+    ) -> Result<Vec<AuditViolation>, sqlx::Error> {
         let mut violations = Vec::new();
-        for (check, sql) in &AUDIT_ENTRY_CHECKS {
+        let of = AUDIT_ENTRY_CHECKS.len() + 1;
+        for (index, (check, sql)) in AUDIT_ENTRY_CHECKS.iter().enumerate() {
             let mut query = sqlx::query(sql.text(self.dialect));
             for _ in 0..sql.placeholders() / 2 {
                 query = query.bind(after).bind(upto);
             }
             let rows: Vec<AnyRow> = query.fetch_all(&mut *self.connection).await?;
             violations.extend(audit_violations(check, &rows)?);
+            progress(AuditProgress { check, done: index + 1, of, violations: rows.len() });
         }
         let (check, currencies) = &AUDIT_CHECKS[CURRENCY_SUMS];
         let rows: Vec<AnyRow> = self.query(currencies).fetch_all(&mut *self.connection).await?;
         violations.extend(audit_violations(check, &rows)?);
+        progress(AuditProgress { check, done: of, of, violations: rows.len() });
         Ok(violations)
     }
 

@@ -173,6 +173,16 @@ pub struct BalanceUpdate<'a> {
     pub version: i64,
 }
 
+/// One audit check finished: which, its place among the checks the audit runs (1-based, of
+/// `of`) and how many violations it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditProgress {
+    pub check: &'static str,
+    pub done: usize,
+    pub of: usize,
+    pub violations: usize,
+}
+
 /// One broken ledger invariant found by the audit: which check, and the offending key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditViolation {
