@@ -153,6 +153,9 @@ pub struct AuditSettings {
     /// times that (1-604800).
     #[arg(long, default_value_t = 14_400, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub timeout_seconds: u64,
+    /// Each check reported on stderr as it finishes: `auto` when stderr is a terminal.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
 }
 
 impl std::fmt::Debug for AuditSettings {
@@ -162,6 +165,7 @@ impl std::fmt::Debug for AuditSettings {
             .field("from_entry", &self.from_entry)
             .field("connect_timeout_seconds", &self.connect_timeout_seconds)
             .field("timeout_seconds", &self.timeout_seconds)
+            .field("progress", &self.progress)
             .finish()
     }
 }
@@ -415,6 +419,29 @@ impl HealthSettings {
             .map_or(50051, |listen| listen.port());
         let tls = std::env::var("PAYLEDGER_TLS_CERT").is_ok_and(|cert| !cert.is_empty());
         format!("{}://127.0.0.1:{port}", if tls { "https" } else { "http" })
+    }
+}
+
+/// Whether a long command reports its progress (on stderr, never in its results on stdout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Progress {
+    /// When stderr is a terminal.
+    Auto,
+    /// Always (say, into a log file).
+    Always,
+    /// Never.
+    Never,
+}
+
+impl Progress {
+    /// Whether to report, given where stderr goes.
+    pub fn shown(self) -> bool {
+        use std::io::IsTerminal as _;
+        match self {
+            Progress::Auto => std::io::stderr().is_terminal(),
+            Progress::Always => true,
+            Progress::Never => false,
+        }
     }
 }
 

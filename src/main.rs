@@ -259,8 +259,12 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
     let newest = ledger.settled_entry(i64::MAX).await?;
     // Each check as it finishes, on stderr (a full audit of a large ledger runs for minutes;
     // stdout keeps the violations and the verdict).
+    let shown = settings.progress.shown();
     let mut started = std::time::Instant::now();
     let mut report = |step: payledger::store::AuditProgress| {
+        if !shown {
+            return;
+        }
         eprintln!(
             "audit: check {} of {} done in {:.1} s, {} violation(s): {}",
             step.done,

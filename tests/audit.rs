@@ -5,10 +5,21 @@
 mod common;
 
 fn audit(url: &str, from_entry: &str) -> std::process::Output {
+    audit_with(url, from_entry, &[])
+}
+
+fn audit_with(url: &str, from_entry: &str, extra: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
         .args(["audit", "--database-url", url, "--from-entry", from_entry])
+        .args(extra)
         .output()
         .unwrap()
+}
+
+/// The lines of an audit's progress on its stderr.
+fn progress_lines(output: &std::process::Output) -> Vec<String> {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    stderr.lines().filter(|line| line.starts_with("audit: check ")).map(str::to_owned).collect()
 }
 
 #[tokio::test]
@@ -21,12 +32,17 @@ async fn an_audit_from_a_checkpoint_refuses_one_past_the_journal_and_still_sums_
     let quiet = audit(&url, "0");
     let stdout = String::from_utf8_lossy(&quiet.stdout);
     assert!(quiet.status.success(), "{stdout}");
-    // Each check is reported on stderr as it finishes, the last one numbered as the total.
-    let stderr = String::from_utf8_lossy(&quiet.stderr);
-    let steps: Vec<&str> = stderr.lines().filter(|line| line.starts_with("audit: check ")).collect();
-    assert!(steps.len() > 1 && steps[0].starts_with("audit: check 1 of "), "{stderr}");
+    // Progress: none where stderr is not a terminal (here) or when asked for none; with
+    // `--progress always`, each check as it finishes, the last numbered as the total; stdout
+    // the same either way.
+    assert_eq!(progress_lines(&quiet), Vec::<String>::new());
+    assert_eq!(progress_lines(&audit_with(&url, "0", &["--progress", "never"])), Vec::<String>::new());
+    let shown = audit_with(&url, "0", &["--progress", "always"]);
+    let steps = progress_lines(&shown);
+    assert!(steps.len() > 1 && steps[0].starts_with("audit: check 1 of "), "{steps:?}");
     let total = steps.len().to_string();
-    assert!(steps.last().unwrap().starts_with(&format!("audit: check {total} of {total} done in ")), "{stderr}");
+    assert!(steps.last().unwrap().starts_with(&format!("audit: check {total} of {total} done in ")), "{steps:?}");
+    assert_eq!(String::from_utf8_lossy(&shown.stdout), stdout, "progress never reaches stdout");
     assert!(stdout.contains("no settled journal entry after 0") && stdout.contains("checkpoint: entry 0"), "{stdout}");
 
     let mistyped = audit(&url, "1");
