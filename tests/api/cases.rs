@@ -1116,6 +1116,7 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
 // ---- Benchmark smoke: every scenario runs clean (correctness only, never a timing) ----------
 
 pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &TestApp) {
+    use payledger::config::Progress;
     use payledger_tools::bench::{bench, BenchSettings, Scenario};
 
     for (scenario, zipf, rate) in [
@@ -1143,6 +1144,7 @@ pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &Te
             rate,
             connections: 2,
             json: false,
+            progress: Progress::Never,
             access: payledger_tools::TargetAccess { token: app.admin_token.clone(), ..Default::default() },
         };
         let report = bench(&settings).await.unwrap();

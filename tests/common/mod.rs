@@ -148,6 +148,7 @@ pub async fn run_every_scenario(served: &Served) {
 /// callers a group commit holds a few dozen calls, and its statements a few dozen rows each.
 pub async fn run_every_scenario_at(served: &Served, concurrency: usize, total: u64) {
     use clap::ValueEnum as _;
+    use payledger::config::Progress;
     use payledger_tools::bench::{BenchSettings, Scenario};
     for &scenario in Scenario::value_variants() {
         let settings = BenchSettings {
@@ -164,6 +165,7 @@ pub async fn run_every_scenario_at(served: &Served, concurrency: usize, total: u
             rate: None,
             connections: 1,
             json: false,
+            progress: Progress::Never,
             access: payledger_tools::TargetAccess::default(),
         };
         let report = payledger_tools::bench::bench(&settings).await.unwrap();

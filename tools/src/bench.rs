@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use crate::Stub;
 use futures::stream::{self, StreamExt};
 use hdrhistogram::Histogram;
+use payledger::config::Progress;
 use rand::Rng;
 use rand_distr::{Distribution, Zipf};
 use tower::Layer;
@@ -112,6 +113,10 @@ pub struct BenchSettings {
     /// Also print the report as one JSON line (prefixed `bench-report: `).
     #[arg(long)]
     pub json: bool,
+    /// A progress line on stderr every 2 s while the calls run (calls done of the total,
+    /// calls/s, time left): `auto` when stderr is a terminal. Never on stdout.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
     #[command(flatten)]
     pub access: crate::TargetAccess,
 }
@@ -502,11 +507,16 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
     }
 
     let next = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let deadline = settings.duration_seconds.map(|seconds| started + Duration::from_secs(seconds));
+    let ticker = settings
+        .progress
+        .shown()
+        .then(|| tokio::spawn(report_progress(done.clone(), settings.total, started, deadline)));
     let workers: Vec<_> = (0..settings.concurrency.max(1))
         .map(|_| {
-            let (next, prepared, clients) = (next.clone(), prepared.clone(), clients.clone());
+            let (next, done, prepared, clients) = (next.clone(), done.clone(), prepared.clone(), clients.clone());
             let (scenario, total, duplicate_ratio) = (settings.scenario, settings.total, settings.duplicate_ratio);
             let interval = settings.rate.filter(|rate| *rate > 0.0).map(|rate| Duration::from_secs_f64(1.0 / rate));
             tokio::spawn(async move {
@@ -537,6 +547,7 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
                         Err(code) => code,
                     };
                     *codes.entry(format!("{code:?}")).or_default() += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
                 }
                 (histogram, codes, replays)
             })
@@ -552,6 +563,9 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
             *status_codes.entry(code).or_default() += count;
         }
         replays += worker_replays;
+    }
+    if let Some(ticker) = ticker {
+        ticker.abort();
     }
     let elapsed = started.elapsed().as_secs_f64();
     let count = histogram.len();
@@ -622,6 +636,26 @@ fn print_report(report: &BenchReport) {
 
 /// Runs `payledger bench`: exit status 1 when a call failed other than as the scenario expects.
 ///
+/// Every 2 s until aborted, on stderr: calls done of `total`, the rate so far, and the time
+/// left at that rate (or to `deadline`, when that comes first).
+async fn report_progress(done: Arc<AtomicU64>, total: u64, started: Instant, deadline: Option<Instant>) {
+    let mut ticks = tokio::time::interval_at((started + PROGRESS_EVERY).into(), PROGRESS_EVERY);
+    loop {
+        ticks.tick().await;
+        let calls = done.load(Ordering::Relaxed);
+        let rate = calls as f64 / started.elapsed().as_secs_f64();
+        let mut left = if rate > 0.0 { total.saturating_sub(calls) as f64 / rate } else { f64::INFINITY };
+        if let Some(deadline) = deadline {
+            left = left.min(deadline.saturating_duration_since(Instant::now()).as_secs_f64());
+        }
+        let percent = calls as f64 * 100.0 / total.max(1) as f64;
+        eprintln!("bench: {calls} of {total} calls ({percent:.0}%), {rate:.0} calls/s, about {left:.0} s left");
+    }
+}
+
+/// How often `bench` reports its progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
 /// # Errors
 /// When the target cannot be reached or the preparation fails.
 pub async fn run(settings: BenchSettings) -> Result<ExitCode, AnyError> {
