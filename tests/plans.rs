@@ -263,6 +263,7 @@ async fn seed_ledger(url: &str, orders: u64) {
         refunded_percent: 10,
         idempotency_records: None,
         batch_rows: 10_000,
+        progress: payledger::config::Progress::Never,
     };
     seed(&settings).await.unwrap();
 }
@@ -279,6 +280,7 @@ async fn grow_every_hot_table(url: &str) {
         refunded_percent: 100,
         idempotency_records: Some(30_000),
         batch_rows: 10_000,
+        progress: payledger::config::Progress::Never,
     };
     seed(&settings).await.unwrap();
 }

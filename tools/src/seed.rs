@@ -20,6 +20,7 @@
 
 use std::time::Instant;
 
+use payledger::config::Progress;
 use payledger::store::{Dialect, PoolSettings, Store};
 use std::str::FromStr;
 
@@ -68,6 +69,10 @@ pub struct SeedSettings {
     /// Orders per INSERT statement; each statement commits on its own (at most 1,000,000).
     #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..=BATCH_ROWS_MAX))]
     pub batch_rows: u64,
+    /// A progress line on stderr at most every 2 s (statements done of the total, time left at
+    /// the pace so far): `auto` when stderr is a terminal. Never on stdout.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
 }
 
 /// What a run wrote.
@@ -140,8 +145,18 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
             connection.execute(format!("SET SESSION cte_max_recursion_depth = {rows}").as_str()).await?;
         }
     }
-    for statement in plan.statements() {
+    let statements = plan.statements();
+    let shown = settings.progress.shown();
+    let mut reported = Instant::now();
+    for (index, statement) in statements.iter().enumerate() {
         connection.execute(statement.as_str()).await?;
+        let done = index + 1;
+        if shown && (reported.elapsed() >= PROGRESS_EVERY || done == statements.len()) {
+            let elapsed = started.elapsed().as_secs_f64();
+            let left = elapsed / done as f64 * (statements.len() - done) as f64;
+            eprintln!("seed: {done} of {} statements, {elapsed:.0} s, about {left:.0} s left", statements.len());
+            reported = Instant::now();
+        }
     }
     connection.close().await?;
     Ok(SeedReport {
@@ -161,6 +176,9 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
         seconds: started.elapsed().as_secs_f64(),
     })
 }
+
+/// How often `seed` reports its progress, at most.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Orders on accounts of their own: `orders` spread over `payers` (order `l` is paid by
 /// payer `l % payers`) and `merchants` (order `l` is for merchant `l % merchants`).
