@@ -1,7 +1,5 @@
 //! The behavioural suite, written once and run against every backend (see `main.rs`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use payledger::proto::{self, query_request::Key, EntryKind, OrderStatus};
@@ -446,41 +444,14 @@ pub async fn concurrent_partial_refunds_never_exceed_the_paid_amount(app: &TestA
 pub async fn a_query_racing_refunds_answers_one_moment(app: &TestApp) {
     app.order_ready_to_pay("order-1", "100.00", "60.00").await;
     app.pay("m1", "pay-1", "order-1", "alice", "60.00").await.unwrap();
-    let refunding = Arc::new(AtomicBool::new(true));
-    let refunds = (0..3).map(|caller| {
-        let mut payments = app.payments.clone();
-        let requests: Vec<_> =
-            (0..20).map(|n| app.refund_request("m1", "pay-1", &format!("refund-{caller}-{n}"), "1.00")).collect();
-        tokio::spawn(async move {
-            for request in requests {
-                payments.refund(request).await.expect("a refund within the paid amount");
-            }
-        })
-    });
-    let readers = (0..2).map(|_| {
-        let mut payments = app.payments.clone();
-        let refunding = refunding.clone();
-        tokio::spawn(async move {
-            let mut answers = 0;
-            while refunding.load(Ordering::Relaxed) {
-                let request =
-                    proto::QueryRequest { merchant_id: "m1".into(), key: Some(Key::OrderNo("order-1".into())) };
-                let details = payments.query(request).await.expect("Query").into_inner();
-                let order = details.order.unwrap();
-                let listed: i64 = details.refunds.iter().map(|refund| cents(&refund.amount)).sum();
-                assert_eq!(listed, cents(&order.refunded_amount), "refunds listed against the order's refunded amount");
-                answers += 1;
-            }
-            answers
-        })
-    });
-    let readers: Vec<_> = readers.collect();
-    for refund in futures::future::join_all(refunds).await {
-        refund.unwrap();
-    }
-    refunding.store(false, Ordering::Relaxed);
-    let answers: usize = futures::future::join_all(readers).await.into_iter().map(Result::unwrap).sum();
-    assert!(answers > 0);
+    app.read_while_refunds_land("pay-1", 20, |mut payments| async move {
+        let request = proto::QueryRequest { merchant_id: "m1".into(), key: Some(Key::OrderNo("order-1".into())) };
+        let details = payments.query(request).await.expect("Query").into_inner();
+        let order = details.order.unwrap();
+        let listed: i64 = details.refunds.iter().map(|refund| cents(&refund.amount)).sum();
+        assert_eq!(listed, cents(&order.refunded_amount), "refunds listed against the order's refunded amount");
+    })
+    .await;
     let order = app.query("m1", Key::OrderNo("order-1".into())).await.unwrap().order.unwrap();
     assert_eq!((order.status(), order.refunded_amount.as_str()), (OrderStatus::Refunded, "60.00"));
 }

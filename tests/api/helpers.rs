@@ -12,6 +12,9 @@ use tonic::service::interceptor::InterceptedService;
 use payledger::ledger::{GroupCommitSettings, Ledger, LedgerSettings, TokenStore};
 use payledger::proto::account_service_client::AccountServiceClient;
 use payledger::proto::payment_service_client::PaymentServiceClient;
+
+/// A PaymentService client of a test's server.
+pub type Payments = PaymentServiceClient<InterceptedService<Channel, DefaultCredential>>;
 use payledger::proto::{self, query_request::Key};
 use payledger::startup::Application;
 use payledger::store::{PoolSettings, Store};
@@ -613,6 +616,52 @@ impl TestApp {
     pub async fn query(&self, merchant_id: &str, key: Key) -> Result<proto::QueryResponse, Status> {
         let request = proto::QueryRequest { merchant_id: merchant_id.into(), key: Some(key) };
         self.payments.clone().query(request).await.map(Response::into_inner)
+    }
+
+    /// Three callers each refund 1.00 of m1's payment `out_trade_no` `per_caller` times while
+    /// two readers run `read` (on a client of their own) over and over until the refunds have
+    /// landed; returns how many reads ran, at least one.
+    pub async fn read_while_refunds_land<F, Fut>(&self, out_trade_no: &str, per_caller: usize, read: F) -> usize
+    where
+        F: Fn(Payments) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let refunding = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let refunds: Vec<_> = (0..3)
+            .map(|caller| {
+                let mut payments = self.payments.clone();
+                let requests: Vec<_> = (0..per_caller)
+                    .map(|n| {
+                        self.refund_request("m1", out_trade_no, &format!("{out_trade_no}-refund-{caller}-{n}"), "1.00")
+                    })
+                    .collect();
+                tokio::spawn(async move {
+                    for request in requests {
+                        payments.refund(request).await.expect("a refund within the paid amount");
+                    }
+                })
+            })
+            .collect();
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (payments, refunding, read) = (self.payments.clone(), refunding.clone(), read.clone());
+                tokio::spawn(async move {
+                    let mut reads = 0;
+                    while refunding.load(std::sync::atomic::Ordering::Relaxed) {
+                        read(payments.clone()).await;
+                        reads += 1;
+                    }
+                    reads
+                })
+            })
+            .collect();
+        for refund in futures::future::join_all(refunds).await {
+            refund.unwrap();
+        }
+        refunding.store(false, std::sync::atomic::Ordering::Relaxed);
+        let reads: usize = futures::future::join_all(readers).await.into_iter().map(Result::unwrap).sum();
+        assert!(reads > 0, "the readers ran while the refunds landed");
+        reads
     }
 
     /// A payer with `funds`, a merchant account, and a PENDING order of `amount`.

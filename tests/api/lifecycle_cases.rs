@@ -1,8 +1,6 @@
 //! The rest of the money's life: orders that expire (refused by the clock, closed by the
 //! sweeper) and payouts (Withdraw). Written once, run on every backend (see `main.rs`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use payledger::ledger::ReaperSettings;
@@ -539,45 +537,20 @@ pub async fn replays_racing_refunds_of_their_order_each_answer_their_original(ap
     app.create_order("m1", "o-1", "shop", "40.00").await.unwrap();
     let paid = app.pay("m1", "t-1", "o-1", "alice", "40.00").await.unwrap().into_inner();
     let first_refund = app.refund("m1", "t-1", "r-0", "1.00").await.unwrap().into_inner();
-    let refunding = Arc::new(AtomicBool::new(true));
-    let refunds = (0..3).map(|task| {
-        let mut payments = app.payments.clone();
-        let requests: Vec<_> =
-            (0..13).map(|n| app.refund_request("m1", "t-1", &format!("r-{task}-{n}"), "1.00")).collect();
-        tokio::spawn(async move {
-            for request in requests {
-                payments.refund(request).await.expect("a refund within the paid amount");
-            }
-        })
-    });
-    let refunds: Vec<_> = refunds.collect();
-    let replays = (0..2).map(|_| {
-        let mut payments = app.payments.clone();
-        let (pay, refund) =
-            (app.pay_request("m1", "t-1", "o-1", "alice", "40.00"), app.refund_request("m1", "t-1", "r-0", "1.00"));
-        let (paid, first_refund) = (paid.clone(), first_refund.clone());
-        let refunding = refunding.clone();
-        tokio::spawn(async move {
-            let mut answers = 0;
-            while refunding.load(Ordering::Relaxed) {
-                let paid_again = payments.pay(pay.clone()).await.expect("the Pay's replay");
-                assert!(replayed(&paid_again));
-                assert_eq!(paid_again.into_inner(), paid, "a Pay's replay, while its order is refunded");
-                let refunded_again = payments.refund(refund.clone()).await.expect("the refund's replay");
-                assert!(replayed(&refunded_again));
-                assert_eq!(refunded_again.into_inner(), first_refund, "a refund's replay, while others land");
-                answers += 1;
-            }
-            answers
-        })
-    });
-    let replays: Vec<_> = replays.collect();
-    for refund in futures::future::join_all(refunds).await {
-        refund.unwrap();
-    }
-    refunding.store(false, Ordering::Relaxed);
-    let answers: usize = futures::future::join_all(replays).await.into_iter().map(Result::unwrap).sum();
-    assert!(answers > 0);
+    let (pay, refund) =
+        (app.pay_request("m1", "t-1", "o-1", "alice", "40.00"), app.refund_request("m1", "t-1", "r-0", "1.00"));
+    app.read_while_refunds_land("t-1", 13, move |mut payments| {
+        let (pay, refund, paid, first_refund) = (pay.clone(), refund.clone(), paid.clone(), first_refund.clone());
+        async move {
+            let paid_again = payments.pay(pay).await.expect("the Pay's replay");
+            assert!(replayed(&paid_again));
+            assert_eq!(paid_again.into_inner(), paid, "a Pay's replay, while its order is refunded");
+            let refunded_again = payments.refund(refund).await.expect("the refund's replay");
+            assert!(replayed(&refunded_again));
+            assert_eq!(refunded_again.into_inner(), first_refund, "a refund's replay, while others land");
+        }
+    })
+    .await;
     let order = app.query("m1", Key::OrderNo("o-1".into())).await.unwrap().order.unwrap();
     assert_eq!((order.status(), order.refunded_amount.as_str()), (OrderStatus::Refunded, "40.00"));
 }
