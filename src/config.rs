@@ -156,6 +156,17 @@ pub struct AuditSettings {
     /// Each check reported on stderr as it finishes: `auto` when stderr is a terminal.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     pub progress: Progress,
+    /// Where to write, once the audit passes, the digest it prints and the chain hash of every
+    /// account it covers (one `account_id hash` line each): kept outside the database, it lets
+    /// `--verify-digest` name the first account whose history changed.
+    #[arg(long, value_name = "FILE")]
+    pub digest_file: Option<std::path::PathBuf>,
+    /// A digest an earlier audit printed (`payledger-digest-v1:...`), or the file its
+    /// `--digest-file` wrote: the full audit then also proves that no journal entry up to the
+    /// digest's entry changed, or names the first account whose history did (with the file).
+    /// Not with `--from-entry`.
+    #[arg(long, value_name = "DIGEST|FILE", conflicts_with = "from_entry")]
+    pub verify_digest: Option<String>,
 }
 
 impl std::fmt::Debug for AuditSettings {
@@ -166,6 +177,8 @@ impl std::fmt::Debug for AuditSettings {
             .field("connect_timeout_seconds", &self.connect_timeout_seconds)
             .field("timeout_seconds", &self.timeout_seconds)
             .field("progress", &self.progress)
+            .field("digest_file", &self.digest_file)
+            .field("verify_digest", &self.verify_digest)
             .finish()
     }
 }

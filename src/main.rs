@@ -304,11 +304,97 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
     for violation in &violations {
         println!("VIOLATION {}: {} ({})", violation.check, violation.subject, violation.detail);
     }
-    if violations.is_empty() {
-        println!("audit: {covered} consistent; checkpoint: entry {next} (next: payledger audit --from-entry {next})");
-        Ok(ExitCode::SUCCESS)
-    } else {
+    if !violations.is_empty() {
         println!("audit: {} violation(s)", violations.len());
-        Ok(ExitCode::FAILURE)
+        return Ok(ExitCode::FAILURE);
+    }
+    if let Some(given) = &settings.verify_digest {
+        if let Some(changed) = digest_changed(&ledger, given, newest).await? {
+            println!(
+                "VIOLATION the journal up to the digest's entry is as it was when the digest was taken: {changed}"
+            );
+            println!("audit: 1 violation(s)");
+            return Ok(ExitCode::FAILURE);
+        }
+        println!("audit: the digest holds: no journal entry up to its entry changed since it was taken");
+    }
+    println!("audit: {covered} consistent; checkpoint: entry {next} (next: payledger audit --from-entry {next})");
+    let (digest, heads) = ledger.journal_digest(next).await?;
+    println!("digest: {digest}");
+    if let Some(path) = &settings.digest_file {
+        let mut text = format!("{digest}\n");
+        for (account_id, head) in &heads {
+            text.push_str(&format!("{account_id} {}\n", payledger::store::chain::to_hex(head)));
+        }
+        std::fs::write(path, text)
+            .map_err(|error| format!("cannot write the digest to {}: {error}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What changed in the journal since the digest `given` (a digest, or a file `--digest-file`
+/// wrote) was taken: `None` when its root is the ledger's root at the digest's entry now; else
+/// the first account (in account_id byte order) whose chain differs, when the file names them.
+async fn digest_changed(
+    ledger: &payledger::ledger::Ledger,
+    given: &str,
+    newest: i64,
+) -> Result<Option<String>, AnyError> {
+    use payledger::store::chain::{self, JournalDigest};
+    let (kept, leaves) = if given.trim_start().starts_with("payledger-digest-") {
+        (given.parse::<JournalDigest>()?, None)
+    } else {
+        let text =
+            std::fs::read_to_string(given).map_err(|error| format!("cannot read the digest file {given}: {error}"))?;
+        let mut lines = text.lines();
+        let kept: JournalDigest = lines.next().unwrap_or_default().parse()?;
+        let mut leaves = Vec::new();
+        for line in lines.filter(|line| !line.is_empty()) {
+            let leaf = line
+                .rsplit_once(' ')
+                .and_then(|(account_id, head)| Some((account_id.to_owned(), chain::from_hex(head)?)));
+            leaves.push(leaf.ok_or_else(|| format!("{given}: not an `account_id hash` line: {line}"))?);
+        }
+        if JournalDigest::of(kept.upto_entry, &leaves) != kept {
+            return Err(
+                format!("{given}: its accounts' hashes do not make its digest: the file itself was changed").into()
+            );
+        }
+        (kept, Some(leaves))
+    };
+    if kept.upto_entry > newest {
+        return Ok(Some(format!(
+            "the digest covers entry {}, past the journal's newest entry {newest}: entries were deleted, or it is another ledger's",
+            kept.upto_entry
+        )));
+    }
+    let (now, heads) = ledger.journal_digest(kept.upto_entry).await?;
+    if now == kept {
+        return Ok(None);
+    }
+    let Some(leaves) = leaves else {
+        return Ok(Some(format!(
+            "its root at entry {} differs (now {now}); give the file --digest-file wrote to name the account",
+            kept.upto_entry
+        )));
+    };
+    let mut kept_leaves = leaves.iter().peekable();
+    let mut now_leaves = heads.iter().peekable();
+    loop {
+        let found = match (kept_leaves.peek(), now_leaves.peek()) {
+            (Some(was), Some(is)) if was.0 == is.0 && was.1 == is.1 => {
+                kept_leaves.next();
+                now_leaves.next();
+                continue;
+            }
+            (Some(was), Some(is)) if was.0 == is.0 => format!("account {}: its history up to the entry changed", was.0),
+            (Some(was), Some(is)) if was.0.as_bytes() < is.0.as_bytes() => {
+                format!("account {}: its history is gone", was.0)
+            }
+            (Some(_), Some(is)) | (None, Some(is)) => format!("account {}: a history the digest did not have", is.0),
+            (Some(was), None) => format!("account {}: its history is gone", was.0),
+            (None, None) => format!("the root at entry {} differs", kept.upto_entry),
+        };
+        return Ok(Some(found));
     }
 }

@@ -843,6 +843,7 @@ fn new_account(account_id: &str, currency: &str, kind: &str, now: i64) -> Accoun
         created_at: now,
         updated_at: now,
         held: 0,
+        chain_hash: None,
     }
 }
 

@@ -63,6 +63,7 @@ pub use tokens::{IssuedToken, TokenStore};
 
 use crate::error::Error;
 use crate::metrics::{LedgerMetrics, Mechanism};
+use crate::store::chain::{self, JournalDigest};
 use crate::store::{AuditProgress, AuditViolation, Snapshot, Store};
 
 /// Stored records, as the use cases return them.
@@ -267,6 +268,18 @@ impl Ledger {
     ) -> Result<Vec<AuditViolation>, Error> {
         let mut reader = self.store.reader().await?;
         Ok(reader.queries().audit_entries(after, upto, progress).await?)
+    }
+
+    /// The ledger's digest up to journal entry `upto`, and its leaves: each account's latest
+    /// chain hash at or before it, sorted by account_id (see `docs/audit.md`, "The hash
+    /// chain"). It proves something only of a ledger whose chains a full audit found intact.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the journal cannot be read.
+    pub async fn journal_digest(&self, upto: i64) -> Result<(JournalDigest, Vec<(String, chain::Hash)>), Error> {
+        let mut reader = self.store.reader().await?;
+        let heads = reader.queries().chain_heads(upto).await?;
+        Ok((JournalDigest::of(upto, &heads), heads))
     }
 
     /// The id of the newest journal entry written at or before `time` (microseconds since the

@@ -397,7 +397,7 @@ pub(super) const UNCLAIM_RECORDS_POSTGRES: &str =
 /// The columns a payment row of [`INSERT_PAYMENTS`] and [`WRITE_PARTS_POSTGRES`] gives, in order.
 pub(super) const PAYMENT_COLUMNS: usize = 11;
 /// The columns a journal entry row gives, in order.
-pub(super) const ENTRY_COLUMNS: usize = 11;
+pub(super) const ENTRY_COLUMNS: usize = 12;
 
 /// Rows `[trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id,
 /// amount, currency, status, created_at, created_by]`; a taken key fails the statement on MySQL
@@ -447,27 +447,30 @@ pub(super) static MARK_ORDERS_PAID: StepSql = StepSql {
 };
 
 /// One version CAS an account, for rows `[account_id, balance, expected_version, version,
-/// held]`, then `updated_at`.
+/// held, chain_hash]`, then `updated_at`.
 pub(super) static CAS_BALANCES: StepSql = StepSql {
     mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
             k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
             k_balance BIGINT PATH '$[1]', k_expected_version BIGINT PATH '$[2]', k_version BIGINT PATH '$[3]', \
-            k_held BIGINT PATH '$[4]')) AS k \
+            k_held BIGINT PATH '$[4]', \
+            k_chain_hash VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin PATH '$[5]')) AS k \
             STRAIGHT_JOIN accounts FORCE INDEX (PRIMARY) ON accounts.account_id = k.k_account_id AND accounts.version = k.k_expected_version \
             SET accounts.balance = k.k_balance, accounts.version = k.k_version, accounts.held = k.k_held, \
-            accounts.updated_at = ?",
+            accounts.chain_hash = k.k_chain_hash, accounts.updated_at = ?",
     sqlite: "UPDATE accounts SET balance = json_extract(k.value, '$[1]'), version = json_extract(k.value, '$[3]'), \
-             held = json_extract(k.value, '$[4]'), updated_at = ?2 FROM json_each(?1) AS k \
+             held = json_extract(k.value, '$[4]'), chain_hash = json_extract(k.value, '$[5]'), updated_at = ?2 \
+             FROM json_each(?1) AS k \
              WHERE accounts.account_id = json_extract(k.value, '$[0]') AND accounts.version = json_extract(k.value, '$[2]')",
 };
 
 /// Rows `[account_id, currency, amount, balance_after, version_after, kind, reference,
-/// posting_id, counterparty_account_id, created_at, created_by]`, given entry ids in row order.
+/// posting_id, counterparty_account_id, created_at, created_by, entry_hash]`, given entry ids in
+/// row order.
 pub(super) static INSERT_ENTRIES: StepSql = StepSql {
     mysql: concat!(
         super::queries::insert_entry_into!(),
         " SELECT account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
-         counterparty_account_id, created_at, created_by FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+         counterparty_account_id, created_at, created_by, entry_hash FROM JSON_TABLE(?, '$[*]' COLUMNS (\
          n FOR ORDINALITY, \
          account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[0]', \
          currency VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[1]', \
@@ -479,14 +482,16 @@ pub(super) static INSERT_ENTRIES: StepSql = StepSql {
          posting_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[7]', \
          counterparty_account_id VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[8]', \
          created_at BIGINT PATH '$[9]', \
-         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[10]')) AS k ORDER BY k.n"
+         created_by VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$[10]', \
+         entry_hash VARCHAR(64) CHARACTER SET ascii PATH '$[11]')) AS k ORDER BY k.n"
     ),
     sqlite: concat!(
         super::queries::insert_entry_into!(),
         " SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]'), json_extract(k.value, '$[2]'), \
          json_extract(k.value, '$[3]'), json_extract(k.value, '$[4]'), json_extract(k.value, '$[5]'), \
          json_extract(k.value, '$[6]'), json_extract(k.value, '$[7]'), json_extract(k.value, '$[8]'), \
-         json_extract(k.value, '$[9]'), json_extract(k.value, '$[10]') FROM json_each(?1) AS k ORDER BY k.key"
+         json_extract(k.value, '$[9]'), json_extract(k.value, '$[10]'), json_extract(k.value, '$[11]') \
+         FROM json_each(?1) AS k ORDER BY k.key"
     ),
 };
 
@@ -683,24 +688,26 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     },
     WritePart {
         name: "a",
-        arrays: 5,
-        text: "UPDATE accounts SET balance = k.balance, version = k.version, held = k.held, updated_at = {now} \
-               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[]) \
-               AS k(account_id, balance, expected_version, version, held) \
+        arrays: 6,
+        text: "UPDATE accounts SET balance = k.balance, version = k.version, held = k.held, \
+               chain_hash = k.chain_hash, updated_at = {now} \
+               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[], {6}::text[]) \
+               AS k(account_id, balance, expected_version, version, held, chain_hash) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
                AND moved.version = k.expected_version LIMIT 1) AS found \
                WHERE accounts.ctid = found.row_id RETURNING 1",
     },
     WritePart {
         name: "e",
-        arrays: 11,
+        arrays: 12,
         text: concat!(
             super::queries::insert_entry_into!(),
             " SELECT account_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
-             counterparty_account_id, created_at, created_by FROM UNNEST({1}::text[], {2}::text[], {3}::bigint[], \
-             {4}::bigint[], {5}::bigint[], {6}::text[], {7}::text[], {8}::text[], {9}::text[], {10}::bigint[], \
-             {11}::text[]) WITH ORDINALITY AS k(account_id, currency, amount, balance_after, version_after, kind, \
-             reference, posting_id, counterparty_account_id, created_at, created_by, n) ORDER BY k.n RETURNING 1"
+             counterparty_account_id, created_at, created_by, entry_hash FROM UNNEST({1}::text[], {2}::text[], \
+             {3}::bigint[], {4}::bigint[], {5}::bigint[], {6}::text[], {7}::text[], {8}::text[], {9}::text[], \
+             {10}::bigint[], {11}::text[], {12}::text[]) WITH ORDINALITY AS k(account_id, currency, amount, \
+             balance_after, version_after, kind, reference, posting_id, counterparty_account_id, created_at, \
+             created_by, entry_hash, n) ORDER BY k.n RETURNING 1"
         ),
     },
     WritePart {
@@ -874,7 +881,7 @@ mod tests {
         assert_eq!(postgres_write_shape(&postings_alone), (1 << 10) - 1);
         let text = write_batch_postgres(0b1111);
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
-        assert!(text.contains("$31") && !text.contains("$32") && !text.contains('{'), "{text}");
+        assert!(text.contains("$33") && !text.contains("$34") && !text.contains('{'), "{text}");
         assert!(text.ends_with("(SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)"), "{text}");
     }
 
@@ -915,7 +922,7 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$81") && !every_part.contains("$82") && !every_part.contains('{'));
+        assert!(every_part.contains("$83") && !every_part.contains("$84") && !every_part.contains('{'));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

@@ -11,6 +11,7 @@
 //! not here: it is written once in `crate::ledger`.
 
 mod batch;
+pub mod chain;
 mod dialect;
 mod queries;
 mod rows;

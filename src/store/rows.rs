@@ -21,6 +21,10 @@ pub struct AccountRow {
     /// spend. Changed by conditional UPDATEs of its own, never by the version CAS.
     #[serde(default)]
     pub held: i64,
+    /// The `entry_hash` of its latest chained entry, 64 hex digits (see [`super::chain`]);
+    /// `None` before its first.
+    #[serde(default)]
+    pub chain_hash: Option<String>,
 }
 
 /// `orders`, keyed by (merchant_id, order_no).
@@ -158,6 +162,29 @@ pub struct NewEntry<'a> {
     pub counterparty_account_id: &'a str,
     pub created_at: i64,
     pub created_by: &'a str,
+    /// Its hash chained to its account's entry before it, 64 hex digits (see [`super::chain`]),
+    /// set by the write that chains it.
+    pub entry_hash: String,
+}
+
+impl NewEntry<'_> {
+    /// The fields its hash covers.
+    #[must_use]
+    pub fn chained(&self) -> super::chain::ChainedEntry<'_> {
+        super::chain::ChainedEntry {
+            account_id: self.account_id,
+            currency: self.currency,
+            amount: self.amount,
+            balance_after: self.balance_after,
+            version_after: self.version_after,
+            kind: self.kind,
+            reference: self.reference,
+            posting_id: self.posting_id,
+            counterparty_account_id: self.counterparty_account_id,
+            created_at: self.created_at,
+            created_by: self.created_by,
+        }
+    }
 }
 
 /// A new balance and held amount for one account (minor units), written by version CAS:
@@ -171,6 +198,9 @@ pub struct BalanceUpdate<'a> {
     pub held: i64,
     pub expected_version: i64,
     pub version: i64,
+    /// The account's chain hash after the write: the hash of its last new entry, or the one it
+    /// had when it posts none.
+    pub chain_hash: Option<&'a str>,
 }
 
 /// One audit check finished: which, its place among the checks the audit runs (1-based, of

@@ -828,27 +828,50 @@ impl TestApp {
 
     /// Writes in `holder` the two legs of posting `posting_id` (`kind`, `reference`) as a
     /// single posting leaves them: each account's balance and version moved by its amount (USD
-    /// minor units) and one, read in `holder`, and its journal entry.
+    /// minor units) and one, read in `holder`, and its journal entry, chained to the account's
+    /// hash as the engine chains it.
     pub async fn write_posting(
         &self,
         holder: &mut sqlx::Transaction<'_, sqlx::Any>,
         (kind, reference, posting_id): (&str, &str, &str),
         legs: [(&str, &str, i64); 2],
     ) {
+        use payledger::store::chain;
         for (account_id, counterparty, amount) in legs {
-            let row = sqlx::query(&format!("SELECT balance, version FROM accounts WHERE account_id = '{account_id}'"))
-                .fetch_one(&mut **holder)
-                .await
-                .unwrap();
+            let row = sqlx::query(&format!(
+                "SELECT balance, version, chain_hash FROM accounts WHERE account_id = '{account_id}'"
+            ))
+            .fetch_one(&mut **holder)
+            .await
+            .unwrap();
             let (balance, version): (i64, i64) = (row.try_get(0).unwrap(), row.try_get(1).unwrap());
+            let previous =
+                row.try_get::<Option<String>, _>(2).unwrap().map_or(chain::GENESIS, |head| chain::stored(&head));
             let (balance, version) = (balance + amount, version + 1);
+            let entry = chain::ChainedEntry {
+                account_id,
+                currency: "USD",
+                amount,
+                balance_after: balance,
+                version_after: version,
+                kind,
+                reference,
+                posting_id,
+                counterparty_account_id: counterparty,
+                created_at: 1,
+                created_by: "anonymous",
+            };
+            let hash = chain::to_hex(&chain::entry_hash(&previous, &entry));
             let writes = [
-                format!("UPDATE accounts SET balance = {balance}, version = {version} WHERE account_id = '{account_id}'"),
+                format!(
+                    "UPDATE accounts SET balance = {balance}, version = {version}, chain_hash = '{hash}' \
+                     WHERE account_id = '{account_id}'"
+                ),
                 format!(
                     "INSERT INTO journal_entries (account_id, currency, amount, balance_after, version_after, kind, \
-                     reference, posting_id, counterparty_account_id, created_at, created_by) VALUES ('{account_id}', \
-                     'USD', {amount}, {balance}, {version}, '{kind}', '{reference}', '{posting_id}', '{counterparty}', 1, \
-                     'anonymous')"
+                     reference, posting_id, counterparty_account_id, created_at, created_by, entry_hash) VALUES \
+                     ('{account_id}', 'USD', {amount}, {balance}, {version}, '{kind}', '{reference}', '{posting_id}', \
+                     '{counterparty}', 1, 'anonymous', '{hash}')"
                 ),
             ];
             for write in writes {

@@ -146,6 +146,8 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
         }
     }
     let statements = plan.statements();
+    let before: i64 =
+        sqlx::query_scalar("SELECT COALESCE(MAX(entry_id), 0) FROM journal_entries").fetch_one(&mut connection).await?;
     let shown = settings.progress.shown();
     let mut reported = Instant::now();
     for (index, statement) in statements.iter().enumerate() {
@@ -158,6 +160,17 @@ pub async fn seed(settings: &SeedSettings) -> Result<SeedReport, AnyError> {
             reported = Instant::now();
         }
     }
+    // Its entries are written outside the journal's hash chain (SQL makes them, and SQLite has
+    // no SHA-256): their range is recorded as such, as a ledger's entries from before the chain
+    // are (docs/audit.md, "The hash chain").
+    let unchained = format!(
+        "INSERT INTO unchained_entries (first_entry_id, last_entry_id, written_by) \
+         SELECT r.first_id, r.last_id, 'payledger-tools seed {tag}' FROM (SELECT MIN(entry_id) AS first_id, \
+         MAX(entry_id) AS last_id FROM journal_entries WHERE entry_id > {before} AND entry_hash IS NULL) r \
+         WHERE r.first_id IS NOT NULL",
+        tag = plan.tag
+    );
+    connection.execute(unchained.as_str()).await?;
     connection.close().await?;
     Ok(SeedReport {
         tag: plan.tag.clone(),

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use crate::domain::Rejection;
 use crate::error::{Error, Resource};
+use crate::store::chain::{self, Hash};
 use crate::store::{
     AccountRow, BalanceUpdate, BatchWrite, FundingRow, HoldRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries,
     RefundRow, TransferRow,
@@ -114,6 +115,37 @@ impl Book {
         Ok(())
     }
 
+    /// Chains `entries` (in the order they are written, so each account's in version order) to
+    /// the hash each account had when it was locked ([`chain::GENESIS`] before its first chained
+    /// entry), setting each entry's hash; returns the hash each account is left with.
+    ///
+    /// # Errors
+    /// [`Error::InvariantBroken`] when an account's stored chain_hash is not a hash, or an entry's
+    /// account is not locked.
+    fn chain<'e>(&self, entries: &mut [NewEntry<'e>]) -> Result<BTreeMap<String, String>, Error> {
+        let mut heads: BTreeMap<&'e str, Hash> = BTreeMap::new();
+        for entry in entries.iter_mut() {
+            let previous = match heads.get(entry.account_id) {
+                Some(head) => *head,
+                None => {
+                    let account = self
+                        .accounts
+                        .get(entry.account_id)
+                        .ok_or(Error::InvariantBroken("an entry whose account the batch did not lock"))?;
+                    match &account.row.chain_hash {
+                        None => chain::GENESIS,
+                        Some(stored) => chain::from_hex(stored)
+                            .ok_or(Error::InvariantBroken("an account's chain_hash that is not a hash"))?,
+                    }
+                }
+            };
+            let hash = chain::entry_hash(&previous, &entry.chained());
+            entry.entry_hash = chain::to_hex(&hash);
+            heads.insert(entry.account_id, hash);
+        }
+        Ok(heads.into_iter().map(|(account_id, head)| (account_id.to_owned(), chain::to_hex(&head))).collect())
+    }
+
     /// The accounts the postings and holds moved.
     fn moved(&self) -> impl Iterator<Item = &Ledgered> {
         self.accounts
@@ -192,6 +224,9 @@ pub(in crate::ledger) async fn write(
     book: &Book,
     now: i64,
 ) -> Result<bool, Error> {
+    let mut entries: Vec<NewEntry<'_>> =
+        set.postings.iter().flat_map(|(posting, legs)| posting.entries(*legs, now)).collect();
+    let heads = book.chain(&mut entries)?;
     let balances: Vec<BalanceUpdate<'_>> = book
         .moved()
         .map(|account| BalanceUpdate {
@@ -200,6 +235,7 @@ pub(in crate::ledger) async fn write(
             held: account.row.held,
             expected_version: account.read_version,
             version: account.row.version,
+            chain_hash: heads.get(&account.row.account_id).or(account.row.chain_hash.as_ref()).map(String::as_str),
         })
         .collect();
     let moves: Vec<AccountMove<'_>> = book
@@ -215,8 +251,6 @@ pub(in crate::ledger) async fn write(
             floor: balance_floor(&account.row),
         })
         .collect();
-    let entries: Vec<NewEntry<'_>> =
-        set.postings.iter().flat_map(|(posting, legs)| posting.entries(*legs, now)).collect();
     let reserved = set.holds.iter().map(|hold| HoldMove { account_id: &hold.payer_account_id, amount: hold.amount });
     let released = set
         .settled_holds
@@ -430,6 +464,7 @@ mod tests {
                 held: moved.held_after,
                 expected_version: moved.version_before,
                 version: moved.version_after,
+                chain_hash: None,
             })
             .collect();
         let entries = sides
@@ -446,6 +481,7 @@ mod tests {
                 counterparty_account_id: &counterparty.account_id,
                 created_at: 1,
                 created_by: "test",
+                entry_hash: String::new(),
             })
             .collect();
         (moves, balances, entries)

@@ -169,6 +169,7 @@ mod tests {
             counterparty_account_id: if account_id == "payer" { "payee" } else { "payer" },
             created_at: 1,
             created_by: "test",
+            entry_hash: String::new(),
         }
     }
 

@@ -76,6 +76,8 @@ impl<'a> Posting<'a> {
             counterparty_account_id,
             created_at: now,
             created_by: self.created_by,
+            // Chained when the batch writes ([`super::book::write`]).
+            entry_hash: String::new(),
         };
         [
             leg(self.from_account_id, self.to_account_id, -self.amount, from_balance, from_version),
