@@ -156,6 +156,13 @@ pub struct AuditSettings {
     /// Each check reported on stderr as it finishes: `auto` when stderr is a terminal.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     pub progress: Progress,
+    /// Seconds after which a journal entry counts as settled: the checkpoint (and the digest)
+    /// an audit prints is the newest entry written at least this long ago. By then every
+    /// transaction that wrote an entry with a smaller id has ended (each statement waits at most
+    /// the lock timeout, and PostgreSQL ends a transaction left idle for 60 s), so a checkpoint
+    /// never skips one; lower it only on a ledger nothing writes to (0-86400).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub settled_after_seconds: u64,
     /// Where to write, once the audit passes, the digest it prints and the chain hash of every
     /// account it covers (one `account_id hash` line each): kept outside the database, it lets
     /// `--verify-digest` name the first account whose history changed.
@@ -177,6 +184,7 @@ impl std::fmt::Debug for AuditSettings {
             .field("connect_timeout_seconds", &self.connect_timeout_seconds)
             .field("timeout_seconds", &self.timeout_seconds)
             .field("progress", &self.progress)
+            .field("settled_after_seconds", &self.settled_after_seconds)
             .field("digest_file", &self.digest_file)
             .field("verify_digest", &self.verify_digest)
             .finish()

@@ -227,11 +227,6 @@ async fn health(settings: HealthSettings) -> Result<ExitCode, AnyError> {
     Ok(if status == ServingStatus::Serving { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// Journal entries written longer ago than this are settled: every transaction that wrote an
-/// entry with a smaller id has ended (each statement waits at most the lock timeout, and
-/// PostgreSQL ends a transaction left idle for 60 s), so a checkpoint never skips one.
-const AUDIT_SETTLE: std::time::Duration = std::time::Duration::from_secs(300);
-
 async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
     let limit = std::time::Duration::from_secs(settings.timeout_seconds);
     tokio::time::timeout(limit, audit_within(&settings)).await.unwrap_or_else(|_| {
@@ -252,7 +247,7 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
             settings.connect_timeout_seconds
         )
     })??;
-    let settled_before = std::time::SystemTime::now() - AUDIT_SETTLE;
+    let settled_before = std::time::SystemTime::now() - std::time::Duration::from_secs(settings.settled_after_seconds);
     let settled_before = settled_before.duration_since(std::time::UNIX_EPOCH)?.as_micros();
     // Taken before the checks run: a full audit covers at least every entry up to it.
     let checkpoint = ledger.settled_entry(i64::try_from(settled_before)?).await?;
@@ -378,23 +373,8 @@ async fn digest_changed(
             kept.upto_entry
         )));
     };
-    let mut kept_leaves = leaves.iter().peekable();
-    let mut now_leaves = heads.iter().peekable();
-    loop {
-        let found = match (kept_leaves.peek(), now_leaves.peek()) {
-            (Some(was), Some(is)) if was.0 == is.0 && was.1 == is.1 => {
-                kept_leaves.next();
-                now_leaves.next();
-                continue;
-            }
-            (Some(was), Some(is)) if was.0 == is.0 => format!("account {}: its history up to the entry changed", was.0),
-            (Some(was), Some(is)) if was.0.as_bytes() < is.0.as_bytes() => {
-                format!("account {}: its history is gone", was.0)
-            }
-            (Some(_), Some(is)) | (None, Some(is)) => format!("account {}: a history the digest did not have", is.0),
-            (Some(was), None) => format!("account {}: its history is gone", was.0),
-            (None, None) => format!("the root at entry {} differs", kept.upto_entry),
-        };
-        return Ok(Some(found));
-    }
+    Ok(Some(
+        chain::first_difference(&leaves, &heads)
+            .unwrap_or_else(|| format!("the root at entry {} differs", kept.upto_entry)),
+    ))
 }

@@ -133,3 +133,110 @@ fn an_audit_of_a_database_that_never_answers_fails_naming_its_connect_timeout() 
         assert!(!stderr.contains("secret"), "the password is never printed: {stderr}");
     }
 }
+
+/// A full audit of `url` that counts every entry as settled, with `extra` arguments.
+fn full_audit(url: &str, extra: &[&str]) -> (bool, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["audit", "--database-url", url, "--settled-after-seconds", "0"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)),
+    )
+}
+
+#[tokio::test]
+async fn a_digest_kept_outside_the_database_proves_its_history_and_names_the_account_rewritten() {
+    use payledger::domain::{AccountId, Actor, Amount, Currency, RequestId};
+    use payledger::ledger::{Deposit, Guards, OpenAccount};
+    use payledger::store::chain;
+    use sqlx::Row as _;
+
+    let directory = tempfile::tempdir().unwrap();
+    let ledger = common::sqlite_ledger(directory.path()).await;
+    let usd = Currency::parse("currency", "USD").unwrap();
+    for name in ["alice", "bob"] {
+        let account_id = AccountId::parse("account_id", name).unwrap();
+        ledger.open_account(OpenAccount { account_id, currency: usd }, &Guards::default()).await.unwrap();
+        for request in ["first", "second"] {
+            let deposit = Deposit {
+                request_id: RequestId::parse("request_id", &format!("{name}-{request}")).unwrap(),
+                account_id: AccountId::parse("account_id", name).unwrap(),
+                amount: Amount::parse("amount", "10.00", usd).unwrap(),
+                created_by: Actor::Anonymous,
+            };
+            ledger.deposit(deposit, &Guards::default()).await.unwrap();
+        }
+    }
+    let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
+    let file = directory.path().join("digest.txt");
+    let file_arg = file.to_str().unwrap();
+
+    let (passed, output) = full_audit(&url, &["--digest-file", file_arg]);
+    assert!(passed, "{output}");
+    let digest = output.lines().find_map(|line| line.strip_prefix("digest: ")).expect("a digest is printed").to_owned();
+    let kept = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(kept.lines().next(), Some(digest.as_str()));
+    assert!(kept.lines().any(|line| line.starts_with("alice ")) && kept.lines().any(|line| line.starts_with("bob ")));
+    for given in [digest.as_str(), file_arg] {
+        let (passed, output) = full_audit(&url, &["--verify-digest", given]);
+        assert!(passed && output.contains("the digest holds"), "{output}");
+    }
+
+    // bob's first entry rewritten with every hash after it and his chain_hash: consistent, so
+    // no check of the database sees it; the digest does.
+    let rows = ledger
+        .store()
+        .on_pooled_session(
+            "SELECT entry_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+             counterparty_account_id, created_at, created_by FROM journal_entries WHERE account_id = 'bob' ORDER BY entry_id",
+        )
+        .await
+        .unwrap();
+    let mut previous = chain::GENESIS;
+    for (index, row) in rows.iter().enumerate() {
+        let reference: String = row.get(6);
+        let reference = if index == 0 { format!("{reference}-rewritten") } else { reference };
+        let (kind, posting_id, counterparty, created_by): (String, String, String, String) =
+            (row.get(5), row.get(7), row.get(8), row.get(10));
+        let currency: String = row.get(1);
+        let entry = chain::ChainedEntry {
+            account_id: "bob",
+            currency: &currency,
+            amount: row.get(2),
+            balance_after: row.get(3),
+            version_after: row.get(4),
+            kind: &kind,
+            reference: &reference,
+            posting_id: &posting_id,
+            counterparty_account_id: &counterparty,
+            created_at: row.get(9),
+            created_by: &created_by,
+        };
+        previous = chain::entry_hash(&previous, &entry);
+        let hash = chain::to_hex(&previous);
+        let entry_id: i64 = row.get(0);
+        let update = format!(
+            "UPDATE journal_entries SET reference = '{reference}', entry_hash = '{hash}' WHERE entry_id = {entry_id}"
+        );
+        ledger.store().on_pooled_session(&update).await.unwrap();
+        let head = format!("UPDATE accounts SET chain_hash = '{hash}' WHERE account_id = 'bob'");
+        ledger.store().on_pooled_session(&head).await.unwrap();
+    }
+    let (passed, output) = full_audit(&url, &[]);
+    assert!(passed, "a consistent rewrite passes every check of the database: {output}");
+    let (passed, output) = full_audit(&url, &["--verify-digest", &digest]);
+    assert!(!passed && output.contains("VIOLATION") && output.contains("differs"), "{output}");
+    let (passed, output) = full_audit(&url, &["--verify-digest", file_arg]);
+    assert!(!passed && output.contains("account bob: its history up to the entry changed"), "{output}");
+
+    // A kept file whose lines no longer make its digest is refused as such.
+    std::fs::write(&file, kept.replace("alice ", "alicia ")).unwrap();
+    let (passed, output) = full_audit(&url, &["--verify-digest", file_arg]);
+    assert!(!passed && output.contains("the file itself was changed"), "{output}");
+    // A digest of something else is refused as malformed.
+    let (passed, output) = full_audit(&url, &["--verify-digest", "payledger-digest-v1:nonsense"]);
+    assert!(!passed && output.contains("not a payledger digest"), "{output}");
+}

@@ -137,6 +137,31 @@ pub fn merkle_root(heads: &[(String, Hash)]) -> Hash {
     level[0]
 }
 
+/// The first account, in account_id byte order, whose chain hash differs between `kept` (the
+/// leaves a digest was made of) and `now` (both sorted by account_id), and how: `None` when
+/// they are the same.
+#[must_use]
+pub fn first_difference(kept: &[(String, Hash)], now: &[(String, Hash)]) -> Option<String> {
+    let (mut kept, mut now) = (kept.iter().peekable(), now.iter().peekable());
+    loop {
+        let found = match (kept.peek(), now.peek()) {
+            (None, None) => return None,
+            (Some(was), Some(is)) if was == is => {
+                kept.next();
+                now.next();
+                continue;
+            }
+            (Some(was), Some(is)) if was.0 == is.0 => format!("account {}: its history up to the entry changed", was.0),
+            (Some(was), Some(is)) if was.0.as_bytes() < is.0.as_bytes() => {
+                format!("account {}: its chained history is gone", was.0)
+            }
+            (Some(was), None) => format!("account {}: its chained history is gone", was.0),
+            (_, Some(is)) => format!("account {}: a chained history the digest did not have", is.0),
+        };
+        return Some(found);
+    }
+}
+
 /// The ledger's digest up to one journal entry: `payledger-digest-v1:<entry id>:<accounts>:<root
 /// hex>`, the root of [`merkle_root`] over the latest hash of each account with a chained entry
 /// at or before that id, and how many such accounts there are.
@@ -234,5 +259,24 @@ mod tests {
         assert_eq!(digest.to_string().parse::<JournalDigest>(), Ok(digest));
         assert!("payledger-digest-v1:1:2".parse::<JournalDigest>().is_err());
         assert!(format!("payledger-digest-v1:-1:0:{}", to_hex(&root)).parse::<JournalDigest>().is_err());
+    }
+
+    #[test]
+    fn the_first_difference_names_the_account_changed_gone_or_added() {
+        let heads: Vec<(String, Hash)> = ["a", "b", "c"].iter().map(|name| ((*name).to_owned(), [1; 32])).collect();
+        assert_eq!(first_difference(&heads, &heads), None);
+        let mut changed = heads.clone();
+        changed[1].1 = [2; 32];
+        assert_eq!(
+            first_difference(&heads, &changed).as_deref(),
+            Some("account b: its history up to the entry changed")
+        );
+        assert_eq!(first_difference(&heads, &heads[..2]).as_deref(), Some("account c: its chained history is gone"));
+        let without_b = [heads[0].clone(), heads[2].clone()];
+        assert_eq!(first_difference(&heads, &without_b).as_deref(), Some("account b: its chained history is gone"));
+        assert_eq!(
+            first_difference(&without_b, &heads).as_deref(),
+            Some("account b: a chained history the digest did not have")
+        );
     }
 }

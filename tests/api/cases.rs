@@ -3502,3 +3502,255 @@ pub async fn racing_calls_with_one_key_and_other_terms_are_answered_by_the_key(a
     // loser may have found first.
     assert_eq!(app.ledger.counters().key_conflicts, refused);
 }
+
+// ---- The journal's hash chain -------------------------------------------------------------
+
+use payledger::store::chain;
+use sqlx::Row as _;
+
+/// One stored journal entry with the fields its hash covers.
+struct StoredEntry {
+    entry_id: i64,
+    currency: String,
+    amount: i64,
+    balance_after: i64,
+    version_after: i64,
+    kind: String,
+    reference: String,
+    posting_id: String,
+    counterparty_account_id: String,
+    created_at: i64,
+    created_by: String,
+    entry_hash: String,
+}
+
+impl StoredEntry {
+    fn hash(&self, account_id: &str, previous: &chain::Hash) -> chain::Hash {
+        let fields = chain::ChainedEntry {
+            account_id,
+            currency: &self.currency,
+            amount: self.amount,
+            balance_after: self.balance_after,
+            version_after: self.version_after,
+            kind: &self.kind,
+            reference: &self.reference,
+            posting_id: &self.posting_id,
+            counterparty_account_id: &self.counterparty_account_id,
+            created_at: self.created_at,
+            created_by: &self.created_by,
+        };
+        chain::entry_hash(previous, &fields)
+    }
+}
+
+/// `account_id`'s entries, oldest first.
+async fn stored_entries(app: &TestApp, account_id: &str) -> Vec<StoredEntry> {
+    let rows = sqlx::query(&format!(
+        "SELECT entry_id, currency, amount, balance_after, version_after, kind, reference, posting_id, \
+         counterparty_account_id, created_at, created_by, entry_hash FROM journal_entries \
+         WHERE account_id = '{account_id}' ORDER BY entry_id"
+    ))
+    .fetch_all(&app.raw)
+    .await
+    .unwrap();
+    rows.iter()
+        .map(|row| StoredEntry {
+            entry_id: row.get(0),
+            currency: row.get(1),
+            amount: row.get(2),
+            balance_after: row.get(3),
+            version_after: row.get(4),
+            kind: row.get(5),
+            reference: row.get(6),
+            posting_id: row.get(7),
+            counterparty_account_id: row.get(8),
+            created_at: row.get(9),
+            created_by: row.get(10),
+            entry_hash: row.get(11),
+        })
+        .collect()
+}
+
+/// How a forger who knows the chain rewrites an account's history: entry `index`'s reference
+/// changed, then the hashes recomputed from it on for `rehashed` entries (0: none), and the
+/// account's chain_hash set to the last hash when `head`.
+struct Forgery {
+    index: usize,
+    rehashed: usize,
+    head: bool,
+}
+
+/// Writes `entries` (`account_id`'s, oldest first) as `forgery` changes them, or as they were
+/// (`forgery` `None`).
+async fn write_history(app: &TestApp, account_id: &str, entries: &[StoredEntry], forgery: Option<&Forgery>) {
+    let mut previous = chain::GENESIS;
+    let mut head = entries.last().map(|entry| entry.entry_hash.clone()).unwrap_or_default();
+    for (index, entry) in entries.iter().enumerate() {
+        let (reference, hash) = match forgery {
+            Some(forgery) if index >= forgery.index => {
+                let forged = StoredEntry { reference: format!("{}-rewritten", entry.reference), ..clone_entry(entry) };
+                let edited = if index == forgery.index { forged } else { clone_entry(entry) };
+                let hash = if index < forgery.index + forgery.rehashed {
+                    chain::to_hex(&edited.hash(account_id, &previous))
+                } else {
+                    entry.entry_hash.clone()
+                };
+                (edited.reference, hash)
+            }
+            _ => (entry.reference.clone(), entry.entry_hash.clone()),
+        };
+        previous = chain::stored(&hash);
+        if forgery.is_some_and(|forgery| forgery.head) {
+            head.clone_from(&hash);
+        }
+        let update = format!(
+            "UPDATE journal_entries SET reference = '{reference}', entry_hash = '{hash}' WHERE entry_id = {}",
+            entry.entry_id
+        );
+        sqlx::query(&update).execute(&app.raw).await.unwrap();
+    }
+    let update = format!("UPDATE accounts SET chain_hash = '{head}' WHERE account_id = '{account_id}'");
+    sqlx::query(&update).execute(&app.raw).await.unwrap();
+}
+
+fn clone_entry(entry: &StoredEntry) -> StoredEntry {
+    StoredEntry {
+        currency: entry.currency.clone(),
+        kind: entry.kind.clone(),
+        reference: entry.reference.clone(),
+        posting_id: entry.posting_id.clone(),
+        counterparty_account_id: entry.counterparty_account_id.clone(),
+        created_by: entry.created_by.clone(),
+        entry_hash: entry.entry_hash.clone(),
+        ..*entry
+    }
+}
+
+/// History rewritten by hand: an entry edited alone, an entry edited with its own hash
+/// recomputed, the latest entry edited with its hash but not the account's, each found by the
+/// audit's chain or head check; and a history rewritten with every hash and the account's
+/// chain_hash recomputed, which no check of the database alone can see, found by the digest
+/// taken before it, which names the account.
+pub async fn the_hash_chain_finds_rewritten_history_and_the_digest_what_was_rewritten_consistently(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let checkpoint = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    app.pay("m1", "pay-1", "order-1", "alice", "30.00").await.unwrap();
+    app.refund("m1", "pay-1", "refund-1", "10.00").await.unwrap();
+    let newest = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new());
+    let (digest, leaves) = app.ledger.journal_digest(newest).await.unwrap();
+    let alice = stored_entries(app, "alice").await;
+    assert!(alice.len() >= 3, "a deposit, a payment and a refund");
+    assert!(alice.iter().all(|entry| chain::from_hex(&entry.entry_hash).is_some()), "every entry is chained");
+
+    let last = alice.len() - 1;
+    let careless = [
+        (Forgery { index: 0, rehashed: 0, head: false }, "chains it to its account's entry before it"),
+        (Forgery { index: 0, rehashed: 1, head: false }, "chains it to its account's entry before it"),
+        (Forgery { index: last, rehashed: 1, head: false }, "holds its latest entry's balance, version and chain hash"),
+    ];
+    for (forgery, check) in &careless {
+        write_history(app, "alice", &alice, Some(forgery)).await;
+        let full = app.ledger.audit().await.unwrap();
+        let ranged = app.ledger.audit_entries(checkpoint, newest).await.unwrap();
+        write_history(app, "alice", &alice, None).await;
+        let named = |found: &[payledger::store::AuditViolation]| {
+            found.iter().any(|violation| violation.check.contains(check) && violation.subject == "alice")
+        };
+        assert!(named(&full), "{check}: {full:#?}");
+        if forgery.index > 0 {
+            assert!(named(&ranged), "from the checkpoint, {check}: {ranged:#?}");
+        }
+    }
+
+    // Every hash recomputed and the account's chain_hash with them: consistent.
+    write_history(app, "alice", &alice, Some(&Forgery { index: 1, rehashed: alice.len(), head: true })).await;
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new(), "a consistent rewrite passes the database's checks");
+    let (now, heads) = app.ledger.journal_digest(newest).await.unwrap();
+    assert_ne!(now, digest);
+    assert_eq!(now.upto_entry, digest.upto_entry);
+    assert_eq!(
+        chain::first_difference(&leaves, &heads).as_deref(),
+        Some("account alice: its history up to the entry changed")
+    );
+    write_history(app, "alice", &alice, None).await;
+    assert_eq!(app.ledger.journal_digest(newest).await.unwrap().0, digest, "put back, the digest holds again");
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new());
+}
+
+/// A posting deleted whole after the checkpoint, with its transfer row, leaves no entry in the
+/// range to check: its accounts still hold the versions and chain hashes it left, which the
+/// audit from the checkpoint reads for every account.
+pub async fn an_audit_from_a_checkpoint_finds_a_posting_deleted_whole_after_it(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.open("carol", "USD").await;
+    let checkpoint = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    let transfer = with_key(transfer_request("alice", "carol", "5.00"), "transfer-1");
+    app.accounts.clone().transfer(transfer).await.unwrap();
+    let newest = app.ledger.settled_entry(i64::MAX).await.unwrap();
+    assert_eq!(app.ledger.audit_entries(checkpoint, newest).await.unwrap(), Vec::new());
+
+    sqlx::query("DELETE FROM journal_entries WHERE kind = 'TRANSFER'").execute(&app.raw).await.unwrap();
+    sqlx::query("DELETE FROM transfers").execute(&app.raw).await.unwrap();
+    let violations = app.ledger.audit_entries(checkpoint, newest).await.unwrap();
+
+    // The accounts set back to their latest entries, as a careful forger would: consistent.
+    for column in ["balance_after", "version_after"] {
+        let account_column = column.trim_end_matches("_after").replace("balance_", "balance");
+        sqlx::query(&format!(
+            "UPDATE accounts SET {account_column} = COALESCE((SELECT e.{column} FROM journal_entries e \
+             WHERE e.account_id = accounts.account_id ORDER BY e.entry_id DESC LIMIT 1), 0) \
+             WHERE account_id IN ('alice', 'carol')"
+        ))
+        .execute(&app.raw)
+        .await
+        .unwrap();
+    }
+    sqlx::query(
+        "UPDATE accounts SET chain_hash = (SELECT e.entry_hash FROM journal_entries e \
+         WHERE e.account_id = accounts.account_id ORDER BY e.entry_id DESC LIMIT 1) WHERE account_id IN ('alice', 'carol')",
+    )
+    .execute(&app.raw)
+    .await
+    .unwrap();
+    for account_id in ["alice", "carol"] {
+        assert!(
+            violations.iter().any(|violation| violation.subject == account_id
+                && violation.check.contains("holds its latest entry's balance, version and chain hash")),
+            "{account_id}: {violations:#?}"
+        );
+    }
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new(), "deleted consistently, only a digest could tell");
+}
+
+/// Close reasons their order's history does not explain: a hold's reason on an order closed
+/// by its merchant, a closed order whose hold is active, a reason no transition writes, and an
+/// expiry before the order's deadline.
+pub async fn the_audit_finds_close_reasons_the_history_does_not_explain(app: &TestApp) {
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    let close = proto::CloseOrderRequest { merchant_id: "m1".into(), order_no: "order-1".into() };
+    app.payments.clone().close_order(close).await.unwrap();
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new());
+    let edits = [
+        "close_reason = 'VOIDED'",
+        "close_reason = 'HOLD_EXPIRED'",
+        "close_reason = 'LOST'",
+        "close_reason = 'EXPIRED', expires_at = NULL",
+    ];
+    for edit in edits {
+        sqlx::query(&format!("UPDATE orders SET {edit} WHERE order_no = 'order-1'")).execute(&app.raw).await.unwrap();
+        let violations = app.ledger.audit().await.unwrap();
+        sqlx::query("UPDATE orders SET close_reason = 'MERCHANT' WHERE order_no = 'order-1'")
+            .execute(&app.raw)
+            .await
+            .unwrap();
+        assert!(
+            violations
+                .iter()
+                .any(|violation| violation.subject == "m1/order-1"
+                    && violation.check.contains("one its history explains")),
+            "{edit}: {violations:#?}"
+        );
+    }
+    assert_eq!(app.ledger.audit().await.unwrap(), Vec::new());
+}
