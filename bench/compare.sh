@@ -11,8 +11,14 @@
 # them, as `pgbench -i` analyzes its own after loading them, and the database's autovacuum
 # setting is printed with the results. Every database it creates is dropped again.
 #
-# Usage: bench/compare.sh [postgres|mysql|sqlite|all]   (default: all)
-# Environment: CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
+# With BASELINE_REV set (a git revision), or with the target `cost`, it also measures what this
+# tree costs against that revision: `pay` and `keyed-pay` of both builds on PostgreSQL, each
+# on a fresh database, interleaved (baseline, this tree, baseline, this tree) at each of
+# COST_CONCURRENCY (default "1 32"); the ratio compares the two runs' means. It measured the
+# journal's hash chain against the revision before it (BENCHMARKS.md, "The hash chain's cost").
+#
+# Usage: bench/compare.sh [postgres|mysql|sqlite|cost|all]   (default: all)
+# Environment: BASELINE_REV (none; required by `cost`), COST_CONCURRENCY ("1 32"), CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
 #   COUNT (calls per payledger scenario, 20000), POOL_SIZE (payledger's pool, 16),
 #   PG_ADMIN (postgres://postgres@127.0.0.1:5432/postgres), MYSQL_ADMIN (mysql://root@127.0.0.1:3306/test).
 set -euo pipefail
@@ -117,4 +123,37 @@ if [ "$TARGETS" = all ] || [ "$TARGETS" = sqlite ]; then
   stop_server
   "$BIN" audit --database-url "sqlite:/tmp/payledger_bench.db"
   echo "  server peak resident memory: $(( $(cat "$RESULTS/rss_kb") / 1024 )) MB"
+fi
+
+if [ "$TARGETS" = cost ] || [ -n "${BASELINE_REV:-}" ]; then
+  : "${BASELINE_REV:?the target cost needs BASELINE_REV, the revision to compare this tree with}"
+  BASELINE_DIR="$(mktemp -d)/payledger-baseline"
+  git worktree add --quiet --detach "$BASELINE_DIR" "$BASELINE_REV"
+  trap 'cleanup; git worktree remove --force "$BASELINE_DIR"' EXIT
+  echo "== The cost of this tree ($(git rev-parse --short HEAD)) against $BASELINE_REV on PostgreSQL: pay and keyed-pay, interleaved"
+  (cd "$BASELINE_DIR" && CARGO_TARGET_DIR="$BASELINE_DIR/target" cargo build --release --locked --quiet -p payledger)
+  THIS_BIN=$BIN
+  for callers in ${COST_CONCURRENCY:-1 32}; do
+    for round in 1 2; do
+      for side in baseline this; do
+        if [ "$side" = baseline ]; then BIN="$BASELINE_DIR/target/release/payledger"; else BIN=$THIS_BIN; fi
+        db="payledger_cost_${side}_${callers}_${round}"
+        create_pg "$db"
+        echo "  $side, $callers caller(s), round $round:"
+        start_server "postgres://postgres@$PG_HOST:5432/$db"
+        COUNT=$(( COUNT / 4 )) bench "warm-$side-$callers-$round" pay "$callers"
+        analyze_pg "$db"
+        bench "pay-$side-$callers-$round" pay "$callers"
+        bench "keyed-$side-$callers-$round" keyed-pay "$callers"
+        stop_server
+        drop_pg "$db"
+      done
+    done
+    for scenario in pay keyed; do
+      base=$(mean "$(rate "$scenario-baseline-$callers-1")" "$(rate "$scenario-baseline-$callers-2")")
+      this=$(mean "$(rate "$scenario-this-$callers-1")" "$(rate "$scenario-this-$callers-2")")
+      echo "  $scenario at $callers caller(s): $BASELINE_REV $base calls/s, this tree $this calls/s (means of 2), ratio $(ratio "$this" "$base")"
+    done
+  done
+  BIN=$THIS_BIN
 fi
