@@ -131,6 +131,8 @@ if [ "$TARGETS" = cost ] || [ -n "${BASELINE_REV:-}" ]; then
   git worktree add --quiet --detach "$BASELINE_DIR" "$BASELINE_REV"
   trap 'cleanup; git worktree remove --force "$BASELINE_DIR"' EXIT
   echo "== The cost of this tree ($(git rev-parse --short HEAD)) against $BASELINE_REV on PostgreSQL: pay and keyed-pay, interleaved"
+  # The dependencies built for this tree, copied: only the workspace's own crates are built again.
+  mkdir -p "$BASELINE_DIR/target" && cp -r target/release "$BASELINE_DIR/target/"
   (cd "$BASELINE_DIR" && CARGO_TARGET_DIR="$BASELINE_DIR/target" cargo build --release --locked --quiet -p payledger)
   THIS_BIN=$BIN
   for callers in ${COST_CONCURRENCY:-1 32}; do

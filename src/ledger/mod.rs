@@ -224,7 +224,7 @@ impl Ledger {
         &self.store
     }
 
-    /// Checks every ledger invariant (see `payledger audit` and README, "The audit"): for
+    /// Checks every ledger invariant (see `payledger audit` and docs/audit.md): for
     /// every account, balance = sum of its entries and version = their count; the balances of
     /// each currency sum to zero; every entry is a leg of its business row; and the rest.
     ///
