@@ -807,8 +807,9 @@ macro_rules! chained_columns {
 }
 
 /// Every entry, each account's in id order.
-static CHAIN_ENTRIES: Sql =
-    Sql::same(concat!("SELECT ", chained_columns!(), " FROM journal_entries e ORDER BY e.account_id, e.entry_id"));
+static CHAIN_ENTRIES: Sql = Sql::same(CHAIN_ENTRIES_TEXT);
+const CHAIN_ENTRIES_TEXT: &str =
+    concat!("SELECT ", chained_columns!(), " FROM journal_entries e ORDER BY e.account_id, e.entry_id");
 
 /// The entries with ids in `(after, upto]` and, per account, the one entry before its first in
 /// the range (as [`entry_continuity`] reads it), each account's in id order.
