@@ -901,3 +901,78 @@ pub async fn the_sweeper_skips_an_order_another_transaction_holds(app: &TestApp)
     assert_eq!((report.orders_closed, report.orders_skipped), (1, 0));
     assert_eq!(order_of(app, "o-1").await.close_reason(), OrderCloseReason::Expired);
 }
+
+/// Minor units of a decimal string with two decimals ("98.00" -> 9800).
+fn cents(amount: &str) -> i64 {
+    amount.replace('.', "").parse().unwrap()
+}
+
+/// GetAccount while Pays move alice's balance and version and Authorize and Void move what her
+/// holds reserve: every answer is her row at one moment, so its balance is 100.00 less 1.00 per
+/// version since the Pays began, and its available balance is that balance less 5.00 per hold
+/// active at that moment (0 to 6).
+pub async fn get_account_answers_one_moment_while_pays_and_holds_move_the_account(app: &TestApp) {
+    app.funded("alice", "100.00").await;
+    app.open("shop", "USD").await;
+    for n in 0..20 {
+        app.create_order("m1", &format!("p-{n}"), "shop", "1.00").await.unwrap();
+    }
+    for n in 0..6 {
+        app.create_order("m1", &format!("h-{n}"), "shop", "5.00").await.unwrap();
+    }
+    let read = proto::GetAccountRequest { account_id: "alice".into() };
+    let first = app.accounts.clone().get_account(read.clone()).await.unwrap().into_inner().account.unwrap();
+    let (start_version, start_balance) = (first.version, cents(&first.balance));
+    assert_eq!(start_balance, 10_000);
+
+    let pays = {
+        let mut payments = app.payments.clone();
+        let requests: Vec<_> =
+            (0..20).map(|n| app.pay_request("m1", &format!("pay-{n}"), &format!("p-{n}"), "alice", "1.00")).collect();
+        tokio::spawn(async move {
+            for request in requests {
+                payments.pay(request).await.expect("a Pay within alice's balance");
+            }
+        })
+    };
+    let holds = {
+        let mut payments = app.payments.clone();
+        tokio::spawn(async move {
+            for n in 0..6 {
+                payments.authorize(authorize_request(&format!("a-{n}"), &format!("h-{n}"), "5.00")).await.unwrap();
+            }
+            for n in 0..6 {
+                payments.void(void_request(&format!("a-{n}"))).await.unwrap();
+            }
+        })
+    };
+    let moving = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (mut accounts, moving, read) = (app.accounts.clone(), moving.clone(), read.clone());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                while moving.load(std::sync::atomic::Ordering::Relaxed) {
+                    answers.push(accounts.get_account(read.clone()).await.unwrap().into_inner().account.unwrap());
+                }
+                answers
+            })
+        })
+        .collect();
+    pays.await.unwrap();
+    holds.await.unwrap();
+    moving.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut reads = 0;
+    for reader in readers {
+        for account in reader.await.unwrap() {
+            reads += 1;
+            let (balance, available) = (cents(&account.balance), cents(&account.available_balance));
+            let paid = account.version - start_version;
+            assert!((0..=20).contains(&paid), "{account:?}");
+            assert_eq!(balance, start_balance - 100 * paid, "balance and version of one moment: {account:?}");
+            let held = balance - available;
+            assert!(held % 500 == 0 && (0..=3_000).contains(&held), "available of the same moment: {account:?}");
+        }
+    }
+    assert!(reads > 0, "the readers ran while the account moved");
+}

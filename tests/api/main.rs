@@ -163,6 +163,7 @@ backend_suite!(
     withdrawals_racing_pays_on_one_account_never_overdraw_it,
     a_hold_reserves_the_available_balance_and_a_partial_capture_pays_like_a_pay,
     a_deposit_or_withdraw_replayed_by_its_request_id_answers_the_account_as_it_stood,
+    get_account_answers_one_moment_while_pays_and_holds_move_the_account,
     funding_replays_as_they_stood_one_by_one => one_by_one,
     every_natural_replay_answers_what_its_original_answered_after_later_steps_moved_its_order,
     natural_replays_as_they_stood_one_by_one => one_by_one,
