@@ -239,6 +239,8 @@ async fn audit(settings: AuditSettings) -> Result<ExitCode, AnyError> {
 }
 
 async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
+    // A malformed digest is refused before the audit runs, not after.
+    let kept = settings.verify_digest.as_deref().map(read_kept_digest).transpose()?;
     let connect_limit = std::time::Duration::from_secs(settings.connect_timeout_seconds);
     let ledger = tokio::time::timeout(connect_limit, open_existing_ledger(settings)).await.map_err(|_| {
         format!(
@@ -285,8 +287,9 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
         Some(after) if after >= checkpoint => (
             ledger.audit_entries_reporting(after, after, &mut report).await?,
             format!(
-                "no settled journal entry after {after} ({} newer, audited once 5 minutes old); the currency sums are",
-                newest - after
+                "no settled journal entry after {after} ({} newer, audited once {} s old); the currency sums are",
+                newest - after,
+                settings.settled_after_seconds
             ),
             after,
         ),
@@ -303,7 +306,7 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
         println!("audit: {} violation(s)", violations.len());
         return Ok(ExitCode::FAILURE);
     }
-    if let Some(given) = &settings.verify_digest {
+    if let Some(given) = &kept {
         if let Some(changed) = digest_changed(&ledger, given, newest).await? {
             println!(
                 "VIOLATION the journal up to the digest's entry is as it was when the digest was taken: {changed}"
@@ -327,36 +330,50 @@ async fn audit_within(settings: &AuditSettings) -> Result<ExitCode, AnyError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What changed in the journal since the digest `given` (a digest, or a file `--digest-file`
-/// wrote) was taken: `None` when its root is the ledger's root at the digest's entry now; else
-/// the first account (in account_id byte order) whose chain differs, when the file names them.
+/// A digest kept outside the database, as `--verify-digest` gives it: the digest, and the leaves
+/// it was made of when it was given as the file `--digest-file` wrote.
+type KeptDigest = (payledger::store::chain::JournalDigest, Option<Vec<(String, payledger::store::chain::Hash)>>);
+
+/// Reads `given`: an existing file (its first line the digest, optionally after `digest: `,
+/// then `name hash` lines, which must make that digest; a file of the digest line alone is a
+/// digest without leaves), or else a digest as the audit prints it.
+///
+/// # Errors
+/// A malformed digest or line; a file whose lines do not make its digest.
+fn read_kept_digest(given: &str) -> Result<KeptDigest, AnyError> {
+    use payledger::store::chain::{self, JournalDigest};
+    let digest_of = |line: &str| line.trim().trim_start_matches("digest:").trim().parse::<JournalDigest>();
+    if !std::path::Path::new(given).is_file() {
+        return Ok((digest_of(given)?, None));
+    }
+    let text =
+        std::fs::read_to_string(given).map_err(|error| format!("cannot read the digest file {given}: {error}"))?;
+    let mut lines = text.lines().map(|line| line.trim_start_matches('\u{feff}').trim()).filter(|line| !line.is_empty());
+    let kept = digest_of(lines.next().unwrap_or_default()).map_err(|error| format!("{given}: {error}"))?;
+    let mut leaves = Vec::new();
+    for line in lines {
+        let leaf =
+            line.rsplit_once(' ').and_then(|(name, head)| Some((name.trim_end().to_owned(), chain::from_hex(head)?)));
+        leaves.push(leaf.ok_or_else(|| format!("{given}: not a `name hash` line: {line}"))?);
+    }
+    if leaves.is_empty() {
+        return Ok((kept, None));
+    }
+    if JournalDigest::of(kept.upto_entry, &leaves) != kept {
+        return Err(
+            format!("{given}: its lines do not make its digest: the file was changed after it was written").into()
+        );
+    }
+    Ok((kept, Some(leaves)))
+}
+
+/// What changed in the journal since `kept` was taken: `None` when its root is the ledger's root
+/// at the digest's entry now; else the first leaf that differs, when the kept file names them.
 async fn digest_changed(
     ledger: &payledger::ledger::Ledger,
-    given: &str,
+    (kept, leaves): &KeptDigest,
     newest: i64,
 ) -> Result<Option<String>, AnyError> {
-    use payledger::store::chain::{self, JournalDigest};
-    let (kept, leaves) = if given.trim_start().starts_with("payledger-digest-") {
-        (given.parse::<JournalDigest>()?, None)
-    } else {
-        let text =
-            std::fs::read_to_string(given).map_err(|error| format!("cannot read the digest file {given}: {error}"))?;
-        let mut lines = text.lines();
-        let kept: JournalDigest = lines.next().unwrap_or_default().parse()?;
-        let mut leaves = Vec::new();
-        for line in lines.filter(|line| !line.is_empty()) {
-            let leaf = line
-                .rsplit_once(' ')
-                .and_then(|(account_id, head)| Some((account_id.to_owned(), chain::from_hex(head)?)));
-            leaves.push(leaf.ok_or_else(|| format!("{given}: not an `account_id hash` line: {line}"))?);
-        }
-        if JournalDigest::of(kept.upto_entry, &leaves) != kept {
-            return Err(
-                format!("{given}: its accounts' hashes do not make its digest: the file itself was changed").into()
-            );
-        }
-        (kept, Some(leaves))
-    };
     if kept.upto_entry > newest {
         return Ok(Some(format!(
             "the digest covers entry {}, past the journal's newest entry {newest}: entries were deleted, or it is another ledger's",
@@ -364,7 +381,7 @@ async fn digest_changed(
         )));
     }
     let (now, heads) = ledger.journal_digest(kept.upto_entry).await?;
-    if now == kept {
+    if now == *kept {
         return Ok(None);
     }
     let Some(leaves) = leaves else {
@@ -374,7 +391,7 @@ async fn digest_changed(
         )));
     };
     Ok(Some(
-        chain::first_difference(&leaves, &heads)
+        payledger::store::chain::first_difference(leaves, &heads)
             .unwrap_or_else(|| format!("the root at entry {} differs", kept.upto_entry)),
     ))
 }

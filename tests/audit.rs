@@ -171,7 +171,8 @@ async fn a_digest_kept_outside_the_database_proves_its_history_and_names_the_acc
         }
     }
     let url = format!("sqlite:{}", directory.path().join("ledger.db").display());
-    let file = directory.path().join("digest.txt");
+    // Named as an operator would date it: a file, not a digest, though its name starts alike.
+    let file = directory.path().join("payledger-digest-2026-12-03.txt");
     let file_arg = file.to_str().unwrap();
 
     let (passed, output) = full_audit(&url, &["--digest-file", file_arg]);
@@ -180,9 +181,12 @@ async fn a_digest_kept_outside_the_database_proves_its_history_and_names_the_acc
     let kept = std::fs::read_to_string(&file).unwrap();
     assert_eq!(kept.lines().next(), Some(digest.as_str()));
     assert!(kept.lines().any(|line| line.starts_with("alice ")) && kept.lines().any(|line| line.starts_with("bob ")));
-    for given in [digest.as_str(), file_arg] {
+    let line_only = directory.path().join("digest-line.txt");
+    std::fs::write(&line_only, format!("digest: {digest}\n")).unwrap();
+    let printed = format!("digest: {digest}");
+    for given in [digest.as_str(), printed.as_str(), file_arg, line_only.to_str().unwrap()] {
         let (passed, output) = full_audit(&url, &["--verify-digest", given]);
-        assert!(passed && output.contains("the digest holds"), "{output}");
+        assert!(passed && output.contains("the digest holds"), "{given}: {output}");
     }
 
     // bob's first entry rewritten with every hash after it and his chain_hash: consistent, so
@@ -232,10 +236,32 @@ async fn a_digest_kept_outside_the_database_proves_its_history_and_names_the_acc
     let (passed, output) = full_audit(&url, &["--verify-digest", file_arg]);
     assert!(!passed && output.contains("account bob: its history up to the entry changed"), "{output}");
 
-    // A kept file whose lines no longer make its digest is refused as such.
+    // A kept file whose lines no longer make its digest is refused as such, before the audit.
     std::fs::write(&file, kept.replace("alice ", "alicia ")).unwrap();
     let (passed, output) = full_audit(&url, &["--verify-digest", file_arg]);
-    assert!(!passed && output.contains("the file itself was changed"), "{output}");
+    assert!(!passed && output.contains("the file was changed after it was written"), "{output}");
+    assert!(!output.contains("audit:"), "refused before the audit ran: {output}");
+    // bob put back as he was (his rows rewritten again, now to the originals) is not needed
+    // here: money minted outside the chain, in entries below the digest's entry (ids below 1,
+    // recorded as unchained), passes every check of the database but changes the digest.
+    let mint = [
+        "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at, held) VALUES \
+         ('@external:EUR', 'EUR', 'EXTERNAL', -500000, 1, 1, 1, 0), ('mallory', 'EUR', 'CUSTOMER', 500000, 1, 1, 1, 0)",
+        "INSERT INTO deposits (request_id, deposit_id, account_id, amount, currency, created_at, created_by, held_after) \
+         VALUES ('mallory-funds', 'D0evil', 'mallory', 500000, 'EUR', 1, 'anonymous', 0)",
+        "INSERT INTO journal_entries (entry_id, account_id, currency, amount, balance_after, version_after, kind, \
+         reference, posting_id, counterparty_account_id, created_at, created_by) VALUES \
+         (-2, '@external:EUR', 'EUR', -500000, -500000, 1, 'DEPOSIT', 'mallory-funds', 'D0evil', 'mallory', 1, 'anonymous'), \
+         (-1, 'mallory', 'EUR', 500000, 500000, 1, 'DEPOSIT', 'mallory-funds', 'D0evil', '@external:EUR', 1, 'anonymous')",
+        "INSERT INTO unchained_entries (first_entry_id, last_entry_id, written_by) VALUES (-2, -1, 'before the hash chain')",
+    ];
+    for statement in mint {
+        ledger.store().on_pooled_session(statement).await.unwrap();
+    }
+    std::fs::write(&file, &kept).unwrap();
+    let (passed, output) = full_audit(&url, &["--verify-digest", file_arg]);
+    assert!(!passed && output.contains("VIOLATION"), "{output}");
+    assert!(output.contains("an id below 1"), "{output}");
     // A digest of something else is refused as malformed.
     let (passed, output) = full_audit(&url, &["--verify-digest", "payledger-digest-v1:nonsense"]);
     assert!(!passed && output.contains("not a payledger digest"), "{output}");

@@ -270,15 +270,16 @@ impl Ledger {
         Ok(reader.queries().audit_entries(after, upto, progress).await?)
     }
 
-    /// The ledger's digest up to journal entry `upto`, and its leaves: each account's latest
-    /// chain hash at or before it, sorted by account_id (see `docs/audit.md`, "The hash
+    /// The ledger's digest up to journal entry `upto`, and its leaves (each account's latest
+    /// chain hash at or before it, the number of entries and the ranges outside the chain up to
+    /// it), sorted by name (see `docs/audit.md`, "The hash
     /// chain"). It proves something only of a ledger whose chains a full audit found intact.
     ///
     /// # Errors
     /// [`Error::Database`] when the journal cannot be read.
     pub async fn journal_digest(&self, upto: i64) -> Result<(JournalDigest, Vec<(String, chain::Hash)>), Error> {
         let mut reader = self.store.reader().await?;
-        let heads = reader.queries().chain_heads(upto).await?;
+        let heads = reader.queries().digest_leaves(upto).await?;
         Ok((JournalDigest::of(upto, &heads), heads))
     }
 

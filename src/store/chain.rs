@@ -82,7 +82,8 @@ pub fn to_hex(hash: &Hash) -> String {
 /// The hash of 64 hex digits; `None` for anything else.
 #[must_use]
 pub fn from_hex(text: &str) -> Option<Hash> {
-    if text.len() != 64 || !text.is_ascii() {
+    // Lowercase only, as stored: one hash has one text.
+    if text.len() != 64 || !text.bytes().all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte)) {
         return None;
     }
     let mut hash = GENESIS;
@@ -151,6 +152,12 @@ pub fn first_difference(kept: &[(String, Hash)], now: &[(String, Hash)]) -> Opti
                 now.next();
                 continue;
             }
+            (Some(was), Some(is)) if was.0 == is.0 && was.0 == ENTRIES_LEAF => {
+                "the number of journal entries up to the entry changed".to_owned()
+            }
+            (Some(was), Some(is)) if was.0 == is.0 && was.0 == UNCHAINED_LEAF => {
+                "the ranges of entries outside the chain (unchained_entries) up to the entry changed".to_owned()
+            }
             (Some(was), Some(is)) if was.0 == is.0 => format!("account {}: its history up to the entry changed", was.0),
             (Some(was), Some(is)) if was.0.as_bytes() < is.0.as_bytes() => {
                 format!("account {}: its chained history is gone", was.0)
@@ -162,9 +169,35 @@ pub fn first_difference(kept: &[(String, Hash)], now: &[(String, Hash)]) -> Opti
     }
 }
 
+/// The name of the leaf that stands for how many journal entries have ids up to the digest's
+/// entry (a space: no account id has one).
+pub const ENTRIES_LEAF: &str = "# entries";
+/// The name of the leaf that stands for the id ranges of `unchained_entries` up to the digest's
+/// entry.
+pub const UNCHAINED_LEAF: &str = "# unchained";
+
+/// The leaf of a number of entries.
+#[must_use]
+pub fn count_leaf(entries: i64) -> (String, Hash) {
+    (ENTRIES_LEAF.to_owned(), Sha256::digest(entries.to_be_bytes()).into())
+}
+
+/// The leaf of the ranges `(first, last)` of entries outside the chain, sorted.
+#[must_use]
+pub fn ranges_leaf(ranges: &[(i64, i64)]) -> (String, Hash) {
+    let mut hasher = Sha256::new();
+    for (first, last) in ranges {
+        hasher.update(first.to_be_bytes());
+        hasher.update(last.to_be_bytes());
+    }
+    (UNCHAINED_LEAF.to_owned(), hasher.finalize().into())
+}
+
 /// The ledger's digest up to one journal entry: `payledger-digest-v1:<entry id>:<accounts>:<root
-/// hex>`, the root of [`merkle_root`] over the latest hash of each account with a chained entry
-/// at or before that id, and how many such accounts there are.
+/// hex>`, the root of [`merkle_root`] over one leaf per account with an entry at or before that
+/// id (its latest chained hash there, [`GENESIS`] when none is chained), the leaf of how many
+/// entries there are up to it ([`count_leaf`]) and that of the ranges outside the chain up to it
+/// ([`ranges_leaf`]); and how many accounts it has a leaf for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JournalDigest {
     /// The newest entry id it covers.
@@ -177,7 +210,8 @@ impl JournalDigest {
     /// The digest of `heads` (sorted by account_id) up to `upto_entry`.
     #[must_use]
     pub fn of(upto_entry: i64, heads: &[(String, Hash)]) -> Self {
-        Self { upto_entry, accounts: heads.len() as u64, root: merkle_root(heads) }
+        let accounts = heads.iter().filter(|(name, _)| !name.starts_with("# ")).count() as u64;
+        Self { upto_entry, accounts, root: merkle_root(heads) }
     }
 }
 
@@ -196,8 +230,9 @@ impl FromStr for JournalDigest {
         if parts.next() != Some(DIGEST_PREFIX) {
             return Err(malformed());
         }
-        let upto_entry = parts.next().and_then(|part| part.parse().ok()).filter(|id: &i64| *id >= 0);
-        let accounts = parts.next().and_then(|part| part.parse().ok());
+        let digits = |part: &&str| !part.is_empty() && part.bytes().all(|byte| byte.is_ascii_digit());
+        let upto_entry = parts.next().filter(digits).and_then(|part| part.parse().ok());
+        let accounts = parts.next().filter(digits).and_then(|part| part.parse().ok());
         let root = parts.next().and_then(from_hex);
         match (upto_entry, accounts, root, parts.next()) {
             (Some(upto_entry), Some(accounts), Some(root), None) => Ok(Self { upto_entry, accounts, root }),
@@ -242,6 +277,8 @@ mod tests {
         assert_eq!(from_hex(&to_hex(&hash)), Some(hash));
         assert_eq!(to_hex(&hash).len(), 64);
         assert_eq!(from_hex("zz"), None);
+        assert_eq!(from_hex(&to_hex(&hash).to_uppercase()), None, "one text per hash");
+        assert_eq!(from_hex(&format!("+{}", &to_hex(&hash)[1..])), None);
         assert_eq!(from_hex(&"g".repeat(64)), None);
     }
 
@@ -259,6 +296,7 @@ mod tests {
         assert_eq!(digest.to_string().parse::<JournalDigest>(), Ok(digest));
         assert!("payledger-digest-v1:1:2".parse::<JournalDigest>().is_err());
         assert!(format!("payledger-digest-v1:-1:0:{}", to_hex(&root)).parse::<JournalDigest>().is_err());
+        assert!(format!("payledger-digest-v1:+42:5:{}", to_hex(&root)).parse::<JournalDigest>().is_err());
     }
 
     #[test]

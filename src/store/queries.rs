@@ -836,12 +836,20 @@ macro_rules! range_chain {
 }
 static RANGE_CHAIN: Sql = Sql::pair(range_chain!("$1", "$2", "$3", "$4"), range_chain!("?", "?", "?", "?"));
 
-/// Each account's latest entry hash at or before an entry id (one backward probe per account).
+/// Each account's first entry id, and its latest entry hash at or before an entry id (two
+/// probes of the journal's account index per account).
 static CHAIN_HEADS: Sql = Sql::pair(
     "SELECT a.account_id, (SELECT x.entry_hash FROM journal_entries x WHERE x.account_id = a.account_id \
-     AND x.entry_id <= $1 AND x.entry_hash IS NOT NULL ORDER BY x.entry_id DESC LIMIT 1) AS head FROM accounts a",
+     AND x.entry_id <= $1 AND x.entry_hash IS NOT NULL ORDER BY x.entry_id DESC LIMIT 1) AS head, \
+     (SELECT MIN(y.entry_id) FROM journal_entries y WHERE y.account_id = a.account_id) AS first_id FROM accounts a",
     "SELECT a.account_id, (SELECT x.entry_hash FROM journal_entries x WHERE x.account_id = a.account_id \
-     AND x.entry_id <= ? AND x.entry_hash IS NOT NULL ORDER BY x.entry_id DESC LIMIT 1) AS head FROM accounts a",
+     AND x.entry_id <= ? AND x.entry_hash IS NOT NULL ORDER BY x.entry_id DESC LIMIT 1) AS head, \
+     (SELECT MIN(y.entry_id) FROM journal_entries y WHERE y.account_id = a.account_id) AS first_id FROM accounts a",
+);
+/// How many entries have ids up to one (a count along the primary key).
+static ENTRIES_UPTO: Sql = Sql::pair(
+    "SELECT COUNT(*) FROM journal_entries WHERE entry_id <= $1",
+    "SELECT COUNT(*) FROM journal_entries WHERE entry_id <= ?",
 );
 
 /// One account's chain as [`Queries::audit_chain`] walks it.
@@ -1947,6 +1955,9 @@ impl<'c> Queries<'c> {
                 subject: walking.account_id.clone(),
                 detail: format!("entry {entry_id}: {detail}"),
             };
+            if entry_id < 1 {
+                violations.push(broken("an id below 1, which the journal never assigns".to_owned()));
+            }
             let Some(stored) = stored else {
                 if !outside_chain(entry_id) {
                     violations.push(broken("no hash, and no range of unchained_entries holds it".to_owned()));
@@ -1983,18 +1994,33 @@ impl<'c> Queries<'c> {
         Ok(violations)
     }
 
-    /// Each account's latest entry hash at or before entry `upto`, sorted by account_id
-    /// (byte order), accounts without one left out: the leaves of a [`chain::JournalDigest`].
-    pub async fn chain_heads(&mut self, upto: i64) -> Result<Vec<(String, Hash)>, sqlx::Error> {
+    /// The leaves of a [`chain::JournalDigest`] at entry `upto`, sorted by name (byte order):
+    /// each account with an entry at or before `upto`, with its latest chained hash there
+    /// ([`chain::GENESIS`] when none is chained); how many entries there are up to `upto`; and
+    /// the ranges of `unchained_entries` up to `upto`.
+    pub async fn digest_leaves(&mut self, upto: i64) -> Result<Vec<(String, Hash)>, sqlx::Error> {
         let rows = self.query(&CHAIN_HEADS).bind(upto).fetch_all(&mut *self.connection).await?;
-        let mut heads = Vec::with_capacity(rows.len());
+        let mut leaves = Vec::with_capacity(rows.len() + 2);
         for row in rows {
-            if let Some(head) = row.try_get::<Option<String>, _>(1)? {
-                heads.push((row.try_get::<String, _>(0)?, chain::stored(&head)));
+            let first: Option<i64> = row.try_get(2)?;
+            if first.is_some_and(|first| first <= upto) {
+                let head: Option<String> = row.try_get(1)?;
+                leaves.push((row.try_get::<String, _>(0)?, head.as_deref().map_or(chain::GENESIS, chain::stored)));
             }
         }
-        heads.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-        Ok(heads)
+        let entries: i64 = self.query(&ENTRIES_UPTO).bind(upto).fetch_one(&mut *self.connection).await?.try_get(0)?;
+        leaves.push(chain::count_leaf(entries));
+        let mut ranges = Vec::new();
+        for row in self.query(&UNCHAINED_RANGES).fetch_all(&mut *self.connection).await? {
+            let (first, last): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+            if first <= upto {
+                ranges.push((first, last.min(upto)));
+            }
+        }
+        ranges.sort_unstable();
+        leaves.push(chain::ranges_leaf(&ranges));
+        leaves.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        Ok(leaves)
     }
 
     /// The id of the newest journal entry written at or before `time` (microseconds since the
@@ -2265,6 +2291,7 @@ mod tests {
             ("CHAIN_ENTRIES", &CHAIN_ENTRIES),
             ("RANGE_CHAIN", &RANGE_CHAIN),
             ("CHAIN_HEADS", &CHAIN_HEADS),
+            ("ENTRIES_UPTO", &ENTRIES_UPTO),
         ];
         statements.extend(AUDIT_CHECKS.iter().chain(&AUDIT_ENTRY_CHECKS).map(|(check, sql)| (*check, sql)));
         statements
