@@ -28,6 +28,11 @@
 //!   DEADLINE_EXCEEDED of one attempt (the per-attempt timeout; the overall deadline is never
 //!   extended). Every payledger mutation is idempotent, so a retry of a call that did commit is
 //!   answered as a replay with the original result.
+//! - An attempt that ended without a status: a connection broken before the answer's headers
+//!   (UNAVAILABLE) or after them, before its trailers (each answer is read to its end, at most
+//!   [`RESPONSE_BYTES_MAX`] bytes, and judged by the status it ends with, in its headers
+//!   or its trailers; a caller reading the body itself would see UNKNOWN), or an answer that
+//!   ended without one.
 //! - Never INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION (a retry would get
 //!   the same answer), nor anything else.
 //!
@@ -59,7 +64,7 @@ pub use prost_types;
 pub use retry::{
     endpoint, was_replayed, with_idempotency_key, BearerToken, ClientSettings, ClientStats, ClientTls, ConnectError,
     PayledgerClient, RetryLayer, RetryService, RetrySettings, RetryThrottling, AUTHORIZATION_HEADER,
-    PREVIOUS_ATTEMPTS_HEADER, RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
+    PREVIOUS_ATTEMPTS_HEADER, RESPONSE_BYTES_MAX, RETRYABLE_CODES, RETRY_PUSHBACK_HEADER,
 };
 
 /// Messages and client stubs of package `payledger.v1`.

@@ -341,17 +341,26 @@ where
         stats.attempts.fetch_add(1, Ordering::Relaxed);
         let outcome = match tokio::time::timeout(attempt_timeout, async {
             inner.ready().await.map_err(Into::into)?;
-            inner.call(attempt).await.map_err(Into::into)
+            let response = inner.call(attempt).await.map_err(Into::into)?;
+            read_whole(response).await
         })
         .await
         {
-            Ok(Ok(response)) => match grpc_code(response.headers()) {
+            Ok(Ok(Answer::Whole { response, status })) => match status.code {
                 Some(code) if RETRYABLE_CODES.contains(&code) => {
-                    let pushback = pushback(response.headers());
-                    AttemptOutcome::Retryable { result: Ok(response), pushback }
+                    AttemptOutcome::Retryable { result: Ok(response), pushback: status.pushback }
                 }
-                _ => AttemptOutcome::Final(response),
+                Some(_) => AttemptOutcome::Final(response),
+                None => AttemptOutcome::Retryable {
+                    result: Err(Box::new(Status::unavailable("the answer ended without a gRPC status")) as BoxError),
+                    pushback: Pushback::None,
+                },
             },
+            Ok(Ok(Answer::TooLarge)) => {
+                return Err(Box::new(Status::out_of_range(format!(
+                    "the answer is larger than {RESPONSE_BYTES_MAX} bytes"
+                ))));
+            }
             Ok(Err(error)) => AttemptOutcome::Retryable {
                 result: Err(Box::new(Status::unavailable(format!("transport: {error}"))) as BoxError),
                 pushback: Pushback::None,
@@ -391,6 +400,50 @@ where
         tokio::time::sleep(delay).await;
         previous_attempts += 1;
     }
+}
+
+/// The most bytes of one answer the client reads (tonic's default limit of a decoded message,
+/// 4 MiB, and its frame header): a larger one fails the call OUT_OF_RANGE, not retried.
+pub const RESPONSE_BYTES_MAX: usize = 4 * 1024 * 1024 + 5;
+
+/// An attempt's answer read to its end.
+enum Answer {
+    /// Its headers, message and trailers, and the status they carry.
+    Whole { response: http::Response<Body>, status: AnswerStatus },
+    /// Over [`RESPONSE_BYTES_MAX`].
+    TooLarge,
+}
+
+/// The `grpc-status` of an answer (`None`: it carried none) and its pushback.
+struct AnswerStatus {
+    code: Option<Code>,
+    pushback: Pushback,
+}
+
+/// Reads an attempt's answer to its end (a unary answer: one message, then the trailers), so
+/// that it is judged by the status it ends with, wherever that comes: in the headers of a
+/// trailers-only answer, or in the trailers after the message. A connection that breaks after
+/// the headers, before the trailers, is an error of the attempt (retried, as one that broke
+/// before them), where a caller reading the body itself would see UNKNOWN.
+async fn read_whole(response: http::Response<Body>) -> Result<Answer, BoxError> {
+    if let Some(code) = grpc_code(response.headers()) {
+        let pushback = pushback(response.headers());
+        return Ok(Answer::Whole { response, status: AnswerStatus { code: Some(code), pushback } });
+    }
+    let (parts, body) = response.into_parts();
+    let whole = match http_body_util::Limited::new(body, RESPONSE_BYTES_MAX).collect().await {
+        Ok(whole) => whole,
+        Err(error) if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            return Ok(Answer::TooLarge);
+        }
+        Err(error) => return Err(format!("the connection broke after the answer's headers: {error}").into()),
+    };
+    let (code, pushback) = match whole.trailers() {
+        Some(trailers) => (grpc_code(trailers), pushback(trailers)),
+        None => (None, Pushback::None),
+    };
+    let response = http::Response::from_parts(parts, Body::new(whole));
+    Ok(Answer::Whole { response, status: AnswerStatus { code, pushback } })
 }
 
 /// Adds the caller's current OpenTelemetry context to a request that carries none, with the
@@ -836,5 +889,92 @@ mod tests {
         assert_eq!(attempts[0], calls * 5, "without throttling every call makes all its attempts");
         // 100 tokens: 50 failures reach the threshold; every later call is tried once.
         assert_eq!(attempts[1], 50 + (calls - 10), "{attempts:?}");
+    }
+
+    /// A body that sends `data`, then fails (a connection broken after the headers) or ends
+    /// with `trailers`.
+    struct Scripted {
+        data: Option<Bytes>,
+        end: End,
+    }
+
+    impl http_body::Body for Scripted {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+            if let Some(data) = self.data.take() {
+                return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
+            }
+            Poll::Ready(match self.end.take() {
+                Some(Ok(trailers)) => Some(Ok(http_body::Frame::trailers(trailers))),
+                Some(Err(())) => Some(Err("stream reset by peer".into())),
+                None => None,
+            })
+        }
+    }
+
+    /// Answers each attempt with the next of its answers (headers without a status, then a
+    /// [`Scripted`] body), counting the attempts.
+    /// How a [`Scripted`] body ends: trailers, a broken connection (`Err`), or nothing.
+    type End = Option<Result<HeaderMap, ()>>;
+
+    #[derive(Clone)]
+    struct Answers(Arc<Mutex<Vec<End>>>, Arc<AtomicU64>);
+
+    impl Service<http::Request<Body>> for Answers {
+        type Response = http::Response<Body>;
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            let end = self.0.lock().unwrap().remove(0);
+            let body = Scripted { data: Some(Bytes::from_static(b"\0\0\0\0\0")), end };
+            Box::pin(async move { Ok(http::Response::new(Body::new(body))) })
+        }
+    }
+
+    fn trailers(code: Code) -> HeaderMap {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from(code as i32));
+        trailers
+    }
+
+    #[tokio::test]
+    async fn an_answer_broken_after_its_headers_or_ending_in_a_retried_code_is_retried() {
+        let quick = RetrySettings {
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(1),
+            throttling: None,
+            ..RetrySettings::default()
+        };
+        // Broken after the headers; a status in the trailers that is retried; none at all;
+        // then the answer, whole.
+        let script = vec![Some(Err(())), Some(Ok(trailers(Code::Unavailable))), None, Some(Ok(trailers(Code::Ok)))];
+        let attempts = Arc::new(AtomicU64::new(0));
+        let mut service = RetryLayer::new(quick).layer(Answers(Arc::new(Mutex::new(script)), attempts.clone()));
+        let response = service.ready().await.unwrap().call(http::Request::new(Body::empty())).await.unwrap();
+        assert_eq!(attempts.load(Ordering::Relaxed), 4);
+        let whole = response.into_body().collect().await.unwrap();
+        assert_eq!(whole.trailers().and_then(grpc_code), Some(Code::Ok), "the trailers reach the caller");
+        assert_eq!(whole.to_bytes().as_ref(), b"\0\0\0\0\0", "and so does the message");
+
+        // A status in the trailers that is not retried is the answer.
+        let script = vec![Some(Ok(trailers(Code::FailedPrecondition))), Some(Ok(trailers(Code::Ok)))];
+        let attempts = Arc::new(AtomicU64::new(0));
+        let mut service =
+            RetryLayer::new(RetrySettings::default()).layer(Answers(Arc::new(Mutex::new(script)), attempts.clone()));
+        let response = service.ready().await.unwrap().call(http::Request::new(Body::empty())).await.unwrap();
+        assert_eq!(attempts.load(Ordering::Relaxed), 1);
+        let whole = response.into_body().collect().await.unwrap();
+        assert_eq!(whole.trailers().and_then(grpc_code), Some(Code::FailedPrecondition));
     }
 }

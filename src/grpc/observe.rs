@@ -87,7 +87,14 @@ where
         let mut call = Call::start(self.observe.rpc.clone(), span, labels, started);
         Box::pin(async move {
             let _presence = call_guard;
-            let result = tracing::Instrument::instrument(future, call.span.clone()).await;
+            let answered = tracing::Instrument::instrument(future, call.span.clone());
+            let result = match deadline {
+                Some(deadline) => {
+                    let expiry = deadline.checked_sub(DEADLINE_MARGIN).unwrap_or(deadline);
+                    tokio::time::timeout_at(expiry.into(), answered).await.unwrap_or_else(|_| Ok(deadline_passed()))
+                }
+                None => answered.await,
+            };
             result.map(|response| {
                 let response = reword(response);
                 call.finish(response_code(&response), is_replayed(&response));
@@ -95,6 +102,26 @@ where
             })
         })
     }
+}
+
+/// How much before the caller's deadline (`grpc-timeout`) a call still unanswered is answered
+/// DEADLINE_EXCEEDED: tonic's own timer for the same deadline, started a moment earlier around
+/// this layer, answers CANCELLED ("Timeout expired"), which a gRPC client does not retry
+/// (gRFC A6 retries the codes its service config lists; payledger's lists DEADLINE_EXCEEDED).
+/// One timer tick (tokio's timers fire on whole milliseconds) before it, this layer's answer
+/// comes first.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(1);
+
+/// The answer to a call whose deadline passed before its use case answered: DEADLINE_EXCEEDED
+/// (ErrorInfo `DEADLINE_PASSED`). Its write may or may not have committed, as with any call
+/// without an answer: the same request (and key) again is answered once, by the original
+/// when it committed.
+fn deadline_passed() -> http::Response<Body> {
+    let mut details = ErrorDetails::new();
+    details.set_error_info("DEADLINE_PASSED", ERROR_DOMAIN, HashMap::new());
+    let message = "the call's deadline (grpc-timeout) passed before its answer; it may have been written: \
+                   send the same request (and key) again";
+    Status::with_error_details(Code::DeadlineExceeded, message, details).into_http()
 }
 
 /// One call between its request's headers and its response's: in flight until then; counted

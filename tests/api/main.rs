@@ -185,6 +185,7 @@ backend_suite!(
     // Operability.
     metrics_count_calls_replays_key_conflicts_and_refusals,
     a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work => tightly_bounded,
+    a_call_past_its_deadline_is_deadline_exceeded_and_its_retry_moves_the_money_once,
     a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_starts => tightly_bounded,
     a_request_over_the_size_limit_is_resource_exhausted,
     a_request_with_broken_framing_is_invalid_argument,
