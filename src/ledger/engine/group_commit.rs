@@ -73,7 +73,8 @@ pub(in crate::ledger) enum Outcome {
     GuardAnswered(Box<IdempotencyRecordRow>),
     /// The batch could not decide it: run it in its own transaction.
     Alone,
-    /// Refused before it was queued or started: the queue was full, or the caller had gone.
+    /// Refused before it was queued or started: the queue was full, the caller had gone, or
+    /// its batch found no connection to the database (UNAVAILABLE).
     NotStarted(Error),
 }
 
@@ -408,6 +409,7 @@ pub(in crate::ledger) async fn write_together(
 ) -> Vec<Outcome> {
     let (mut outcomes, read) = match read_payments(store, calls).await {
         Ok(read) => read,
+        Err(error) if no_connection(&error) => return unavailable(calls.len(), &error),
         Err(error) => {
             tracing::debug!(%error, calls = calls.len(), "group commit could not read; every call of it runs alone");
             return alone(calls.len());
@@ -446,6 +448,7 @@ pub(in crate::ledger) async fn write_together(
             tracing::error!(invariant, calls = batch.len(), "group commit refused; nothing of it was written");
             batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect()
         }
+        Err(error) if no_connection(&error) => unavailable(batch.len(), &error),
         Err(error) => {
             tracing::debug!(%error, calls = batch.len(), "group commit failed; every call of it runs alone");
             alone(batch.len())
@@ -553,6 +556,25 @@ async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<O
     }
     let outcomes = calls.iter().map(|batched| batched.write.decided_before(&found)).collect();
     Ok((outcomes, found))
+}
+
+/// Whether the batch found no connection within the pool's acquire timeout (the database is
+/// down or unreachable, or the pool closed): then no transaction of it began, and each call
+/// alone would wait as long again, so each is answered UNAVAILABLE now, within the bound
+/// (`--pool-acquire-timeout-ms`) a call that is not batched keeps too.
+fn no_connection(error: &Error) -> bool {
+    matches!(error, Error::Database(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed))
+}
+
+/// Every call of a batch that found no connection ([`no_connection`]): not started, nothing of
+/// it written, UNAVAILABLE (DATABASE_UNAVAILABLE).
+fn unavailable(count: usize, error: &Error) -> Vec<Outcome> {
+    tracing::debug!(%error, calls = count, "group commit found no connection; every call of it is unavailable");
+    let refusal = || match error {
+        Error::Database(sqlx::Error::PoolClosed) => sqlx::Error::PoolClosed,
+        _ => sqlx::Error::PoolTimedOut,
+    };
+    (0..count).map(|_| Outcome::NotStarted(Error::Database(refusal()))).collect()
 }
 
 fn alone(count: usize) -> Vec<Outcome> {
