@@ -28,7 +28,7 @@ use sqlx::Row;
 
 /// The most statements that the first group commits prepare, whatever their size, beyond
 /// those of the set-up (whose Deposit and CreateOrders, group commits of their own, already
-/// prepared the orders' and the accounts' locks (one statement on PostgreSQL), the request_ids' read, the entries' read back
+/// prepared the orders' and the accounts' locks, the request_ids' read, the entries' read back
 /// and, on PostgreSQL, the statement that writes a batch of Deposits and the one that writes a
 /// batch of CreateOrders): PostgreSQL writes a batch of Pays, one of Refunds, one of Transfers
 /// and one that mixes kinds (Deposits and Withdraws) each with a statement of its shape

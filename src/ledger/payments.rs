@@ -124,11 +124,6 @@ impl BatchWrite for Identified<Pay> {
         })
     }
 
-    /// Its payer, locked with its order (and the order's payee).
-    fn accounts_known_before<'a>(&'a self, _read: &'a ReadFirst) -> Vec<&'a str> {
-        vec![self.command.payer_account_id.as_str()]
-    }
-
     /// Its order's checks under the lock ([`check_pay`]: terms, state machine, deadline), its
     /// payer's ([`check_payer`]), then its payment's posting.
     fn decide(&self, view: &mut View<'_>) -> Result<Box<dyn Accepted>, Outcome> {

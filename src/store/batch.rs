@@ -248,27 +248,6 @@ pub(super) static LOCK_ACCOUNTS: Sql = Sql {
     ),
 };
 
-/// PostgreSQL's [`LOCK_ORDERS`] and [`LOCK_ACCOUNTS`] as one statement, one round trip: the
-/// orders of rows `[merchant_id, order_no]` (`$1`, `$2`) locked in key order, then the
-/// accounts of `$3` and each locked order's payee, locked in `account_id` order: the same
-/// locks in the same order as the two statements take them (the accounts' CTE reads the
-/// orders' one, so the orders are locked first). Each row comes back as its kind (`order` or
-/// `account`) and its columns as one JSON object (`row_to_json`): the two kinds have
-/// different columns, and every column is a string or a 64-bit integer, which JSON carries
-/// exactly. MariaDB and SQLite run the two statements.
-pub(super) const LOCK_ORDERS_AND_ACCOUNTS_POSTGRES: &str = concat!(
-    "WITH o AS (SELECT ",
-    super::queries::order_columns!(),
-    " FROM orders WHERE (merchant_id, order_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
-     ORDER BY merchant_id COLLATE \"C\", order_no COLLATE \"C\" FOR NO KEY UPDATE), \
-     a AS (SELECT ",
-    super::queries::account_columns!(),
-    " FROM accounts WHERE account_id = ANY($3::text[] || ARRAY(SELECT payee_account_id::text FROM o)) \
-     ORDER BY account_id COLLATE \"C\" FOR NO KEY UPDATE) \
-     SELECT 'order' AS kind, row_to_json(o)::text AS row FROM o \
-     UNION ALL SELECT 'account', row_to_json(a)::text FROM a"
-);
-
 /// The journal entries of rows `[posting_id, account_id]` (one leg each, by the entries'
 /// unique key: PostgreSQL knows each pair gives at most one row, where `posting_id` alone,
 /// without statistics, is guessed at 0.5% of the table a value and scanned); a read, inside

@@ -1,8 +1,6 @@
 //! The statements of one call's transaction and of the audit, each in the form every backend
 //! takes (see [`Sql`]), and the store's operations over them.
 
-use std::collections::BTreeSet;
-
 use sqlx::any::{AnyArguments, AnyRow};
 use sqlx::query::{Query, QueryAs};
 use sqlx::AnyConnection;
@@ -1664,47 +1662,6 @@ impl<'c> Queries<'c> {
             .bind_rows(self.dialect, &rows)
             .fetch_all(&mut *self.connection)
             .await
-    }
-
-    /// Locks the orders of `keys` (in key order, as [`Queries::lock_orders`]), then the
-    /// accounts of `account_ids` and of each locked order's payee (in `account_id` order, as
-    /// [`Queries::lock_accounts`]), and returns both: missing rows are absent. One round trip
-    /// on PostgreSQL ([`batch::LOCK_ORDERS_AND_ACCOUNTS_POSTGRES`]), two elsewhere.
-    ///
-    /// # Errors
-    /// The driver error; [`sqlx::Error::Decode`] when a row PostgreSQL returns is not one.
-    pub async fn lock_orders_and_accounts(
-        &mut self,
-        keys: &[(&str, &str)],
-        account_ids: &[&str],
-    ) -> Result<(Vec<OrderRow>, Vec<AccountRow>), sqlx::Error> {
-        if self.dialect != Dialect::Postgres {
-            let orders = if keys.is_empty() { Vec::new() } else { self.lock_orders(keys).await? };
-            let ids: BTreeSet<&str> =
-                account_ids.iter().copied().chain(orders.iter().map(|order| order.payee_account_id.as_str())).collect();
-            let ids: Vec<&str> = ids.into_iter().collect();
-            let accounts = if ids.is_empty() { Vec::new() } else { self.lock_accounts(&ids).await? };
-            return Ok((orders, accounts));
-        }
-        let keys: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
-        let ids: Vec<[Value<'_>; 1]> = account_ids.iter().map(|account_id| [Value::Text(account_id)]).collect();
-        let rows = sqlx::query(batch::LOCK_ORDERS_AND_ACCOUNTS_POSTGRES)
-            .bind_rows(self.dialect, &keys)
-            .bind_rows(self.dialect, &ids)
-            .fetch_all(&mut *self.connection)
-            .await?;
-        let (mut orders, mut accounts) = (Vec::new(), Vec::new());
-        for row in rows {
-            let (kind, json): (String, String) = (row.try_get(0)?, row.try_get(1)?);
-            let decode = |error: serde_json::Error| sqlx::Error::Decode(Box::new(error));
-            match kind.as_str() {
-                "order" => orders.push(serde_json::from_str(&json).map_err(decode)?),
-                "account" => accounts.push(serde_json::from_str(&json).map_err(decode)?),
-                other => return Err(sqlx::Error::Protocol(format!("a locked row of unknown kind {other}"))),
-            }
-        }
-        Ok((orders, accounts))
     }
 
     /// Writes what a group commit accepted, all or nothing: the new orders (one INSERT of all

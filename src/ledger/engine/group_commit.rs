@@ -11,9 +11,8 @@
 //!    ([`BatchWrite::batch_keys`]) runs alone after it ([`Outcome::Alone`]); in the transaction,
 //!    [`Deciding::read_guards`]: the committed records of the calls with an idempotency key
 //!    alone ([`Outcome::GuardAnswered`]);
-//! 1. [`Deciding::lock`]: the orders locked in key order, the accounts in account_id order (on
-//!    PostgreSQL in one statement, [`Queries::lock_orders_and_accounts`]), then the keys the
-//!    writes find taken or not under those locks ([`BatchWrite::key_to_find`]);
+//! 1. [`Deciding::lock`]: the orders locked in key order, the accounts in account_id order, then
+//!    the keys the writes find taken or not under those locks ([`BatchWrite::key_to_find`]);
 //! 2. [`Deciding::apply`]: the writes decided one after another in arrival order
 //!    ([`BatchWrite::decide`]), each in a [`View`] of the rows as the writes before it leave
 //!    them;
@@ -202,15 +201,6 @@ pub(in crate::ledger) trait BatchWrite: Send + Sync {
 
     /// The accounts whose rows it locks, given its order (and hold) as locked.
     fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str>;
-
-    /// The accounts it locks that are known before its order is locked, locked with the
-    /// orders and their payees in one statement where the backend can ([`Deciding::lock`]);
-    /// by default those [`BatchWrite::accounts_to_lock`] names without an order or a hold. An
-    /// account named here that its order then does not need is locked but left out of its
-    /// book.
-    fn accounts_known_before<'a>(&'a self, read: &'a ReadFirst) -> Vec<&'a str> {
-        self.accounts_to_lock(Rows { order: None, hold: None, read })
-    }
 
     /// The key it finds taken or not once its rows are locked.
     fn key_to_find(&self) -> Option<KeyToFind> {
@@ -735,77 +725,26 @@ impl<'b> Deciding<'b> {
         Ok(())
     }
 
-    /// 1. The orders the undecided writes name, locked in key order, with the accounts known
-    ///    before them ([`BatchWrite::accounts_known_before`]) and the orders' payees, locked in
-    ///    account_id order: one statement on PostgreSQL, a `SELECT ... FOR UPDATE` each
-    ///    elsewhere ([`Queries::lock_orders_and_accounts`]). When a write reads its order's
-    ///    hold, the orders alone, then the holds (one read an order), then the accounts
-    ///    together. An account a write needs that neither names (a write whose
-    ///    `accounts_known_before` falls short) is locked after them, out of account_id order: a
-    ///    deadlock that meets runs the transaction again. Then the keys they find taken or not under those locks (one read a kind
-    ///    of key): a refund's out_refund_no under its order's lock (every Refund locks its
-    ///    order before it inserts), a request_id under its funding account's (every call of a
-    ///    request_id moves that account).
+    /// 1. The orders the undecided writes name, locked (one `SELECT ... FOR UPDATE`, in key
+    ///    order), and the holds of those whose writes read them (one read an order); then
+    ///    their accounts (one `SELECT ... FOR UPDATE`, in account_id order); then the keys they
+    ///    find taken or not under those locks (one read a kind of key): a refund's
+    ///    out_refund_no under its order's lock (every Refund locks its order before it
+    ///    inserts), a request_id under its funding account's (every call of a request_id moves
+    ///    that account).
     async fn lock(&self, queries: &mut Queries<'_>) -> Result<Locked, Error> {
         let undecided = self.undecided();
         let writes = || undecided.iter().map(|index| &self.batch[*index].write);
         let order_keys: BTreeSet<(&str, &str)> = writes().filter_map(|write| write.order_to_lock(self.read)).collect();
         let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
-        let with_holds = writes().any(|write| write.reads_hold());
-        // The accounts locked with the orders: none when holds name more.
-        let known: BTreeSet<&str> = if with_holds {
-            BTreeSet::new()
+        let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
+            HashMap::new()
         } else {
-            writes().flat_map(|write| write.accounts_known_before(self.read)).collect()
+            let rows = queries.lock_orders(&order_keys).await?;
+            rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
         };
-        let known: Vec<&str> = known.into_iter().collect();
-        let (orders, mut account_rows) = if order_keys.is_empty() && known.is_empty() {
-            (Vec::new(), Vec::new())
-        } else if with_holds {
-            (queries.lock_orders(&order_keys).await?, Vec::new())
-        } else {
-            queries.lock_orders_and_accounts(&order_keys, &known).await?
-        };
-        let tried: BTreeSet<String> = known
-            .iter()
-            .map(|id| (*id).to_owned())
-            .chain(orders.iter().filter(|_| !with_holds).map(|order| order.payee_account_id.clone()))
-            .collect();
-        let orders: HashMap<OrderKey, OrderRow> =
-            orders.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect();
         let checked_at = deadline_clock(self.now);
-        let holds = self.read_holds(queries, &orders).await?;
-        let account_ids: BTreeSet<&str> = writes()
-            .flat_map(|write| {
-                let key =
-                    write.order_to_lock(self.read).map(|(merchant_id, order_no)| order_key(merchant_id, order_no));
-                let order = key.as_ref().and_then(|key| orders.get(key));
-                let hold = key.as_ref().and_then(|key| holds.get(key));
-                write.accounts_to_lock(Rows { order, hold, read: self.read })
-            })
-            .collect();
-        let missing: Vec<&str> = account_ids.iter().copied().filter(|id| !tried.contains(*id)).collect();
-        if !missing.is_empty() {
-            account_rows.extend(queries.lock_accounts(&missing).await?);
-        }
-        account_rows.retain(|account| account_ids.contains(account.account_id.as_str()));
-        let book = Book::locked(account_rows);
-        let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
-        let taken = find_taken(queries, &keys).await?;
-        Ok(Locked { orders, holds, book, taken, checked_at })
-    }
-
-    /// The holds of the locked orders whose writes read them, one read an order, under the
-    /// orders' locks.
-    async fn read_holds(
-        &self,
-        queries: &mut Queries<'_>,
-        orders: &HashMap<OrderKey, OrderRow>,
-    ) -> Result<HashMap<OrderKey, HoldRow>, Error> {
-        let hold_keys: BTreeSet<(&str, &str)> = self
-            .undecided()
-            .into_iter()
-            .map(|index| &self.batch[index].write)
+        let hold_keys: BTreeSet<(&str, &str)> = writes()
             .filter(|write| write.reads_hold())
             .filter_map(|write| write.order_to_lock(self.read))
             .filter(|(merchant_id, order_no)| orders.contains_key(&order_key(merchant_id, order_no)))
@@ -816,7 +755,24 @@ impl<'b> Deciding<'b> {
                 holds.insert(order_key(merchant_id, order_no), hold);
             }
         }
-        Ok(holds)
+        let account_ids: BTreeSet<&str> = writes()
+            .flat_map(|write| {
+                let key =
+                    write.order_to_lock(self.read).map(|(merchant_id, order_no)| order_key(merchant_id, order_no));
+                let order = key.as_ref().and_then(|key| orders.get(key));
+                let hold = key.as_ref().and_then(|key| holds.get(key));
+                write.accounts_to_lock(Rows { order, hold, read: self.read })
+            })
+            .collect();
+        let account_ids: Vec<&str> = account_ids.into_iter().collect();
+        let book = if account_ids.is_empty() {
+            Book::default()
+        } else {
+            Book::locked(queries.lock_accounts(&account_ids).await?)
+        };
+        let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
+        let taken = find_taken(queries, &keys).await?;
+        Ok(Locked { orders, holds, book, taken, checked_at })
     }
 
     /// 2. The writes not decided yet, decided one after another in arrival order, in memory,
