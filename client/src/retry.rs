@@ -351,10 +351,15 @@ where
                     AttemptOutcome::Retryable { result: Ok(response), pushback: status.pushback }
                 }
                 Some(_) => AttemptOutcome::Final(response),
-                None => AttemptOutcome::Retryable {
+                // An HTTP answer ended without a gRPC status: cut short (200), or a proxy's
+                // refusal that the gRPC HTTP mapping makes UNAVAILABLE (429, 502, 503, 504) is
+                // retried; any other (a proxy's 401, 404, an error page) is the answer, which
+                // tonic maps by its HTTP status (doc/http-grpc-status-mapping.md).
+                None if retried_without_status(response.status()) => AttemptOutcome::Retryable {
                     result: Err(Box::new(Status::unavailable("the answer ended without a gRPC status")) as BoxError),
                     pushback: Pushback::None,
                 },
+                None => AttemptOutcome::Final(response),
             },
             Ok(Ok(Answer::TooLarge)) => {
                 return Err(Box::new(Status::out_of_range(format!(
@@ -405,6 +410,12 @@ where
 /// The most bytes of one answer the client reads (tonic's default limit of a decoded message,
 /// 4 MiB, and its frame header): a larger one fails the call OUT_OF_RANGE, not retried.
 pub const RESPONSE_BYTES_MAX: usize = 4 * 1024 * 1024 + 5;
+
+/// Whether an answer without a `grpc-status` is retried, by its HTTP status: 200 (the answer
+/// was cut short) and the statuses gRPC maps to UNAVAILABLE (429, 502, 503, 504).
+fn retried_without_status(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 200 | 429 | 502 | 503 | 504)
+}
 
 /// An attempt's answer read to its end.
 enum Answer {
@@ -966,6 +977,9 @@ mod tests {
         let whole = response.into_body().collect().await.unwrap();
         assert_eq!(whole.trailers().and_then(grpc_code), Some(Code::Ok), "the trailers reach the caller");
         assert_eq!(whole.to_bytes().as_ref(), b"\0\0\0\0\0", "and so does the message");
+
+        assert!(!retried_without_status(http::StatusCode::NOT_FOUND), "a proxy's 404 is the answer");
+        assert!(retried_without_status(http::StatusCode::BAD_GATEWAY));
 
         // A status in the trailers that is not retried is the answer.
         let script = vec![Some(Ok(trailers(Code::FailedPrecondition))), Some(Ok(trailers(Code::Ok)))];

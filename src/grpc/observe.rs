@@ -105,11 +105,11 @@ where
 }
 
 /// How much before the caller's deadline (`grpc-timeout`) a call still unanswered is answered
-/// DEADLINE_EXCEEDED: tonic's own timer for the same deadline, started a moment earlier around
-/// this layer, answers CANCELLED ("Timeout expired"), which a gRPC client does not retry
-/// (gRFC A6 retries the codes its service config lists; payledger's lists DEADLINE_EXCEEDED).
-/// One timer tick (tokio's timers fire on whole milliseconds) before it, this layer's answer
-/// comes first.
+/// DEADLINE_EXCEEDED: tonic's own timer for the same deadline, around this layer (started a
+/// moment after this layer's call), answers CANCELLED ("Timeout expired"), which a gRPC client
+/// does not retry (gRFC A6 retries the codes its service config lists; payledger's lists
+/// DEADLINE_EXCEEDED). One timer tick (tokio's timers fire on whole milliseconds) before it,
+/// this layer's answer comes first; in one tick tonic polls this layer before its own timer.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(1);
 
 /// The answer to a call whose deadline passed before its use case answered: DEADLINE_EXCEEDED

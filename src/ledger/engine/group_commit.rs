@@ -549,9 +549,11 @@ async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<O
 }
 
 /// Whether the batch found no connection within the pool's acquire timeout (the database is
-/// down or unreachable, or the pool closed): then no transaction of it began, and each call
-/// alone would wait as long again, so each is answered UNAVAILABLE now, within the bound
-/// (`--pool-acquire-timeout-ms`) a call that is not batched keeps too.
+/// down or unreachable, or the pool closed; on SQLite also no turn at its one write lock within
+/// `--lock-timeout-ms`): then no transaction of it began, and each call alone would wait as
+/// long again, so each is answered UNAVAILABLE now, within the bound
+/// (`--pool-acquire-timeout-ms`) a call that is not batched keeps too. A call the batch had
+/// set to run alone after it ([`runs_alone`]) still does, with its own wait.
 fn no_connection(error: &Error) -> bool {
     matches!(error, Error::Database(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed))
 }
