@@ -3057,20 +3057,10 @@ pub async fn a_call_past_its_deadline_is_deadline_exceeded_and_its_retry_moves_t
 }
 
 /// One call of `method` ("Service/Method" of package payledger.v1) with `message` and the
-/// header `grpc-timeout: deadline`, over raw HTTP/2, whose client keeps no timer: the status
-/// the server answers, from its headers or trailers.
+/// header `grpc-timeout: deadline`, over raw HTTP/2 ([`raw_stream`]): the status the server
+/// answers, from its headers or trailers.
 async fn raw_call_with_deadline(app: &TestApp, method: &str, message: &[u8], deadline: &str) -> tonic::Status {
-    let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
-    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
-    let mut client = client.ready().await.unwrap();
-    let request = http::Request::post(format!("http://{}/payledger.v1.{method}", app.address))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-timeout", deadline)
-        .body(())
-        .unwrap();
-    let (response, mut stream) = client.send_request(request, false).unwrap();
+    let (response, mut stream) = raw_stream(app, method, Some(deadline), false).await;
     let mut framed = vec![0_u8];
     framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
     framed.extend_from_slice(message);
@@ -3208,16 +3198,29 @@ pub async fn a_request_over_the_size_limit_is_resource_exhausted(app: &TestApp) 
 /// A Pay's HEADERS sent over raw HTTP/2 (ending the stream when `end`): the response to
 /// come and the request stream, open for whatever framing a case sends.
 async fn raw_pay_stream(app: &TestApp, end: bool) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    raw_stream(app, "PaymentService/Pay", None, end).await
+}
+
+/// The HEADERS of a call of `method` ("Service/Method" of package payledger.v1), with
+/// `grpc-timeout` when given, sent over raw HTTP/2 (ending the stream when `end`), whose
+/// client keeps no timer of its own: the response to come and the request stream.
+async fn raw_stream(
+    app: &TestApp,
+    method: &str,
+    grpc_timeout: Option<&str>,
+    end: bool,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
     let tcp = tokio::net::TcpStream::connect(app.address).await.unwrap();
     let (client, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
     let mut client = client.ready().await.unwrap();
-    let request = http::Request::post(format!("http://{}/payledger.v1.PaymentService/Pay", app.address))
+    let mut request = http::Request::post(format!("http://{}/payledger.v1.{method}", app.address))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    client.send_request(request, end).unwrap()
+        .header("te", "trailers");
+    if let Some(timeout) = grpc_timeout {
+        request = request.header("grpc-timeout", timeout);
+    }
+    client.send_request(request.body(()).unwrap(), end).unwrap()
 }
 
 /// A Pay whose gRPC framing is `body`, sent over raw HTTP/2: the trailers-only status.
