@@ -367,7 +367,7 @@ where
                 ))));
             }
             Ok(Err(error)) => AttemptOutcome::Retryable {
-                result: Err(Box::new(Status::unavailable(format!("transport: {error}"))) as BoxError),
+                result: Err(Box::new(attempt_error(error.as_ref())) as BoxError),
                 pushback: Pushback::None,
             },
             Err(_) => AttemptOutcome::Retryable {
@@ -410,6 +410,21 @@ where
 /// The most bytes of one answer the client reads (tonic's default limit of a decoded message,
 /// 4 MiB, and its frame header): a larger one fails the call OUT_OF_RANGE, not retried.
 pub const RESPONSE_BYTES_MAX: usize = 4 * 1024 * 1024 + 5;
+
+/// The status of an attempt that ended in a transport error: DEADLINE_EXCEEDED when the
+/// channel's own timer for the attempt's `grpc-timeout` fired (tonic's `TimeoutExpired`,
+/// which tonic itself reports as CANCELLED), UNAVAILABLE otherwise (a connection refused,
+/// reset or broken). Both are retried.
+fn attempt_error(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Status {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = cause {
+        if current.is::<tonic::TimeoutExpired>() {
+            return Status::deadline_exceeded("the attempt's deadline passed");
+        }
+        cause = current.source();
+    }
+    Status::unavailable(format!("transport: {error}"))
+}
 
 /// Whether an answer without a `grpc-status` is retried, by its HTTP status: 200 (the answer
 /// was cut short) and the statuses gRPC maps to UNAVAILABLE (429, 502, 503, 504).
@@ -792,6 +807,27 @@ mod tests {
         assert_eq!(pushback(&headers), Pushback::Stop);
         headers.insert(RETRY_PUSHBACK_HEADER, HeaderValue::from_static("soon"));
         assert_eq!(pushback(&headers), Pushback::Stop);
+    }
+
+    #[test]
+    fn an_attempt_the_channel_timed_out_is_deadline_exceeded_and_a_broken_one_unavailable() {
+        #[derive(Debug)]
+        struct Wrapped(tonic::TimeoutExpired);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("transport error")
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        assert_eq!(attempt_error(&Wrapped(tonic::TimeoutExpired(()))).code(), Code::DeadlineExceeded);
+        assert_eq!(attempt_error(&tonic::TimeoutExpired(())).code(), Code::DeadlineExceeded);
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert_eq!(attempt_error(&reset).code(), Code::Unavailable);
+        assert!(RETRYABLE_CODES.contains(&Code::DeadlineExceeded) && RETRYABLE_CODES.contains(&Code::Unavailable));
     }
 
     #[test]
