@@ -111,7 +111,7 @@ async fn postgres_hot_paths_never_scan(statistics: Statistics) {
     assert!(after["orders"].1 > before["orders"].1, "no index scans of orders counted: {before:?} {after:?}");
     assert!(scanned.is_empty(), "hot statements scanned grown tables: {scanned:?}");
     raw.close().await;
-    finish(served).await;
+    served.finish().await;
     drop(database);
 }
 
@@ -152,7 +152,7 @@ async fn mysql_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
     assert!(scanned.is_empty(), "hot statements scanned grown tables: {scanned:?}");
     sqlx::query("SET GLOBAL userstat = 0").execute(&raw).await.unwrap();
     raw.close().await;
-    finish(served).await;
+    served.finish().await;
     drop(database);
 }
 
@@ -195,7 +195,7 @@ async fn sqlite_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
         statements.len()
     );
     assert!(scans.is_empty(), "hot statements scan hot tables: {scans:#?}");
-    finish(served).await;
+    served.finish().await;
 }
 
 /// What the database knows of its tables when they grow.
@@ -283,14 +283,6 @@ async fn grow_every_hot_table(url: &str) {
         progress: payledger::config::Progress::Never,
     };
     seed(&settings).await.unwrap();
-}
-
-async fn finish(served: common::Served) {
-    let violations = served.ledger.audit().await.unwrap();
-    assert!(violations.is_empty(), "{violations:#?}");
-    let store = served.ledger.store().clone();
-    served.shut_down().await;
-    store.close().await;
 }
 
 /// The statements SQLite ran while `capturing`: sqlx logs each one (target `sqlx::query`)

@@ -170,11 +170,7 @@ where
     let payments = sqlx::query("SELECT COUNT(*) FROM payment_flow").fetch_one(&raw).await.unwrap();
     assert_eq!(payments.try_get::<i64, _>(0).unwrap() as usize, seen.paid.len(), "nothing unacknowledged was paid");
     raw.close().await;
-    let violations = served.ledger.audit().await.unwrap();
-    assert!(violations.is_empty(), "{violations:#?}");
-    let store = served.ledger.store().clone();
-    served.shut_down().await;
-    store.close().await;
+    served.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -893,11 +893,18 @@ mod tests {
         assert_eq!(*throttle.tokens(), 10_000, "never above max_tokens");
     }
 
-    /// A channel stand-in that answers every call UNAVAILABLE and counts the attempts.
+    /// A channel stand-in that answers each attempt with what its function makes, and counts
+    /// the attempts.
     #[derive(Clone)]
-    struct AlwaysUnavailable(Arc<AtomicU64>);
+    struct Stub(Arc<dyn Fn() -> http::Response<Body> + Send + Sync>, Arc<AtomicU64>);
 
-    impl Service<http::Request<Body>> for AlwaysUnavailable {
+    impl Stub {
+        fn new(answer: impl Fn() -> http::Response<Body> + Send + Sync + 'static, attempts: &Arc<AtomicU64>) -> Self {
+            Self(Arc::new(answer), attempts.clone())
+        }
+    }
+
+    impl Service<http::Request<Body>> for Stub {
         type Response = http::Response<Body>;
         type Error = BoxError;
         type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
@@ -907,8 +914,9 @@ mod tests {
         }
 
         fn call(&mut self, _: http::Request<Body>) -> Self::Future {
-            self.0.fetch_add(1, Ordering::Relaxed);
-            Box::pin(async { Ok(Status::unavailable("down").into_http()) })
+            self.1.fetch_add(1, Ordering::Relaxed);
+            let response = (self.0)();
+            Box::pin(async move { Ok(response) })
         }
     }
 
@@ -925,7 +933,7 @@ mod tests {
         for throttling in [None, Some(RetryThrottling::default())] {
             let counter = Arc::new(AtomicU64::new(0));
             let layer = RetryLayer::new(RetrySettings { throttling, ..quick.clone() });
-            let mut service = layer.layer(AlwaysUnavailable(counter.clone()));
+            let mut service = layer.layer(Stub::new(|| Status::unavailable("down").into_http(), &counter));
             for _ in 0..calls {
                 let request = http::Request::new(Body::empty());
                 let response = service.ready().await.unwrap().call(request).await.unwrap();
@@ -964,29 +972,21 @@ mod tests {
         }
     }
 
-    /// Answers each attempt with the next of its answers (headers without a status, then a
-    /// [`Scripted`] body), counting the attempts.
     /// How a [`Scripted`] body ends: trailers, a broken connection (`Err`), or nothing.
     type End = Option<Result<HeaderMap, ()>>;
 
-    #[derive(Clone)]
-    struct Answers(Arc<Mutex<Vec<End>>>, Arc<AtomicU64>);
-
-    impl Service<http::Request<Body>> for Answers {
-        type Response = http::Response<Body>;
-        type Error = BoxError;
-        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
-            self.1.fetch_add(1, Ordering::Relaxed);
-            let end = self.0.lock().unwrap().remove(0);
-            let body = Scripted { data: Some(Bytes::from_static(b"\0\0\0\0\0")), end };
-            Box::pin(async move { Ok(http::Response::new(Body::new(body))) })
-        }
+    /// A [`Stub`] answering each attempt with the next of `script`: headers without a status,
+    /// then the message and the [`Scripted`] end.
+    fn scripted(script: Vec<End>, attempts: &Arc<AtomicU64>) -> Stub {
+        let script = Mutex::new(script);
+        Stub::new(
+            move || {
+                let end = script.lock().unwrap().remove(0);
+                let body = Scripted { data: Some(Bytes::from_static(b"\0\0\0\0\0")), end };
+                http::Response::new(Body::new(body))
+            },
+            attempts,
+        )
     }
 
     fn trailers(code: Code) -> HeaderMap {
@@ -1007,7 +1007,7 @@ mod tests {
         // then the answer, whole.
         let script = vec![Some(Err(())), Some(Ok(trailers(Code::Unavailable))), None, Some(Ok(trailers(Code::Ok)))];
         let attempts = Arc::new(AtomicU64::new(0));
-        let mut service = RetryLayer::new(quick).layer(Answers(Arc::new(Mutex::new(script)), attempts.clone()));
+        let mut service = RetryLayer::new(quick).layer(scripted(script, &attempts));
         let response = service.ready().await.unwrap().call(http::Request::new(Body::empty())).await.unwrap();
         assert_eq!(attempts.load(Ordering::Relaxed), 4);
         let whole = response.into_body().collect().await.unwrap();
@@ -1020,8 +1020,7 @@ mod tests {
         // A status in the trailers that is not retried is the answer.
         let script = vec![Some(Ok(trailers(Code::FailedPrecondition))), Some(Ok(trailers(Code::Ok)))];
         let attempts = Arc::new(AtomicU64::new(0));
-        let mut service =
-            RetryLayer::new(RetrySettings::default()).layer(Answers(Arc::new(Mutex::new(script)), attempts.clone()));
+        let mut service = RetryLayer::new(RetrySettings::default()).layer(scripted(script, &attempts));
         let response = service.ready().await.unwrap().call(http::Request::new(Body::empty())).await.unwrap();
         assert_eq!(attempts.load(Ordering::Relaxed), 1);
         let whole = response.into_body().collect().await.unwrap();

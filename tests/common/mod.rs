@@ -59,6 +59,15 @@ impl Served {
         let _ = self.stop.send(());
         let _ = self.server.await;
     }
+
+    /// Asserts that the audit finds nothing, then stops the server and closes its pool.
+    pub async fn finish(self) {
+        let violations = self.ledger.audit().await.unwrap();
+        assert!(violations.is_empty(), "{violations:#?}");
+        let store = self.ledger.store().clone();
+        self.shut_down().await;
+        store.close().await;
+    }
 }
 
 /// A payledger server on a free loopback port over `database_url` (migrated first), with a
