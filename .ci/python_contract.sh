@@ -38,6 +38,17 @@ if ! GRPC_VERBOSITY=NONE PYTHONPATH="$work" "$venv/bin/python" .ci/contract/auth
   cat "$work/server.log" >&2
   exit 1
 fi
+# The example caller (examples/checkout-service) through the same boundary: the server's CA,
+# a client certificate and a token of its own, passed the way its README says.
+cargo build --locked --quiet --bin checkout-service
+token=$(target/debug/payledger auth mint --key "$work/auth/jwt-signing-key.pem" --sub checkout --merchants checkout \
+  --scope "payments:write payments:read accounts:write accounts:read accounts:admin")
+if ! PAYLEDGER_TOKEN="$token" target/debug/checkout-service "https://localhost:$port" --tls-ca "$work/ca.pem" \
+  --tls-cert "$work/client.pem" --tls-key "$work/client-key.pem"; then
+  echo "the example caller failed over mutual TLS with a token; server log:" >&2
+  cat "$work/server.log" >&2
+  exit 1
+fi
 grep -q 'authentication="jwt" transport="mtls"' "$work/server.log" || { echo "start-up line:" >&2; cat "$work/server.log" >&2; exit 1; }
 # No token reaches the log: a JWT's header and claims both start with `eyJ` ('{"').
 if grep -Eq 'eyJ[A-Za-z0-9_-]+\.eyJ[A-Za-z0-9_-]+\.' "$work/server.log"; then

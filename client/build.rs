@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-const PROTO_ROOT: &str = "../proto";
-const PROTO_FILE: &str = "../proto/payledger/v1/payledger.proto";
+const PROTO_ROOT: &str = "proto";
+const PROTO_FILE: &str = "proto/payledger/v1/payledger.proto";
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={PROTO_ROOT}");

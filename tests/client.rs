@@ -290,3 +290,19 @@ fn the_shipped_service_config_retries_only_transient_codes() {
         assert!(named.iter().any(|name| name == rpc), "{rpc} has a retry policy");
     }
 }
+
+#[test]
+fn the_typed_reasons_are_the_readmes_error_table() {
+    let readme = include_str!("../README.md");
+    let table = readme.split("| Code | Reason | When |").nth(1).expect("the README's error table");
+    let mut documented: Vec<&str> = Vec::new();
+    for row in table.lines().skip(2).take_while(|line| line.starts_with('|')) {
+        let reasons = row.split('|').nth(2).expect("a Reason column");
+        documented.extend(reasons.split('`').skip(1).step_by(2));
+    }
+    documented.sort_unstable();
+    documented.dedup();
+    let mut known = payledger::client::Reason::KNOWN.to_vec();
+    known.sort_unstable();
+    assert_eq!(documented, known, "client/src/error.rs and the README's error table name the same reasons");
+}

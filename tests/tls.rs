@@ -189,7 +189,12 @@ async fn the_client_sends_its_bearer_token_on_every_call_and_can_replace_it() {
 
     let bearer = BearerToken::new(&mint("accounts:read")).unwrap();
     assert_eq!(format!("{bearer:?}"), "BearerToken(..)", "Debug never shows the token");
-    let settings = ClientSettings { retry: quick(), tls: Some(trusting(&pki)), bearer_token: Some(bearer.clone()) };
+    let settings = ClientSettings {
+        retry: quick(),
+        tls: Some(trusting(&pki)),
+        bearer_token: Some(bearer.clone()),
+        ..ClientSettings::default()
+    };
     let client = PayledgerClient::connect(&target, settings).unwrap();
     assert_eq!(open(&client, "alice").await.unwrap_err().code(), Code::PermissionDenied);
     bearer.set(&mint("accounts:admin accounts:read")).unwrap();

@@ -51,7 +51,12 @@
 //! global propagator (W3C `traceparent` once the application installs
 //! `TraceContextPropagator`; nothing with the default no-op propagator).
 
+mod connections;
+mod error;
 mod retry;
+
+pub use connections::{Connections, CONNECTIONS_DEFAULT, CONNECTIONS_MAX};
+pub use error::{CallError, FieldViolation, Reason, ERROR_DOMAIN};
 
 /// The tonic this crate is built on, so a caller names its types (`Request`, `Response`,
 /// `Status`, `Code`) without matching versions by hand.

@@ -15,7 +15,11 @@ use http_body_util::{BodyExt, Full};
 use retry_policies::policies::ExponentialBackoffTimed;
 use retry_policies::{Jitter, RetryDecision, RetryPolicy};
 use tonic::body::Body;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+#[cfg(feature = "tls")]
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::connections::{Connections, CONNECTIONS_DEFAULT};
 use tonic::{Code, Request, Response, Status};
 use tower::{Layer, Service, ServiceExt};
 
@@ -236,10 +240,15 @@ pub struct RetryService<S> {
 enum AttemptOutcome {
     /// Done: success, or a status that is not retried.
     Final(http::Response<Body>),
-    Retryable {
-        result: Result<http::Response<Body>, BoxError>,
-        pushback: Pushback,
-    },
+    /// A retried code, or no answer (`result` is then the error, as a [`Status`]).
+    Retryable { result: Result<http::Response<Body>, BoxError>, code: Code, pushback: Pushback },
+}
+
+impl AttemptOutcome {
+    /// An attempt that ended without an answer.
+    fn failed(status: Status) -> Self {
+        AttemptOutcome::Retryable { code: status.code(), result: Err(Box::new(status)), pushback: Pushback::None }
+    }
 }
 
 /// The server's `grpc-retry-pushback-ms`.
@@ -318,9 +327,15 @@ where
     S::Error: Into<BoxError>,
 {
     let started_at = SystemTime::now();
-    let deadline = Instant::now() + settings.overall_deadline;
-    let policy = backoff_policy(&settings);
     let (parts, body) = request.into_parts();
+    // The caller's own deadline for this call (`Request::set_timeout`, sent as `grpc-timeout`)
+    // bounds every attempt and backoff, when it is shorter than `overall_deadline`.
+    let overall = match parts.headers.get(GRPC_TIMEOUT_HEADER).and_then(parse_grpc_timeout) {
+        Some(callers) => callers.min(settings.overall_deadline),
+        None => settings.overall_deadline,
+    };
+    let deadline = Instant::now() + overall;
+    let policy = backoff_policy(&settings);
     // Buffered once, so every attempt sends the identical bytes.
     let payload: Bytes = body.collect().await.map_err(|status| Box::new(status) as BoxError)?.to_bytes();
     let mut previous_attempts: u32 = 0;
@@ -333,7 +348,7 @@ where
         *attempt.version_mut() = parts.version;
         *attempt.headers_mut() = parts.headers.clone();
         if let Ok(timeout) = HeaderValue::try_from(format!("{}m", attempt_timeout.as_millis().max(1))) {
-            attempt.headers_mut().insert("grpc-timeout", timeout);
+            attempt.headers_mut().insert(GRPC_TIMEOUT_HEADER, timeout);
         }
         if previous_attempts > 0 {
             attempt.headers_mut().insert(PREVIOUS_ATTEMPTS_HEADER, HeaderValue::from(previous_attempts));
@@ -348,17 +363,16 @@ where
         {
             Ok(Ok(Answer::Whole { response, status })) => match status.code {
                 Some(code) if RETRYABLE_CODES.contains(&code) => {
-                    AttemptOutcome::Retryable { result: Ok(response), pushback: status.pushback }
+                    AttemptOutcome::Retryable { result: Ok(response), code, pushback: status.pushback }
                 }
                 Some(_) => AttemptOutcome::Final(response),
                 // An HTTP answer ended without a gRPC status: cut short (200), or a proxy's
                 // refusal that the gRPC HTTP mapping makes UNAVAILABLE (429, 502, 503, 504) is
                 // retried; any other (a proxy's 401, 404, an error page) is the answer, which
                 // tonic maps by its HTTP status (doc/http-grpc-status-mapping.md).
-                None if retried_without_status(response.status()) => AttemptOutcome::Retryable {
-                    result: Err(Box::new(Status::unavailable("the answer ended without a gRPC status")) as BoxError),
-                    pushback: Pushback::None,
-                },
+                None if retried_without_status(response.status()) => {
+                    AttemptOutcome::failed(Status::unavailable("the answer ended without a gRPC status"))
+                }
                 None => AttemptOutcome::Final(response),
             },
             Ok(Ok(Answer::TooLarge)) => {
@@ -366,23 +380,17 @@ where
                     "the answer is larger than {RESPONSE_BYTES_MAX} bytes"
                 ))));
             }
-            Ok(Err(error)) => AttemptOutcome::Retryable {
-                result: Err(Box::new(attempt_error(error.as_ref())) as BoxError),
-                pushback: Pushback::None,
-            },
-            Err(_) => AttemptOutcome::Retryable {
-                result: Err(Box::new(Status::deadline_exceeded("the attempt's deadline passed")) as BoxError),
-                pushback: Pushback::None,
-            },
+            Ok(Err(error)) => AttemptOutcome::failed(attempt_error(error.as_ref())),
+            Err(_) => AttemptOutcome::failed(Status::deadline_exceeded("the attempt's deadline passed")),
         };
-        let (result, pushback) = match outcome {
+        let (result, code, pushback) = match outcome {
             AttemptOutcome::Final(response) => {
                 if let Some(throttle) = &throttle {
                     throttle.succeeded();
                 }
                 return Ok(response);
             }
-            AttemptOutcome::Retryable { result, pushback } => (result, pushback),
+            AttemptOutcome::Retryable { result, code, pushback } => (result, code, pushback),
         };
         if throttle.as_ref().is_some_and(|throttle| !throttle.failed()) {
             stats.throttled.fetch_add(1, Ordering::Relaxed);
@@ -398,13 +406,52 @@ where
                 RetryDecision::DoNotRetry => return result,
             },
         };
-        if previous_attempts + 1 >= settings.max_attempts || Instant::now() + delay >= deadline {
+        if previous_attempts + 1 >= settings.max_attempts {
             return result;
+        }
+        if Instant::now() + delay >= deadline {
+            // The call's deadline leaves no room for another attempt: the call ends as its
+            // deadline says (gRFC A6), with what its last attempt met.
+            return Err(Box::new(deadline_passed(&result, code)));
         }
         stats.retries.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(delay).await;
         previous_attempts += 1;
     }
+}
+
+/// Request header: the time left for a call (gRPC over HTTP/2: at most 8 digits and a unit,
+/// `H`, `M`, `S`, `m`, `u` or `n`).
+pub(crate) const GRPC_TIMEOUT_HEADER: &str = "grpc-timeout";
+
+/// A `grpc-timeout` value as a duration; `None` when it is malformed.
+pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
+    let text = value.to_str().ok()?;
+    let unit_at = text.len().checked_sub(1)?;
+    let (digits, unit) = text.split_at(unit_at);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|byte| byte.is_ascii_digit()) {
+        return None;
+    }
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// DEADLINE_EXCEEDED for a call whose deadline ended its retries, naming what its last attempt
+/// met (a status, or a transport error).
+fn deadline_passed(last: &Result<http::Response<Body>, BoxError>, code: Code) -> Status {
+    let message = match last.as_ref().err().and_then(|error| error.downcast_ref::<Status>()) {
+        Some(status) => status.message(),
+        None => "answered by the server",
+    };
+    Status::deadline_exceeded(format!("the call's deadline passed; its last attempt: {code:?}, {message}"))
 }
 
 /// The most bytes of one answer the client reads (tonic's default limit of a decoded message,
@@ -475,6 +522,7 @@ async fn read_whole(response: http::Response<Body>) -> Result<Answer, BoxError> 
 /// Adds the caller's current OpenTelemetry context to a request that carries none, with the
 /// global propagator (W3C `traceparent` once the application installs
 /// `TraceContextPropagator`, as payledger's tools do; nothing with the default no-op one).
+#[cfg(feature = "otel")]
 fn inject_trace_context(headers: &mut HeaderMap) {
     if headers.contains_key("traceparent") {
         return;
@@ -485,8 +533,14 @@ fn inject_trace_context(headers: &mut HeaderMap) {
     });
 }
 
+/// Without the `otel` feature: nothing to add.
+#[cfg(not(feature = "otel"))]
+fn inject_trace_context(_: &mut HeaderMap) {}
+
+#[cfg(feature = "otel")]
 struct HeaderInjector<'a>(&'a mut HeaderMap);
 
+#[cfg(feature = "otel")]
 impl opentelemetry::propagation::Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
         if let (Ok(name), Ok(value)) = (http::HeaderName::try_from(key), HeaderValue::try_from(value)) {
@@ -498,15 +552,20 @@ impl opentelemetry::propagation::Injector for HeaderInjector<'_> {
 /// Both payledger services over one channel, with retries.
 #[derive(Debug, Clone)]
 pub struct PayledgerClient {
-    accounts: AccountServiceClient<RetryService<Channel>>,
-    payments: PaymentServiceClient<RetryService<Channel>>,
+    accounts: AccountServiceClient<RetryService<Connections>>,
+    payments: PaymentServiceClient<RetryService<Connections>>,
     stats: Arc<ClientStats>,
+    connections: Connections,
 }
 
 /// How long a connection attempt may take before the attempt fails (and is retried).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// HTTP/2 PING interval, and how long a PING may go unanswered.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+/// HTTP/2 keepalive while calls are in flight (none while idle): a PING after this long
+/// without a frame from the server. gRFC A8 "Client-side Keepalive" has clients send none
+/// more often than every 10 s (and servers enforcing its defaults refuse more).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a keepalive PING may go unanswered before the connection is closed.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// TLS for an `https://` target. The server's certificate must verify against
 /// `ca_certificate_pem` (or, without it, the Mozilla root programme's CAs, as bundled by
@@ -535,13 +594,24 @@ impl std::fmt::Debug for ClientTls {
 }
 
 /// How [`PayledgerClient::connect`] reaches and authenticates to payledger.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ClientSettings {
     pub retry: RetrySettings,
     /// For `https://` targets; refused for `http://` ones.
     pub tls: Option<ClientTls>,
     /// Sent on every call; required by a server run with `--auth-jwks`.
     pub bearer_token: Option<BearerToken>,
+    /// HTTP/2 connections to the endpoint, used in turn (1 to
+    /// [`crate::CONNECTIONS_MAX`]; default [`crate::CONNECTIONS_DEFAULT`], 2): a connection
+    /// that goes silent holds up only the calls on it, and is replaced when one of them times
+    /// out (see [`Connections`]).
+    pub connections: usize,
+}
+
+impl Default for ClientSettings {
+    fn default() -> Self {
+        Self { retry: RetrySettings::default(), tls: None, bearer_token: None, connections: CONNECTIONS_DEFAULT }
+    }
 }
 
 /// Why [`PayledgerClient::connect`] could not build a client.
@@ -553,6 +623,8 @@ pub enum ConnectError {
     TlsForPlaintextTarget,
     /// The target's scheme is neither `http` nor `https`.
     UnsupportedScheme,
+    /// An `https://` target with the crate built without its `tls` feature.
+    TlsNotBuilt,
 }
 
 impl std::fmt::Display for ConnectError {
@@ -563,6 +635,7 @@ impl std::fmt::Display for ConnectError {
                 f.write_str("TLS settings were given for an http:// target; use https:// for TLS")
             }
             ConnectError::UnsupportedScheme => f.write_str("the target must start with http:// or https://"),
+            ConnectError::TlsNotBuilt => f.write_str("https:// needs payledger-client's `tls` feature"),
         }
     }
 }
@@ -591,6 +664,9 @@ impl From<tonic::transport::Error> for ConnectError {
 pub fn endpoint(target: &str, tls: Option<&ClientTls>) -> Result<Endpoint, ConnectError> {
     let builder = Endpoint::from_shared(target.to_owned())?;
     match (builder.uri().scheme_str(), tls) {
+        #[cfg(not(feature = "tls"))]
+        (Some("https"), _) => Err(ConnectError::TlsNotBuilt),
+        #[cfg(feature = "tls")]
         (Some("https"), tls) => {
             let tls = tls.cloned().unwrap_or_default();
             let mut config = ClientTlsConfig::new();
@@ -631,39 +707,45 @@ impl PayledgerClient {
     /// # Errors
     /// [`ConnectError`].
     pub fn connect(endpoint: &str, settings: ClientSettings) -> Result<Self, ConnectError> {
-        let channel = self::endpoint(endpoint, settings.tls.as_ref())?
+        let endpoint = self::endpoint(endpoint, settings.tls.as_ref())?
             .connect_timeout(CONNECT_TIMEOUT)
-            // A peer that stops answering (a black hole, a dead NAT entry) is noticed within
-            // seconds, and the next attempt gets a new connection.
+            // A connection whose peer stopped answering while calls wait on it is closed
+            // within KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT; one that an attempt timed out on
+            // is replaced at once (`Connections`).
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-            .keep_alive_timeout(KEEPALIVE_INTERVAL)
-            .keep_alive_while_idle(true)
-            .connect_lazy();
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(false);
         let mut layer = RetryLayer::new(settings.retry);
         if let Some(bearer) = settings.bearer_token {
             layer = layer.with_bearer_token(bearer);
         }
-        Ok(Self::with_layer(channel, layer))
+        Ok(Self::with_layer(Connections::new(endpoint, settings.connections), layer))
     }
 
-    /// A client over an existing channel.
+    /// A client over an existing channel (its connections are the channel's own affair).
     pub fn with_channel(channel: Channel, settings: RetrySettings) -> Self {
-        Self::with_layer(channel, RetryLayer::new(settings))
+        Self::with_layer(Connections::from_channel(channel), RetryLayer::new(settings))
     }
 
-    fn with_layer(channel: Channel, layer: RetryLayer) -> Self {
+    fn with_layer(connections: Connections, layer: RetryLayer) -> Self {
         let stats = layer.stats();
-        let service = layer.layer(channel);
+        let service = layer.layer(connections.clone());
         Self {
             accounts: AccountServiceClient::new(service.clone()),
             payments: PaymentServiceClient::new(service),
             stats,
+            connections,
         }
     }
 
     /// Attempts and retries so far.
     pub fn stats(&self) -> &ClientStats {
         &self.stats
+    }
+
+    /// How many connections were replaced after an attempt timed out on them.
+    pub fn connections_replaced(&self) -> u64 {
+        self.connections.replaced()
     }
 
     pub async fn open_account(
@@ -767,11 +849,11 @@ impl PayledgerClient {
     }
 
     /// Any call with your own metadata (e.g. `idempotency-key` or `idempotency-token`).
-    pub fn payments(&self) -> PaymentServiceClient<RetryService<Channel>> {
+    pub fn payments(&self) -> PaymentServiceClient<RetryService<Connections>> {
         self.payments.clone()
     }
 
-    pub fn accounts(&self) -> AccountServiceClient<RetryService<Channel>> {
+    pub fn accounts(&self) -> AccountServiceClient<RetryService<Connections>> {
         self.accounts.clone()
     }
 }
@@ -896,10 +978,14 @@ mod tests {
     /// A channel stand-in that answers each attempt with what its function makes, and counts
     /// the attempts.
     #[derive(Clone)]
-    struct Stub(Arc<dyn Fn() -> http::Response<Body> + Send + Sync>, Arc<AtomicU64>);
+    #[allow(clippy::type_complexity)]
+    struct Stub(Arc<dyn Fn(&HeaderMap) -> http::Response<Body> + Send + Sync>, Arc<AtomicU64>);
 
     impl Stub {
-        fn new(answer: impl Fn() -> http::Response<Body> + Send + Sync + 'static, attempts: &Arc<AtomicU64>) -> Self {
+        fn new(
+            answer: impl Fn(&HeaderMap) -> http::Response<Body> + Send + Sync + 'static,
+            attempts: &Arc<AtomicU64>,
+        ) -> Self {
             Self(Arc::new(answer), attempts.clone())
         }
     }
@@ -913,9 +999,9 @@ mod tests {
             Poll::Ready(Ok(()))
         }
 
-        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+        fn call(&mut self, request: http::Request<Body>) -> Self::Future {
             self.1.fetch_add(1, Ordering::Relaxed);
-            let response = (self.0)();
+            let response = (self.0)(request.headers());
             Box::pin(async move { Ok(response) })
         }
     }
@@ -933,7 +1019,7 @@ mod tests {
         for throttling in [None, Some(RetryThrottling::default())] {
             let counter = Arc::new(AtomicU64::new(0));
             let layer = RetryLayer::new(RetrySettings { throttling, ..quick.clone() });
-            let mut service = layer.layer(Stub::new(|| Status::unavailable("down").into_http(), &counter));
+            let mut service = layer.layer(Stub::new(|_| Status::unavailable("down").into_http(), &counter));
             for _ in 0..calls {
                 let request = http::Request::new(Body::empty());
                 let response = service.ready().await.unwrap().call(request).await.unwrap();
@@ -980,7 +1066,7 @@ mod tests {
     fn scripted(script: Vec<End>, attempts: &Arc<AtomicU64>) -> Stub {
         let script = Mutex::new(script);
         Stub::new(
-            move || {
+            move |_| {
                 let end = script.lock().unwrap().remove(0);
                 let body = Scripted { data: Some(Bytes::from_static(b"\0\0\0\0\0")), end };
                 http::Response::new(Body::new(body))
@@ -1025,5 +1111,59 @@ mod tests {
         assert_eq!(attempts.load(Ordering::Relaxed), 1);
         let whole = response.into_body().collect().await.unwrap();
         assert_eq!(whole.trailers().and_then(grpc_code), Some(Code::FailedPrecondition));
+    }
+
+    #[test]
+    fn grpc_timeout_values_parse_in_every_unit_and_malformed_ones_do_not() {
+        let parse = |text: &'static str| parse_grpc_timeout(&HeaderValue::from_static(text));
+        assert_eq!(parse("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(parse("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(parse("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for malformed in ["", "m", "123456789m", "12", "1.5S", "-1S", "10x", "1 S"] {
+            assert_eq!(parse(malformed), None, "{malformed:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_callers_deadline_shorter_than_the_default_bounds_every_attempt_and_ends_the_call() {
+        let quick = RetrySettings {
+            max_attempts: 1000,
+            initial_backoff: Duration::from_millis(5),
+            max_backoff: Duration::from_millis(5),
+            throttling: None,
+            ..RetrySettings::default()
+        };
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let seen = sent.clone();
+        let attempts = Arc::new(AtomicU64::new(0));
+        let stub = Stub::new(
+            move |headers| {
+                seen.lock().unwrap().push(headers.get(GRPC_TIMEOUT_HEADER).and_then(parse_grpc_timeout));
+                Status::unavailable("down").into_http()
+            },
+            &attempts,
+        );
+        let mut service = RetryLayer::new(quick).layer(stub);
+        let mut request = http::Request::new(Body::empty());
+        request.headers_mut().insert(GRPC_TIMEOUT_HEADER, HeaderValue::from_static("300m"));
+        let started = Instant::now();
+        let error = service.ready().await.unwrap().call(request).await.unwrap_err();
+        let took = started.elapsed();
+        let status = error.downcast_ref::<Status>().expect("a status");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(status.message().contains("Unavailable"), "it names the last attempt: {status:?}");
+        // (the timer's granularity aside: a 15 s overall deadline would run far longer)
+        assert!(took < Duration::from_millis(350), "the call ends by the caller's deadline: {took:?}");
+        let sent = sent.lock().unwrap();
+        assert!(sent.len() > 3, "it was retried within the deadline: {} attempts", sent.len());
+        let mut previous = Duration::from_millis(300);
+        for timeout in sent.iter() {
+            let timeout = timeout.expect("every attempt carries grpc-timeout");
+            assert!(timeout <= previous, "each attempt gets what is left: {sent:?}");
+            previous = timeout;
+        }
     }
 }

@@ -1087,6 +1087,172 @@ pub async fn a_pay_whose_response_is_lost_is_retried_and_answered_with_the_origi
     assert_eq!(app.rows("payment_flow").await, 1);
 }
 
+/// Retry settings for the fault cases: attempts bounded by time, not by count (the cases end
+/// each call by its deadline), quick backoffs, no throttling.
+fn retries_within(per_attempt_timeout: Duration) -> payledger::client::RetrySettings {
+    payledger::client::RetrySettings {
+        max_attempts: 100,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        per_attempt_timeout,
+        throttling: None,
+        ..payledger::client::RetrySettings::default()
+    }
+}
+
+/// A Pay sent through `client` with a deadline of its own (`Request::set_timeout`).
+async fn pay_within(
+    client: &payledger::client::PayledgerClient,
+    request: proto::PayRequest,
+    deadline: Duration,
+) -> Result<tonic::Response<proto::PayResponse>, tonic::Status> {
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(deadline);
+    let started = std::time::Instant::now();
+    let answer = client.payments().pay(request).await;
+    // The caller's deadline, not the client's 15 s default, bounded the retries (with room for
+    // a loaded machine).
+    assert!(started.elapsed() < deadline + Duration::from_secs(2), "{:?} for {deadline:?}", started.elapsed());
+    answer
+}
+
+/// A connection cut after the answer's headers, before its message and trailers (what a
+/// caller reading the body itself sees as UNKNOWN): the client retries, the retry is answered
+/// from the committed Pay, and the money moves once. With every attempt cut, a caller's
+/// deadline ends the call DEADLINE_EXCEEDED; the same Pay later is answered once.
+pub async fn a_pay_cut_after_its_answers_headers_is_retried_and_moves_the_money_once(app: &TestApp) {
+    use payledger::client::{was_replayed, PayledgerClient};
+    use payledger_tools::storm::{Fault, FaultProxy, FaultSettings};
+
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
+    let target = format!("http://{}", proxy.address());
+    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_secs(3))).unwrap();
+
+    proxy.force_next([Fault::CutAfterHeaders]);
+    let response = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
+    assert_eq!(proxy.counters().cuts_after_headers, 1, "the first answer was cut after its headers");
+    assert!(was_replayed(&response), "the retry was answered from the committed Pay");
+    assert_eq!(response.into_inner().payment.unwrap().out_trade_no, "pay-1");
+    assert_eq!(app.balance("alice").await, "70.00", "debited once");
+
+    proxy.force_next(std::iter::repeat_n(Fault::CutAfterHeaders, 1_000));
+    let pay_2 = app.pay_request("m1", "pay-2", "order-2", "alice", "30.00");
+    let status = pay_within(&client, pay_2.clone(), Duration::from_millis(400)).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(proxy.counters().cuts_after_headers > 2, "it was retried until its deadline");
+    proxy.clear_forced();
+    let response = client.pay(pay_2).await.unwrap();
+    assert!(was_replayed(&response), "the first of the cut attempts had committed");
+    assert_eq!(app.balance("alice").await, "40.00", "each Pay debited once");
+    assert_eq!(app.rows("payment_flow").await, 2);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A connection that goes silent (a black hole: nothing forwarded either way, the connection
+/// held open): the attempt on it times out, the connection is replaced, and the retry, on
+/// another connection, pays once. With every connection silent, a caller's deadline ends the
+/// call DEADLINE_EXCEEDED, and nothing moved.
+pub async fn a_pay_on_a_connection_gone_silent_is_retried_on_another_and_moves_the_money_once(app: &TestApp) {
+    use payledger::client::PayledgerClient;
+    use payledger_tools::storm::{Fault, FaultProxy, FaultSettings};
+    use std::sync::atomic::Ordering;
+
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
+    let target = format!("http://{}", proxy.address());
+    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_millis(500))).unwrap();
+
+    proxy.force_next([Fault::Blackhole]);
+    let response = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
+    assert_eq!(proxy.counters().blackholes, 1);
+    assert_eq!(client.stats().attempts.load(Ordering::Relaxed), 2, "one attempt lost, one answered");
+    assert_eq!(client.connections_replaced(), 1, "the silent connection was replaced");
+    assert_eq!(response.into_inner().payment.unwrap().out_trade_no, "pay-1");
+    assert_eq!(app.balance("alice").await, "70.00", "debited once");
+
+    proxy.force_next(std::iter::repeat_n(Fault::Blackhole, 1_000));
+    let pay_2 = app.pay_request("m1", "pay-2", "order-2", "alice", "30.00");
+    let status = pay_within(&client, pay_2.clone(), Duration::from_millis(1_200)).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(proxy.counters().blackholes >= 3, "each attempt went silent: {:?}", proxy.counters());
+    assert_eq!(app.balance("alice").await, "70.00", "no silent attempt reached the server");
+    proxy.clear_forced();
+    client.pay(pay_2).await.unwrap();
+    assert_eq!(app.balance("alice").await, "40.00");
+    assert_eq!(app.rows("payment_flow").await, 2);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// Attempts that outlive their deadline on the server (every pooled connection held, so the
+/// Pay waits): each is answered DEADLINE_EXCEEDED and retried until the connections are free,
+/// and the money moves once. With the connections held past a caller's own deadline, the
+/// caller gets DEADLINE_EXCEEDED, never CANCELLED; the same Pay later is answered once.
+pub async fn a_pay_whose_attempts_outlive_their_deadline_is_retried_and_moves_the_money_once(app: &TestApp) {
+    use payledger::client::PayledgerClient;
+    use payledger_tools::storm::{FaultProxy, FaultSettings};
+    use std::sync::atomic::Ordering;
+
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
+    let target = format!("http://{}", proxy.address());
+    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_millis(300))).unwrap();
+
+    let held = hold_the_pool(app).await;
+    let (paid, ()) = tokio::join!(client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")), async {
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        drop(held);
+    });
+    assert_eq!(paid.unwrap().into_inner().payment.unwrap().out_trade_no, "pay-1");
+    assert!(client.stats().retries.load(Ordering::Relaxed) >= 2, "the attempts that waited were retried");
+    assert_eq!(app.balance("alice").await, "70.00", "debited once");
+
+    let held = hold_the_pool(app).await;
+    let pay_2 = app.pay_request("m1", "pay-2", "order-2", "alice", "30.00");
+    let status = pay_within(&client, pay_2.clone(), Duration::from_millis(700)).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    drop(held);
+    client.pay(pay_2).await.unwrap();
+    assert_eq!(app.balance("alice").await, "40.00", "each Pay debited once");
+    assert_eq!(app.rows("payment_flow").await, 2);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
+/// A caller branches on the typed reason of a refusal ([`payledger::client::CallError`]),
+/// with its ErrorInfo metadata and bad fields, without decoding `google.rpc` details itself.
+pub async fn a_caller_branches_on_the_typed_reason_of_a_refusal(app: &TestApp) {
+    use payledger::client::{CallError, PayledgerClient, Reason, RetrySettings};
+
+    app.order_ready_to_pay("order-1", "10.00", "30.00").await;
+    let client = PayledgerClient::connect_lazy(&format!("http://{}", app.address), RetrySettings::default()).unwrap();
+    let what_to_do = |status: tonic::Status| match CallError::from(status).reason() {
+        Some(Reason::InsufficientFunds) => "ask for another card",
+        Some(Reason::OrderAlreadyPaid) => "show the order as paid",
+        Some(Reason::InvalidArgument) => "fix the request",
+        _ => "report it",
+    };
+
+    let short = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap_err();
+    assert_eq!(what_to_do(short), "ask for another card");
+    app.deposit("d-1", "alice", "20.00", "USD").await.unwrap();
+    client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
+    let again = client.pay(app.pay_request("m1", "pay-2", "order-1", "alice", "30.00")).await.unwrap_err();
+    assert_eq!(what_to_do(again), "show the order as paid");
+
+    let reused =
+        CallError::from(client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "31.00")).await.unwrap_err());
+    assert_eq!((reused.code(), reused.reason()), (Code::AlreadyExists, Some(&Reason::OutTradeNoReused)));
+    assert_eq!(reused.metadata().get("fields").map(String::as_str), Some("amount"), "{reused}");
+    let invalid =
+        CallError::from(client.pay(app.pay_request("m1", "pay-3", "order-1", "alice", "-1")).await.unwrap_err());
+    assert_eq!(invalid.reason(), Some(&Reason::InvalidArgument));
+    assert!(invalid.field_violations().iter().any(|violation| violation.field == "amount"), "{invalid:?}");
+    assert_eq!(app.balance("alice").await, "0.00", "paid once");
+}
+
 // ---- Benchmark smoke: every scenario runs clean (correctness only, never a timing) ----------
 
 pub async fn every_bench_scenario_runs_clean_and_keeps_the_ledger_sound(app: &TestApp) {

@@ -5,21 +5,48 @@
 //!
 //! `checkout-service http://127.0.0.1:50051` opens a shopper and a shop account, funds the
 //! shopper, creates an order, pays it, then sends the same payment again as a retry would,
-//! and exits non-zero unless the second answer is a replay of the first.
+//! and exits non-zero unless the second answer is a replay of the first. Against a server with
+//! authentication and TLS: `checkout-service https://payledger.internal:50051 --token "$JWT"
+//! --tls-ca ca.pem` (and `--tls-cert`, `--tls-key` where it requires client certificates);
+//! the token needs merchant `checkout` and the scopes `payments:write accounts:admin` (it opens
+//! and funds its own accounts).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::Parser;
 use payledger_client::proto::{CreateOrderRequest, DepositRequest, OpenAccountRequest, PayRequest, PayResponse};
 use payledger_client::tonic::Response;
-use payledger_client::{was_replayed, with_idempotency_key, PayledgerClient, RetrySettings};
+use payledger_client::{
+    was_replayed, with_idempotency_key, BearerToken, ClientSettings, ClientTls, PayledgerClient, RetrySettings,
+};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// Pays one order through payledger, then retries the payment and checks the retry is a replay.
+#[derive(Parser)]
+struct Args {
+    /// payledger's address: `http://host:port`, or `https://host:port` for TLS.
+    #[arg(default_value = "http://127.0.0.1:50051")]
+    target: String,
+    /// The caller's JWT, sent as `authorization: Bearer` (never printed).
+    #[arg(long, env = "PAYLEDGER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// PEM file of the CA that signed the server's certificate (default: the public roots).
+    #[arg(long, env = "PAYLEDGER_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// PEM files of this caller's certificate and key, for a server requiring mutual TLS.
+    #[arg(long, env = "PAYLEDGER_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "PAYLEDGER_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let target = std::env::args().nth(1).unwrap_or_else(|| "http://127.0.0.1:50051".to_owned());
-    match checkout(&target).await {
+    let args = Args::parse();
+    match checkout(&args).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(error) => {
@@ -29,16 +56,32 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn checkout(target: &str) -> Result<bool, Error> {
+/// The client's settings from the arguments: retries, TLS for an `https://` target, the token.
+fn client_settings(args: &Args) -> Result<ClientSettings, Error> {
     // Retries: UNAVAILABLE, ABORTED, RESOURCE_EXHAUSTED and a per-attempt DEADLINE_EXCEEDED,
     // at most 5 attempts with full-jitter backoff, all within the 10 s deadline of the call.
-    let settings = RetrySettings {
+    let retry = RetrySettings {
         max_attempts: 5,
         per_attempt_timeout: Duration::from_secs(2),
         overall_deadline: Duration::from_secs(10),
         ..RetrySettings::default()
     };
-    let client = PayledgerClient::connect_lazy(target, settings)?;
+    let identity = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some((std::fs::read(cert)?, std::fs::read(key)?)),
+        _ => None,
+    };
+    let ca_certificate_pem = args.tls_ca.as_ref().map(std::fs::read).transpose()?;
+    let tls = (ca_certificate_pem.is_some() || identity.is_some()).then(|| ClientTls {
+        ca_certificate_pem,
+        identity_pem: identity,
+        ..ClientTls::default()
+    });
+    let bearer_token = args.token.as_deref().map(BearerToken::new).transpose()?;
+    Ok(ClientSettings { retry, tls, bearer_token, ..ClientSettings::default() })
+}
+
+async fn checkout(args: &Args) -> Result<bool, Error> {
+    let client = PayledgerClient::connect(&args.target, client_settings(args)?)?;
     let run = uuid::Uuid::new_v4().simple().to_string();
     let (shopper, shop, order_no) = (format!("shopper-{run}"), format!("shop-{run}"), format!("order-{run}"));
 

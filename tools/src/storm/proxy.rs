@@ -8,7 +8,10 @@
 //!   first frame for that stream arrives (the server answered, maybe committed, and the client
 //!   never hears it);
 //! - black hole: nothing more is forwarded either way, and the connection is held open,
-//!   unanswered, until the hold time runs out.
+//!   unanswered, until the hold time runs out;
+//! - cut after the headers: the request is forwarded, the server's
+//!   response headers reach the client, and the connection is reset before the rest of the
+//!   answer (its message and trailers) does.
 //!
 //! Only loopback targets are meant; the proxy listens on 127.0.0.1.
 
@@ -23,6 +26,8 @@ use tokio::task::JoinHandle;
 
 /// How long a black-holed connection is held before the proxy lets it go.
 const BLACKHOLE_HOLD: Duration = Duration::from_secs(10);
+/// How long a cut after the headers waits, with the headers sent, before the reset.
+const CUT_AFTER_HEADERS_PAUSE: Duration = Duration::from_millis(20);
 /// Bytes of an HTTP/2 frame header (RFC 9113, section 4.1).
 const FRAME_HEADER_BYTES: usize = 9;
 
@@ -34,6 +39,7 @@ pub struct FaultSettings {
     pub reset_before_probability: f64,
     pub drop_response_probability: f64,
     pub blackhole_probability: f64,
+    pub cut_after_headers_probability: f64,
 }
 
 impl FaultSettings {
@@ -51,6 +57,7 @@ pub struct FaultCounters {
     pub resets_before_request: AtomicU64,
     pub dropped_responses: AtomicU64,
     pub blackholes: AtomicU64,
+    pub cuts_after_headers: AtomicU64,
 }
 
 /// A copy of [`FaultCounters`].
@@ -61,12 +68,13 @@ pub struct FaultCount {
     pub resets_before_request: u64,
     pub dropped_responses: u64,
     pub blackholes: u64,
+    pub cuts_after_headers: u64,
 }
 
 impl FaultCount {
-    /// Faults injected (delays, resets, dropped responses, black holes).
+    /// Faults injected (delays, resets, dropped responses, black holes, cuts after headers).
     pub fn injected(&self) -> u64 {
-        self.delays + self.resets_before_request + self.dropped_responses + self.blackholes
+        self.delays + self.resets_before_request + self.dropped_responses + self.blackholes + self.cuts_after_headers
     }
 }
 
@@ -78,6 +86,7 @@ pub enum Fault {
     ResetBefore,
     DropResponse,
     Blackhole,
+    CutAfterHeaders,
 }
 
 struct Shared {
@@ -139,6 +148,11 @@ impl FaultProxy {
         lock(&self.shared.forced).extend(faults);
     }
 
+    /// Forgets the faults forced and not yet applied.
+    pub fn clear_forced(&self) {
+        lock(&self.shared.forced).clear();
+    }
+
     pub fn counters(&self) -> FaultCount {
         let counters = &self.shared.counters;
         let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
@@ -148,6 +162,7 @@ impl FaultProxy {
             resets_before_request: read(&counters.resets_before_request),
             dropped_responses: read(&counters.dropped_responses),
             blackholes: read(&counters.blackholes),
+            cuts_after_headers: read(&counters.cuts_after_headers),
         }
     }
 }
@@ -178,6 +193,7 @@ fn choose_fault(shared: &Shared) -> Fault {
         (settings.reset_before_probability, Fault::ResetBefore),
         (settings.drop_response_probability, Fault::DropResponse),
         (settings.blackhole_probability, Fault::Blackhole),
+        (settings.cut_after_headers_probability, Fault::CutAfterHeaders),
         (settings.delay_probability, Fault::Delay),
     ] {
         threshold += probability;
@@ -225,9 +241,10 @@ async fn handle(client: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let _ = server.set_nodelay(true);
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    // The stream whose response is to be dropped (0: none), and whether the connection fell
-    // into a black hole.
+    // The stream whose response is to be dropped (0: none), the one whose response is to be
+    // cut after its headers, and whether the connection fell into a black hole.
     let drop_stream = AtomicU64::new(0);
+    let cut_stream = AtomicU64::new(0);
     let blackholed = std::sync::atomic::AtomicBool::new(false);
     let upstream = async {
         let mut buffer = vec![0u8; 16 * 1024];
@@ -265,6 +282,7 @@ async fn handle(client: TcpStream, shared: &Shared) -> std::io::Result<()> {
                             return Err(broken("reset before the request"));
                         }
                         Fault::DropResponse => drop_stream.store(u64::from(stream_id), Ordering::SeqCst),
+                        Fault::CutAfterHeaders => cut_stream.store(u64::from(stream_id), Ordering::SeqCst),
                         Fault::Blackhole => {
                             counters.blackholes.fetch_add(1, Ordering::Relaxed);
                             blackholed.store(true, Ordering::SeqCst);
@@ -282,6 +300,7 @@ async fn handle(client: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let downstream = async {
         let mut buffer = vec![0u8; 16 * 1024];
         let mut pending: Vec<u8> = Vec::new();
+        let mut cut_headers_sent = false;
         loop {
             let read = server_read.read(&mut buffer).await?;
             if read == 0 {
@@ -291,10 +310,19 @@ async fn handle(client: TcpStream, shared: &Shared) -> std::io::Result<()> {
                 continue;
             }
             pending.extend_from_slice(&buffer[..read]);
-            while let Some((_, stream_id, total)) = next_frame(&pending) {
+            while let Some((frame_type, stream_id, total)) = next_frame(&pending) {
                 if stream_id != 0 && u64::from(stream_id) == drop_stream.load(Ordering::SeqCst) {
                     counters.dropped_responses.fetch_add(1, Ordering::Relaxed);
                     return Err(broken("response dropped"));
+                }
+                if stream_id != 0 && u64::from(stream_id) == cut_stream.load(Ordering::SeqCst) {
+                    if cut_headers_sent || frame_type != FRAME_TYPE_HEADERS {
+                        counters.cuts_after_headers.fetch_add(1, Ordering::Relaxed);
+                        // Time for the client to read the headers before the reset.
+                        tokio::time::sleep(CUT_AFTER_HEADERS_PAUSE).await;
+                        return Err(broken("response cut after its headers"));
+                    }
+                    cut_headers_sent = true;
                 }
                 let frame: Vec<u8> = pending.drain(..total).collect();
                 client_write.write_all(&frame).await?;
