@@ -73,6 +73,18 @@ pub struct StormSettings {
     /// Run without any fault (proxies pass through, nothing is killed or cut).
     #[arg(long)]
     pub no_faults: bool,
+    /// Seconds of the same load without faults before `--duration-seconds` with them, so that
+    /// the summary compares the two rates from one run (0: no such phase). Its calls are
+    /// checked as all others.
+    #[arg(long, default_value_t = 0)]
+    pub baseline_seconds: u64,
+    /// Each client's per-attempt timeout, ms: what a call that met a black hole waits before
+    /// its retry.
+    #[arg(long, default_value_t = 1_000)]
+    pub attempt_timeout_ms: u64,
+    /// HTTP/2 connections of each instance's client (a black hole holds up the calls on one).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
     /// Seconds between two SIGKILLs of a random instance (each restarted at once).
     #[arg(long, default_value_t = 6)]
     pub kill_interval_seconds: u64,
@@ -102,6 +114,10 @@ pub struct StormSummary {
     pub faults: FaultCount,
     pub instance_kills: u64,
     pub database_cuts: u64,
+    /// Mutating calls finished per second under faults (after the baseline), and during the
+    /// baseline without faults (`None`: no baseline).
+    pub rate_with_faults: f64,
+    pub rate_without_faults: Option<f64>,
     /// Orders closed by the instances' sweepers once their expires_at passed.
     pub orders_expired: u64,
     /// Authorization holds captured, and released by the sweepers once their expires_at passed.
@@ -273,6 +289,7 @@ fn storm_faults() -> FaultSettings {
         reset_before_probability: 0.01,
         drop_response_probability: 0.015,
         blackhole_probability: 0.002,
+        cut_after_headers_probability: 0.005,
     }
 }
 
@@ -688,14 +705,23 @@ fn print_summary(summary: &StormSummary) {
     );
     let faults = &summary.faults;
     println!(
-        "  faults: delays {}  resets before request {}  dropped responses {}  black holes {}  instance kills {}  database cuts {}",
+        "  faults: delays {}  resets before request {}  dropped responses {}  black holes {}  cuts after headers {}  instance kills {}  database cuts {}",
         faults.delays,
         faults.resets_before_request,
         faults.dropped_responses,
         faults.blackholes,
+        faults.cuts_after_headers,
         summary.instance_kills,
         summary.database_cuts
     );
+    match summary.rate_without_faults {
+        Some(without) => println!(
+            "  rate: {:.1} calls/s with faults, {without:.1} without (the baseline): {:.2} of it",
+            summary.rate_with_faults,
+            summary.rate_with_faults / without.max(f64::EPSILON)
+        ),
+        None => println!("  rate: {:.1} calls/s", summary.rate_with_faults),
+    }
     let codes: Vec<String> = summary.status_codes.iter().map(|(code, calls)| format!("{code} {calls}")).collect();
     println!("  final status codes of mutating calls: {}", codes.join("  "));
     println!(
@@ -783,7 +809,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         max_attempts: 10,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_secs(1),
-        per_attempt_timeout: Duration::from_secs(2),
+        per_attempt_timeout: Duration::from_millis(settings.attempt_timeout_ms.max(1)),
         overall_deadline: Duration::from_secs(30),
         // The storm cuts connections and kills instances on purpose and checks that every
         // call still ends exactly once: it wants every call retried, never throttled.
@@ -795,6 +821,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
             let settings = ClientSettings {
                 retry: retry.clone(),
                 bearer_token: Some(BearerToken::new(&auth.token)?),
+                connections: settings.connections,
                 ..ClientSettings::default()
             };
             Ok::<_, AnyError>(PayledgerClient::connect(&format!("http://{}", proxy.address()), settings)?)
@@ -835,15 +862,25 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     });
 
     let faults = !settings.no_faults;
+    let finished = || world.progress.iter().map(|counter| counter.load(Ordering::Relaxed)).sum::<u64>();
+    let baseline = Duration::from_secs(settings.baseline_seconds);
+    let until = Instant::now() + baseline + Duration::from_secs(settings.duration_seconds);
+    let callers: Vec<_> = (0..settings.callers.max(1))
+        .map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio)))
+        .collect();
+    let mut rate_without_faults = None;
+    if !baseline.is_zero() {
+        tokio::time::sleep(baseline).await;
+        let rate = finished() as f64 / baseline.as_secs_f64();
+        println!("storm baseline: {}s without faults, {rate:.1} calls/s; the faults start now", baseline.as_secs());
+        rate_without_faults = Some(rate);
+    }
+    let (faults_started, finished_before_faults) = (Instant::now(), finished());
     if faults {
         for proxy in &proxies {
             proxy.set_settings(storm_faults());
         }
     }
-    let until = Instant::now() + Duration::from_secs(settings.duration_seconds);
-    let callers: Vec<_> = (0..settings.callers.max(1))
-        .map(|_| tokio::spawn(caller(world.clone(), until, settings.duplicate_ratio)))
-        .collect();
 
     // Chaos: kill and restart instances, cut database connections (on every node), until the
     // load ends. A node that is down (killed by the cluster test) is skipped within a second.
@@ -893,7 +930,13 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         if forced_at.first().is_some_and(|at| Instant::now() >= *at) {
             forced_at.remove(0);
             let proxy = &proxies[rand::rng().random_range(0..proxies.len())];
-            proxy.force_next([Fault::Delay, Fault::ResetBefore, Fault::DropResponse, Fault::Blackhole]);
+            proxy.force_next([
+                Fault::Delay,
+                Fault::ResetBefore,
+                Fault::DropResponse,
+                Fault::Blackhole,
+                Fault::CutAfterHeaders,
+            ]);
         }
         if Instant::now() >= next_kill {
             next_kill += kill_every;
@@ -927,7 +970,15 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         admin.close().await;
     }
 
-    let mut summary = StormSummary { instance_kills: kills, database_cuts: cuts, ..StormSummary::default() };
+    let rate_with_faults =
+        (finished() - finished_before_faults) as f64 / faults_started.elapsed().as_secs_f64().max(f64::EPSILON);
+    let mut summary = StormSummary {
+        instance_kills: kills,
+        database_cuts: cuts,
+        rate_with_faults,
+        rate_without_faults,
+        ..StormSummary::default()
+    };
     for proxy in &proxies {
         let count = proxy.counters();
         summary.faults.connections += count.connections;
@@ -935,6 +986,7 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         summary.faults.resets_before_request += count.resets_before_request;
         summary.faults.dropped_responses += count.dropped_responses;
         summary.faults.blackholes += count.blackholes;
+        summary.faults.cuts_after_headers += count.cuts_after_headers;
     }
     for client in &world.clients {
         summary.attempts += client.stats().attempts.load(Ordering::Relaxed);
