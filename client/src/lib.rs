@@ -47,7 +47,8 @@
 //! the client's 100, every other answer gives 0.1 back, and at 50 or fewer no call is
 //! retried, so an outage does not multiply the load by `max_attempts`.
 //!
-//! Tracing: each call carries the caller's current OpenTelemetry context, injected by the
+//! Tracing (the `otel` feature, on by default): each call carries the caller's current
+//! OpenTelemetry context, injected by the
 //! global propagator (W3C `traceparent` once the application installs
 //! `TraceContextPropagator`; nothing with the default no-op propagator).
 

@@ -341,6 +341,10 @@ where
     let mut previous_attempts: u32 = 0;
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining < Duration::from_millis(1) {
+            // No time for an attempt (a deadline already spent, or a backoff that overshot).
+            return Err(Box::new(Status::deadline_exceeded("the call's deadline passed before its next attempt")));
+        }
         let attempt_timeout = settings.per_attempt_timeout.min(remaining);
         let mut attempt = http::Request::new(Body::new(Full::new(payload.clone())));
         *attempt.method_mut() = parts.method.clone();
@@ -409,16 +413,23 @@ where
         if previous_attempts + 1 >= settings.max_attempts {
             return result;
         }
-        if Instant::now() + delay >= deadline {
-            // The call's deadline leaves no room for another attempt: the call ends as its
-            // deadline says (gRFC A6), with what its last attempt met.
-            return Err(Box::new(deadline_passed(&result, code)));
+        if Instant::now() + delay + ATTEMPT_TIME_MIN >= deadline {
+            // The call's deadline leaves no room for another attempt. An answer of the server
+            // is the call's (with its ErrorInfo and RetryInfo); an attempt that got no answer
+            // ends the call as its deadline says, DEADLINE_EXCEEDED (gRFC A6).
+            return match result {
+                Ok(response) => Ok(response),
+                Err(error) => Err(Box::new(deadline_passed(error.as_ref(), code))),
+            };
         }
         stats.retries.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(delay).await;
         previous_attempts += 1;
     }
 }
+
+/// The least time worth an attempt: no retry is made with less left of the call's deadline.
+const ATTEMPT_TIME_MIN: Duration = Duration::from_millis(10);
 
 /// Request header: the time left for a call (gRPC over HTTP/2: at most 8 digits and a unit,
 /// `H`, `M`, `S`, `m`, `u` or `n`).
@@ -444,12 +455,12 @@ pub(crate) fn parse_grpc_timeout(value: &HeaderValue) -> Option<Duration> {
     })
 }
 
-/// DEADLINE_EXCEEDED for a call whose deadline ended its retries, naming what its last attempt
-/// met (a status, or a transport error).
-fn deadline_passed(last: &Result<http::Response<Body>, BoxError>, code: Code) -> Status {
-    let message = match last.as_ref().err().and_then(|error| error.downcast_ref::<Status>()) {
-        Some(status) => status.message(),
-        None => "answered by the server",
+/// DEADLINE_EXCEEDED for a call whose deadline ended its retries after an attempt that got no
+/// answer, naming what that attempt met.
+fn deadline_passed(last: &(dyn std::error::Error + Send + Sync + 'static), code: Code) -> Status {
+    let message = match last.downcast_ref::<Status>() {
+        Some(status) => status.message().to_owned(),
+        None => last.to_string(),
     };
     Status::deadline_exceeded(format!("the call's deadline passed; its last attempt: {code:?}, {message}"))
 }
@@ -549,7 +560,7 @@ impl opentelemetry::propagation::Injector for HeaderInjector<'_> {
     }
 }
 
-/// Both payledger services over one channel, with retries.
+/// Both payledger services over one set of [`Connections`], with retries.
 #[derive(Debug, Clone)]
 pub struct PayledgerClient {
     accounts: AccountServiceClient<RetryService<Connections>>,
@@ -616,6 +627,7 @@ impl Default for ClientSettings {
 
 /// Why [`PayledgerClient::connect`] could not build a client.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum ConnectError {
     /// The endpoint is not a valid URI, or its TLS settings are unusable.
     Endpoint(tonic::transport::Error),
@@ -1150,11 +1162,10 @@ mod tests {
         let mut request = http::Request::new(Body::empty());
         request.headers_mut().insert(GRPC_TIMEOUT_HEADER, HeaderValue::from_static("300m"));
         let started = Instant::now();
-        let error = service.ready().await.unwrap().call(request).await.unwrap_err();
+        let answer = service.ready().await.unwrap().call(request).await;
         let took = started.elapsed();
-        let status = error.downcast_ref::<Status>().expect("a status");
-        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-        assert!(status.message().contains("Unavailable"), "it names the last attempt: {status:?}");
+        let response = answer.expect("the server's last answer");
+        assert_eq!(grpc_code(response.headers()), Some(Code::Unavailable), "the server's answer is the call's");
         // (the timer's granularity aside: a 15 s overall deadline would run far longer)
         assert!(took < Duration::from_millis(350), "the call ends by the caller's deadline: {took:?}");
         let sent = sent.lock().unwrap();
@@ -1165,5 +1176,35 @@ mod tests {
             assert!(timeout <= previous, "each attempt gets what is left: {sent:?}");
             previous = timeout;
         }
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_attempts_get_no_answer_ends_deadline_exceeded_by_the_callers_deadline() {
+        let quick = RetrySettings {
+            max_attempts: 1000,
+            initial_backoff: Duration::from_millis(5),
+            max_backoff: Duration::from_millis(5),
+            throttling: None,
+            ..RetrySettings::default()
+        };
+        // Every answer breaks after its headers.
+        let attempts = Arc::new(AtomicU64::new(0));
+        let mut service = RetryLayer::new(quick).layer(scripted(vec![Some(Err(())); 1000], &attempts));
+        let mut request = http::Request::new(Body::empty());
+        request.headers_mut().insert(GRPC_TIMEOUT_HEADER, HeaderValue::from_static("200m"));
+        let error = service.ready().await.unwrap().call(request).await.unwrap_err();
+        let status = error.downcast_ref::<Status>().expect("a status");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(status.message().contains("Unavailable"), "it names what the last attempt met: {status:?}");
+        assert!(attempts.load(Ordering::Relaxed) > 3, "retried until the deadline");
+
+        // A deadline already spent sends nothing.
+        let attempts = Arc::new(AtomicU64::new(0));
+        let mut service = RetryLayer::new(RetrySettings::default()).layer(scripted(vec![], &attempts));
+        let mut request = http::Request::new(Body::empty());
+        request.headers_mut().insert(GRPC_TIMEOUT_HEADER, HeaderValue::from_static("0n"));
+        let error = service.ready().await.unwrap().call(request).await.unwrap_err();
+        assert_eq!(error.downcast_ref::<Status>().map(Status::code), Some(Code::DeadlineExceeded));
+        assert_eq!(attempts.load(Ordering::Relaxed), 0);
     }
 }
