@@ -125,7 +125,9 @@ impl Default for RetrySettings {
 /// Attempts and retries made by one client, for callers' metrics.
 #[derive(Debug, Default)]
 pub struct ClientStats {
+    /// Attempts sent, first attempts included (read with `load(Ordering::Relaxed)`).
     pub attempts: AtomicU64,
+    /// Attempts that were retries.
     pub retries: AtomicU64,
     /// Retries not made because retry throttling was holding them back.
     pub throttled: AtomicU64,
@@ -472,16 +474,22 @@ pub const RESPONSE_BYTES_MAX: usize = 4 * 1024 * 1024 + 5;
 /// The status of an attempt that ended in a transport error: DEADLINE_EXCEEDED when the
 /// channel's own timer for the attempt's `grpc-timeout` fired (tonic's `TimeoutExpired`,
 /// which tonic itself reports as CANCELLED), UNAVAILABLE otherwise (a connection refused,
-/// reset or broken). Both are retried.
+/// reset or broken), its message the chain of causes ("transport error: ... Connection
+/// refused"). Both are retried.
 fn attempt_error(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Status {
+    let mut causes = Vec::new();
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(current) = cause {
         if current.is::<tonic::TimeoutExpired>() {
             return Status::deadline_exceeded("the attempt's deadline passed");
         }
+        let text = current.to_string();
+        if causes.last() != Some(&text) {
+            causes.push(text);
+        }
         cause = current.source();
     }
-    Status::unavailable(format!("transport: {error}"))
+    Status::unavailable(causes.join(": "))
 }
 
 /// Whether an answer without a `grpc-status` is retried, by its HTTP status: 200 (the answer
@@ -760,6 +768,7 @@ impl PayledgerClient {
         self.connections.replaced()
     }
 
+    /// Opens an account in one currency; the same `account_id` and currency again replays.
     pub async fn open_account(
         &self,
         request: proto::OpenAccountRequest,
@@ -777,6 +786,7 @@ impl PayledgerClient {
         self.accounts.clone().withdraw(request).await
     }
 
+    /// The account's balance and version.
     pub async fn get_account(
         &self,
         request: proto::GetAccountRequest,
@@ -784,6 +794,7 @@ impl PayledgerClient {
         self.accounts.clone().get_account(request).await
     }
 
+    /// The account's journal entries, newest first, a page at a time.
     pub async fn list_entries(
         &self,
         request: proto::ListEntriesRequest,
@@ -806,6 +817,7 @@ impl PayledgerClient {
         self.accounts.clone().transfer(with_idempotency_key(request, idempotency_key)?).await
     }
 
+    /// A PENDING order; `(merchant_id, order_no)` is its key.
     pub async fn create_order(
         &self,
         request: proto::CreateOrderRequest,
@@ -813,6 +825,7 @@ impl PayledgerClient {
         self.payments.clone().create_order(request).await
     }
 
+    /// Closes a PENDING order (a PAID one is refused).
     pub async fn close_order(
         &self,
         request: proto::CloseOrderRequest,
@@ -830,6 +843,8 @@ impl PayledgerClient {
         self.payments.clone().refund(request).await
     }
 
+    /// An order and its payments and refunds, by one of its business numbers
+    /// (`proto::query_request::Key`).
     pub async fn query(&self, request: proto::QueryRequest) -> Result<Response<proto::QueryResponse>, Status> {
         self.payments.clone().query(request).await
     }
@@ -853,6 +868,7 @@ impl PayledgerClient {
         self.payments.clone().void(request).await
     }
 
+    /// A one-time `idempotency-token`, accepted only for the request's `merchant_id`.
     pub async fn issue_token(
         &self,
         request: proto::IssueTokenRequest,
@@ -860,11 +876,13 @@ impl PayledgerClient {
         self.payments.clone().issue_token(request).await
     }
 
-    /// Any call with your own metadata (e.g. `idempotency-key` or `idempotency-token`).
+    /// The payment stubs, for a call with your own metadata (`idempotency-key`,
+    /// `idempotency-token`) or deadline (`Request::set_timeout`), kept across retries.
     pub fn payments(&self) -> PaymentServiceClient<RetryService<Connections>> {
         self.payments.clone()
     }
 
+    /// The account stubs, as [`PayledgerClient::payments`].
     pub fn accounts(&self) -> AccountServiceClient<RetryService<Connections>> {
         self.accounts.clone()
     }
@@ -921,6 +939,20 @@ mod tests {
         assert_eq!(attempt_error(&tonic::TimeoutExpired(())).code(), Code::DeadlineExceeded);
         let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert_eq!(attempt_error(&reset).code(), Code::Unavailable);
+        #[derive(Debug)]
+        struct Transport(std::io::Error);
+        impl std::fmt::Display for Transport {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("transport error")
+            }
+        }
+        impl std::error::Error for Transport {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let refused = Transport(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused"));
+        assert_eq!(attempt_error(&refused).message(), "transport error: Connection refused", "the cause is named");
         assert!(RETRYABLE_CODES.contains(&Code::DeadlineExceeded) && RETRYABLE_CODES.contains(&Code::Unavailable));
     }
 
