@@ -923,34 +923,23 @@ mod tests {
 
     #[test]
     fn an_attempt_the_channel_timed_out_is_deadline_exceeded_and_a_broken_one_unavailable() {
+        /// A transport error caused by `.0`.
         #[derive(Debug)]
-        struct Wrapped(tonic::TimeoutExpired);
-        impl std::fmt::Display for Wrapped {
+        struct Transport<E>(E);
+        impl<E> std::fmt::Display for Transport<E> {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("transport error")
             }
         }
-        impl std::error::Error for Wrapped {
+        impl<E: std::error::Error + 'static> std::error::Error for Transport<E> {
             fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
                 Some(&self.0)
             }
         }
-        assert_eq!(attempt_error(&Wrapped(tonic::TimeoutExpired(()))).code(), Code::DeadlineExceeded);
+        assert_eq!(attempt_error(&Transport(tonic::TimeoutExpired(()))).code(), Code::DeadlineExceeded);
         assert_eq!(attempt_error(&tonic::TimeoutExpired(())).code(), Code::DeadlineExceeded);
         let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert_eq!(attempt_error(&reset).code(), Code::Unavailable);
-        #[derive(Debug)]
-        struct Transport(std::io::Error);
-        impl std::fmt::Display for Transport {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("transport error")
-            }
-        }
-        impl std::error::Error for Transport {
-            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-                Some(&self.0)
-            }
-        }
         let refused = Transport(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused"));
         assert_eq!(attempt_error(&refused).message(), "transport error: Connection refused", "the cause is named");
         assert!(RETRYABLE_CODES.contains(&Code::DeadlineExceeded) && RETRYABLE_CODES.contains(&Code::Unavailable));
@@ -1171,15 +1160,20 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_callers_deadline_shorter_than_the_default_bounds_every_attempt_and_ends_the_call() {
-        let quick = RetrySettings {
+    /// Retries bounded by the call's deadline alone: attempts without count, 5 ms backoffs.
+    fn bounded_by_time_alone() -> RetrySettings {
+        RetrySettings {
             max_attempts: 1000,
             initial_backoff: Duration::from_millis(5),
             max_backoff: Duration::from_millis(5),
             throttling: None,
             ..RetrySettings::default()
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn a_callers_deadline_shorter_than_the_default_bounds_every_attempt_and_ends_the_call() {
+        let quick = bounded_by_time_alone();
         let sent = Arc::new(Mutex::new(Vec::new()));
         let seen = sent.clone();
         let attempts = Arc::new(AtomicU64::new(0));
@@ -1212,13 +1206,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_whose_attempts_get_no_answer_ends_deadline_exceeded_by_the_callers_deadline() {
-        let quick = RetrySettings {
-            max_attempts: 1000,
-            initial_backoff: Duration::from_millis(5),
-            max_backoff: Duration::from_millis(5),
-            throttling: None,
-            ..RetrySettings::default()
-        };
+        let quick = bounded_by_time_alone();
         // Every answer breaks after its headers.
         let attempts = Arc::new(AtomicU64::new(0));
         let mut service = RetryLayer::new(quick).layer(scripted(vec![Some(Err(())); 1000], &attempts));

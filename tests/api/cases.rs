@@ -1100,6 +1100,22 @@ fn retries_within(per_attempt_timeout: Duration) -> payledger::client::RetrySett
     }
 }
 
+/// Orders `order-1` and `order-2` of 30.00 each, payable by alice (100.00) to shop, and a
+/// client with `per_attempt_timeout` reaching the server through a pass-through fault proxy.
+async fn two_orders_behind_a_proxy(
+    app: &TestApp,
+    per_attempt_timeout: Duration,
+) -> (payledger_tools::storm::FaultProxy, payledger::client::PayledgerClient) {
+    use payledger_tools::storm::{FaultProxy, FaultSettings};
+    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
+    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
+    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
+    let target = format!("http://{}", proxy.address());
+    let client =
+        payledger::client::PayledgerClient::connect_lazy(&target, retries_within(per_attempt_timeout)).unwrap();
+    (proxy, client)
+}
+
 /// A Pay sent through `client` with a deadline of its own (`Request::set_timeout`).
 async fn pay_within(
     client: &payledger::client::PayledgerClient,
@@ -1121,14 +1137,10 @@ async fn pay_within(
 /// from the committed Pay, and the money moves once. With every attempt cut, a caller's
 /// deadline ends the call DEADLINE_EXCEEDED; the same Pay later is answered once.
 pub async fn a_pay_cut_after_its_answers_headers_is_retried_and_moves_the_money_once(app: &TestApp) {
-    use payledger::client::{was_replayed, PayledgerClient};
-    use payledger_tools::storm::{Fault, FaultProxy, FaultSettings};
+    use payledger::client::was_replayed;
+    use payledger_tools::storm::Fault;
 
-    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
-    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
-    let target = format!("http://{}", proxy.address());
-    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_secs(3))).unwrap();
+    let (proxy, client) = two_orders_behind_a_proxy(app, Duration::from_secs(3)).await;
 
     proxy.force_next([Fault::CutAfterHeaders]);
     let response = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
@@ -1155,15 +1167,10 @@ pub async fn a_pay_cut_after_its_answers_headers_is_retried_and_moves_the_money_
 /// another connection, pays once. With every connection silent, a caller's deadline ends the
 /// call DEADLINE_EXCEEDED, and nothing moved.
 pub async fn a_pay_on_a_connection_gone_silent_is_retried_on_another_and_moves_the_money_once(app: &TestApp) {
-    use payledger::client::PayledgerClient;
-    use payledger_tools::storm::{Fault, FaultProxy, FaultSettings};
+    use payledger_tools::storm::Fault;
     use std::sync::atomic::Ordering;
 
-    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
-    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
-    let target = format!("http://{}", proxy.address());
-    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_millis(500))).unwrap();
+    let (proxy, client) = two_orders_behind_a_proxy(app, Duration::from_millis(500)).await;
 
     proxy.force_next([Fault::Blackhole]);
     let response = client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")).await.unwrap();
@@ -1191,15 +1198,9 @@ pub async fn a_pay_on_a_connection_gone_silent_is_retried_on_another_and_moves_t
 /// and the money moves once. With the connections held past a caller's own deadline, the
 /// caller gets DEADLINE_EXCEEDED, never CANCELLED; the same Pay later is answered once.
 pub async fn a_pay_whose_attempts_outlive_their_deadline_is_retried_and_moves_the_money_once(app: &TestApp) {
-    use payledger::client::PayledgerClient;
-    use payledger_tools::storm::{FaultProxy, FaultSettings};
     use std::sync::atomic::Ordering;
 
-    app.order_ready_to_pay("order-1", "100.00", "30.00").await;
-    app.create_order("m1", "order-2", "shop", "30.00").await.unwrap();
-    let proxy = FaultProxy::start(app.address, FaultSettings::none()).await.unwrap();
-    let target = format!("http://{}", proxy.address());
-    let client = PayledgerClient::connect_lazy(&target, retries_within(Duration::from_millis(300))).unwrap();
+    let (_proxy, client) = two_orders_behind_a_proxy(app, Duration::from_millis(300)).await;
 
     let held = hold_the_pool(app).await;
     let (paid, ()) = tokio::join!(client.pay(app.pay_request("m1", "pay-1", "order-1", "alice", "30.00")), async {
