@@ -806,7 +806,10 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
             .push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], instance.port)), FaultSettings::none()).await?);
     }
     let retry = RetrySettings {
-        max_attempts: 10,
+        // Bounded by the 30 s deadline rather than by count: short attempts, and quick
+        // refusals each followed by the server's 250 ms pushback, must still span a cluster
+        // node's absence (a Galera node killed and rejoined is gone 15 s or more).
+        max_attempts: 100,
         initial_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_secs(1),
         per_attempt_timeout: Duration::from_millis(settings.attempt_timeout_ms.max(1)),
