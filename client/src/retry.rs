@@ -336,7 +336,9 @@ where
         Some(callers) => callers.min(settings.overall_deadline),
         None => settings.overall_deadline,
     };
-    let deadline = Instant::now() + overall;
+    // A deadline too far to represent (`Duration::MAX`) is a year away: no call lasts that long.
+    let now = Instant::now();
+    let deadline = now.checked_add(overall).unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
     let policy = backoff_policy(&settings);
     // Buffered once, so every attempt sends the identical bytes.
     let payload: Bytes = body.collect().await.map_err(|status| Box::new(status) as BoxError)?.to_bytes();
@@ -1226,5 +1228,22 @@ mod tests {
         let error = service.ready().await.unwrap().call(request).await.unwrap_err();
         assert_eq!(error.downcast_ref::<Status>().map(Status::code), Some(Code::DeadlineExceeded));
         assert_eq!(attempts.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn an_overall_deadline_too_far_to_represent_is_no_panic() {
+        let endless = RetrySettings {
+            overall_deadline: Duration::MAX,
+            max_attempts: 2,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(1),
+            ..RetrySettings::default()
+        };
+        let attempts = Arc::new(AtomicU64::new(0));
+        let stub = Stub::new(|_| Status::unavailable("down").into_http(), &attempts);
+        let mut service = RetryLayer::new(endless).layer(stub);
+        let response = service.ready().await.unwrap().call(http::Request::new(Body::empty())).await.unwrap();
+        assert_eq!(grpc_code(response.headers()), Some(Code::Unavailable));
+        assert_eq!(attempts.load(Ordering::Relaxed), 2, "retried, then out of attempts");
     }
 }
