@@ -15,7 +15,8 @@
 # tree costs against that revision: `pay` and `keyed-pay` of both builds on PostgreSQL, each
 # on a fresh database, interleaved (baseline, this tree, baseline, this tree) at each of
 # COST_CONCURRENCY (default "1 32"); the ratio compares the two runs' means. It measured the
-# journal's hash chain against the revision before it (BENCHMARKS.md, "The hash chain's cost").
+# journal's hash chain against the revision before it (docs/benchmarks-history.md, "The hash
+# chain's cost").
 #
 # Usage: bench/compare.sh [postgres|mysql|sqlite|cost|all]   (default: all)
 # Environment: BASELINE_REV (none; required by `cost`), COST_CONCURRENCY ("1 32"), CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),

@@ -5,11 +5,15 @@
 #   PostgreSQL: pgbench tpcb-like, prepared mode (-s 32);
 #   MariaDB/MySQL: sysbench oltp_write_only (8 tables of 10,000 rows).
 # Prints calls/s, p50 and p99 of every run and its ratio to the database's benchmark, writes
-# the figures to $OUT/curve-<backend>.csv and draws them as $OUT/curve.svg (matplotlib, in a
-# virtual environment under target/), which BENCHMARKS.md shows. The database's benchmark
-# cannot run where it needs more connections than the server allows (pgbench at 128 clients
-# on PostgreSQL's default max_connections = 100): that point is printed as "n/a" and left out
-# of the ratios and the picture. Every database it creates is dropped again.
+# the figures to $OUT/curve-<backend>.csv and draws each backend's CSV, alone, as
+# $OUT/curve-<backend>.svg (bench/curve_plot.py: calls/s, p50 and p99 against callers, the
+# four scenarios beside the database's benchmark; matplotlib, in a virtual environment made
+# once under target/bench-venv), which BENCHMARKS.md shows. The database's benchmark cannot
+# run where it needs more connections than the server allows (pgbench at 128 clients on
+# PostgreSQL's default max_connections = 100): that point is printed as "n/a" and left out of
+# the ratios and the picture. Every database it creates is dropped again. To redraw a picture
+# from its CSV: target/bench-venv/bin/python bench/curve_plot.py $OUT/curve-postgres.csv
+# $OUT/curve-postgres.svg.
 #
 # Usage: bench/curve.sh [postgres|mysql|all]   (default: all)
 # Environment: CONCURRENCIES ("1 2 8 32 128"), SECONDS_RUN (10: each run's length, payledger's
@@ -24,6 +28,7 @@ POOL_SIZE="${POOL_SIZE:-16}"
 OUT="${OUT:-bench/results}"
 COUNT=0 # set per run below (bench/lib.sh reads it)
 SCENARIOS="pay keyed-pay transfer refund"
+MEASURED="" # the backends this run measured, each drawn at the end
 # shellcheck source=bench/lib.sh
 . bench/lib.sh
 mkdir -p "$OUT"
@@ -125,6 +130,7 @@ curve() { # backend, database url, analyze command, the database's point functio
   done
   stop_server
   "$BIN" audit --database-url "$url"
+  MEASURED="$MEASURED $backend"
 }
 
 if [ "$TARGETS" = all ] || [ "$TARGETS" = postgres ]; then
@@ -146,11 +152,14 @@ if [ "$TARGETS" = all ] || [ "$TARGETS" = mysql ]; then
   curve mysql "mysql://root@127.0.0.1:3306/payledger_curve" "analyze_my payledger_curve" sysbench_point
 fi
 
-# The picture: one panel a backend and measure, the database's benchmark dashed.
+# The pictures: each backend this run measured, from its CSV alone (bench/curve_plot.py), with
+# matplotlib from a virtual environment made on first use.
 VENV=target/bench-venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet matplotlib
 fi
-"$VENV/bin/python" bench/curve_plot.py "$OUT" "$OUT/curve.svg"
-echo "the curve: $OUT/curve.svg"
+for backend in $MEASURED; do
+  "$VENV/bin/python" bench/curve_plot.py "$OUT/curve-$backend.csv" "$OUT/curve-$backend.svg"
+  echo "the curve: $OUT/curve-$backend.svg"
+done

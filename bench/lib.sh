@@ -107,7 +107,7 @@ drop_my() { mariadb -uroot -h127.0.0.1 -e "DROP DATABASE IF EXISTS $1"; }
 LEDGER_TABLES="accounts journal_entries orders payment_flow refunds deposits idempotency_record idempotency_token transfers"
 
 # Takes fresh statistics of payledger's tables, as `pgbench -i` does of its own after loading
-# them (payledger's plans do not depend on them: see BENCHMARKS.md, "Ledger size").
+# them (payledger's plans do not depend on them: see docs/benchmarks-history.md, "Ledger size").
 analyze_pg() { psql -h "$PG_HOST" -U postgres -d "$1" -qc "ANALYZE"; }
 analyze_my() {
   local tables

@@ -107,7 +107,7 @@ impl DatabaseSettings {
 }
 
 /// `--funding-account-shards` when unset on a Galera node: with 3 nodes and 32 callers
-/// Deposits through every node rarely meet on one shard (BENCHMARKS.md, "Galera").
+/// Deposits through every node rarely meet on one shard (`docs/decisions/009-funding-account-shards.md`).
 const GALERA_FUNDING_ACCOUNT_SHARDS: u32 = 16;
 
 impl std::fmt::Debug for DatabaseSettings {
@@ -149,7 +149,7 @@ pub struct AuditSettings {
     pub connect_timeout_seconds: u64,
     /// Seconds the whole audit may take; past it the audit fails and concludes nothing (a
     /// database that goes silent mid-audit ends here). A full audit of a ledger of 10 million
-    /// orders took 23 minutes on MariaDB here (BENCHMARKS.md); the default leaves room for ten
+    /// orders took 23 minutes on MariaDB here (docs/benchmarks-history.md, "Ledger size"); the default leaves room for ten
     /// times that (1-604800).
     #[arg(long, default_value_t = 14_400, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub timeout_seconds: u64,
@@ -209,7 +209,7 @@ impl AuditSettings {
 #[derive(Clone, clap::Args)]
 pub struct IdempotencySettings {
     /// Where one-time tokens live: `database` (consumed in the business transaction) or a
-    /// Redis URL such as `redis://127.0.0.1:6379` (see README, "One-time tokens").
+    /// Redis URL such as `redis://127.0.0.1:6379` (see docs/idempotency.md).
     #[arg(long, env = "PAYLEDGER_TOKEN_STORE", default_value = "database")]
     pub token_store: String,
     /// Seconds an `idempotency-key` is kept (default 24 hours): at least 1, and at least
@@ -312,7 +312,7 @@ impl IdempotencySettings {
     }
 }
 
-/// Caller authentication (see README, "Security"). Without `--auth-jwks`, calls are
+/// Caller authentication (see docs/security.md). Without `--auth-jwks`, calls are
 /// unauthenticated, which `serve` allows only on a loopback address unless
 /// `--insecure-allow-unauthenticated` is given.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -390,7 +390,7 @@ pub struct ServeSettings {
     pub metrics_listen: Option<SocketAddr>,
     /// Threads of the server's async runtime (tokio's worker threads), 1 to 1,024. Default:
     /// one a CPU core. Where the database shares the machine, fewer threads than cores spare
-    /// the wake-ups of tasks moving between threads (BENCHMARKS.md, "Runtime threads").
+    /// the wake-ups of tasks moving between threads (docs/benchmarks-history.md, "Runtime threads").
     #[arg(long, env = "PAYLEDGER_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1_024))]
     pub worker_threads: Option<u16>,
 }

@@ -1,7 +1,7 @@
 //! Prometheus metrics (prometheus-client): what the ledger, the gRPC layer and the pool count,
 //! and the `/metrics` listener (`serve --metrics-listen`) that exposes them in the
 //! OpenMetrics text format. Names follow Prometheus conventions: base units (seconds),
-//! `_total` on counters (added by the encoder). The README's "Metrics" table lists them all.
+//! `_total` on counters (added by the encoder). The Metrics table of docs/operations.md lists them all.
 //!
 //! The counters live in the objects that count (the [`Ledger`]'s [`LedgerMetrics`], the
 //! store's acquire histogram, the gRPC layer's [`RpcMetrics`]) and are registered into one

@@ -118,7 +118,7 @@ pub fn authenticator(listen: SocketAddr, settings: &AuthSettings) -> Result<Opti
         }
         return Err(StartupError::Settings(format!(
             "refusing to serve unauthenticated calls on {listen}, which is not a loopback address: give \
-             --auth-jwks with --auth-issuer and --auth-audience (see README, \"Security\"), or \
+             --auth-jwks with --auth-issuer and --auth-audience (see docs/security.md), or \
              --insecure-allow-unauthenticated for a network that only trusted callers can reach"
         )));
     };

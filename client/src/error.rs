@@ -13,8 +13,8 @@ pub const ERROR_DOMAIN: &str = "payledger";
 macro_rules! reasons {
     ($($(#[$doc:meta])* $variant:ident = $text:literal,)*) => {
         /// The stable `google.rpc.ErrorInfo` reasons of payledger (domain [`ERROR_DOMAIN`]),
-        /// one per way a call fails; the README's error table says which gRPC code carries
-        /// each and when. A reason this version does not know (from a newer server) is
+        /// one per way a call fails; the error table of the server's `docs/api.md` says which gRPC
+        /// code carries each and when. A reason this version does not know (from a newer server) is
         /// [`Reason::Other`].
         #[derive(Debug, Clone, PartialEq, Eq, Hash)]
         #[non_exhaustive]

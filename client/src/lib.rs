@@ -80,7 +80,7 @@ pub mod proto {
 }
 
 /// Request header: the caller's idempotency key (1-128 printable ASCII characters, see the
-/// server's README for the exact alphabet).
+/// server's docs/api.md for the exact alphabet).
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 /// Request header: a one-time token from `IssueToken`.
 pub const IDEMPOTENCY_TOKEN_HEADER: &str = "idempotency-token";

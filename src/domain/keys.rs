@@ -1,4 +1,6 @@
 //! Business numbers: caller-chosen identifiers that double as idempotency keys.
+//!
+//! Why these alphabets, compared byte for byte: `docs/decisions/006-ambiguous-identifiers-refused.md`.
 
 use super::FieldViolation;
 

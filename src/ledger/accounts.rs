@@ -38,6 +38,7 @@ pub const FUNDING_ACCOUNT_SHARDS_MAX: u32 = 32;
 /// account of its own, with its own balance and version, so Deposits and Withdraws spread
 /// over N shards do not all write one row (on a multi-primary cluster, do not all certify
 /// against one row); the currency's money from outside is the sum of its shards.
+/// Why: `docs/decisions/009-funding-account-shards.md`.
 pub(super) fn funding_account_id(currency_code: &str, shard: u32) -> String {
     if shard == 0 {
         external_account_id(currency_code)

@@ -175,6 +175,7 @@ pub(super) enum Opened<'a> {
 }
 
 /// What a completed record holds to answer a replay with.
+/// Why the message as sent: `docs/decisions/005-replays-from-the-stored-response.md`.
 #[derive(Debug, Clone)]
 pub(super) struct StoredResponse {
     /// The response message as the caller received it (encoded protobuf).
@@ -601,7 +602,7 @@ async fn claim_records(queries: &mut Queries<'_>, records: &[IdempotencyRecordRo
 /// a record of that release still replays from it ([`StoredResponse`]); since then every
 /// release replays from the message, and reads a record whose `response` is not NULL as
 /// answered. Writing the JSON copy too cost a keyed Pay or Transfer 6 to 17% of its throughput
-/// (BENCHMARKS.md, "Records without their JSON copy").
+/// (`docs/decisions/005-replays-from-the-stored-response.md`).
 const NO_JSON_COPY: &[u8] = b"";
 
 /// Stores the response in the records of `keys` (scope, key), claimed by this transaction.

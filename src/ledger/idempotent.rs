@@ -205,7 +205,8 @@ impl Ledger {
     /// (`GuardSession::settle`: a guard's committed record first, then [`Ledger::replay_taken`],
     /// after the batch). Nor are the records of a call with an idempotency key alone: its batch
     /// reads them too ([`Ledger::unread_guards`]). A read for each call before it queues
-    /// would cost more database time than the batch's own statements (BENCHMARKS.md).
+    /// would cost more database time than the batch's own statements (docs/benchmarks-history.md,
+    /// "Natural keys read by the batch, a batch's records in one statement").
     pub(super) async fn prepare_guards<'a, T>(
         &'a self,
         guards: &'a Guards,

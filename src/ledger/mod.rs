@@ -1,21 +1,6 @@
-//! Use cases. Each one owns its transaction boundary and its idempotency rule:
-//!
-//! | RPC          | guarded by                                                        |
-//! |--------------|-------------------------------------------------------------------|
-//! | OpenAccount  | primary key on account_id                                         |
-//! | Deposit      | primary key on request_id (deposits)                              |
-//! | Withdraw     | primary key on request_id (withdrawals)                           |
-//! | CreateOrder  | primary key on (merchant_id, order_no)                            |
-//! | CloseOrder   | conditional UPDATE `WHERE status = 'PENDING'`                     |
-//! | (expiry)     | the same, `AND expires_at <= now`, run by the sweeper              |
-//! | Pay          | unique (merchant_id, out_trade_no), then `WHERE status = 'PENDING'` |
-//! | Refund       | unique (merchant_id, out_refund_no), then the order's refund CAS  |
-//! | Authorize    | unique (merchant_id, out_auth_no) and one hold per order, then    |
-//! |              | `WHERE status = 'PENDING'`, then `held` by version CAS            |
-//! | Capture      | unique (merchant_id, out_trade_no) as Pay, then `WHERE status =   |
-//! |              | 'AUTHORIZED'` and the hold `WHERE status = 'ACTIVE'`              |
-//! | Void         | the hold `WHERE status = 'ACTIVE'`, the order `'AUTHORIZED'`      |
-//! | balances     | version CAS on every account, in account_id order                 |
+//! Use cases. Each one owns its transaction boundary and its idempotency rule; which mechanism
+//! guards which RPC is the table in `README.md` ("The guarantee"), and how each works is
+//! `docs/exactly-once.md`.
 //!
 //! The shape is the same everywhere: a read-only replay path answers a key that is already
 //! committed; otherwise one transaction locks the rows the call moves (its order, then its

@@ -25,6 +25,8 @@
 //!
 //! Every value is a string or a 64-bit integer (see `crate::store`): JSON numbers written from
 //! an `i64` are read back exactly by all three.
+//!
+//! Why: `docs/decisions/004-one-statement-text-per-shape.md`.
 
 use serde::ser::{Serialize, Serializer};
 

@@ -7,6 +7,8 @@
 //! each integer as 8 big-endian bytes, so that no two different entries encode alike. Stored as
 //! 64 lowercase hex digits. A digest is the root of a Merkle tree over each account's latest
 //! hash up to one entry id (leaves and nodes hashed apart, as RFC 6962 section 2.1 does).
+//!
+//! Why: `docs/decisions/007-journal-hash-chain.md`.
 
 use std::fmt;
 use std::str::FromStr;

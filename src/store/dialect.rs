@@ -79,6 +79,8 @@ impl Dialect {
     /// - SQLite: WAL so readers never block the writer, a busy timeout for writers in other
     ///   processes, foreign keys on, and full fsync at commit (WAL + synchronous=FULL is
     ///   durable).
+    ///
+    /// Why READ COMMITTED with row locks, not SERIALIZABLE: `docs/decisions/002-read-committed-with-row-locks.md`.
     pub(super) fn session_setup(self, lock_timeout: Duration, galera: bool) -> Vec<String> {
         let millis = lock_timeout.as_millis().max(1);
         let mut statements = self.plain_session_setup(millis);

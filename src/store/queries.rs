@@ -181,6 +181,7 @@ static EXPIRE_ORDER: Sql = Sql::pair(
      WHERE merchant_id = ? AND order_no = ? AND status = 'PENDING' AND expires_at <= ?",
 );
 /// The PENDING orders whose expires_at has passed, oldest deadline first, at most `?`.
+/// Why a column of its own: `docs/decisions/010-sweeper-pending-deadline.md`.
 static FIND_EXPIRED_ORDERS: Sql = Sql::pair(
     "SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= $1 ORDER BY pending_deadline LIMIT $2",
     "SELECT merchant_id, order_no FROM orders WHERE pending_deadline <= ? ORDER BY pending_deadline LIMIT ?",

@@ -53,7 +53,7 @@ impl Rpc {
         Rpc::Transfer,
     ];
 
-    /// The scope the README says this RPC needs.
+    /// The scope docs/security.md says this RPC needs.
     fn scope(self) -> &'static str {
         match self {
             Rpc::CreateOrder

@@ -113,8 +113,9 @@ pub struct BenchSettings {
     /// Also print the report as one JSON line (prefixed `bench-report: `).
     #[arg(long)]
     pub json: bool,
-    /// A progress line on stderr every 2 s while the calls run (calls done of the total,
-    /// calls/s, time left): `auto` when stderr is a terminal. Never on stdout.
+    /// A progress line on stderr every 2 s while the calls run, and one when they end (calls
+    /// done of the total, calls/s, time left): `auto` when stderr is a terminal. Never on
+    /// stdout.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     pub progress: Progress,
     #[command(flatten)]
@@ -566,6 +567,8 @@ pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
     }
     if let Some(ticker) = ticker {
         ticker.abort();
+        // The last line, so a run shorter than the interval shows its progress too.
+        eprintln!("{}", progress_line(done.load(Ordering::Relaxed), settings.total, started, deadline));
     }
     let elapsed = started.elapsed().as_secs_f64();
     let count = histogram.len();
@@ -642,15 +645,20 @@ async fn report_progress(done: Arc<AtomicU64>, total: u64, started: Instant, dea
     let mut ticks = tokio::time::interval_at((started + PROGRESS_EVERY).into(), PROGRESS_EVERY);
     loop {
         ticks.tick().await;
-        let calls = done.load(Ordering::Relaxed);
-        let rate = calls as f64 / started.elapsed().as_secs_f64();
-        let mut left = if rate > 0.0 { total.saturating_sub(calls) as f64 / rate } else { f64::INFINITY };
-        if let Some(deadline) = deadline {
-            left = left.min(deadline.saturating_duration_since(Instant::now()).as_secs_f64());
-        }
-        let percent = calls as f64 * 100.0 / total.max(1) as f64;
-        eprintln!("bench: {calls} of {total} calls ({percent:.0}%), {rate:.0} calls/s, about {left:.0} s left");
+        eprintln!("{}", progress_line(done.load(Ordering::Relaxed), total, started, deadline));
     }
+}
+
+/// One progress line: `calls` done of `total`, the rate since `started`, and the time left at
+/// that rate (or to `deadline`, when that comes first).
+fn progress_line(calls: u64, total: u64, started: Instant, deadline: Option<Instant>) -> String {
+    let rate = calls as f64 / started.elapsed().as_secs_f64();
+    let mut left = if rate > 0.0 { total.saturating_sub(calls) as f64 / rate } else { f64::INFINITY };
+    if let Some(deadline) = deadline {
+        left = left.min(deadline.saturating_duration_since(Instant::now()).as_secs_f64());
+    }
+    let percent = calls as f64 * 100.0 / total.max(1) as f64;
+    format!("bench: {calls} of {total} calls ({percent:.0}%), {rate:.0} calls/s, about {left:.0} s left")
 }
 
 /// How often `bench` reports its progress.

@@ -65,7 +65,7 @@ impl Default for GroupCommitSettings {
 
 /// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]):
 /// four, which serve two callers a quarter faster than one batch at a time and keep the rate
-/// at 32 callers (BENCHMARKS.md, "Batches in flight under light load").
+/// at 32 callers (docs/benchmarks-history.md, "Batches in flight under light load").
 pub const DEFAULT_PIPELINE: usize = 4;
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
@@ -162,7 +162,7 @@ impl<W: BatchWriter> Batcher<W> {
 /// served beside the first instead of after it, and once batches hold several calls (the
 /// database is busy) calls queue up for the next batch, which takes them together: on two
 /// cores a batch's CPU, not its round trips, bounds the rate there, and more, smaller batches in
-/// flight lose (BENCHMARKS.md, "Batches in flight under light load"). A call whose caller has
+/// flight lose (docs/benchmarks-history.md, "Batches in flight under light load"). A call whose caller has
 /// gone when its batch is formed is answered [`BatchWriter::not_started`] and left out. Once the
 /// queue is closed, the batches in flight finish before the worker ends.
 ///

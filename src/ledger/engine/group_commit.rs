@@ -2,8 +2,9 @@
 //! transaction ([`write_together`]), and a call alone as a batch of one ([`write_alone`]). It
 //! knows no use case: each write says what it needs read and locked and decides its outcome
 //! from those rows ([`BatchWrite`]), and what it accepted says what it writes and answers
-//! ([`Accepted`]). What it does and why, what runs alone, and its bounds are explained once, in
-//! `docs/write-engine.md`. Here, the steps of [`write_together`] as the code takes them:
+//! ([`Accepted`]). What it does, what runs alone, and its bounds are explained once, in
+//! `docs/write-engine.md`; why: `docs/decisions/003-group-commit.md`. Here, the steps of
+//! [`write_together`] as the code takes them:
 //!
 //! 0. [`read_payments`], before the transaction: the payments the writes read
 //!    ([`BatchWrite::payment_to_read`]; a write they decide, [`BatchWrite::decided_before`], is
@@ -734,6 +735,8 @@ impl<'b> Deciding<'b> {
     ///    out_refund_no under its order's lock (every Refund locks its order before it
     ///    inserts), a request_id under its funding account's (every call of a request_id moves
     ///    that account).
+    ///
+    /// Why two lock statements, not one: `docs/decisions/008-two-lock-statements.md`.
     async fn lock(&self, queries: &mut Queries<'_>) -> Result<Locked, Error> {
         let undecided = self.undecided();
         let writes = || undecided.iter().map(|index| &self.batch[*index].write);

@@ -2,7 +2,7 @@
 //! night with no settled entry still checks the balances of each currency, and a file without
 //! a ledger is named and left as it was.
 
-mod common;
+use crate::common;
 
 fn audit(url: &str, from_entry: &str) -> std::process::Output {
     audit_with(url, from_entry, &[])

@@ -8,7 +8,7 @@
 //! refused port looks like to the pool). PostgreSQL and MariaDB; SQLite has no connection to
 //! lose.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -274,7 +274,7 @@ async fn every_attempt_of_a_transfer_carries_the_same_generated_idempotency_key(
 #[test]
 fn the_shipped_service_config_retries_only_transient_codes() {
     let config: serde_json::Value =
-        serde_json::from_str(include_str!("../client/service_config.json")).expect("valid JSON");
+        serde_json::from_str(include_str!("../../client/service_config.json")).expect("valid JSON");
     let methods = config["methodConfig"].as_array().unwrap();
     let mut named = Vec::new();
     for method_config in methods {
@@ -292,9 +292,9 @@ fn the_shipped_service_config_retries_only_transient_codes() {
 }
 
 #[test]
-fn the_typed_reasons_are_the_readmes_error_table() {
-    let readme = include_str!("../README.md");
-    let table = readme.split("| Code | Reason | When |").nth(1).expect("the README's error table");
+fn the_typed_reasons_are_the_error_table_of_the_api_docs() {
+    let readme = include_str!("../../docs/api.md");
+    let table = readme.split("| Code | Reason | When |").nth(1).expect("the error table of docs/api.md");
     let mut documented: Vec<&str> = Vec::new();
     for row in table.lines().skip(2).take_while(|line| line.starts_with('|')) {
         let reasons = row.split('|').nth(2).expect("a Reason column");
@@ -304,5 +304,5 @@ fn the_typed_reasons_are_the_readmes_error_table() {
     documented.dedup();
     let mut known = payledger::client::Reason::KNOWN.to_vec();
     known.sort_unstable();
-    assert_eq!(documented, known, "client/src/error.rs and the README's error table name the same reasons");
+    assert_eq!(documented, known, "client/src/error.rs and the error table of docs/api.md name the same reasons");
 }

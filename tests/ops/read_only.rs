@@ -14,7 +14,7 @@
 //! Its read-only, full-disk and I/O error codes are covered by the classification tests in
 //! `src/store/dialect.rs`.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! Several instances starting at once over one empty database all come up: the migrations
 //! run once, under a lock that really waits (on MariaDB too).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

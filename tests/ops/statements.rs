@@ -14,7 +14,7 @@
 //! `Com_stmt_close` (sqlx keeps each statement it prepared, up to 100 a connection, and closes
 //! the ones it evicts).
 
-mod common;
+use crate::common;
 
 use payledger::domain::{
     AccountId, Actor, Amount, Currency, FreeText, IdempotencyKey, MerchantId, OneTimeToken, OrderNo, OutRefundNo,

@@ -2,7 +2,7 @@
 //! at start for a database that is not there yet. On databases created by the test on the
 //! shared servers (PostgreSQL for the health flip, both servers for the wait at start).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

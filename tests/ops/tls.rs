@@ -1,7 +1,7 @@
 //! TLS and mutual TLS between the Rust client and a real server, with certificates made by
 //! the test (rcgen); and the start-up rules of an unauthenticated server.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
