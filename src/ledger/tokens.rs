@@ -4,13 +4,9 @@
 //!   conditional UPDATE in the same transaction as the business change, so consumption and
 //!   business change commit together or not at all: strongly consistent.
 //! - **Redis** (`--token-store redis://...`): issued with `SET NX EX`, consumed by one Lua
-//!   script (check and mark in one atomic step, never GET then DEL). Redis cannot join the
-//!   database transaction, so when the business change then fails, the token is restored (a
-//!   second script puts it back only if this consumer's mark is still on it) and the caller
-//!   may present it again; if Redis cannot be reached for the restore, the token stays
-//!   consumed and the caller must ask for a new one. Whatever Redis says, the database's
-//!   unique key on the token's idempotency record stays the backstop: a Redis failover that
-//!   forgets a consumed token can never run the business change a second time.
+//!   script, restored by another when the business change fails; the token's idempotency
+//!   record in the database stays the backstop. What a caller sees of each, and why:
+//!   `docs/idempotency.md` ("Token stores").
 
 use std::time::Duration;
 

@@ -37,7 +37,7 @@ pub(in crate::ledger) trait BatchWriter: Send + Sync + 'static {
 }
 
 /// How the batch workers group calls (`--pay-batch-max`, `--pay-batch-workers`,
-/// `--pay-batch-pipeline`, `--pay-batch-queue-max`).
+/// `--pay-batch-pipeline`, `--pay-queue-max`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) written by one
