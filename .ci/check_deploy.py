@@ -43,6 +43,13 @@ if not re.search(r"^USER \d+:\d+$", dockerfile, re.M):
     problems.append("Dockerfile: USER must be numeric (uid:gid)")
 if "strip " in dockerfile:
     problems.append("Dockerfile: the binary must keep its line tables (no strip)")
+if "objcopy --compress-debug-sections=zlib target/release/payledger" not in dockerfile:
+    problems.append("Dockerfile: the binary's line tables must be compressed (objcopy --compress-debug-sections=zlib)")
+# Docker's default stop grace (10 s) equals the server's own: SIGKILL could land mid-shutdown.
+grace = int(env.get("PAYLEDGER_SHUTDOWN_GRACE_SECONDS", 10))
+stop = re.fullmatch(r"(\d+)s", str(services["payledger"].get("stop_grace_period", "10s")))
+if not stop or int(stop.group(1)) < grace + 5:
+    problems.append(f"compose: payledger's stop_grace_period must exceed its shutdown grace ({grace} s) by 5 s at least")
 healthcheck = re.search(r"^HEALTHCHECK .*\n.*CMD \[(.*)\]", dockerfile, re.M)
 if not healthcheck or '"health"' not in healthcheck.group(1):
     problems.append("Dockerfile: HEALTHCHECK must run `payledger health`")
