@@ -38,6 +38,24 @@ if ! GRPC_VERBOSITY=NONE PYTHONPATH="$work" "$venv/bin/python" .ci/contract/auth
   cat "$work/server.log" >&2
   exit 1
 fi
+# Connections that move (gRFC A9): a server of its own whose connections get a GOAWAY after
+# 1 s, called by grpcio until it has moved twice, every call answered.
+age_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+target/debug/payledger serve --listen "127.0.0.1:$age_port" --database-url "sqlite:$work/age.db" \
+  --max-connection-age-seconds 1 >"$work/age.log" 2>&1 &
+age_server=$!
+for _ in $(seq 1 100); do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$age_port") 2>/dev/null; then break; fi
+  sleep 0.1
+done
+if ! PYTHONPATH="$work" "$venv/bin/python" .ci/contract/connection_age.py "127.0.0.1:$age_port"; then
+  echo "the connection-age check failed; server log:" >&2
+  cat "$work/age.log" >&2
+  kill "$age_server" 2>/dev/null || true
+  exit 1
+fi
+kill "$age_server" 2>/dev/null || true
+wait "$age_server" 2>/dev/null || true
 # The example caller (examples/checkout-service) through the same boundary: the server's CA,
 # a client certificate and a token of its own, passed the way its README says.
 cargo build --locked --quiet --bin checkout-service

@@ -370,6 +370,14 @@ pub struct ServeSettings {
     /// Seconds that calls in flight get to finish after SIGTERM or SIGINT.
     #[arg(long, env = "PAYLEDGER_SHUTDOWN_GRACE_SECONDS", default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Seconds an HTTP/2 connection of a caller is served before the server sends it a GOAWAY
+    /// (gRFC A9, `MAX_CONNECTION_AGE`): the caller opens its next calls on a new connection,
+    /// so long-lived connections move to instances added since, and the old connection closes
+    /// once its calls in flight have finished (every RPC is unary, bounded by its deadline).
+    /// No jitter is added. 0: no limit.
+    #[arg(long, env = "PAYLEDGER_MAX_CONNECTION_AGE_SECONDS", default_value_t = 600,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub max_connection_age_seconds: u64,
     /// Milliseconds between two health checks of the database (on a connection of their
     /// own): a check that fails or takes over 2 s turns gRPC health NOT_SERVING, the next one
     /// that passes SERVING again.

@@ -168,6 +168,8 @@ pub struct Application {
     mutual_tls: bool,
     health_check_interval: Duration,
     max_concurrent_calls: Option<usize>,
+    /// The most a caller's connection is served before its GOAWAY (gRFC A9).
+    connection_age: Option<Duration>,
     metrics_listener: Option<TcpListener>,
     rpc_metrics: RpcMetrics,
 }
@@ -197,6 +199,10 @@ impl Application {
         Ok(application
             .with_reaper(settings.idempotency.reaper())
             .with_health_check_interval(Duration::from_millis(settings.health_check_interval_ms))
+            .with_max_connection_age(
+                (settings.max_connection_age_seconds > 0)
+                    .then(|| Duration::from_secs(settings.max_connection_age_seconds)),
+            )
             .with_max_concurrent_calls(
                 (settings.max_concurrent_calls > 0).then_some(settings.max_concurrent_calls as usize),
             )
@@ -216,6 +222,7 @@ impl Application {
             mutual_tls: false,
             health_check_interval: Duration::from_secs(2),
             max_concurrent_calls: Some(512),
+            connection_age: None,
             metrics_listener: None,
             rpc_metrics: RpcMetrics::default(),
         }
@@ -238,6 +245,17 @@ impl Application {
     /// The bound address of the metrics listener, if there is one.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_listener.as_ref().and_then(|listener| listener.local_addr().ok())
+    }
+
+    /// Sends each caller's connection a GOAWAY once it is `age` old; it closes when its calls
+    /// in flight have finished (`None`, the default here: connections are never closed for
+    /// their age; `serve` sets `--max-connection-age-seconds`).
+    ///
+    /// No forced close after a grace: tonic 0.14 given one (`max_connection_age_grace`) sends
+    /// no GOAWAY at all and cuts the connection at age plus grace, calls in flight with it.
+    pub fn with_max_connection_age(mut self, age: Option<Duration>) -> Self {
+        self.connection_age = age;
+        self
     }
 
     /// How often health checks the database (default every 2 s).
@@ -313,6 +331,7 @@ impl Application {
             mutual_tls: _,
             health_check_interval,
             max_concurrent_calls,
+            connection_age,
             metrics_listener,
             rpc_metrics,
         } = self;
@@ -341,6 +360,9 @@ impl Application {
         // responses back until the client's delayed ACK, some 40 ms per call.
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let mut builder = Server::builder();
+        if let Some(age) = connection_age {
+            builder = builder.max_connection_age(age);
+        }
         if let Some(tls) = tls {
             builder = builder.tls_config(tls)?;
         }
