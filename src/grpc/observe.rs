@@ -282,7 +282,9 @@ fn response_code(response: &http::Response<Body>) -> Code {
 
 /// The statuses tonic answers itself, before a handler runs, in gRPC's own terms:
 /// - a request message over the size limit (tonic: OUT_OF_RANGE) is RESOURCE_EXHAUSTED,
-///   ErrorInfo reason MESSAGE_TOO_LARGE;
+///   ErrorInfo reason MESSAGE_TOO_LARGE, with `grpc-retry-pushback-ms: -1`: a negative
+///   pushback asks the client not to retry at all (gRFC A6), since the same message would be
+///   refused again, where a retry policy that goes by code would retry RESOURCE_EXHAUSTED;
 /// - a request whose framing is broken (no message, a truncated frame, a compressed frame
 ///   without `grpc-encoding`; tonic: INTERNAL) is INVALID_ARGUMENT, MALFORMED_REQUEST.
 ///
@@ -299,8 +301,13 @@ fn reword(response: http::Response<Body>) -> http::Response<Body> {
     let mut details = ErrorDetails::new();
     details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
     let message = Status::from_header_map(response.headers()).map(|status| status.message().to_owned());
-    Status::with_error_details(code, message.unwrap_or_else(|| "the request cannot be read".to_owned()), details)
-        .into_http()
+    let mut response =
+        Status::with_error_details(code, message.unwrap_or_else(|| "the request cannot be read".to_owned()), details)
+            .into_http();
+    if code == Code::ResourceExhausted {
+        response.headers_mut().insert("grpc-retry-pushback-ms", http::HeaderValue::from_static("-1"));
+    }
+    response
 }
 
 /// The codes the OpenTelemetry gRPC conventions mark as a server span's error (the rest are

@@ -3357,8 +3357,17 @@ pub async fn a_request_over_the_size_limit_is_resource_exhausted(app: &TestApp) 
     let before = app.all_rows().await;
     let mut request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
     request.out_trade_no = "x".repeat(100 * 1024);
-    let status = app.payments.clone().pay(request).await.unwrap_err();
+    let status = app.payments.clone().pay(request.clone()).await.unwrap_err();
     assert_status(&status, Code::ResourceExhausted, "MESSAGE_TOO_LARGE");
+    // A negative pushback (gRFC A6): no client retries a message that would be refused again,
+    // though RESOURCE_EXHAUSTED is among the codes retried.
+    assert_eq!(status.metadata().get("grpc-retry-pushback-ms").map(|value| value.to_str().unwrap()), Some("-1"));
+    let client =
+        payledger::client::PayledgerClient::connect_lazy(&format!("http://{}", app.address), Default::default())
+            .unwrap();
+    let status = client.pay(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(client.stats().attempts.load(std::sync::atomic::Ordering::Relaxed), 1, "sent once, not retried");
     assert_eq!(app.all_rows().await, before);
 }
 
