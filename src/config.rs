@@ -373,7 +373,8 @@ pub struct ServeSettings {
     /// Seconds an HTTP/2 connection of a caller is served before the server sends it a GOAWAY
     /// (gRFC A9, `MAX_CONNECTION_AGE`): the caller opens its next calls on a new connection,
     /// so long-lived connections move to instances added since, and the old connection closes
-    /// once its calls in flight have finished (every RPC is unary, bounded by its deadline).
+    /// once its calls in flight have finished (the API's RPCs are unary, bounded by their
+    /// deadlines; a health Watch or reflection stream keeps it open until the stream ends).
     /// No jitter is added. 0: no limit.
     #[arg(long, env = "PAYLEDGER_MAX_CONNECTION_AGE_SECONDS", default_value_t = 600,
           value_parser = clap::value_parser!(u64).range(0..=86_400))]
