@@ -160,7 +160,7 @@ impl From<FieldViolation> for Error {
 const OVERLOADED_PUSHBACK: Duration = Duration::from_millis(100);
 
 /// Response header of gRFC A6 retry pushback.
-const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+pub(crate) const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 
 /// The wait the server asks of a retry (in RetryInfo and the pushback header alike), where it
 /// knows better than the client's backoff: a lost optimistic lock clears fast; a lock held

@@ -20,7 +20,7 @@ use tower::{Layer, Service};
 use tracing::field::Empty;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::error::ERROR_DOMAIN;
+use crate::error::{ERROR_DOMAIN, RETRY_PUSHBACK_HEADER};
 use crate::ledger::CallerPresence;
 use crate::metrics::{CallLabels, MethodLabels, RpcMetrics};
 
@@ -305,7 +305,7 @@ fn reword(response: http::Response<Body>) -> http::Response<Body> {
         Status::with_error_details(code, message.unwrap_or_else(|| "the request cannot be read".to_owned()), details)
             .into_http();
     if code == Code::ResourceExhausted {
-        response.headers_mut().insert("grpc-retry-pushback-ms", http::HeaderValue::from_static("-1"));
+        response.headers_mut().insert(RETRY_PUSHBACK_HEADER, http::HeaderValue::from_static("-1"));
     }
     response
 }
