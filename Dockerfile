@@ -22,6 +22,10 @@ RUN mkdir -p src tools/src examples/checkout-service/src \
  && rm -rf src
 COPY src ./src
 COPY migrations ./migrations
+# The git commit payledger_build_info names (build.rs); the context carries no .git, so pass
+# `--build-arg PAYLEDGER_BUILD_COMMIT=$(git rev-parse HEAD)`. Declared here, after the
+# dependency layer, so that a new commit does not rebuild the dependencies.
+ARG PAYLEDGER_BUILD_COMMIT=unknown
 # Touch the sources so cargo rebuilds the crate itself over the cached stand-in. The image
 # carries the server binary only: the test tools (payledger-tools) are not built into it.
 # Not stripped: the release profile keeps line tables (`debug = "line-tables-only"`) so that

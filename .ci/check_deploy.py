@@ -1,6 +1,7 @@
 """Checks what can be checked of deploy/ without a container engine: both files parse, the
-compose services and the Dockerfile agree on ports and users, and Prometheus scrapes the
-address payledger's metrics listener is given."""
+compose services and the Dockerfile agree on ports and users, Prometheus scrapes the address
+payledger's metrics listener is given and loads the alert rules. (The rules themselves, and the
+dashboard, are checked against a real Prometheus by .ci/prometheus_check.py.)"""
 import re
 import sys
 
@@ -23,6 +24,11 @@ if targets != [f"payledger:{metrics_port}"]:
     problems.append(f"prometheus scrapes {targets}, payledger serves metrics on port {metrics_port}")
 if prometheus["scrape_configs"][0].get("metrics_path", "/metrics") != "/metrics":
     problems.append("prometheus must scrape /metrics")
+rules_mount = [v for v in services["prometheus"]["volumes"] if v.startswith("./rules.yml:")]
+if not rules_mount or rules_mount[0].split(":")[1] not in prometheus.get("rule_files", []):
+    problems.append("prometheus must load deploy/rules.yml (mounted by compose, named in rule_files)")
+if "ARG PAYLEDGER_BUILD_COMMIT" not in dockerfile:
+    problems.append("Dockerfile: ARG PAYLEDGER_BUILD_COMMIT must reach the build (payledger_build_info)")
 host, user, password = "postgres", "payledger", "payledger"
 url = env["DATABASE_URL"]
 expected = f"postgres://{user}:{password}@{host}:5432/{services['postgres']['environment']['POSTGRES_DB']}"

@@ -21,6 +21,15 @@ if [ ! -f /usr/lib/galera/libgalera_smm.so ] || ! command -v rsync >/dev/null 2>
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq galera-4 rsync
 fi
 
+# Prometheus and promtool, for the check of deploy/'s rules and dashboard
+# (.ci/prometheus_check.py): Debian's prometheus package, without its recommended exporters.
+# Its service is not started (the check runs a Prometheus of its own).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  echo "installing prometheus"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+fi
+
 if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
   echo "starting PostgreSQL"
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start || true

@@ -9,10 +9,11 @@
 
 use std::sync::Arc;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use tokio::net::TcpListener;
@@ -54,6 +55,13 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// What a group commit committed (label `kind` of `payledger_group_committed_calls_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// `pay`, `refund`, `transfer`, `deposit`, `withdraw` or `create_order`.
+    pub kind: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CauseLabel {
     /// `deadlock`, `serialization`, `busy` (SQLite) or `interrupted`.
@@ -75,7 +83,7 @@ pub const KEY_CONFLICT_REASONS: [&str; 7] = [
 pub const SHED_CONCURRENCY: &str = "concurrency_limit";
 pub const SHED_QUEUE_FULL: &str = "group_commit_queue_full";
 
-/// Buckets of the group-commit batch size: 1, 2, 4 ... 512 Pays.
+/// Buckets of the group-commit batch size: 1, 2, 4 ... 512 calls.
 fn batch_buckets() -> Histogram {
     Histogram::new(exponential_buckets(1.0, 2.0, 10))
 }
@@ -100,6 +108,9 @@ pub struct LedgerMetrics {
     pub orders_expired: Counter,
     pub holds_expired: Counter,
     pub group_commits: Counter,
+    /// `payledger_group_committed_calls_total`, by kind; each field below is one of its
+    /// series (a clone shares its count).
+    pub group_committed: Family<KindLabel, Counter>,
     pub group_committed_pays: Counter,
     pub group_committed_refunds: Counter,
     pub group_committed_transfers: Counter,
@@ -108,6 +119,7 @@ pub struct LedgerMetrics {
     pub group_committed_orders: Counter,
     pub group_commit_batch: Histogram,
     pub group_commit_queue_depth: Gauge,
+    pub group_commit_queue_capacity: Gauge,
     pub group_commit_alone: Counter,
     pub group_commit_not_started: Counter,
     pub load_shed: Family<ReasonLabel, Counter>,
@@ -117,6 +129,8 @@ impl Default for LedgerMetrics {
     /// Every labelled counter starts with its known label values at 0, so that a query or
     /// an alert over it sees 0 rather than no data.
     fn default() -> Self {
+        let group_committed = Family::<KindLabel, Counter>::default();
+        let kind = |kind| group_committed.get_or_create_owned(&KindLabel { kind });
         let metrics = Self {
             replays: Family::default(),
             key_conflicts: Family::default(),
@@ -130,14 +144,16 @@ impl Default for LedgerMetrics {
             orders_expired: Counter::default(),
             holds_expired: Counter::default(),
             group_commits: Counter::default(),
-            group_committed_pays: Counter::default(),
-            group_committed_refunds: Counter::default(),
-            group_committed_transfers: Counter::default(),
-            group_committed_deposits: Counter::default(),
-            group_committed_withdrawals: Counter::default(),
-            group_committed_orders: Counter::default(),
+            group_committed_pays: kind("pay"),
+            group_committed_refunds: kind("refund"),
+            group_committed_transfers: kind("transfer"),
+            group_committed_deposits: kind("deposit"),
+            group_committed_withdrawals: kind("withdraw"),
+            group_committed_orders: kind("create_order"),
+            group_committed: group_committed.clone(),
             group_commit_batch: batch_buckets(),
             group_commit_queue_depth: Gauge::default(),
+            group_commit_queue_capacity: Gauge::default(),
             group_commit_alone: Counter::default(),
             group_commit_not_started: Counter::default(),
             load_shed: Family::default(),
@@ -250,44 +266,24 @@ impl LedgerMetrics {
             self.group_commits.clone(),
         );
         registry.register(
-            "payledger_group_committed_pays",
-            "Pays committed by group commits",
-            self.group_committed_pays.clone(),
+            "payledger_group_committed_calls",
+            "Calls committed by group commits, by kind (pay, refund, transfer, deposit, withdraw, create_order)",
+            self.group_committed.clone(),
         );
         registry.register(
-            "payledger_group_committed_refunds",
-            "Refunds committed by group commits",
-            self.group_committed_refunds.clone(),
-        );
-        registry.register(
-            "payledger_group_committed_transfers",
-            "Transfers committed by group commits",
-            self.group_committed_transfers.clone(),
-        );
-        registry.register(
-            "payledger_group_committed_deposits",
-            "Deposits committed by group commits",
-            self.group_committed_deposits.clone(),
-        );
-        registry.register(
-            "payledger_group_committed_withdrawals",
-            "Withdraws committed by group commits",
-            self.group_committed_withdrawals.clone(),
-        );
-        registry.register(
-            "payledger_group_committed_orders",
-            "Orders created (CreateOrder) by group commits",
-            self.group_committed_orders.clone(),
-        );
-        registry.register(
-            "payledger_group_commit_batch_pays",
-            "Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders committed per group commit",
+            "payledger_group_commit_batch_calls",
+            "Calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) committed per group commit",
             self.group_commit_batch.clone(),
         );
         registry.register(
             "payledger_group_commit_queue_depth",
             "Pays, Refunds, Transfers, Deposits and Withdraws queued for group commit, not yet taken by a batch",
             self.group_commit_queue_depth.clone(),
+        );
+        registry.register(
+            "payledger_group_commit_queue_capacity",
+            "Calls the group-commit queues hold in all: workers times --pay-queue-max (a call finding its worker's queue full is refused RESOURCE_EXHAUSTED)",
+            self.group_commit_queue_capacity.clone(),
         );
         registry.register(
             "payledger_group_commit_alone",
@@ -307,26 +303,47 @@ impl LedgerMetrics {
     }
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// The labels of one RPC, named as go-grpc-middleware and the community gRPC dashboards name
+/// them (not `service`, which the Prometheus Operator sets on every target).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MethodLabels {
-    pub service: &'static str,
-    pub method: &'static str,
+    /// `payledger.v1.PaymentService`..., or `unknown` for a path that is not an RPC.
+    pub grpc_service: &'static str,
+    /// `Pay`..., or `unknown`.
+    pub grpc_method: &'static str,
+    /// `unary`, `server_stream` or `bidi_stream` (gRPC's streaming kinds), or `unknown`.
+    pub grpc_type: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
-    pub service: &'static str,
-    pub method: &'static str,
+    pub grpc_service: &'static str,
+    pub grpc_method: &'static str,
+    pub grpc_type: &'static str,
     /// The gRPC status code's name (`OK`, `INVALID_ARGUMENT`...).
-    pub code: &'static str,
+    pub grpc_code: &'static str,
 }
 
-/// Per-RPC metrics of the gRPC layer.
+impl CallLabels {
+    pub fn new(method: MethodLabels, grpc_code: &'static str) -> Self {
+        Self {
+            grpc_service: method.grpc_service,
+            grpc_method: method.grpc_method,
+            grpc_type: method.grpc_type,
+            grpc_code,
+        }
+    }
+}
+
+/// Per-RPC metrics of the gRPC layer: the API's calls (PaymentService, AccountService, and
+/// paths that are not an RPC), and apart from them the platform's (health and reflection),
+/// so that an error ratio or a latency over the API is not diluted by probes.
 #[derive(Debug, Clone)]
 pub struct RpcMetrics {
     pub calls: Family<CallLabels, Counter>,
     pub duration: Family<MethodLabels, Histogram, fn() -> Histogram>,
     pub in_flight: Family<MethodLabels, Gauge>,
+    pub platform_calls: Family<CallLabels, Counter>,
 }
 
 impl Default for RpcMetrics {
@@ -335,27 +352,42 @@ impl Default for RpcMetrics {
             calls: Family::default(),
             duration: Family::new_with_constructor(duration_buckets),
             in_flight: Family::default(),
+            platform_calls: Family::default(),
         }
     }
 }
 
 impl RpcMetrics {
-    /// Starts the families of `method` at 0 (calls with code OK, duration, in flight).
-    pub fn know(&self, service: &'static str, method: &'static str) {
-        self.calls.get_or_create_owned(&CallLabels { service, method, code: "OK" });
-        self.duration.get_or_create_owned(&MethodLabels { service, method });
-        self.in_flight.get_or_create_owned(&MethodLabels { service, method });
+    /// Starts the families of an API method at 0 (calls with code OK, duration, in flight).
+    pub fn know(&self, method: MethodLabels) {
+        self.calls.get_or_create_owned(&CallLabels::new(method, "OK"));
+        self.duration.get_or_create_owned(&method);
+        self.in_flight.get_or_create_owned(&method);
+    }
+
+    /// Starts the count of a health or reflection method at 0.
+    pub fn know_platform(&self, method: MethodLabels) {
+        self.platform_calls.get_or_create_owned(&CallLabels::new(method, "OK"));
     }
 
     fn register(&self, registry: &mut Registry) {
-        registry.register("payledger_rpc_calls", "Completed RPCs by service, method and gRPC code", self.calls.clone());
+        registry.register(
+            "payledger_rpc_calls",
+            "Completed API RPCs (PaymentService, AccountService, unknown paths) by service, method, type and gRPC code",
+            self.calls.clone(),
+        );
         registry.register_with_unit(
             "payledger_rpc_duration",
-            "Handling time of RPCs, from the request's headers to the response's",
+            "Handling time of API RPCs, from the request's headers to the response's",
             Unit::Seconds,
             self.duration.clone(),
         );
-        registry.register("payledger_rpc_in_flight", "RPCs being handled now", self.in_flight.clone());
+        registry.register("payledger_rpc_in_flight", "API RPCs being handled now", self.in_flight.clone());
+        registry.register(
+            "payledger_rpc_platform_calls",
+            "Completed health and reflection RPCs, apart from API traffic, by service, method, type and gRPC code",
+            self.platform_calls.clone(),
+        );
     }
 }
 
@@ -397,6 +429,14 @@ impl Metrics {
             Unit::Seconds,
             store.acquire_duration().clone(),
         );
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info.get_or_create(&BuildLabels::default()).set(1);
+        registry.register(
+            "payledger_build_info",
+            "1, labelled with the running build's version and commit",
+            build_info,
+        );
+        registry.register_collector(Box::new(ProcessCollector));
         registry.register(
             "payledger_db_up",
             "1 while the last health check passed, 0 after one failed (on Galera: the node not Synced)",
@@ -415,6 +455,65 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
         text
+    }
+}
+
+/// `payledger_build_info`'s labels: the crate's version and the git commit it was built from
+/// (`PAYLEDGER_BUILD_COMMIT` at build time, else `git rev-parse HEAD`, else `unknown`; see
+/// build.rs).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
+impl Default for BuildLabels {
+    fn default() -> Self {
+        Self { version: env!("CARGO_PKG_VERSION"), commit: env!("PAYLEDGER_BUILD_COMMIT") }
+    }
+}
+
+/// The standard process metrics (Prometheus, "Writing client libraries", "Process metrics"),
+/// read at each scrape by the metrics-process crate: `process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, `process_virtual_memory_bytes`, `process_open_fds`,
+/// `process_max_fds`, `process_start_time_seconds`, `process_threads`. A value the platform
+/// cannot give is left out.
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let process = metrics_process::collector::collect();
+        if let Some(seconds) = process.cpu_seconds_total {
+            let counter = ConstCounter::new(seconds);
+            let metric = encoder.encode_descriptor(
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds",
+                None,
+                counter.metric_type(),
+            )?;
+            counter.encode(metric)?;
+        }
+        let gauges = [
+            ("process_resident_memory_bytes", "Resident memory size in bytes", process.resident_memory_bytes),
+            ("process_virtual_memory_bytes", "Virtual memory size in bytes", process.virtual_memory_bytes),
+            ("process_open_fds", "Number of open file descriptors", process.open_fds),
+            ("process_max_fds", "Maximum number of open file descriptors (0: unlimited)", process.max_fds),
+            (
+                "process_start_time_seconds",
+                "Start time of the process since the Unix epoch in seconds",
+                process.start_time_seconds,
+            ),
+            ("process_threads", "Number of OS threads in the process", process.threads),
+        ];
+        for (name, help, value) in gauges {
+            if let Some(value) = value {
+                let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+                let metric = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+                gauge.encode(metric)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -35,10 +35,14 @@ pub struct Observe {
 }
 
 impl Observe {
-    /// Starts the metrics of every ledger RPC at 0.
+    /// Starts the metrics of every RPC the server serves at 0.
     pub fn new(rpc: RpcMetrics) -> Self {
-        for (service, method) in KNOWN_METHODS.iter().filter(|(service, _)| service.starts_with("payledger.")) {
-            rpc.know(service, method);
+        for method in KNOWN_METHODS {
+            if is_platform(method) {
+                rpc.know_platform(method);
+            } else {
+                rpc.know(method);
+            }
         }
         Self { rpc }
     }
@@ -77,9 +81,8 @@ where
 
     fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
         let started = Instant::now();
-        let (service, method) = service_and_method(request.uri().path());
-        let labels = MethodLabels { service, method };
-        let span = rpc_span(&request, service, method);
+        let labels = method_labels(request.uri().path());
+        let span = rpc_span(&request, labels.grpc_service, labels.grpc_method);
         let deadline = request.headers().get("grpc-timeout").and_then(grpc_timeout).map(|timeout| started + timeout);
         let (presence, call_guard) = CallerPresence::new(deadline);
         request.extensions_mut().insert(presence);
@@ -137,20 +140,26 @@ struct Call {
 
 impl Call {
     fn start(rpc: RpcMetrics, span: tracing::Span, labels: MethodLabels, started: Instant) -> Self {
-        rpc.in_flight.get_or_create(&labels).inc();
+        if !is_platform(labels) {
+            rpc.in_flight.get_or_create(&labels).inc();
+        }
         Self { rpc, span, labels, started, finished: false }
     }
 
     /// Counts the call and writes its log line.
     fn finish(&mut self, code: Code, replayed: bool) {
         self.finished = true;
-        self.rpc.in_flight.get_or_create(&self.labels).dec();
         let elapsed = self.started.elapsed();
         let code_name = code_name(code);
-        let labels = &self.labels;
-        let call = CallLabels { service: labels.service, method: labels.method, code: code_name };
-        self.rpc.calls.get_or_create(&call).inc();
-        self.rpc.duration.get_or_create(labels).observe(elapsed.as_secs_f64());
+        let labels = self.labels;
+        let call = CallLabels::new(labels, code_name);
+        if is_platform(labels) {
+            self.rpc.platform_calls.get_or_create(&call).inc();
+        } else {
+            self.rpc.in_flight.get_or_create(&labels).dec();
+            self.rpc.calls.get_or_create(&call).inc();
+            self.rpc.duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        }
         self.span.record("rpc.grpc.status_code", code as i32);
         if is_server_error(code) {
             self.span.record("otel.status_code", "ERROR");
@@ -158,7 +167,7 @@ impl Call {
         self.span.in_scope(|| {
             tracing::info!(
                 target: ACCESS_LOG_TARGET,
-                method = labels.method,
+                method = labels.grpc_method,
                 code = code_name,
                 duration_ms = elapsed.as_micros() as f64 / 1000.0,
                 replayed,
@@ -180,41 +189,58 @@ fn is_replayed(response: &http::Response<Body>) -> bool {
     response.headers().get(payledger_client::REPLAYED_HEADER).is_some_and(|value| value == "true")
 }
 
-/// `/payledger.v1.PaymentService/Pay` as (`payledger.v1.PaymentService`, `Pay`). The names
-/// are interned: a label value is `&'static str`, and a caller can send any path, so an
-/// unknown one is `unknown` rather than a new label value per path.
-fn service_and_method(path: &str) -> (&'static str, &'static str) {
+/// The labels of `/payledger.v1.PaymentService/Pay`: service `payledger.v1.PaymentService`,
+/// method `Pay`, type `unary`. The names are interned: a label value is `&'static str`, and a
+/// caller can send any path, so an unknown one is `unknown` rather than a new label value per
+/// path.
+fn method_labels(path: &str) -> MethodLabels {
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
     let (service, method) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     KNOWN_METHODS
-        .iter()
-        .find(|(known_service, known_method)| *known_service == service && *known_method == method)
-        .copied()
-        .unwrap_or(("unknown", "unknown"))
+        .into_iter()
+        .find(|known| known.grpc_service == service && known.grpc_method == method)
+        .unwrap_or(UNKNOWN_METHOD)
 }
 
-/// Every RPC the server serves (a metric label takes one of these, or `unknown`).
-const KNOWN_METHODS: [(&str, &str); 20] = [
-    ("payledger.v1.PaymentService", "CreateOrder"),
-    ("payledger.v1.PaymentService", "CloseOrder"),
-    ("payledger.v1.PaymentService", "Pay"),
-    ("payledger.v1.PaymentService", "Refund"),
-    ("payledger.v1.PaymentService", "Query"),
-    ("payledger.v1.PaymentService", "IssueToken"),
-    ("payledger.v1.PaymentService", "Authorize"),
-    ("payledger.v1.PaymentService", "Capture"),
-    ("payledger.v1.PaymentService", "Void"),
-    ("payledger.v1.AccountService", "OpenAccount"),
-    ("payledger.v1.AccountService", "Deposit"),
-    ("payledger.v1.AccountService", "Withdraw"),
-    ("payledger.v1.AccountService", "Transfer"),
-    ("payledger.v1.AccountService", "GetAccount"),
-    ("payledger.v1.AccountService", "ListEntries"),
-    ("grpc.health.v1.Health", "Check"),
-    ("grpc.health.v1.Health", "Watch"),
-    ("grpc.health.v1.Health", "List"),
-    ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo"),
-    ("grpc.reflection.v1alpha.ServerReflection", "ServerReflectionInfo"),
+/// Health and reflection: counted apart from the API (`payledger_rpc_platform_calls_total`).
+fn is_platform(method: MethodLabels) -> bool {
+    method.grpc_service.starts_with("grpc.")
+}
+
+const UNKNOWN_METHOD: MethodLabels =
+    MethodLabels { grpc_service: "unknown", grpc_method: "unknown", grpc_type: "unknown" };
+
+const fn rpc(grpc_service: &'static str, grpc_method: &'static str, grpc_type: &'static str) -> MethodLabels {
+    MethodLabels { grpc_service, grpc_method, grpc_type }
+}
+
+const PAYMENTS: &str = "payledger.v1.PaymentService";
+const ACCOUNTS: &str = "payledger.v1.AccountService";
+const HEALTH: &str = "grpc.health.v1.Health";
+
+/// Every RPC the server serves, with its streaming kind (a metric label takes one of these,
+/// or `unknown`).
+const KNOWN_METHODS: [MethodLabels; 20] = [
+    rpc(PAYMENTS, "CreateOrder", "unary"),
+    rpc(PAYMENTS, "CloseOrder", "unary"),
+    rpc(PAYMENTS, "Pay", "unary"),
+    rpc(PAYMENTS, "Refund", "unary"),
+    rpc(PAYMENTS, "Query", "unary"),
+    rpc(PAYMENTS, "IssueToken", "unary"),
+    rpc(PAYMENTS, "Authorize", "unary"),
+    rpc(PAYMENTS, "Capture", "unary"),
+    rpc(PAYMENTS, "Void", "unary"),
+    rpc(ACCOUNTS, "OpenAccount", "unary"),
+    rpc(ACCOUNTS, "Deposit", "unary"),
+    rpc(ACCOUNTS, "Withdraw", "unary"),
+    rpc(ACCOUNTS, "Transfer", "unary"),
+    rpc(ACCOUNTS, "GetAccount", "unary"),
+    rpc(ACCOUNTS, "ListEntries", "unary"),
+    rpc(HEALTH, "Check", "unary"),
+    rpc(HEALTH, "Watch", "server_stream"),
+    rpc(HEALTH, "List", "unary"),
+    rpc("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo", "bidi_stream"),
+    rpc("grpc.reflection.v1alpha.ServerReflection", "ServerReflectionInfo", "bidi_stream"),
 ];
 
 /// The server span of one RPC, a child of the caller's `traceparent` when it sent one.
@@ -396,9 +422,12 @@ mod tests {
 
     #[test]
     fn paths_become_bounded_label_values() {
-        assert_eq!(service_and_method("/payledger.v1.PaymentService/Pay"), ("payledger.v1.PaymentService", "Pay"));
-        assert_eq!(service_and_method("/payledger.v1.PaymentService/Nope"), ("unknown", "unknown"));
-        assert_eq!(service_and_method("/x/y/z"), ("unknown", "unknown"));
-        assert_eq!(service_and_method(""), ("unknown", "unknown"));
+        assert_eq!(method_labels("/payledger.v1.PaymentService/Pay"), rpc(PAYMENTS, "Pay", "unary"));
+        assert_eq!(method_labels("/grpc.health.v1.Health/Watch"), rpc(HEALTH, "Watch", "server_stream"));
+        assert_eq!(method_labels("/payledger.v1.PaymentService/Nope"), UNKNOWN_METHOD);
+        assert_eq!(method_labels("/x/y/z"), UNKNOWN_METHOD);
+        assert_eq!(method_labels(""), UNKNOWN_METHOD);
+        assert!(is_platform(method_labels("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")));
+        assert!(!is_platform(UNKNOWN_METHOD));
     }
 }

@@ -152,7 +152,12 @@ impl Ledger {
     }
 
     pub fn with_settings(store: Store, tokens: TokenStore, settings: LedgerSettings) -> Self {
-        Self { store, tokens, settings, metrics: LedgerMetrics::default(), batcher: Arc::default() }
+        let metrics = LedgerMetrics::default();
+        let group_commit = settings.group_commit;
+        if group_commit.max_batch > 1 {
+            metrics.group_commit_queue_capacity.set(group_commit.capacity());
+        }
+        Self { store, tokens, settings, metrics, batcher: Arc::default() }
     }
 
     /// Shards of each currency's funding account that Deposits and Withdraws spread over.

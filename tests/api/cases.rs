@@ -3132,21 +3132,48 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     let other = transfer_request("bob", "alice", "2.00");
     let conflict = app.accounts.clone().transfer(with_key(other, "k-1")).await.unwrap_err();
     assert_status(&conflict, Code::AlreadyExists, "IDEMPOTENCY_KEY_REUSED");
+    // Two health checks: counted apart from the API.
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{}", app.address)).unwrap().connect().await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for _ in 0..2 {
+        health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.expect("health answers");
+    }
 
     let metrics = app.metrics().await;
+    let checks = r#"grpc_service="grpc.health.v1.Health",grpc_method="Check",grpc_type="unary",grpc_code="OK""#;
+    assert_eq!(sample(&metrics, "payledger_rpc_platform_calls_total", checks), 2.0);
+    let watches =
+        r#"grpc_service="grpc.health.v1.Health",grpc_method="Watch",grpc_type="server_stream",grpc_code="OK""#;
+    assert_eq!(sample(&metrics, "payledger_rpc_platform_calls_total", watches), 0.0);
+    assert!(
+        !metrics.keys().any(|key| key.starts_with("payledger_rpc_calls_total") && key.contains("grpc.health")),
+        "health is not API traffic"
+    );
+    let build = metrics.keys().find(|key| key.starts_with("payledger_build_info{")).expect("payledger_build_info");
+    assert!(build.contains(&format!(r#"version="{}""#, env!("CARGO_PKG_VERSION"))), "{build}");
+    assert_eq!(metrics[build], 1.0);
+    if cfg!(target_os = "linux") {
+        assert!(sample(&metrics, "process_resident_memory_bytes", "") > 0.0);
+        assert!(sample(&metrics, "process_open_fds", "") > 0.0);
+        assert!(sample(&metrics, "process_cpu_seconds_total", "") > 0.0);
+    }
     let pay = |code: &str| {
         sample(
             &metrics,
             "payledger_rpc_calls_total",
-            &format!(r#"service="payledger.v1.PaymentService",method="Pay",code="{code}""#),
+            &format!(
+                r#"grpc_service="payledger.v1.PaymentService",grpc_method="Pay",grpc_type="unary",grpc_code="{code}""#
+            ),
         )
     };
     assert_eq!(pay("OK"), 3.0);
     assert_eq!(pay("ALREADY_EXISTS"), 1.0);
     assert_eq!(pay("INVALID_ARGUMENT"), 1.0);
-    let transfers = r#"service="payledger.v1.AccountService",method="Transfer",code="OK""#;
+    let transfers =
+        r#"grpc_service="payledger.v1.AccountService",grpc_method="Transfer",grpc_type="unary",grpc_code="OK""#;
     assert_eq!(sample(&metrics, "payledger_rpc_calls_total", transfers), 2.0);
-    let pay_method = r#"service="payledger.v1.PaymentService",method="Pay""#;
+    let pay_method = r#"grpc_service="payledger.v1.PaymentService",grpc_method="Pay",grpc_type="unary""#;
     assert_eq!(sample(&metrics, "payledger_rpc_duration_seconds_count", pay_method), 5.0);
     assert_eq!(sample(&metrics, "payledger_rpc_in_flight", pay_method), 0.0);
     assert_eq!(sample(&metrics, "payledger_replays_total", r#"mechanism="natural_key""#), 1.0);
@@ -3155,15 +3182,24 @@ pub async fn metrics_count_calls_replays_key_conflicts_and_refusals(app: &TestAp
     assert_eq!(sample(&metrics, "payledger_key_conflicts_total", r#"reason="IDEMPOTENCY_KEY_REUSED""#), 1.0);
     // The two Deposits, the three orders, the two fresh Pays (one each, or one together) and
     // the fresh Transfer were written by group commits, one after another.
-    assert_eq!(sample(&metrics, "payledger_group_committed_deposits_total", ""), 2.0);
-    assert_eq!(sample(&metrics, "payledger_group_committed_withdrawals_total", ""), 0.0);
-    assert_eq!(sample(&metrics, "payledger_group_committed_orders_total", ""), 3.0);
-    assert_eq!(sample(&metrics, "payledger_group_committed_pays_total", ""), 2.0);
-    assert_eq!(sample(&metrics, "payledger_group_committed_transfers_total", ""), 1.0);
-    let batches = sample(&metrics, "payledger_group_commit_batch_pays_count", "");
+    let committed =
+        |kind: &str| sample(&metrics, "payledger_group_committed_calls_total", &format!(r#"kind="{kind}""#));
+    assert_eq!(committed("deposit"), 2.0);
+    assert_eq!(committed("withdraw"), 0.0);
+    assert_eq!(committed("create_order"), 3.0);
+    assert_eq!(committed("pay"), 2.0);
+    assert_eq!(committed("transfer"), 1.0);
+    assert_eq!(committed("refund"), 0.0);
+    let batches = sample(&metrics, "payledger_group_commit_batch_calls_count", "");
     assert!((7.0..=8.0).contains(&batches), "{batches}");
-    assert_eq!(sample(&metrics, "payledger_group_commit_batch_pays_sum", ""), 8.0);
+    assert_eq!(sample(&metrics, "payledger_group_commit_batch_calls_sum", ""), 8.0);
+    // No family of the old names is left.
+    for old in ["payledger_group_committed_pays_total", "payledger_group_commit_batch_pays_count"] {
+        assert!(!metrics.contains_key(old), "{old}");
+    }
     assert_eq!(sample(&metrics, "payledger_group_commit_queue_depth", ""), 0.0);
+    // The default settings: one worker, 1,024 calls in its queue.
+    assert_eq!(sample(&metrics, "payledger_group_commit_queue_capacity", ""), 1024.0);
     assert_eq!(sample(&metrics, "payledger_db_up", ""), 1.0);
     assert_eq!(sample(&metrics, "payledger_db_pool_max_connections", ""), 8.0);
     assert!(sample(&metrics, "payledger_db_pool_acquire_duration_seconds_count", "") > 0.0);
@@ -3249,7 +3285,8 @@ pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_
     }
     // A caller that sends its headers and never its message holds no place.
     let stalled = raw_pay_stream(app, false).await;
-    let in_flight = r#"payledger_rpc_in_flight{service="payledger.v1.PaymentService",method="Pay"}"#;
+    let in_flight =
+        r#"payledger_rpc_in_flight{grpc_service="payledger.v1.PaymentService",grpc_method="Pay",grpc_type="unary"}"#;
     eventually("the stalled Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
 
     // The one use case the limit allows waits for a connection; its caller gives up after
@@ -3289,7 +3326,9 @@ pub async fn a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_
     let metrics = app.metrics().await;
     // Every refusal, of Pays and of the Queries that polled, is counted as shed.
     let calls = |method: &str, code: &str| {
-        let labels = format!(r#"service="payledger.v1.PaymentService",method="{method}",code="{code}""#);
+        let labels = format!(
+            r#"grpc_service="payledger.v1.PaymentService",grpc_method="{method}",grpc_type="unary",grpc_code="{code}""#
+        );
         metrics.get(&format!("payledger_rpc_calls_total{{{labels}}}")).copied().unwrap_or(0.0)
     };
     let refused = calls("Pay", "RESOURCE_EXHAUSTED") + calls("Query", "RESOURCE_EXHAUSTED");
@@ -3316,7 +3355,8 @@ pub async fn a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_star
         let request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
         async move { payments.clone().pay(request).await }
     });
-    let in_flight = r#"payledger_rpc_in_flight{service="payledger.v1.PaymentService",method="Pay"}"#;
+    let in_flight =
+        r#"payledger_rpc_in_flight{grpc_service="payledger.v1.PaymentService",grpc_method="Pay",grpc_type="unary"}"#;
     eventually("the first Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
     // The worker takes it within microseconds; a second is room for a loaded machine.
     tokio::time::sleep(Duration::from_secs(1)).await;

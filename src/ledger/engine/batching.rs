@@ -63,6 +63,14 @@ impl Default for GroupCommitSettings {
     }
 }
 
+impl GroupCommitSettings {
+    /// Calls the queues hold in all (`payledger_group_commit_queue_capacity`): workers times
+    /// `queue_max`. With several workers one queue can fill before the sum reaches this.
+    pub fn capacity(&self) -> i64 {
+        i64::try_from(self.workers.max(1).saturating_mul(self.queue_max.max(1))).unwrap_or(i64::MAX)
+    }
+}
+
 /// Batches of one worker in flight at once by default (see [`GroupCommitSettings::pipeline`]):
 /// four, which serve two callers a quarter faster than one batch at a time and keep the rate
 /// at 32 callers (docs/benchmarks-history.md, "Batches in flight under light load").
