@@ -379,6 +379,21 @@ pub struct ServeSettings {
     #[arg(long, env = "PAYLEDGER_MAX_CONNECTION_AGE_SECONDS", default_value_t = 600,
           value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub max_connection_age_seconds: u64,
+    /// Seconds without a frame from a caller's connection after which the server sends it an
+    /// HTTP/2 PING (server-side keepalive, gRFC A8); a PING unanswered within
+    /// `--keepalive-timeout-seconds` closes the connection, so a caller that vanished without
+    /// closing (a killed host, a dropped NAT mapping) frees its connection and streams. 0: no
+    /// PINGs. The server does not police its callers' own PINGs: hyper has no PING policy
+    /// (gRFC A8's `permit_keepalive_time`); payledger's client sends one only while calls are
+    /// in flight, at most every 10 s.
+    #[arg(long, env = "PAYLEDGER_KEEPALIVE_INTERVAL_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub keepalive_interval_seconds: u64,
+    /// Seconds a keepalive PING (`--keepalive-interval-seconds`) may go unanswered before the
+    /// server closes the connection.
+    #[arg(long, env = "PAYLEDGER_KEEPALIVE_TIMEOUT_SECONDS", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    pub keepalive_timeout_seconds: u64,
     /// Milliseconds between two health checks of the database (on a connection of their
     /// own): a check that fails or takes over 2 s turns gRPC health NOT_SERVING, the next one
     /// that passes SERVING again.

@@ -157,6 +157,14 @@ pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, Sta
     Ok(Some(config))
 }
 
+/// Server-side HTTP/2 keepalive: a PING after `interval` without a frame from the caller, the
+/// connection closed when it goes unanswered for `timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
 /// A ready server: database migrated, port bound.
 pub struct Application {
     listener: TcpListener,
@@ -170,6 +178,8 @@ pub struct Application {
     max_concurrent_calls: Option<usize>,
     /// The most a caller's connection is served before its GOAWAY (gRFC A9).
     connection_age: Option<Duration>,
+    /// Server-side HTTP/2 keepalive (gRFC A8).
+    keepalive: Option<Keepalive>,
     metrics_listener: Option<TcpListener>,
     rpc_metrics: RpcMetrics,
 }
@@ -203,6 +213,10 @@ impl Application {
                 (settings.max_connection_age_seconds > 0)
                     .then(|| Duration::from_secs(settings.max_connection_age_seconds)),
             )
+            .with_keepalive((settings.keepalive_interval_seconds > 0).then(|| Keepalive {
+                interval: Duration::from_secs(settings.keepalive_interval_seconds),
+                timeout: Duration::from_secs(settings.keepalive_timeout_seconds),
+            }))
             .with_max_concurrent_calls(
                 (settings.max_concurrent_calls > 0).then_some(settings.max_concurrent_calls as usize),
             )
@@ -223,6 +237,7 @@ impl Application {
             health_check_interval: Duration::from_secs(2),
             max_concurrent_calls: Some(512),
             connection_age: None,
+            keepalive: None,
             metrics_listener: None,
             rpc_metrics: RpcMetrics::default(),
         }
@@ -255,6 +270,14 @@ impl Application {
     /// no GOAWAY at all and cuts the connection at age plus grace, calls in flight with it.
     pub fn with_max_connection_age(mut self, age: Option<Duration>) -> Self {
         self.connection_age = age;
+        self
+    }
+
+    /// PINGs each caller's connection after `interval` without a frame from it, and closes it
+    /// when a PING goes unanswered for `timeout` (`None`, the default here: no PINGs; `serve`
+    /// sets `--keepalive-interval-seconds`).
+    pub fn with_keepalive(mut self, keepalive: Option<Keepalive>) -> Self {
+        self.keepalive = keepalive;
         self
     }
 
@@ -332,6 +355,7 @@ impl Application {
             health_check_interval,
             max_concurrent_calls,
             connection_age,
+            keepalive,
             metrics_listener,
             rpc_metrics,
         } = self;
@@ -362,6 +386,9 @@ impl Application {
         let mut builder = Server::builder();
         if let Some(age) = connection_age {
             builder = builder.max_connection_age(age);
+        }
+        if let Some(Keepalive { interval, timeout }) = keepalive {
+            builder = builder.http2_keepalive_interval(Some(interval)).http2_keepalive_timeout(Some(timeout));
         }
         if let Some(tls) = tls {
             builder = builder.tls_config(tls)?;
