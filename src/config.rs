@@ -395,8 +395,10 @@ pub struct ServeSettings {
           value_parser = clap::value_parser!(u64).range(1..=3_600))]
     pub keepalive_timeout_seconds: u64,
     /// Milliseconds between two health checks of the database (on a connection of their
-    /// own): a check that fails or takes over 2 s turns gRPC health NOT_SERVING, the next one
-    /// that passes SERVING again.
+    /// own, a new session at each check on PostgreSQL and MySQL): a check that finds the
+    /// database unreachable or refusing writes (read-only; an UPDATE of no row, which writes
+    /// nothing), on Galera a node not Synced, or that takes over 2 s, turns gRPC health
+    /// NOT_SERVING; the next one that passes turns it SERVING again.
     #[arg(long, env = "PAYLEDGER_HEALTH_CHECK_INTERVAL_MS", default_value_t = 2_000,
           value_parser = clap::value_parser!(u64).range(100..=60_000))]
     pub health_check_interval_ms: u64,

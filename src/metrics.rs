@@ -439,7 +439,7 @@ impl Metrics {
         registry.register_collector(Box::new(ProcessCollector));
         registry.register(
             "payledger_db_up",
-            "1 while the last health check passed, 0 after one failed (on Galera: the node not Synced)",
+            "1 while the last health check passed (the database answered and accepted a write), 0 after one failed",
             store.up().clone(),
         );
         Self { registry, store, connections, max_connections }

@@ -467,30 +467,39 @@ impl Application {
 const SERVICES: [&str; 3] = ["", "payledger.v1.AccountService", "payledger.v1.PaymentService"];
 
 /// Checks the database every `interval` (see [`Store::check_health`]) and says what it
-/// found through gRPC health: NOT_SERVING while it does not answer, so that a load balancer
-/// sends calls elsewhere, SERVING again once it does. Each change is logged.
+/// found through gRPC health: NOT_SERVING while it does not answer or refuses writes, so that
+/// a load balancer sends calls elsewhere, SERVING again once a check passes. Each change is
+/// logged, and so is a change of the reason while NOT_SERVING (unreachable, then refusing
+/// writes, say).
 async fn check_health(ledger: Ledger, health: tonic_health::server::HealthReporter, interval: Duration) {
     let mut serving = true;
+    let mut reason = None;
     loop {
         tokio::time::sleep(interval).await;
-        let answered = match ledger.store().check_health().await {
+        let passed = match ledger.store().check_health().await {
             Ok(()) => true,
-            Err(error) => {
-                if serving {
-                    tracing::warn!(%error, "database health check failed: health NOT_SERVING");
+            Err(unhealthy) => {
+                if reason != Some(unhealthy.reason()) {
+                    tracing::warn!(
+                        reason = unhealthy.reason(),
+                        error = %error_chain(&unhealthy),
+                        "database health check failed: health NOT_SERVING"
+                    );
+                    reason = Some(unhealthy.reason());
                 }
                 false
             }
         };
-        if answered != serving {
-            if answered {
-                tracing::info!("database answers again: health SERVING");
+        if passed != serving {
+            if passed {
+                tracing::info!("database health check passed again: health SERVING");
+                reason = None;
             }
-            let status = if answered { ServingStatus::Serving } else { ServingStatus::NotServing };
+            let status = if passed { ServingStatus::Serving } else { ServingStatus::NotServing };
             for service in SERVICES {
                 health.set_service_status(service, status).await;
             }
-            serving = answered;
+            serving = passed;
         }
     }
 }

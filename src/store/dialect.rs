@@ -124,6 +124,40 @@ impl Dialect {
         }
     }
 
+    /// The health check's write (see `Store::check_health`), `None` on SQLite: an UPDATE of
+    /// no row, which the database refuses exactly when it refuses writes, after a bound of
+    /// `lock_wait` (whole seconds on MySQL) on its wait for the table's lock. Each statement
+    /// runs on a session of its own, discarded after the check, so the bound is set for the
+    /// session.
+    ///
+    /// - The table is sqlx's migration history, which every instance reads at start: no call
+    ///   touches it, and no migration takes a lock on it that conflicts (a migration altering
+    ///   `accounts` would hold up an UPDATE of `accounts` until it commits).
+    /// - `WHERE 1 = 0` is false before any row is read: no row is locked, no transaction id is
+    ///   assigned and nothing reaches the WAL (PostgreSQL), no InnoDB transaction starts, the
+    ///   binary log gets no event, whatever `binlog_format`, and Galera no write set (an
+    ///   UPDATE that matches a row and changes nothing is still logged under
+    ///   `binlog_format=STATEMENT`).
+    /// - PostgreSQL refuses it with SQLSTATE 25006 (read_only_sql_transaction) at executor
+    ///   start in a read-only transaction: `default_transaction_read_only` on, and every
+    ///   transaction of a standby in recovery (PostgreSQL manual, "Hot Standby").
+    /// - MySQL and MariaDB refuse it with error 1290 (ER_OPTION_PREVENTS_STATEMENT) under
+    ///   `read_only` (and MySQL's `super_read_only`) unless the user is exempt (SUPER, or
+    ///   MariaDB's READ_ONLY ADMIN), whose writes then do succeed; MariaDB refuses it before
+    ///   taking any lock.
+    ///
+    /// SQLite runs none: an UPDATE there takes the database's write lock, so it would wait
+    /// behind every write transaction, and a file opened read-write stays writable.
+    pub(super) fn write_check(self, lock_wait: Duration) -> Option<String> {
+        const WRITE: &str = "UPDATE _sqlx_migrations SET version = version WHERE 1 = 0";
+        let millis = lock_wait.as_millis().max(1);
+        match self {
+            Dialect::Postgres => Some(format!("SET lock_timeout = '{millis}ms'; {WRITE}")),
+            Dialect::MySql => Some(format!("SET SESSION lock_wait_timeout = {}; {WRITE}", millis.div_ceil(1000))),
+            Dialect::Sqlite => None,
+        }
+    }
+
     /// The OpenTelemetry `db.system.name` of the backend.
     pub fn system_name(self) -> &'static str {
         match self {

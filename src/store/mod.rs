@@ -104,13 +104,16 @@ pub struct Store {
     /// writers in other processes.
     write_gate: Option<Arc<Semaphore>>,
     lock_timeout: Duration,
-    /// One connection of its own for health checks, opened on first use, so that a check
-    /// never waits behind the load for a pooled connection, nor takes one from it.
+    /// One connection of its own for health checks, so that a check never waits behind the
+    /// load for a pooled connection, nor takes one from it. On PostgreSQL and MySQL it is a
+    /// new session at every check, closed after it (see [`Store::check_health`]); SQLite keeps
+    /// its one connection.
     probe: AnyPool,
     max_connections: u32,
     /// Seconds each transaction and read waited for a pooled connection.
     acquire_duration: Histogram,
-    /// 1 after a health check that reached the database, 0 after one that did not.
+    /// 1 after a health check that passed, 0 after one that did not (see
+    /// [`Store::check_health`]).
     up: Gauge,
     /// True on a MariaDB Galera cluster node (`wsrep_on` with a provider loaded).
     galera: bool,
@@ -128,8 +131,46 @@ fn connect_options(url: &str, create: bool) -> Result<sqlx::any::AnyConnectOptio
 /// through another node (see [`Store::migrate`]).
 const GALERA_MIGRATION_WAIT: Duration = Duration::from_secs(60);
 
-/// How long a health check may take to get its connection; longer is unhealthy.
+/// How long a health check may take, its connection included; longer is unhealthy.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long the health check's write waits for a lock on its table (held by an operator's
+/// `LOCK TABLE(S)`, say; nothing of payledger's takes one that conflicts) before the database
+/// refuses it: 1 s, within [`PROBE_TIMEOUT`], so that the database ends the wait itself rather
+/// than keep a session waiting after the check has given up. Whole seconds: MySQL's
+/// `lock_wait_timeout` has no finer unit.
+const PROBE_LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// Why a health check failed (see [`Store::check_health`]).
+#[derive(Debug, thiserror::Error)]
+pub enum Unhealthy {
+    /// No connection could be had, or it broke during the check.
+    #[error("the database is unreachable")]
+    Unreachable(#[source] sqlx::Error),
+    /// The check took longer than [`PROBE_TIMEOUT`] (2 s), its connection included.
+    #[error("the database did not answer the health check within 2 s")]
+    TimedOut,
+    /// A Galera node not ready for queries, or not Synced with its cluster.
+    #[error("the Galera node is not ready and Synced (wsrep_ready, wsrep_local_state)")]
+    NotSynced,
+    /// The database answers but refused the check's write, which changes nothing: read-only
+    /// (PostgreSQL's SQLSTATE 25006, MySQL's error 1290), or another refusal the source says.
+    #[error("the database refuses writes")]
+    RefusesWrites(#[source] sqlx::Error),
+}
+
+impl Unhealthy {
+    /// The reason in one word, for logs: `unreachable`, `timed_out`, `not_synced` or
+    /// `refuses_writes`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Unhealthy::Unreachable(_) => "unreachable",
+            Unhealthy::TimedOut => "timed_out",
+            Unhealthy::NotSynced => "not_synced",
+            Unhealthy::RefusesWrites(_) => "refuses_writes",
+        }
+    }
+}
 
 /// Errors of [`Store::connect`].
 #[derive(Debug, thiserror::Error)]
@@ -412,7 +453,8 @@ impl Store {
         &self.acquire_duration
     }
 
-    /// 1 while the last health check passed (see [`Store::check_health`]).
+    /// 1 while the last health check passed: the database answered and accepted a write (see
+    /// [`Store::check_health`]); 0 after one that failed.
     pub fn up(&self) -> &Gauge {
         &self.up
     }
@@ -456,33 +498,55 @@ impl Store {
         self.probe.close().await;
     }
 
-    /// Whether the database answers now, on the health check's own connection (reconnected
-    /// when the database dropped it).
+    /// Whether the database can serve writes now: it answers, on a Galera node the node is
+    /// ready and Synced, and it accepts a write. Sets [`Store::up`] to the outcome. Bounded by
+    /// [`PROBE_TIMEOUT`] (2 s), its connection included.
     ///
-    /// # Errors
-    /// The driver error, or a pool timeout after 2 s.
+    /// On PostgreSQL and MySQL each check opens a new session and closes it after: a session
+    /// keeps some settings from its start (PostgreSQL's `default_transaction_read_only`, set
+    /// per database or role), so the check sees what a new pooled connection would get. SQLite
+    /// keeps its connection: a file opened read-write stays writable, and it runs no write
+    /// (below).
     ///
     /// A Galera node answers a ping, and even `SELECT 1`, while it is joining, donating a
     /// state transfer or cut off from the cluster's quorum, though it then refuses or stalls
     /// every write; so on Galera the check also asks that the node be ready (`wsrep_ready`)
     /// and Synced (`wsrep_local_state` 4; Galera manual, "Node State Changes").
-    pub async fn check_health(&self) -> Result<(), sqlx::Error> {
-        let outcome = async {
-            let mut connection = self.probe.acquire().await?;
-            connection.ping().await?;
-            if self.galera {
-                let synced: i64 = sqlx::query_scalar(GALERA_SYNCED).fetch_one(&mut *connection).await?;
-                if synced != 2 {
-                    return Err(sqlx::Error::Io(std::io::Error::other(
-                        "the Galera node is not ready and Synced (wsrep_ready, wsrep_local_state)",
-                    )));
-                }
-            }
-            Ok(())
-        }
-        .await;
+    ///
+    /// The write is `Dialect::write_check`: an UPDATE that matches no row, which the
+    /// database refuses exactly when it refuses writes, and which writes nothing otherwise.
+    ///
+    /// # Errors
+    /// [`Unhealthy`]: why the check failed.
+    pub async fn check_health(&self) -> Result<(), Unhealthy> {
+        let outcome =
+            tokio::time::timeout(PROBE_TIMEOUT, self.probe_database()).await.unwrap_or(Err(Unhealthy::TimedOut));
         self.up.set(i64::from(outcome.is_ok()));
         outcome
+    }
+
+    async fn probe_database(&self) -> Result<(), Unhealthy> {
+        // A connection the database dropped is found out here, and replaced: the pool pings
+        // the connection it keeps (SQLite), and connects anew on the other backends.
+        let mut connection = self.probe.acquire().await.map_err(Unhealthy::Unreachable)?;
+        if self.dialect != Dialect::Sqlite {
+            // Closed when dropped, also when the check is cancelled by its timeout.
+            connection.close_on_drop();
+        }
+        if self.galera {
+            let synced: i64 =
+                sqlx::query_scalar(GALERA_SYNCED).fetch_one(&mut *connection).await.map_err(Unhealthy::Unreachable)?;
+            if synced != 2 {
+                return Err(Unhealthy::NotSynced);
+            }
+        }
+        if let Some(write) = self.dialect.write_check(PROBE_LOCK_WAIT) {
+            connection.execute(write.as_str()).await.map_err(|error| match error {
+                sqlx::Error::Database(_) => Unhealthy::RefusesWrites(error),
+                error => Unhealthy::Unreachable(error),
+            })?;
+        }
+        Ok(())
     }
 }
 

@@ -1,6 +1,8 @@
 //! Honest health: gRPC health follows the database while payledger runs, and `serve` waits
 //! at start for a database that is not there yet. On databases created by the test on the
-//! shared servers (PostgreSQL for the health flip, both servers for the wait at start).
+//! shared servers (PostgreSQL for the health flip, both servers for the wait at start), and on
+//! SQLite files. A database that refuses writes is in `read_only.rs`, which uses the helpers
+//! here.
 
 use crate::common;
 
@@ -18,7 +20,7 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
 /// The health status of `service` as a client sees it.
-async fn status(address: std::net::SocketAddr, service: &str) -> Option<ServingStatus> {
+pub(crate) async fn status(address: std::net::SocketAddr, service: &str) -> Option<ServingStatus> {
     let channel = tonic::transport::Channel::from_shared(format!("http://{address}")).ok()?.connect().await.ok()?;
     let request = HealthCheckRequest { service: service.to_owned() };
     let answer = HealthClient::new(channel).check(request).await.ok()?;
@@ -26,7 +28,7 @@ async fn status(address: std::net::SocketAddr, service: &str) -> Option<ServingS
 }
 
 /// Waits (at most 15 s) until every name gRPC health answers for says `expected`.
-async fn until_health_is(address: std::net::SocketAddr, expected: ServingStatus) {
+pub(crate) async fn until_health_is(address: std::net::SocketAddr, expected: ServingStatus) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let mut all = true;
@@ -41,16 +43,41 @@ async fn until_health_is(address: std::net::SocketAddr, expected: ServingStatus)
     }
 }
 
-/// A server on the database at `url` (migrated) that checks its health every 100 ms.
-struct HealthServer {
-    ledger: Ledger,
-    address: std::net::SocketAddr,
+/// `payledger health` (the built binary) asking the server at `target` about `service`, as a
+/// container HEALTHCHECK runs it, with a 2 s timeout.
+pub(crate) async fn health_command(target: &str, service: &str) -> std::process::Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"));
+    command.args(["health", "--target", target, "--service", service, "--timeout-ms", "2000"]);
+    command.env_remove("PAYLEDGER_HEALTH_TARGET").kill_on_drop(true);
+    command.output().await.expect("payledger health runs")
+}
+
+/// Waits (at most 15 s) until a health check has passed since the call: the gauge it sets is
+/// put to 0 first, and a passing check sets it to 1 again.
+pub(crate) async fn until_a_health_check_passes(ledger: &Ledger) {
+    ledger.store().up().set(0);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while ledger.store().up().get() != 1 {
+        assert!(Instant::now() < deadline, "no health check passed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A server on the database at `url` (migrated) that checks its health every 100 ms, or as
+/// often as [`HealthServer::checking_every`] says.
+pub(crate) struct HealthServer {
+    pub(crate) ledger: Ledger,
+    pub(crate) address: std::net::SocketAddr,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), payledger::startup::StartupError>>,
 }
 
 impl HealthServer {
     async fn start(url: &str) -> Self {
+        Self::checking_every(url, Duration::from_millis(100)).await
+    }
+
+    pub(crate) async fn checking_every(url: &str, interval: Duration) -> Self {
         let settings = PoolSettings {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(2),
@@ -62,7 +89,7 @@ impl HealthServer {
         let ledger = Ledger::new(store);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(1))
-            .with_health_check_interval(Duration::from_millis(100));
+            .with_health_check_interval(interval);
         let address = application.local_addr();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(application.run_until(async {
@@ -71,7 +98,7 @@ impl HealthServer {
         Self { ledger, address, stop, task }
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         let _ = self.stop.send(());
         let _ = self.task.await;
     }
@@ -168,27 +195,39 @@ async fn the_health_command_exits_zero_only_for_a_serving_server() {
     let server = tokio::spawn(application.run_until(async {
         let _ = stopped.await;
     }));
-    let health = |target: String, service: &str| {
-        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"));
-        command.args(["health", "--target", &target, "--service", service, "--timeout-ms", "2000"]);
-        command.env_remove("PAYLEDGER_HEALTH_TARGET").kill_on_drop(true);
-        async move { command.output().await.expect("payledger health runs") }
-    };
     let target = format!("http://{address}");
     for service in ["", "payledger.v1.PaymentService"] {
-        let output = health(target.clone(), service).await;
+        let output = health_command(&target, service).await;
         assert!(output.status.success(), "{service:?}: {output:?}");
         assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "SERVING");
     }
-    let unknown = health(target.clone(), "no.such.Service").await;
+    let unknown = health_command(&target, "no.such.Service").await;
     assert!(!unknown.status.success(), "an unknown service is not healthy: {unknown:?}");
 
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let started = Instant::now();
-    let down = health(target, "").await;
+    let down = health_command(&target, "").await;
     assert_eq!(down.status.code(), Some(1), "{down:?}");
     assert!(started.elapsed() < Duration::from_secs(10), "refused or timed out within --timeout-ms");
+}
+
+/// SQLite runs no write in its check (see `Store::check_health`): a healthy server passes its
+/// checks and stays SERVING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_stays_serving_on_a_healthy_sqlite_database() {
+    let directory = tempfile::tempdir().unwrap();
+    sqlx::any::install_default_drivers();
+    let server = HealthServer::start(&format!("sqlite:{}", directory.path().join("ledger.db").display())).await;
+
+    // Twice: the second check runs on the connection the first one kept.
+    until_a_health_check_passes(&server.ledger).await;
+    until_a_health_check_passes(&server.ledger).await;
+
+    assert_eq!(status(server.address, "").await, Some(ServingStatus::Serving));
+    let output = health_command(&format!("http://{}", server.address), "").await;
+    assert!(output.status.success(), "{output:?}");
+    server.stop().await;
 }
 
 /// The same on MariaDB, which has no per-database switch: the ledger connects as a user of

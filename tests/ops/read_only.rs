@@ -1,10 +1,13 @@
 //! A database that turns read-only under load. Every call is then answered with a retryable
-//! code (UNAVAILABLE or ABORTED), never INTERNAL; once writes are allowed again calls succeed,
-//! nothing acknowledged is lost, and the audit holds.
+//! code (UNAVAILABLE or ABORTED), never INTERNAL, and health is NOT_SERVING; once writes are
+//! allowed again calls succeed, health is SERVING, nothing acknowledged is lost, and the
+//! audit holds. Without load, with health checked every [`HEALTH_INTERVAL`]: NOT_SERVING
+//! within two intervals of the switch and `payledger health` exits 1, then SERVING and 0.
 //!
 //! - PostgreSQL: the test's own database, made read-only with `ALTER DATABASE ... SET
-//!   default_transaction_read_only = on` (SQLSTATE 25006 on every write) and its sessions cut
-//!   so that new ones take the setting.
+//!   default_transaction_read_only = on` (SQLSTATE 25006 on every write) and, under load, its
+//!   sessions cut so that new ones take the setting; health sees it without the cut, as its
+//!   check opens a new session each time.
 //! - MariaDB: `read_only` is server-wide, so the test starts a server of its own
 //!   (`mariadb-install-db` and `mariadbd` from the machine's packages, as the `mysql` user, on a
 //!   free loopback port), never the shared one; payledger connects as a user without SUPER,
@@ -15,6 +18,7 @@
 //! `src/store/dialect.rs`.
 
 use crate::common;
+use crate::health::{health_command, status, until_a_health_check_passes, until_health_is, HealthServer};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +34,7 @@ use payledger::proto::{self};
 use sqlx::{AnyPool, Row};
 use tonic::transport::Channel;
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
 
 /// Concurrent callers, each creating an order and paying it, over and over.
 const CALLERS: usize = 6;
@@ -144,9 +149,11 @@ where
     read_only(true).await;
     *phase.0.lock().unwrap() = "read-only";
     wait_for("refusals while read-only", || count(&seen, "read-only", "Unavailable") >= CALLS_PER_PHASE).await;
+    until_health_is(served.address, ServingStatus::NotServing).await;
     read_only(false).await;
     *phase.0.lock().unwrap() = "writable again";
     wait_for("successes once writable again", || count(&seen, "writable again", "Ok") >= CALLS_PER_PHASE).await;
+    until_health_is(served.address, ServingStatus::Serving).await;
     running.store(false, Ordering::SeqCst);
     for caller in callers {
         caller.await.unwrap();
@@ -201,6 +208,82 @@ async fn a_postgres_database_turned_read_only_under_load_gets_only_retryable_cod
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// How often the servers of the health tests check the database.
+const HEALTH_INTERVAL: Duration = Duration::from_millis(250);
+/// Room for the scheduler of a shared 2-core machine, on top of two intervals: a check may
+/// have passed just before the switch committed, so the next one is the first that can see
+/// it, and it may itself be delayed. A bound that catches a check blind to the switch (it
+/// would never turn), not a timing assertion: the times seen are printed.
+const SCHEDULING_SLACK: Duration = Duration::from_millis(500);
+
+/// A server on `database_url` checking its health every [`HEALTH_INTERVAL`], writable, then
+/// switched to read-only by `read_only(true)` (which returns once the switch committed), then
+/// writable again by `read_only(false)`: gRPC health turns NOT_SERVING within two intervals
+/// (and [`SCHEDULING_SLACK`]) of the switch, `payledger health` exits 1 and
+/// `payledger_db_up` is 0; once writable, SERVING, exit 0 and 1.
+async fn health_follows_writability<F, Fut>(database_url: &str, read_only: F)
+where
+    F: Fn(bool) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let server = HealthServer::checking_every(database_url, HEALTH_INTERVAL).await;
+    let target = format!("http://{}", server.address);
+    until_a_health_check_passes(&server.ledger).await;
+    until_health_is(server.address, ServingStatus::Serving).await;
+    let serving = health_command(&target, "").await;
+    assert_eq!(serving.status.code(), Some(0), "{serving:?}");
+
+    read_only(true).await;
+    let switched = Instant::now();
+    while status(server.address, "").await != Some(ServingStatus::NotServing) {
+        assert!(switched.elapsed() < PHASE_WAIT_MAX, "health never turned NOT_SERVING on a read-only database");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let to_not_serving = switched.elapsed();
+    println!("NOT_SERVING {} ms after the switch to read-only", to_not_serving.as_millis());
+    assert!(
+        to_not_serving <= 2 * HEALTH_INTERVAL + SCHEDULING_SLACK,
+        "NOT_SERVING only {} ms after the switch, health checked every {} ms",
+        to_not_serving.as_millis(),
+        HEALTH_INTERVAL.as_millis()
+    );
+    until_health_is(server.address, ServingStatus::NotServing).await;
+    let not_serving = health_command(&target, "").await;
+    assert_eq!(not_serving.status.code(), Some(1), "{not_serving:?}");
+    assert_eq!(String::from_utf8_lossy(&not_serving.stdout).trim(), "NOT_SERVING");
+    assert_eq!(server.ledger.store().up().get(), 0, "payledger_db_up follows health");
+
+    read_only(false).await;
+    let switched_back = Instant::now();
+    until_health_is(server.address, ServingStatus::Serving).await;
+    println!("SERVING {} ms after the switch back", switched_back.elapsed().as_millis());
+    let serving_again = health_command(&target, "").await;
+    assert_eq!(serving_again.status.code(), Some(0), "{serving_again:?}");
+    assert_eq!(server.ledger.store().up().get(), 1);
+    server.stop().await;
+}
+
+/// `default_transaction_read_only` set on the database, and no session cut: what a
+/// per-database setting does in production, where sessions keep their settings until they end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_not_serving_while_a_postgres_database_refuses_writes_and_serving_again_after() {
+    let Some(admin_url) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    let database = common::ServerDatabase::create(&admin_url, "read_only_health").await;
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    let name = database.url.rsplit_once('/').unwrap().1.to_owned();
+
+    let switch = |on: bool| {
+        let (admin, name) = (admin.clone(), name.clone());
+        async move {
+            let setting =
+                if on { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
+            sqlx::query(&format!("ALTER DATABASE {name} {setting}")).execute(&admin).await.unwrap();
+        }
+    };
+    health_follows_writability(&database.url, switch).await;
+    admin.close().await;
 }
 
 /// A MariaDB server of the test's own, stopped and removed when dropped.
@@ -298,4 +381,21 @@ async fn a_mariadb_server_turned_read_only_under_load_gets_only_retryable_codes_
         async move { result.unwrap() }
     };
     read_only_under_load(&database_url, switch).await;
+}
+
+/// `read_only` on the test's own MariaDB server; payledger's user has no SUPER.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_not_serving_while_a_mariadb_server_refuses_writes_and_serving_again_after() {
+    let Some(mariadb) = OwnMariaDb::start() else { return };
+    sqlx::any::install_default_drivers();
+    mariadb
+        .admin("CREATE DATABASE ledger; CREATE USER 'payledger'@'%' IDENTIFIED BY 'pw'; GRANT ALL ON ledger.* TO 'payledger'@'%'")
+        .unwrap();
+    let database_url = format!("mysql://payledger:pw@127.0.0.1:{}/ledger", mariadb.port);
+
+    let switch = |on: bool| {
+        let result = mariadb.admin(if on { "SET GLOBAL read_only = 1" } else { "SET GLOBAL read_only = 0" });
+        async move { result.unwrap() }
+    };
+    health_follows_writability(&database_url, switch).await;
 }
