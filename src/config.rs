@@ -317,11 +317,28 @@ impl IdempotencySettings {
 /// `--insecure-allow-unauthenticated` is given.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct AuthSettings {
-    /// JWKS file (RFC 7517) of the public keys that sign callers' JWTs (EdDSA, ES256, RS256;
-    /// each key with a `kid`). Every RPC except health and reflection then needs
-    /// `authorization: Bearer <JWT>`.
+    /// The JWK set (RFC 7517) of the public keys that sign callers' JWTs (EdDSA, ES256, RS256;
+    /// each key with a `kid`): a file, or an identity provider's `jwks_uri` (`https://`
+    /// only). Every RPC except health and reflection then needs `authorization: Bearer <JWT>`.
+    /// Read at start (a server that cannot read it does not start), then again every
+    /// `--auth-jwks-refresh-seconds` and when a token names an unknown `kid`; a read that
+    /// fails keeps the last good set.
     #[arg(long, env = "PAYLEDGER_AUTH_JWKS")]
-    pub auth_jwks: Option<PathBuf>,
+    pub auth_jwks: Option<String>,
+    /// CA certificate(s) (PEM) that an `https://` `--auth-jwks` server must chain to
+    /// (default: the Mozilla root programme's CAs, as bundled by webpki-roots).
+    #[arg(long, env = "PAYLEDGER_AUTH_JWKS_CA", requires = "auth_jwks")]
+    pub auth_jwks_ca: Option<PathBuf>,
+    /// Seconds between two scheduled reads of `--auth-jwks`, 1 to 86400.
+    #[arg(long, env = "PAYLEDGER_AUTH_JWKS_REFRESH_SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub auth_jwks_refresh_seconds: u64,
+    /// Least seconds between any two reads of `--auth-jwks`, those a token with an unknown
+    /// `kid` asks for included (such a token is refused; the next with that `kid` verifies
+    /// once the read found its key), 1 to 3600.
+    #[arg(long, env = "PAYLEDGER_AUTH_JWKS_MIN_REFRESH_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    pub auth_jwks_min_refresh_seconds: u64,
     /// The `iss` every token must carry (required with --auth-jwks).
     #[arg(long, env = "PAYLEDGER_AUTH_ISSUER", default_value = "")]
     pub auth_issuer: String,
@@ -351,6 +368,13 @@ pub struct TlsSettings {
     /// CA certificate(s) (PEM) that client certificates must chain to: mutual TLS.
     #[arg(long, env = "PAYLEDGER_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Seconds between two reads of the TLS files: when they changed and make a usable
+    /// configuration (the key matching the certificate), new connections are handshaken with
+    /// it; open connections keep theirs. Files that cannot be used leave the configuration in
+    /// force, with a warning. 0: read once, at start.
+    #[arg(long, env = "PAYLEDGER_TLS_RELOAD_INTERVAL_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub tls_reload_interval_seconds: u64,
 }
 
 /// `payledger serve`.

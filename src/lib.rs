@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod startup;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 
 /// The Rust client (the `payledger-client` crate): the retrying client and its settings.
 pub use payledger_client as client;

@@ -2,16 +2,16 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
+use crate::auth::jwks::{spawn_refresher, JwksSource, Refresh};
 use crate::auth::{AuthSettingsError, Authenticator};
 use crate::config::{AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, ServeSettings, TlsSettings};
 use crate::grpc::{capture_guard_headers, AccountApi, Admission, Authentication, Observe, PaymentApi};
@@ -21,6 +21,7 @@ use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
 use crate::proto::payment_service_server::PaymentServiceServer;
 use crate::store::{ConnectError, Store};
+use crate::tls::{ServerTls, TlsError};
 
 /// The largest request message accepted, in bytes; every field has a far smaller limit.
 const REQUEST_BYTES_MAX: usize = 64 * 1024;
@@ -41,10 +42,8 @@ pub enum StartupError {
     Settings(String),
     #[error(transparent)]
     Auth(#[from] AuthSettingsError),
-    #[error("cannot read {path}: {source}")]
-    TlsFile { path: String, source: std::io::Error },
-    #[error("the TLS certificate, key or client CA cannot be used")]
-    Tls(#[source] tonic::transport::Error),
+    #[error("the TLS certificate, key or client CA cannot be used: {0}")]
+    Tls(#[from] TlsError),
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -105,14 +104,16 @@ pub async fn open_existing_ledger(settings: &AuditSettings) -> Result<Ledger, St
     Ok(Ledger::new(Store::connect_existing(&settings.database_url, &settings.pool()).await?))
 }
 
-/// The verifier of callers' tokens per `settings`: `None` without `--auth-jwks`, which is
-/// allowed only on a loopback `listen` address or with `--insecure-allow-unauthenticated`.
+/// The authenticator of `settings` (its JWK set read now) and where its set is read again
+/// from; `None` without `--auth-jwks`, allowed only on a loopback `listen` address or with
+/// `--insecure-allow-unauthenticated`.
 ///
 /// # Errors
 /// [`StartupError::Settings`] for an unauthenticated non-loopback listener;
-/// [`StartupError::Auth`] for a JWKS file or issuer/audience that cannot be used.
-pub fn authenticator(listen: SocketAddr, settings: &AuthSettings) -> Result<Option<Arc<Authenticator>>, StartupError> {
-    let Some(jwks) = &settings.auth_jwks else {
+/// [`StartupError::Auth`] for a JWK set that cannot be read, fetched or used, or missing
+/// issuer or audience.
+pub async fn authenticator(listen: SocketAddr, settings: &AuthSettings) -> Result<Option<Jwks>, StartupError> {
+    let Some(location) = settings.auth_jwks.as_deref().filter(|location| !location.is_empty()) else {
         if listen.ip().is_loopback() || settings.insecure_allow_unauthenticated {
             return Ok(None);
         }
@@ -122,22 +123,42 @@ pub fn authenticator(listen: SocketAddr, settings: &AuthSettings) -> Result<Opti
              --insecure-allow-unauthenticated for a network that only trusted callers can reach"
         )));
     };
+    let ca = match &settings.auth_jwks_ca {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|source| AuthSettingsError::Read { path: path.display().to_string(), source })?,
+        ),
+        None => None,
+    };
+    let source = JwksSource::new(location, ca.as_deref())?;
+    let text = source.read().await?;
     let authenticator =
-        Authenticator::from_file(jwks, &settings.auth_issuer, &settings.auth_audience, settings.auth_leeway_seconds)?;
-    Ok(Some(Arc::new(authenticator)))
+        Authenticator::from_jwks(&text, &settings.auth_issuer, &settings.auth_audience, settings.auth_leeway_seconds)
+            .map_err(|error| error.with_source(&source.describe()))?;
+    let refresh = Refresh {
+        interval: Duration::from_secs(settings.auth_jwks_refresh_seconds),
+        min_interval: Duration::from_secs(settings.auth_jwks_min_refresh_seconds),
+    };
+    Ok(Some(Jwks { authenticator: Arc::new(authenticator), source, refresh }))
 }
 
-fn read_pem(path: &Path) -> Result<Vec<u8>, StartupError> {
-    std::fs::read(path).map_err(|source| StartupError::TlsFile { path: path.display().to_string(), source })
+/// An authenticator with the source its JWK set is read again from, on `refresh`'s schedule
+/// once the server runs (see [`crate::auth::jwks`]).
+#[derive(Debug, Clone)]
+pub struct Jwks {
+    pub authenticator: Arc<Authenticator>,
+    pub source: JwksSource,
+    pub refresh: Refresh,
 }
 
-/// The TLS configuration of `settings`; `None` without `--tls-cert`.
+/// The TLS configuration of `settings`; `None` without `--tls-cert`. Its files are read
+/// again every `--tls-reload-interval-seconds` once the server runs (see [`crate::tls`]).
 ///
 /// # Errors
-/// [`StartupError::TlsFile`] for a file that cannot be read; [`StartupError::Settings`] for
-/// a key without a certificate or a client CA without either; [`StartupError::Tls`] for
-/// PEMs rustls cannot use.
-pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, StartupError> {
+/// [`StartupError::Settings`] for a key without a certificate or a client CA without either;
+/// [`StartupError::Tls`] for a file that cannot be read, or PEMs rustls cannot use (read
+/// now, so that a bad file stops the start, not the first connection).
+pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTls>, StartupError> {
     let (cert, key) = match (&settings.tls_cert, &settings.tls_key) {
         (Some(cert), Some(key)) => (cert, key),
         (None, None) if settings.tls_client_ca.is_none() => return Ok(None),
@@ -147,14 +168,20 @@ pub fn server_tls(settings: &TlsSettings) -> Result<Option<ServerTlsConfig>, Sta
             ))
         }
     };
-    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(read_pem(cert)?, read_pem(key)?));
-    if let Some(ca) = &settings.tls_client_ca {
-        config = config.client_ca_root(Certificate::from_pem(read_pem(ca)?));
+    Ok(Some(ServerTls::from_files(cert, key, settings.tls_client_ca.as_deref())?))
+}
+
+type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// Aborts its task when dropped (the TLS reloader, when the server stops).
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
     }
-    // Parsed now (rustls reads the PEMs here), so that a bad file stops the start, not the
-    // first connection.
-    Server::builder().tls_config(config.clone()).map_err(StartupError::Tls)?;
-    Ok(Some(config))
 }
 
 /// Server-side HTTP/2 keepalive: a PING after `interval` without a frame from the caller, the
@@ -172,8 +199,11 @@ pub struct Application {
     shutdown_grace: Duration,
     reaper: ReaperSettings,
     authenticator: Option<Arc<Authenticator>>,
-    tls: Option<ServerTlsConfig>,
-    mutual_tls: bool,
+    /// Where the authenticator's JWK set is read again from while serving.
+    jwks_refresh: Option<(JwksSource, Refresh)>,
+    tls: Option<ServerTls>,
+    /// How often the TLS files are read again (`None`: never).
+    tls_reload: Option<Duration>,
     health_check_interval: Duration,
     max_concurrent_calls: Option<usize>,
     /// The most a caller's connection is served before its GOAWAY (gRFC A9).
@@ -189,7 +219,7 @@ impl Application {
     /// [`StartupError`] when the database or the port cannot be had.
     pub async fn build(settings: &ServeSettings) -> Result<Self, StartupError> {
         // Settings first, then the port: a server that cannot listen creates no database file.
-        let authenticator = authenticator(settings.listen, &settings.auth)?;
+        let jwks = authenticator(settings.listen, &settings.auth).await?;
         let tls = server_tls(&settings.tls)?;
         let listener =
             TcpListener::bind(settings.listen).await.map_err(|error| StartupError::Bind(settings.listen, error))?;
@@ -201,10 +231,10 @@ impl Application {
         };
         let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
         let mut application =
-            Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds))
-                .with_authenticator(authenticator);
+            Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds)).with_jwks(jwks);
         if let Some(tls) = tls {
-            application = application.with_tls(tls, settings.tls.tls_client_ca.is_some());
+            let reload = settings.tls.tls_reload_interval_seconds;
+            application = application.with_tls(tls, (reload > 0).then(|| Duration::from_secs(reload)));
         }
         Ok(application
             .with_reaper(settings.idempotency.reaper())
@@ -232,8 +262,9 @@ impl Application {
             shutdown_grace,
             reaper: ReaperSettings::default(),
             authenticator: None,
+            jwks_refresh: None,
             tls: None,
-            mutual_tls: false,
+            tls_reload: None,
             health_check_interval: Duration::from_secs(2),
             max_concurrent_calls: Some(512),
             connection_age: None,
@@ -293,10 +324,26 @@ impl Application {
         self
     }
 
-    /// Serves TLS; `mutual` says the configuration requires client certificates.
-    pub fn with_tls(mut self, tls: ServerTlsConfig, mutual: bool) -> Self {
+    /// Authenticates every call with `jwks`'s authenticator, whose JWK set is read again from
+    /// its source while the server runs (`None`: every call is anonymous).
+    pub fn with_jwks(mut self, jwks: Option<Jwks>) -> Self {
+        match jwks {
+            Some(Jwks { authenticator, source, refresh }) => {
+                self.authenticator = Some(authenticator);
+                self.jwks_refresh = Some((source, refresh));
+            }
+            None => {
+                self.authenticator = None;
+                self.jwks_refresh = None;
+            }
+        }
+        self
+    }
+
+    /// Serves TLS, its files read again every `reload` (`None`: never; see [`crate::tls`]).
+    pub fn with_tls(mut self, tls: ServerTls, reload: Option<Duration>) -> Self {
         self.tls = Some(tls);
-        self.mutual_tls = mutual;
+        self.tls_reload = reload;
         self
     }
 
@@ -313,10 +360,10 @@ impl Application {
 
     /// The transport security, for the start-up log line: `plaintext`, `tls` or `mtls`.
     pub fn transport_security(&self) -> &'static str {
-        match (&self.tls, self.mutual_tls) {
-            (None, _) => "plaintext",
-            (Some(_), false) => "tls",
-            (Some(_), true) => "mtls",
+        match &self.tls {
+            None => "plaintext",
+            Some(tls) if tls.is_mutual() => "mtls",
+            Some(_) => "tls",
         }
     }
 
@@ -350,8 +397,9 @@ impl Application {
             shutdown_grace,
             reaper,
             authenticator,
+            jwks_refresh,
             tls,
-            mutual_tls: _,
+            tls_reload,
             health_check_interval,
             max_concurrent_calls,
             connection_age,
@@ -359,6 +407,12 @@ impl Application {
             metrics_listener,
             rpc_metrics,
         } = self;
+        let _jwks_refresher = AbortOnDrop(
+            authenticator
+                .clone()
+                .zip(jwks_refresh)
+                .map(|(authenticator, (source, refresh))| spawn_refresher(authenticator, source, refresh)),
+        );
         let authentication = Authentication::new(authenticator);
         let metrics_server = metrics_listener
             .map(|listener| crate::metrics::serve(listener, Arc::new(Metrics::new(&ledger, &rpc_metrics))));
@@ -380,9 +434,6 @@ impl Application {
         let reflection_v1 = descriptors().build_v1()?;
         let reflection_v1alpha = descriptors().build_v1alpha()?;
         let (stop_accepting, stopped) = tokio::sync::oneshot::channel::<()>();
-        // TCP_NODELAY on every accepted connection: without it Nagle's algorithm holds small
-        // responses back until the client's delayed ACK, some 40 ms per call.
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let mut builder = Server::builder();
         if let Some(age) = connection_age {
             builder = builder.max_connection_age(age);
@@ -390,10 +441,7 @@ impl Application {
         if let Some(Keepalive { interval, timeout }) = keepalive {
             builder = builder.http2_keepalive_interval(Some(interval)).http2_keepalive_timeout(Some(timeout));
         }
-        if let Some(tls) = tls {
-            builder = builder.tls_config(tls)?;
-        }
-        let server = builder
+        let router = builder
             .layer(observe)
             .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
             .add_service(health_service)
@@ -408,11 +456,24 @@ impl Application {
                 PaymentServiceServer::new(PaymentApi::new(ledger.clone()).with_admission(admission))
                     .max_decoding_message_size(REQUEST_BYTES_MAX),
                 authentication,
-            ))
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stopped.await;
-            });
-        tokio::pin!(server);
+            ));
+        let stopped = async {
+            let _ = stopped.await;
+        };
+        // TCP_NODELAY on every accepted connection: without it Nagle's algorithm holds small
+        // responses back until the client's delayed ACK, some 40 ms per call.
+        let (server, tls_reloader): (BoxFuture<Result<(), tonic::transport::Error>>, _) = match tls {
+            None => {
+                let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+                (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None)
+            }
+            Some(tls) => {
+                let reloader = tls_reload.and_then(|interval| tls.reload_every(interval));
+                (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(listener), stopped)), reloader)
+            }
+        };
+        let _tls_reloader = AbortOnDrop(tls_reloader);
+        let mut server = server;
         tokio::select! {
             result = &mut server => {
                 reaper.abort();

@@ -1,13 +1,16 @@
-//! JWT verification against a JWKS file.
+//! JWT verification against a JWK set (read from a file or a URL by [`super::jwks`], and
+//! replaced while the server runs).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet, KeyAlgorithm, PublicKeyUse};
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+use tokio::sync::Notify;
 
 use super::{Caller, MerchantGrant, Permission, Unauthenticated};
 use crate::domain::{Actor, Subject};
@@ -23,17 +26,32 @@ const VERIFIED_TOKENS_MAX: usize = 10_000;
 /// Longest a verified token is remembered, in seconds, however long it is valid.
 const VERIFIED_TOKEN_SECONDS_MAX: u64 = 300;
 
-/// A JWKS file or auth setting that cannot be used.
+/// A JWK set (a file or a URL) or auth setting that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthSettingsError {
     #[error("cannot read the JWKS file {path}: {source}")]
     Read { path: String, source: std::io::Error },
-    #[error("the JWKS file {path} is not a JWK set: {detail}")]
+    #[error("the JWKS {path} is not a JWK set: {detail}")]
     Parse { path: String, detail: String },
-    #[error("the JWKS file {0} holds no usable signing key (EdDSA Ed25519, ES256 P-256 or RS256, each with a kid)")]
+    #[error("the JWKS {0} holds no usable signing key (EdDSA Ed25519, ES256 P-256 or RS256, each with a kid)")]
     NoKeys(String),
     #[error("{0}")]
     Missing(&'static str),
+    #[error("{0}")]
+    Source(String),
+    #[error("cannot fetch the JWKS {url}: {detail}")]
+    Fetch { url: String, detail: String },
+}
+
+impl AuthSettingsError {
+    /// The same error, naming `source` (a file or URL) where the set's text was judged.
+    pub fn with_source(self, source: &str) -> Self {
+        match self {
+            AuthSettingsError::Parse { detail, .. } => AuthSettingsError::Parse { path: source.to_owned(), detail },
+            AuthSettingsError::NoKeys(_) => AuthSettingsError::NoKeys(source.to_owned()),
+            other => other,
+        }
+    }
 }
 
 /// One verification key of the JWKS.
@@ -42,24 +60,35 @@ struct VerificationKey {
     key: DecodingKey,
 }
 
-/// Verifies bearer tokens. Built once at start from the JWKS file.
-pub struct Authenticator {
+/// A verified token's caller, until when it may be taken from memory (Unix seconds), and the
+/// digest of the key set that verified it.
+type Remembered = (Caller, u64, [u8; 32]);
+
+/// The keys in force, and a digest of the JWKs they came from (to tell a changed set).
+struct KeySet {
     keys: HashMap<String, VerificationKey>,
+    digest: [u8; 32],
+}
+
+/// Verifies bearer tokens against the keys in force (see [`Authenticator::replace_keys`]).
+pub struct Authenticator {
+    keys: RwLock<Arc<KeySet>>,
+    /// Signalled when a token names a `kid` no key has (the refresher then reads the set).
+    unknown_kid: Arc<Notify>,
     issuer: String,
     audience: String,
     leeway_seconds: u64,
     /// Tokens verified before: the caller each one names, until when (Unix seconds) it may
     /// be taken from here: never past its `exp` (with the leeway), at most
-    /// [`VERIFIED_TOKEN_SECONDS_MAX`] after its check.
-    verified: Mutex<HashMap<String, (Caller, u64)>>,
+    /// [`VERIFIED_TOKEN_SECONDS_MAX`] after its check, and only while the key set that
+    /// verified it (its digest) is in force.
+    verified: Mutex<HashMap<String, Remembered>>,
 }
 
 impl std::fmt::Debug for Authenticator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut kids: Vec<&String> = self.keys.keys().collect();
-        kids.sort();
         f.debug_struct("Authenticator")
-            .field("kids", &kids)
+            .field("kids", &self.kids())
             .field("issuer", &self.issuer)
             .field("audience", &self.audience)
             .field("leeway_seconds", &self.leeway_seconds)
@@ -105,6 +134,42 @@ fn algorithm_of(jwk: &Jwk) -> Option<Algorithm> {
     }
 }
 
+/// The usable keys of the JWK set `jwks`. Keys without a `kid`, symmetric keys, encryption
+/// keys and algorithms other than EdDSA, ES256 and RS256 are skipped (and logged).
+fn key_set(jwks: &str) -> Result<KeySet, AuthSettingsError> {
+    let set: JwkSet = serde_json::from_str(jwks)
+        .map_err(|error| AuthSettingsError::Parse { path: String::new(), detail: error.to_string() })?;
+    let mut keys = HashMap::new();
+    let mut usable = Vec::new();
+    for jwk in &set.keys {
+        let (Some(kid), Some(algorithm)) = (jwk.common.key_id.clone(), algorithm_of(jwk)) else {
+            tracing::warn!(kid = ?jwk.common.key_id, "JWKS key skipped: no kid, or not an EdDSA, ES256 or RS256 signing key");
+            continue;
+        };
+        let key = DecodingKey::from_jwk(jwk)
+            .map_err(|error| AuthSettingsError::Parse { path: String::new(), detail: format!("key {kid}: {error}") })?;
+        if keys.insert(kid.clone(), VerificationKey { algorithm, key }).is_some() {
+            return Err(AuthSettingsError::Parse {
+                path: String::new(),
+                detail: format!("two keys have the kid {kid:?}: which one would verify?"),
+            });
+        }
+        usable.push((kid, serde_json::to_string(jwk).unwrap_or_default()));
+    }
+    if keys.is_empty() {
+        return Err(AuthSettingsError::NoKeys(String::new()));
+    }
+    usable.sort();
+    let mut digest = Sha256::new();
+    for (kid, jwk) in &usable {
+        digest.update((kid.len() as u64).to_be_bytes());
+        digest.update(kid.as_bytes());
+        digest.update((jwk.len() as u64).to_be_bytes());
+        digest.update(jwk.as_bytes());
+    }
+    Ok(KeySet { keys, digest: digest.finalize().into() })
+}
+
 impl Authenticator {
     /// Reads the JWKS file at `path`.
     ///
@@ -120,11 +185,7 @@ impl Authenticator {
         let shown = path.display().to_string();
         let text =
             std::fs::read_to_string(path).map_err(|source| AuthSettingsError::Read { path: shown.clone(), source })?;
-        Self::from_jwks(&text, issuer, audience, leeway_seconds).map_err(|error| match error {
-            AuthSettingsError::Parse { detail, .. } => AuthSettingsError::Parse { path: shown, detail },
-            AuthSettingsError::NoKeys(_) => AuthSettingsError::NoKeys(shown),
-            other => other,
-        })
+        Self::from_jwks(&text, issuer, audience, leeway_seconds).map_err(|error| error.with_source(&shown))
     }
 
     /// Builds from the text of a JWK set. Keys without a `kid`, symmetric keys, encryption
@@ -139,35 +200,46 @@ impl Authenticator {
         if audience.is_empty() {
             return Err(AuthSettingsError::Missing("--auth-audience is required with --auth-jwks"));
         }
-        let set: JwkSet = serde_json::from_str(jwks)
-            .map_err(|error| AuthSettingsError::Parse { path: String::new(), detail: error.to_string() })?;
-        let mut keys = HashMap::new();
-        for jwk in &set.keys {
-            let (Some(kid), Some(algorithm)) = (jwk.common.key_id.clone(), algorithm_of(jwk)) else {
-                tracing::warn!(kid = ?jwk.common.key_id, "JWKS key skipped: no kid, or not an EdDSA, ES256 or RS256 signing key");
-                continue;
-            };
-            let key = DecodingKey::from_jwk(jwk).map_err(|error| AuthSettingsError::Parse {
-                path: String::new(),
-                detail: format!("key {kid}: {error}"),
-            })?;
-            if keys.insert(kid.clone(), VerificationKey { algorithm, key }).is_some() {
-                return Err(AuthSettingsError::Parse {
-                    path: String::new(),
-                    detail: format!("two keys have the kid {kid:?}: which one would verify?"),
-                });
-            }
-        }
-        if keys.is_empty() {
-            return Err(AuthSettingsError::NoKeys(String::new()));
-        }
         Ok(Self {
-            keys,
+            keys: RwLock::new(Arc::new(key_set(jwks)?)),
+            unknown_kid: Arc::new(Notify::new()),
             issuer: issuer.to_owned(),
             audience: audience.to_owned(),
             leeway_seconds,
             verified: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Puts the keys of the JWK set `jwks` in force, when they differ from those in force: a
+    /// token signed by a key no longer in the set is refused from now on (the tokens verified
+    /// before are forgotten), one signed by a new key verifies. True when the keys changed.
+    ///
+    /// # Errors
+    /// [`AuthSettingsError`] as for [`Authenticator::from_jwks`]; the keys in force stay.
+    pub fn replace_keys(&self, jwks: &str) -> Result<bool, AuthSettingsError> {
+        let set = key_set(jwks)?;
+        let mut keys = self.keys.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if keys.digest == set.digest {
+            return Ok(false);
+        }
+        *keys = Arc::new(set);
+        drop(keys);
+        // Remembered under the old set, they would no longer be taken anyway.
+        self.verified.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        Ok(true)
+    }
+
+    /// The `kid`s of the keys in force, sorted.
+    pub fn kids(&self) -> Vec<String> {
+        let keys = self.keys.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let mut kids: Vec<String> = keys.keys.keys().cloned().collect();
+        kids.sort();
+        kids
+    }
+
+    /// Signalled each time a token names a `kid` that no key in force has.
+    pub fn unknown_kid_signal(&self) -> Arc<Notify> {
+        self.unknown_kid.clone()
     }
 
     /// The caller of a request, from the value of its `authorization` header (`None`: no
@@ -192,35 +264,47 @@ impl Authenticator {
             _ => return Err(Unauthenticated::Invalid),
         };
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
-        if let Some(caller) = self.remembered(token, now) {
+        // One set for the whole check: a token is remembered under the set that verified it,
+        // and taken from memory only while that set is in force.
+        let keys = self.keys.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        if let Some(caller) = self.remembered(token, now, &keys.digest) {
             return Ok(caller);
         }
-        let (caller, exp) = self.verify(token)?;
-        self.remember(token, &caller, exp.saturating_add(self.leeway_seconds).min(now + VERIFIED_TOKEN_SECONDS_MAX));
+        let (caller, exp) = self.verify(token, &keys)?;
+        let until = exp.saturating_add(self.leeway_seconds).min(now + VERIFIED_TOKEN_SECONDS_MAX);
+        self.remember(token, &caller, until, keys.digest);
         Ok(caller)
     }
 
-    fn remembered(&self, token: &str, now: u64) -> Option<Caller> {
+    fn remembered(&self, token: &str, now: u64, digest: &[u8; 32]) -> Option<Caller> {
         let verified = self.verified.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        verified.get(token).filter(|(_, until)| *until > now).map(|(caller, _)| caller.clone())
+        verified
+            .get(token)
+            .filter(|(_, until, verified_by)| *until > now && verified_by == digest)
+            .map(|(caller, _, _)| caller.clone())
     }
 
-    fn remember(&self, token: &str, caller: &Caller, until: u64) {
+    fn remember(&self, token: &str, caller: &Caller, until: u64, digest: [u8; 32]) {
         let mut verified = self.verified.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if verified.len() >= VERIFIED_TOKENS_MAX {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
-            verified.retain(|_, (_, valid_until)| *valid_until > now);
+            verified.retain(|_, (_, valid_until, _)| *valid_until > now);
             if verified.len() >= VERIFIED_TOKENS_MAX {
                 verified.clear();
             }
         }
-        verified.insert(token.to_owned(), (caller.clone(), until));
+        verified.insert(token.to_owned(), (caller.clone(), until, digest));
     }
 
     /// The signature and claims check of `token`: its caller and its `exp`.
-    fn verify(&self, token: &str) -> Result<(Caller, u64), Unauthenticated> {
+    fn verify(&self, token: &str, keys: &KeySet) -> Result<(Caller, u64), Unauthenticated> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| Unauthenticated::Invalid)?;
-        let key = header.kid.as_deref().and_then(|kid| self.keys.get(kid)).ok_or(Unauthenticated::Invalid)?;
+        let Some(key) = header.kid.as_deref().and_then(|kid| keys.keys.get(kid)) else {
+            if header.kid.is_some() {
+                self.unknown_kid.notify_one();
+            }
+            return Err(Unauthenticated::Invalid);
+        };
         if header.alg != key.algorithm {
             return Err(Unauthenticated::Invalid);
         }

@@ -1,8 +1,9 @@
 //! The trust boundary: who the caller is and what it may do.
 //!
 //! - Authentication ([`Authenticator`]): every RPC except health and reflection carries
-//!   `authorization: Bearer <JWT>`, verified against the public keys of a JWKS file (RFC 7517;
-//!   EdDSA, ES256 and RS256, RFC 7518 and RFC 8037) with the `jsonwebtoken` crate: signature,
+//!   `authorization: Bearer <JWT>`, verified against the public keys of a JWK set (RFC 7517:
+//!   a file or an `https://` URL, kept fresh by [`jwks`]; EdDSA, ES256 and RS256, RFC 7518
+//!   and RFC 8037) with the `jsonwebtoken` crate: signature,
 //!   `iss`, `aud`, `exp` and `nbf` (with a leeway of a few seconds for clock skew).
 //! - Authorization ([`Caller`]): the token's `scope` claim (space-separated [`Permission`]s)
 //!   and its `merchants` claim (the merchant_ids it may act for, or `["*"]`).
@@ -12,6 +13,7 @@
 //! do everything.
 
 pub mod dev;
+pub mod jwks;
 mod jwt;
 
 use std::collections::BTreeSet;

@@ -18,5 +18,6 @@ mod health;
 mod keepalive;
 mod migrations;
 mod read_only;
+mod rotation;
 mod statements;
 mod tls;

@@ -12,35 +12,35 @@ use payledger::auth::Authenticator;
 use payledger::client::{BearerToken, ClientSettings, ClientTls, ConnectError, PayledgerClient, RetrySettings};
 use payledger::proto;
 use payledger::startup::Application;
+use payledger::tls::ServerTls;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::Code;
 
 /// A CA and the PEMs of a certificate it signed for `names`.
-struct Pki {
+pub(crate) struct Pki {
     ca: CertifiedIssuer<'static, KeyPair>,
 }
 
-struct Issued {
-    cert_pem: String,
-    key_pem: String,
+pub(crate) struct Issued {
+    pub(crate) cert_pem: String,
+    pub(crate) key_pem: String,
 }
 
 impl Pki {
-    fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(rcgen::DnType::CommonName, name);
         Self { ca: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
     }
 
-    fn ca_pem(&self) -> String {
+    pub(crate) fn ca_pem(&self) -> String {
         self.ca.pem()
     }
 
-    fn issue(&self, names: &[&str]) -> Issued {
+    pub(crate) fn issue(&self, names: &[&str]) -> Issued {
         let key = KeyPair::generate().unwrap();
         let params = CertificateParams::new(names.iter().map(|name| (*name).to_owned()).collect::<Vec<_>>()).unwrap();
         let cert = params.signed_by(&key, &self.ca).unwrap();
@@ -61,13 +61,15 @@ impl Server {
     async fn start(identity: &Issued, client_ca: Option<&str>, authenticator: Option<Authenticator>) -> Self {
         let directory = tempfile::tempdir().unwrap();
         let ledger = common::sqlite_ledger(directory.path()).await;
-        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem));
-        if let Some(ca) = client_ca {
-            tls = tls.client_ca_root(Certificate::from_pem(ca));
-        }
+        let tls = ServerTls::from_pem(
+            identity.cert_pem.as_bytes(),
+            identity.key_pem.as_bytes(),
+            client_ca.map(str::as_bytes),
+        )
+        .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let application = Application::with_listener(listener, ledger, Duration::from_secs(2))
-            .with_tls(tls, client_ca.is_some())
+            .with_tls(tls, None)
             .with_authenticator(authenticator.map(Arc::new));
         let address = application.local_addr();
         let (stop, stopped) = oneshot::channel::<()>();
@@ -203,19 +205,19 @@ async fn the_client_sends_its_bearer_token_on_every_call_and_can_replace_it() {
 }
 
 /// `serve` with no auth settings: one command on loopback, refused anywhere else.
-#[test]
-fn serve_without_auth_starts_only_on_loopback_unless_told_otherwise() {
+#[tokio::test]
+async fn serve_without_auth_starts_only_on_loopback_unless_told_otherwise() {
     use payledger::config::AuthSettings;
     use payledger::startup::authenticator;
     let loopback: SocketAddr = "127.0.0.1:50051".parse().unwrap();
     let any: SocketAddr = "0.0.0.0:50051".parse().unwrap();
     let v6_loopback: SocketAddr = "[::1]:50051".parse().unwrap();
-    assert!(authenticator(loopback, &AuthSettings::default()).unwrap().is_none());
-    assert!(authenticator(v6_loopback, &AuthSettings::default()).unwrap().is_none());
-    let refused = authenticator(any, &AuthSettings::default()).unwrap_err().to_string();
+    assert!(authenticator(loopback, &AuthSettings::default()).await.unwrap().is_none());
+    assert!(authenticator(v6_loopback, &AuthSettings::default()).await.unwrap().is_none());
+    let refused = authenticator(any, &AuthSettings::default()).await.unwrap_err().to_string();
     assert!(refused.contains("not a loopback address") && refused.contains("--auth-jwks"), "{refused}");
     let insecure = AuthSettings { insecure_allow_unauthenticated: true, ..AuthSettings::default() };
-    assert!(authenticator(any, &insecure).unwrap().is_none());
+    assert!(authenticator(any, &insecure).await.unwrap().is_none());
 }
 
 /// The binary itself: a non-loopback listen without auth exits at once with the reason,
@@ -276,6 +278,7 @@ fn unusable_tls_files_are_refused_at_start() {
         tls_cert: Some(cert.to_owned()),
         tls_key: Some(key.to_owned()),
         tls_client_ca: None,
+        tls_reload_interval_seconds: 30,
     };
     assert!(server_tls(&settings(&cert, &key)).unwrap().is_some());
     let swapped = server_tls(&settings(&key, &cert)).unwrap_err();
