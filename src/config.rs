@@ -377,6 +377,16 @@ pub struct TlsSettings {
     pub tls_reload_interval_seconds: u64,
 }
 
+/// What `serve` does with the database schema at start (`--migrations`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Migrations {
+    /// Apply the migrations the database lacks (several instances at once take turns).
+    Apply,
+    /// Apply nothing: refuse to start unless every migration of this release is applied
+    /// (by `payledger migrate`, run before the deploy as a Job or init container).
+    Check,
+}
+
 /// `payledger serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeSettings {
@@ -389,6 +399,10 @@ pub struct ServeSettings {
     pub auth: AuthSettings,
     #[command(flatten)]
     pub database: DatabaseSettings,
+    /// `apply`: apply the migrations the database lacks at start; `check`: apply none and
+    /// refuse to start unless the schema is complete (`payledger migrate` applies them).
+    #[arg(long, env = "PAYLEDGER_MIGRATIONS", value_enum, default_value_t = Migrations::Apply)]
+    pub migrations: Migrations,
     #[command(flatten)]
     pub idempotency: IdempotencySettings,
     /// Seconds that calls in flight get to finish after SIGTERM or SIGINT.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use payledger::config::{AuditSettings, HealthSettings, LogSettings, ServeSettings};
+use payledger::config::{AuditSettings, DatabaseSettings, HealthSettings, LogSettings, ServeSettings};
 use payledger::startup::{error_chain, open_existing_ledger, shutdown_signal, Application};
 use payledger::telemetry;
 
@@ -24,6 +24,9 @@ struct Cli {
 enum Command {
     /// Serve PaymentService, AccountService, gRPC health and reflection.
     Serve(Box<ServeSettings>),
+    /// Apply the database migrations this release needs, then exit (a pre-deploy Job or init
+    /// container; pair it with `serve --migrations check`).
+    Migrate(Box<DatabaseSettings>),
     /// Check the ledger invariants; exits 1 on any violation.
     Audit(AuditSettings),
     /// Ask a running server's gRPC health service; exits 0 when SERVING, 1 otherwise.
@@ -104,6 +107,7 @@ async fn run(cli: Cli) -> ExitCode {
     };
     let result = match cli.command {
         Command::Serve(settings) => serve(*settings).await,
+        Command::Migrate(settings) => migrate(&settings).await,
         Command::Audit(settings) => audit(settings).await,
         Command::Health(settings) => health(settings).await,
         Command::Auth(command) => auth(command),
@@ -118,6 +122,12 @@ async fn run(cli: Cli) -> ExitCode {
 }
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn migrate(settings: &DatabaseSettings) -> Result<ExitCode, AnyError> {
+    payledger::startup::migrate(settings).await?;
+    eprintln!("payledger: the schema of {} is complete", payledger::store::redacted(&settings.database_url));
+    Ok(ExitCode::SUCCESS)
+}
 
 async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
     let application = Application::build(&settings).await?;

@@ -13,7 +13,9 @@ use tonic_health::ServingStatus;
 
 use crate::auth::jwks::{spawn_refresher, JwksSource, Refresh};
 use crate::auth::{AuthSettingsError, Authenticator};
-use crate::config::{AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, ServeSettings, TlsSettings};
+use crate::config::{
+    AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, Migrations, ServeSettings, TlsSettings,
+};
 use crate::grpc::{capture_guard_headers, AccountApi, Admission, Authentication, Observe, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
 use crate::metrics::{Metrics, RpcMetrics};
@@ -56,9 +58,26 @@ pub async fn open_ledger(
     database: &DatabaseSettings,
     idempotency: &IdempotencySettings,
 ) -> Result<Ledger, StartupError> {
+    open_ledger_with(database, idempotency, Migrations::Apply).await
+}
+
+/// [`open_ledger`], applying the migrations the database lacks (`Migrations::Apply`) or
+/// only checking that none is lacking (`Migrations::Check`).
+///
+/// # Errors
+/// As [`open_ledger`]; with `Check`, [`StartupError::Database`] (`SchemaBehind`) when a
+/// migration of this release is not applied.
+pub async fn open_ledger_with(
+    database: &DatabaseSettings,
+    idempotency: &IdempotencySettings,
+    migrations: Migrations,
+) -> Result<Ledger, StartupError> {
     idempotency.validate().map_err(StartupError::Settings)?;
     let store = connect_waiting(&database.database_url, &database.pool(), database.database_wait()).await?;
-    store.migrate().await?;
+    match migrations {
+        Migrations::Apply => store.migrate().await?,
+        Migrations::Check => store.check_schema(&database.database_url).await?,
+    }
     let tokens = TokenStore::connect(&idempotency.token_store)
         .await
         .map_err(|error| StartupError::TokenStore(error.to_string()))?;
@@ -68,6 +87,19 @@ pub async fn open_ledger(
         ..idempotency.ledger()
     };
     Ok(Ledger::with_settings(store, tokens, settings))
+}
+
+/// `payledger migrate`: applies the migrations the database lacks and returns (waiting for
+/// the database as `serve` does, `--database-wait-seconds`). Several at once, and beside
+/// starting servers, take turns.
+///
+/// # Errors
+/// [`StartupError::Database`] for a database that cannot be reached or migrated.
+pub async fn migrate(database: &DatabaseSettings) -> Result<(), StartupError> {
+    let store = connect_waiting(&database.database_url, &database.pool(), database.database_wait()).await?;
+    let outcome = store.migrate().await;
+    store.close().await;
+    Ok(outcome?)
 }
 
 /// Connects to the database, trying again with backoff (0.25 s doubling up to 5 s) until
@@ -229,7 +261,7 @@ impl Application {
             }
             None => None,
         };
-        let ledger = open_ledger(&settings.database, &settings.idempotency).await?;
+        let ledger = open_ledger_with(&settings.database, &settings.idempotency, settings.migrations).await?;
         let mut application =
             Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds)).with_jwks(jwks);
         if let Some(tls) = tls {

@@ -183,6 +183,8 @@ pub enum ConnectError {
     NoLedger(String, #[source] sqlx::Error),
     #[error("cannot apply the {0} migrations")]
     Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
+    #[error("the database at {0} lacks migrations of this release ({1}): run `payledger migrate` on it first")]
+    SchemaBehind(String, String),
 }
 
 impl Store {
@@ -314,11 +316,7 @@ impl Store {
     }
 
     async fn migrate_once(&self) -> Result<(), ConnectError> {
-        let migrator = match self.dialect {
-            Dialect::Postgres => &POSTGRES_MIGRATIONS,
-            Dialect::MySql => &MYSQL_MIGRATIONS,
-            Dialect::Sqlite => &SQLITE_MIGRATIONS,
-        };
+        let migrator = self.migrator();
         let failed = |error| ConnectError::Migrate(self.dialect.name(), error);
         // sqlx's migrator writes before it reads (it creates its table if it is missing),
         // which a read-only database refuses; a ledger that has every migration of this
@@ -468,6 +466,39 @@ impl Store {
     /// True when the database records every migration of `migrator` as applied, with the
     /// same checksum. False when it cannot tell (no history table yet, say): the migrator
     /// then runs and says what is wrong.
+    /// Whether the database holds every migration of this release, as `serve --migrations
+    /// check` requires (it writes nothing: a read-only database passes too).
+    ///
+    /// # Errors
+    /// [`ConnectError::SchemaBehind`] naming the versions missing (or all of them, on a
+    /// database that has no migration history).
+    pub async fn check_schema(&self, url: &str) -> Result<(), ConnectError> {
+        let migrator = self.migrator();
+        if self.has_every_migration(migrator).await {
+            return Ok(());
+        }
+        let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success = TRUE")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap_or_default();
+        let missing: Vec<String> = migrator
+            .iter()
+            .filter(|migration| !applied.contains(&migration.version))
+            .map(|migration| migration.version.to_string())
+            .collect();
+        let missing = if missing.is_empty() { "a changed one".to_owned() } else { missing.join(", ") };
+        Err(ConnectError::SchemaBehind(dialect::redacted(url), missing))
+    }
+
+    /// The migrations of this release for the store's backend.
+    fn migrator(&self) -> &'static Migrator {
+        match self.dialect {
+            Dialect::Postgres => &POSTGRES_MIGRATIONS,
+            Dialect::MySql => &MYSQL_MIGRATIONS,
+            Dialect::Sqlite => &SQLITE_MIGRATIONS,
+        }
+    }
+
     async fn has_every_migration(&self, migrator: &Migrator) -> bool {
         let applied: Result<Vec<(i64, Vec<u8>)>, _> =
             sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")

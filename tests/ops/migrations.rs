@@ -210,3 +210,58 @@ async fn a_migrated_ledger_starts_on_a_read_only_postgres_database() {
     let audit = started.expect("a migrated ledger starts on a read-only database");
     assert_eq!(audit, Vec::new(), "and serves reads");
 }
+
+/// `serve` as its command line sets it up.
+fn serve_settings(args: &[&str]) -> payledger::config::ServeSettings {
+    #[derive(clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        settings: payledger::config::ServeSettings,
+    }
+    use clap::Parser as _;
+    Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).unwrap().settings
+}
+
+/// `payledger migrate`, then `serve --migrations check`: a server told to check refuses a
+/// database that lacks a migration, naming the command that applies them, and starts once
+/// `migrate` has run.
+async fn migrate_then_serve_checking(url: &str) {
+    let settings = serve_settings(&["--listen", "127.0.0.1:0", "--database-url", url, "--migrations", "check"]);
+    let refused = payledger::startup::Application::build(&settings).await.err().expect("an empty schema is refused");
+    let refused = payledger::startup::error_chain(&refused);
+    assert!(refused.contains("lacks migrations") && refused.contains("payledger migrate"), "{refused}");
+
+    let migrate = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["migrate", "--database-url", url, "--database-wait-seconds", "0"])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&migrate.stderr);
+    assert!(migrate.status.success(), "{said}");
+    assert!(said.contains("is complete"), "{said}");
+    let again = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["migrate", "--database-url", url, "--database-wait-seconds", "0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(again.status.success(), "migrate twice: {}", String::from_utf8_lossy(&again.stderr));
+
+    let application = payledger::startup::Application::build(&settings).await.expect("a complete schema is served");
+    drop(application);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_then_serve_checking_the_schema_on_every_backend() {
+    sqlx::any::install_default_drivers();
+    let directory = tempfile::tempdir().unwrap();
+    migrate_then_serve_checking(&format!("sqlite:{}", directory.path().join("ledger.db").display())).await;
+    for variable in ["PAYLEDGER_TEST_POSTGRES_URL", "PAYLEDGER_TEST_MYSQL_URL"] {
+        let Some(admin_url) = admin_url(variable) else { continue };
+        let name = format!("payledger_check_{}", uuid::Uuid::new_v4().simple());
+        let admin = AnyPool::connect(&admin_url).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+        migrate_then_serve_checking(&database_url(&admin_url, &name)).await;
+        let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
+        admin.close().await;
+    }
+}
