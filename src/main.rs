@@ -139,7 +139,7 @@ async fn serve(settings: ServeSettings) -> Result<ExitCode, AnyError> {
         authentication = application.authentication(),
         transport = application.transport_security(),
         metrics = %application.metrics_addr().map_or_else(|| "off".to_owned(), |address| format!("http://{address}/metrics")),
-        traces = if telemetry::traces_on() { "otlp" } else { "off" },
+        traces = telemetry::traces_exported(),
         "payledger serving"
     );
     application.run_until(shutdown_signal()).await?;

@@ -104,9 +104,13 @@ async fn the_callers_trace_parents_the_server_span_and_a_group_commit_links_its_
         assert_eq!(child.span_kind, opentelemetry::trace::SpanKind::Server);
         let attribute =
             |key: &str| child.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.to_string());
-        assert_eq!(attribute("rpc.system").as_deref(), Some("grpc"));
-        assert_eq!(attribute("rpc.method").as_deref(), Some("Pay"));
-        assert_eq!(attribute("rpc.grpc.status_code").as_deref(), Some("0"));
+        assert_eq!(attribute("rpc.system.name").as_deref(), Some("grpc"));
+        assert_eq!(attribute("rpc.method").as_deref(), Some("payledger.v1.PaymentService/Pay"));
+        assert_eq!(attribute("rpc.status_code").as_deref(), Some("OK"));
+        assert_eq!(attribute("error.type"), None, "a call that succeeded");
+        for old in ["rpc.system", "rpc.service", "rpc.grpc.status_code"] {
+            assert_eq!(attribute(old), None, "{old}: the old conventions only with rpc/dup");
+        }
     }
 
     // Group commits link the calls they carried: every fresh Pay, and the set-up's Deposit and

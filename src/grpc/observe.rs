@@ -1,5 +1,6 @@
-//! The server's outermost layer, around every service: one span per RPC (OpenTelemetry RPC
-//! conventions, child of the caller's W3C `traceparent`), the per-RPC metrics, one log line
+//! The server's outermost layer, around every service: one span per RPC (OpenTelemetry
+//! semantic conventions for RPC and gRPC, stable since v1.45.0; child of the caller's W3C
+//! `traceparent`), the per-RPC metrics, one log line
 //! per call (a call the client cancelled too), the caller's deadline and presence for the
 //! use case, and the statuses tonic itself answers in its own words (a message over the size
 //! limit, a malformed frame).
@@ -23,6 +24,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use crate::error::{ERROR_DOMAIN, RETRY_PUSHBACK_HEADER};
 use crate::ledger::CallerPresence;
 use crate::metrics::{CallLabels, MethodLabels, RpcMetrics};
+use crate::telemetry::RpcConventions;
 
 /// The log target of the per-call line: `--log-filter info,payledger::access=off` turns it
 /// off.
@@ -32,10 +34,12 @@ pub const ACCESS_LOG_TARGET: &str = "payledger::access";
 #[derive(Clone)]
 pub struct Observe {
     rpc: RpcMetrics,
+    conventions: RpcConventions,
 }
 
 impl Observe {
-    /// Starts the metrics of every RPC the server serves at 0.
+    /// Starts the metrics of every RPC the server serves at 0; the spans follow the RPC
+    /// conventions `OTEL_SEMCONV_STABILITY_OPT_IN` asks for ([`RpcConventions::from_env`]).
     pub fn new(rpc: RpcMetrics) -> Self {
         for method in KNOWN_METHODS {
             if is_platform(method) {
@@ -44,7 +48,7 @@ impl Observe {
                 rpc.know(method);
             }
         }
-        Self { rpc }
+        Self { rpc, conventions: RpcConventions::from_env() }
     }
 }
 
@@ -82,12 +86,12 @@ where
     fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
         let started = Instant::now();
         let labels = method_labels(request.uri().path());
-        let span = rpc_span(&request, labels.grpc_service, labels.grpc_method);
+        let span = rpc_span(&request, labels, self.observe.conventions);
         let deadline = request.headers().get("grpc-timeout").and_then(grpc_timeout).map(|timeout| started + timeout);
         let (presence, call_guard) = CallerPresence::new(deadline);
         request.extensions_mut().insert(presence);
         let future = span.in_scope(|| self.inner.call(request));
-        let mut call = Call::start(self.observe.rpc.clone(), span, labels, started);
+        let mut call = Call::start(self.observe.rpc.clone(), span, labels, started, self.observe.conventions);
         Box::pin(async move {
             let _presence = call_guard;
             let answered = tracing::Instrument::instrument(future, call.span.clone());
@@ -135,18 +139,25 @@ struct Call {
     span: tracing::Span,
     labels: MethodLabels,
     started: Instant,
+    conventions: RpcConventions,
     finished: bool,
 }
 
 impl Call {
-    fn start(rpc: RpcMetrics, span: tracing::Span, labels: MethodLabels, started: Instant) -> Self {
+    fn start(
+        rpc: RpcMetrics,
+        span: tracing::Span,
+        labels: MethodLabels,
+        started: Instant,
+        conventions: RpcConventions,
+    ) -> Self {
         if !is_platform(labels) {
             rpc.in_flight.get_or_create(&labels).inc();
         }
-        Self { rpc, span, labels, started, finished: false }
+        Self { rpc, span, labels, started, conventions, finished: false }
     }
 
-    /// Counts the call and writes its log line.
+    /// Counts the call, records its code on its span and writes its log line.
     fn finish(&mut self, code: Code, replayed: bool) {
         self.finished = true;
         let elapsed = self.started.elapsed();
@@ -160,9 +171,14 @@ impl Call {
             self.rpc.calls.get_or_create(&call).inc();
             self.rpc.duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
         }
-        self.span.record("rpc.grpc.status_code", code as i32);
+        self.span.record("rpc.status_code", code_name);
         if is_server_error(code) {
+            // The conventions' error.type for a status that is an error: the status's name.
+            self.span.record("error.type", code_name);
             self.span.record("otel.status_code", "ERROR");
+        }
+        if self.conventions == RpcConventions::StableAndOld {
+            self.span.record("rpc.grpc.status_code", code as i32);
         }
         self.span.in_scope(|| {
             tracing::info!(
@@ -243,9 +259,23 @@ const KNOWN_METHODS: [MethodLabels; 20] = [
     rpc("grpc.reflection.v1alpha.ServerReflection", "ServerReflectionInfo", "bidi_stream"),
 ];
 
-/// The server span of one RPC, a child of the caller's `traceparent` when it sent one.
-/// `merchant_id` and `sub` are recorded by the handler once known.
-fn rpc_span(request: &http::Request<Body>, service: &'static str, method: &'static str) -> tracing::Span {
+/// The most bytes of a path that is no RPC of the server kept in `rpc.method_original`: the
+/// path is the caller's to choose.
+const METHOD_ORIGINAL_BYTES_MAX: usize = 256;
+
+/// The server span of one RPC, a child of the caller's `traceparent` when it sent one, with
+/// the attributes of the OpenTelemetry semantic conventions for gRPC server spans (v1.45.0):
+/// `rpc.system.name`, `rpc.method` (`payledger.v1.PaymentService/Pay`; `_OTHER` with
+/// `rpc.method_original` for a path that is no RPC of the server), `server.address` and
+/// `server.port` (from the request's `:authority`), `network.peer.address` and
+/// `network.peer.port`; [`Call::finish`] adds `rpc.status_code` and `error.type`. With
+/// [`RpcConventions::StableAndOld`], also the v1.37.0 ones: `rpc.system`, `rpc.service`
+/// and `rpc.grpc.status_code`. The span is named after `rpc.method`. `merchant_id` and `sub`
+/// are recorded by the handler once known.
+fn rpc_span(request: &http::Request<Body>, labels: MethodLabels, conventions: RpcConventions) -> tracing::Span {
+    let known = labels != UNKNOWN_METHOD;
+    // From the known names only: the path is the caller's to choose.
+    let method = if known { format!("{}/{}", labels.grpc_service, labels.grpc_method) } else { "_OTHER".to_owned() };
     // The ledger's RPCs at info (exported as traces); health probes, reflection and unknown
     // paths at debug, so that a load balancer's probe every few seconds is no trace.
     macro_rules! rpc_span {
@@ -253,13 +283,20 @@ fn rpc_span(request: &http::Request<Body>, service: &'static str, method: &'stat
             tracing::span!(
                 $level,
                 "rpc",
-                // From the known names only: the path is the caller's to choose.
-                otel.name = %format_args!("{service}/{method}"),
+                otel.name = method.as_str(),
                 otel.kind = "server",
                 otel.status_code = Empty,
-                rpc.system = "grpc",
-                rpc.service = service,
-                rpc.method = method,
+                rpc.system.name = "grpc",
+                rpc.method = method.as_str(),
+                rpc.method_original = Empty,
+                rpc.status_code = Empty,
+                "error.type" = Empty,
+                server.address = Empty,
+                server.port = Empty,
+                network.peer.address = Empty,
+                network.peer.port = Empty,
+                rpc.system = Empty,
+                rpc.service = Empty,
                 rpc.grpc.status_code = Empty,
                 merchant_id = Empty,
                 sub = Empty,
@@ -267,11 +304,33 @@ fn rpc_span(request: &http::Request<Body>, service: &'static str, method: &'stat
             )
         };
     }
-    let span = if service.starts_with("payledger.") {
+    let span = if labels.grpc_service.starts_with("payledger.") {
         rpc_span!(tracing::Level::INFO)
     } else {
         rpc_span!(tracing::Level::DEBUG)
     };
+    if !known {
+        let path = request.uri().path().trim_start_matches('/');
+        let mut end = path.len().min(METHOD_ORIGINAL_BYTES_MAX);
+        while !path.is_char_boundary(end) {
+            end -= 1;
+        }
+        span.record("rpc.method_original", &path[..end]);
+    }
+    if let Some(authority) = request.uri().authority() {
+        span.record("server.address", authority.host());
+        if let Some(port) = authority.port_u16() {
+            span.record("server.port", i64::from(port));
+        }
+    }
+    if let Some(peer) = peer_address(request) {
+        span.record("network.peer.address", tracing::field::display(peer.ip()));
+        span.record("network.peer.port", i64::from(peer.port()));
+    }
+    if conventions == RpcConventions::StableAndOld {
+        span.record("rpc.system", "grpc");
+        span.record("rpc.service", labels.grpc_service);
+    }
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(request.headers()));
     let remote = parent.span().span_context().clone();
     if remote.is_valid() {
@@ -285,6 +344,17 @@ fn rpc_span(request: &http::Request<Body>, service: &'static str, method: &'stat
         span.record("trace_id", tracing::field::display(trace_id));
     }
     span
+}
+
+/// The caller's end of the connection, as tonic records it on each request (over TCP, with
+/// or without TLS).
+fn peer_address(request: &http::Request<Body>) -> Option<std::net::SocketAddr> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let extensions = request.extensions();
+    extensions
+        .get::<TcpConnectInfo>()
+        .and_then(TcpConnectInfo::remote_addr)
+        .or_else(|| extensions.get::<TlsConnectInfo<TcpConnectInfo>>().and_then(|info| info.get_ref().remote_addr()))
 }
 
 /// Reads W3C trace context headers from an HTTP header map.
@@ -336,8 +406,9 @@ fn reword(response: http::Response<Body>) -> http::Response<Body> {
     response
 }
 
-/// The codes the OpenTelemetry gRPC conventions mark as a server span's error (the rest are
-/// the caller's: bad input, not found, refused...).
+/// The codes the OpenTelemetry semantic conventions for gRPC (v1.45.0, `rpc.status_code` on
+/// server spans) count as a server span's error, and so its status Error and its `error.type`
+/// (the rest are the caller's: bad input, not found, refused...).
 fn is_server_error(code: Code) -> bool {
     matches!(
         code,
@@ -418,6 +489,111 @@ mod tests {
         for bad in ["", "m", "123456789m", "10x", "-1S", "1.5S", "S1"] {
             assert_eq!(parse(bad), None, "{bad:?}");
         }
+    }
+
+    /// The fields of every span closed while it is the thread's subscriber, by span.
+    #[derive(Clone, Default)]
+    struct Recorded(std::sync::Arc<std::sync::Mutex<Vec<HashMap<String, String>>>>);
+
+    struct Fields(HashMap<String, String>);
+
+    impl tracing::field::Visit for Fields {
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            self.0.insert(field.name().to_owned(), value.to_owned());
+        }
+
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0.insert(field.name().to_owned(), format!("{value:?}"));
+        }
+    }
+
+    impl<S> tracing_subscriber::Layer<S> for Recorded
+    where
+        S: tracing::Subscriber + for<'lookup> tracing_subscriber::registry::LookupSpan<'lookup>,
+    {
+        fn on_new_span(
+            &self,
+            attributes: &tracing::span::Attributes<'_>,
+            id: &tracing::span::Id,
+            context: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut fields = Fields(HashMap::new());
+            attributes.record(&mut fields);
+            context.span(id).unwrap().extensions_mut().insert(fields);
+        }
+
+        fn on_record(
+            &self,
+            id: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            context: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if let Some(fields) = context.span(id).unwrap().extensions_mut().get_mut::<Fields>() {
+                values.record(fields);
+            }
+        }
+
+        fn on_close(&self, id: tracing::span::Id, context: tracing_subscriber::layer::Context<'_, S>) {
+            if let Some(fields) = context.span(&id).unwrap().extensions_mut().remove::<Fields>() {
+                self.0.lock().unwrap().push(fields.0);
+            }
+        }
+    }
+
+    /// The span fields of one call through [`Observe`] to a service that answers `code`.
+    async fn call_fields(conventions: RpcConventions, uri: &str, code: Code) -> HashMap<String, String> {
+        use tower::ServiceExt as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let recorded = Recorded::default();
+        let _subscriber = tracing::subscriber::set_default(tracing_subscriber::registry().with(recorded.clone()));
+        let answering = tower::service_fn(move |_: http::Request<Body>| async move {
+            Ok::<_, std::convert::Infallible>(Status::new(code, "answered").into_http())
+        });
+        let observe = Observe { rpc: RpcMetrics::default(), conventions };
+        let request = http::Request::builder().method("POST").uri(uri).body(Body::empty()).unwrap();
+        observe.layer(answering).oneshot(request).await.unwrap();
+        let spans = recorded.0.lock().unwrap().clone();
+        spans.into_iter().find(|fields| fields.contains_key("rpc.method")).expect("the call's span")
+    }
+
+    #[tokio::test]
+    async fn the_server_span_follows_the_grpc_conventions_and_rpc_dup_adds_the_old_attributes() {
+        let pay = "http://ledger.example:50051/payledger.v1.PaymentService/Pay";
+        let unavailable = call_fields(RpcConventions::Stable, pay, Code::Unavailable).await;
+        let field = |fields: &HashMap<String, String>, name: &str| fields.get(name).cloned();
+        assert_eq!(field(&unavailable, "rpc.system.name").as_deref(), Some("grpc"));
+        assert_eq!(field(&unavailable, "rpc.method").as_deref(), Some("payledger.v1.PaymentService/Pay"));
+        assert_eq!(field(&unavailable, "otel.name").as_deref(), Some("payledger.v1.PaymentService/Pay"));
+        assert_eq!(field(&unavailable, "rpc.status_code").as_deref(), Some("UNAVAILABLE"));
+        assert_eq!(field(&unavailable, "error.type").as_deref(), Some("UNAVAILABLE"), "a server error");
+        assert_eq!(field(&unavailable, "otel.status_code").as_deref(), Some("ERROR"));
+        assert_eq!(field(&unavailable, "server.address").as_deref(), Some("ledger.example"));
+        assert_eq!(field(&unavailable, "server.port").as_deref(), Some("50051"));
+        for old in ["rpc.system", "rpc.service", "rpc.grpc.status_code", "rpc.method_original"] {
+            assert_eq!(field(&unavailable, old), None, "{old}");
+        }
+
+        let refused = call_fields(RpcConventions::StableAndOld, pay, Code::FailedPrecondition).await;
+        assert_eq!(field(&refused, "rpc.status_code").as_deref(), Some("FAILED_PRECONDITION"));
+        assert_eq!(field(&refused, "error.type"), None, "the caller's error");
+        assert_eq!(field(&refused, "otel.status_code"), None);
+        assert_eq!(field(&refused, "rpc.method").as_deref(), Some("payledger.v1.PaymentService/Pay"), "stable");
+        assert_eq!(field(&refused, "rpc.system").as_deref(), Some("grpc"));
+        assert_eq!(field(&refused, "rpc.service").as_deref(), Some("payledger.v1.PaymentService"));
+        assert_eq!(field(&refused, "rpc.grpc.status_code").as_deref(), Some("9"));
+
+        let unknown =
+            call_fields(RpcConventions::Stable, "/payledger.v1.PaymentService/Nope", Code::Unimplemented).await;
+        assert_eq!(field(&unknown, "rpc.method").as_deref(), Some("_OTHER"));
+        assert_eq!(field(&unknown, "rpc.method_original").as_deref(), Some("payledger.v1.PaymentService/Nope"));
+        assert_eq!(field(&unknown, "error.type").as_deref(), Some("UNIMPLEMENTED"));
+        assert_eq!(field(&unknown, "server.address"), None, "no :authority");
+    }
+
+    #[test]
+    fn exactly_the_server_errors_of_the_grpc_conventions_are_errors() {
+        let errors: Vec<&str> = (0..=16).map(Code::from).filter(|code| is_server_error(*code)).map(code_name).collect();
+        assert_eq!(errors, ["UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"]);
     }
 
     #[test]
