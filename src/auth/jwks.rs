@@ -21,14 +21,21 @@ pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest JWKS body read, in bytes (an identity provider's set is a few kilobytes).
 pub const JWKS_BYTES_MAX: usize = 1024 * 1024;
 
+/// A hyper client that speaks HTTP/1.1 over TLS only (rustls, *ring*), and follows no
+/// redirect.
+type HttpsClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Empty<bytes::Bytes>,
+>;
+
 /// The origin of the JWK set.
 #[derive(Clone)]
 pub enum JwksSource {
     File(PathBuf),
-    /// An `https://` URL, fetched with a client that trusts `roots`.
+    /// An `https://` URL, fetched with a client that trusts the roots it was made with.
     Url {
         url: String,
-        client: reqwest::Client,
+        client: Box<HttpsClient>,
     },
 }
 
@@ -82,15 +89,13 @@ impl JwksSource {
             .map_err(|error| AuthSettingsError::Source(error.to_string()))?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        let client = reqwest::Client::builder()
-            .tls_backend_preconfigured(tls)
-            .https_only(true)
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(FETCH_TIMEOUT)
-            .connect_timeout(FETCH_TIMEOUT)
-            .build()
-            .map_err(|error| AuthSettingsError::Source(format!("the JWKS client: {error}")))?;
-        Ok(Self::Url { url: location.to_owned(), client })
+        let connector =
+            hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_only().enable_http1().build();
+        let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
+        location
+            .parse::<http::Uri>()
+            .map_err(|error| AuthSettingsError::Source(format!("--auth-jwks {location}: {error}")))?;
+        Ok(Self::Url { url: location.to_owned(), client: Box::new(client) })
     }
 
     /// The file's path or the URL, for logs and errors.
@@ -113,32 +118,35 @@ impl JwksSource {
                 .map_err(|source| AuthSettingsError::Read { path: path.display().to_string(), source }),
             Self::Url { url, client } => {
                 let failed = |detail: String| AuthSettingsError::Fetch { url: url.clone(), detail };
-                let mut response = client
-                    .get(url)
-                    .header(http::header::ACCEPT, "application/jwk-set+json, application/json")
-                    .send()
+                tokio::time::timeout(FETCH_TIMEOUT, fetch(client, url))
                     .await
-                    .map_err(|error| failed(error_text(&error)))?;
-                if response.status() != reqwest::StatusCode::OK {
-                    return Err(failed(format!("answered {}", response.status())));
-                }
-                if response.content_length().is_some_and(|length| length > JWKS_BYTES_MAX as u64) {
-                    return Err(failed(format!("a body over {JWKS_BYTES_MAX} bytes")));
-                }
-                let mut body = Vec::new();
-                while let Some(chunk) = response.chunk().await.map_err(|error| failed(error_text(&error)))? {
-                    if body.len() + chunk.len() > JWKS_BYTES_MAX {
-                        return Err(failed(format!("a body over {JWKS_BYTES_MAX} bytes")));
-                    }
-                    body.extend_from_slice(&chunk);
-                }
-                String::from_utf8(body).map_err(|_| failed("a body that is not UTF-8".into()))
+                    .unwrap_or_else(|_| Err(format!("no answer within {} s", FETCH_TIMEOUT.as_secs())))
+                    .map_err(failed)
             }
         }
     }
 }
 
-/// An error with its causes, on one line (reqwest's own text omits them).
+/// The body of a GET of `url`: at most [`JWKS_BYTES_MAX`] bytes of UTF-8, answered 200.
+async fn fetch(client: &HttpsClient, url: &str) -> Result<String, String> {
+    use http_body_util::BodyExt as _;
+    let request = http::Request::get(url)
+        .header(http::header::ACCEPT, "application/jwk-set+json, application/json")
+        .body(http_body_util::Empty::new())
+        .map_err(|error| error.to_string())?;
+    let response = client.request(request).await.map_err(|error| error_text(&error))?;
+    if response.status() != http::StatusCode::OK {
+        return Err(format!("answered {}", response.status()));
+    }
+    let body = http_body_util::Limited::new(response.into_body(), JWKS_BYTES_MAX)
+        .collect()
+        .await
+        .map_err(|_| format!("a body over {JWKS_BYTES_MAX} bytes, or one cut short"))?
+        .to_bytes();
+    String::from_utf8(body.to_vec()).map_err(|_| "a body that is not UTF-8".to_owned())
+}
+
+/// An error with its causes, on one line (hyper's own text omits them).
 fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
