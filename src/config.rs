@@ -329,7 +329,8 @@ pub struct AuthSettings {
     /// (default: the Mozilla root programme's CAs, as bundled by webpki-roots).
     #[arg(long, env = "PAYLEDGER_AUTH_JWKS_CA", requires = "auth_jwks")]
     pub auth_jwks_ca: Option<PathBuf>,
-    /// Seconds between two scheduled reads of `--auth-jwks`, 1 to 86400.
+    /// Seconds between two scheduled reads of `--auth-jwks`, 1 to 86400 (never less than
+    /// `--auth-jwks-min-refresh-seconds`).
     #[arg(long, env = "PAYLEDGER_AUTH_JWKS_REFRESH_SECONDS", default_value_t = 300,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub auth_jwks_refresh_seconds: u64,

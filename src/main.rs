@@ -124,8 +124,14 @@ async fn run(cli: Cli) -> ExitCode {
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
 async fn migrate(settings: &DatabaseSettings) -> Result<ExitCode, AnyError> {
-    payledger::startup::migrate(settings).await?;
-    eprintln!("payledger: the schema of {} is complete", payledger::store::redacted(&settings.database_url));
+    let applied = payledger::startup::migrate(settings).await?;
+    let database = payledger::store::redacted(&settings.database_url);
+    if applied.is_empty() {
+        eprintln!("payledger: nothing to apply: the schema of {database} is complete");
+    } else {
+        let versions: Vec<String> = applied.iter().map(i64::to_string).collect();
+        eprintln!("payledger: applied migrations {}: the schema of {database} is complete", versions.join(", "));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -175,7 +175,7 @@ impl Default for LedgerMetrics {
 }
 
 /// Every cause of `payledger_transaction_retries_total` (see `crate::store::conflict_cause`).
-const RETRY_CAUSES: [&str; 5] = ["deadlock", "serialization", "busy", "interrupted", "other"];
+const RETRY_CAUSES: [&str; 6] = ["deadlock", "serialization", "busy", "interrupted", "cluster_abort", "other"];
 
 impl LedgerMetrics {
     pub fn replay(&self, mechanism: Mechanism) {
@@ -262,7 +262,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commits",
-            "Group-commit transactions that committed at least one call (Pay, Refund, Transfer, Deposit, Withdraw)",
+            "Group-commit transactions that committed at least one call (Pay, Refund, Transfer, Deposit, Withdraw, CreateOrder)",
             self.group_commits.clone(),
         );
         registry.register(
@@ -277,7 +277,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commit_queue_depth",
-            "Pays, Refunds, Transfers, Deposits and Withdraws queued for group commit, not yet taken by a batch",
+            "Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders queued for group commit, not yet taken by a batch",
             self.group_commit_queue_depth.clone(),
         );
         registry.register(
@@ -292,7 +292,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_group_commit_not_started",
-            "Queued Pays dropped before their batch because their caller had gone (cancelled or past its deadline)",
+            "Queued calls dropped before their batch because their caller had gone (cancelled or past its deadline)",
             self.group_commit_not_started.clone(),
         );
         registry.register(

@@ -93,13 +93,19 @@ pub async fn open_ledger_with(
 /// the database as `serve` does, `--database-wait-seconds`). Several at once, and beside
 /// starting servers, take turns.
 ///
+/// Returns the versions this run applied (none when the schema was complete already, or when
+/// another instance applied them meanwhile).
+///
 /// # Errors
 /// [`StartupError::Database`] for a database that cannot be reached or migrated.
-pub async fn migrate(database: &DatabaseSettings) -> Result<(), StartupError> {
+pub async fn migrate(database: &DatabaseSettings) -> Result<Vec<i64>, StartupError> {
     let store = connect_waiting(&database.database_url, &database.pool(), database.database_wait()).await?;
+    let before = store.applied_migrations().await;
     let outcome = store.migrate().await;
+    let after = store.applied_migrations().await;
     store.close().await;
-    Ok(outcome?)
+    outcome?;
+    Ok(after.into_iter().filter(|version| !before.contains(version)).collect())
 }
 
 /// Connects to the database, trying again with backoff (0.25 s doubling up to 5 s) until

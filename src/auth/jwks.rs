@@ -161,7 +161,7 @@ fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
 /// How often the refresher reads the set.
 #[derive(Debug, Clone, Copy)]
 pub struct Refresh {
-    /// Between two scheduled reads.
+    /// Between two scheduled reads (never less than `min_interval`).
     pub interval: Duration,
     /// At least this long between any two reads, those asked for by an unknown `kid` too.
     pub min_interval: Duration,
@@ -180,7 +180,7 @@ pub fn spawn_refresher(
         let mut failing = false;
         loop {
             tokio::select! {
-                () = tokio::time::sleep_until(last_read + refresh.interval) => {}
+                () = tokio::time::sleep_until(last_read + refresh.interval.max(refresh.min_interval)) => {}
                 () = unknown_kid.notified() => {
                     tokio::time::sleep_until(last_read + refresh.min_interval).await;
                 }

@@ -180,15 +180,21 @@ impl Call {
         if self.conventions == RpcConventions::StableAndOld {
             self.span.record("rpc.grpc.status_code", code as i32);
         }
+        let duration_ms = elapsed.as_micros() as f64 / 1000.0;
         self.span.in_scope(|| {
-            tracing::info!(
-                target: ACCESS_LOG_TARGET,
-                method = labels.grpc_method,
-                code = code_name,
-                duration_ms = elapsed.as_micros() as f64 / 1000.0,
-                replayed,
-                "call"
-            );
+            // Health and reflection at debug: a probe every few seconds would fill the log.
+            if is_platform(labels) {
+                tracing::debug!(target: ACCESS_LOG_TARGET, method = labels.grpc_method, code = code_name, duration_ms, "call");
+            } else {
+                tracing::info!(
+                    target: ACCESS_LOG_TARGET,
+                    method = labels.grpc_method,
+                    code = code_name,
+                    duration_ms,
+                    replayed,
+                    "call"
+                );
+            }
         });
     }
 }

@@ -477,10 +477,7 @@ impl Store {
         if self.has_every_migration(migrator).await {
             return Ok(());
         }
-        let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success = TRUE")
-            .fetch_all(&self.pool)
-            .await
-            .unwrap_or_default();
+        let applied = self.applied_migrations().await;
         let missing: Vec<String> = migrator
             .iter()
             .filter(|migration| !applied.contains(&migration.version))
@@ -488,6 +485,14 @@ impl Store {
             .collect();
         let missing = if missing.is_empty() { "a changed one".to_owned() } else { missing.join(", ") };
         Err(ConnectError::SchemaBehind(dialect::redacted(url), missing))
+    }
+
+    /// The versions of the migrations applied to the database (none when it has no history).
+    pub async fn applied_migrations(&self) -> Vec<i64> {
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success = TRUE ORDER BY version")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap_or_default()
     }
 
     /// The migrations of this release for the store's backend.
