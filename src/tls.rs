@@ -10,12 +10,22 @@
 //! the other is seen half-written at most until its next write: the pair is only taken once
 //! it matches.
 //!
-//! TLS 1.2 and 1.3 (rustls's safe defaults, the *ring* provider), ALPN `h2`. Handshakes run
-//! concurrently, each bounded by [`HANDSHAKE_TIMEOUT`], at most [`HANDSHAKES_MAX`] at once.
+//! TLS 1.2 and 1.3 (rustls's safe defaults, the *ring* provider), ALPN `h2`. A certificate
+//! outside its validity period is refused, at start and on reload. Handshakes run concurrently,
+//! each bounded by [`HANDSHAKE_TIMEOUT`], at most [`HANDSHAKES_MAX`] at once and
+//! [`HANDSHAKES_PER_PEER_MAX`] from one IP address: a connection past either is closed at
+//! once, so that peers holding handshakes open cannot keep others waiting. After the
+//! handshake, a connection that sends nothing for [`PREFACE_TIMEOUT`] (no HTTP/2 preface) is
+//! closed.
 
+use std::collections::HashMap;
+use std::future::Future as _;
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject as _;
@@ -23,15 +33,22 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use sha2::{Digest as _, Sha256};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use tonic::transport::server::Connected;
 
 /// Longest a TLS handshake may take; a connection that has not finished it by then is closed.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most TLS handshakes in progress at once; further connections wait in the listen backlog.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most TLS handshakes in progress at once; a connection past it is closed at once.
 pub const HANDSHAKES_MAX: usize = 1_024;
+/// Most TLS handshakes in progress from one IP address; a connection past it is closed at once.
+pub const HANDSHAKES_PER_PEER_MAX: usize = 32;
+/// Longest a connection may send nothing after its TLS handshake (an HTTP/2 client sends its
+/// preface at once); past it the connection is closed.
+pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TLS file or configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +61,10 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
     #[error("the client CA cannot verify client certificates: {0}")]
     ClientCa(#[from] rustls::server::VerifierBuilderError),
+    #[error("the certificate in {path} is not valid now (valid from {not_before} to {not_after})")]
+    NotValidNow { path: String, not_before: String, not_after: String },
+    #[error("the certificate in {path} cannot be read as X.509")]
+    NotX509 { path: String },
 }
 
 /// The PEM texts of one TLS configuration.
@@ -72,6 +93,17 @@ impl Pems {
             .ok()
             .filter(|certs: &Vec<_>| !certs.is_empty())
             .ok_or_else(|| TlsError::Pem { path: names.cert.clone(), what: "certificate" })?;
+        // A certificate outside its validity period would fail every handshake: refuse it, and
+        // keep the configuration in force (or do not start).
+        let (_, leaf) = x509_parser::parse_x509_certificate(&certs[0])
+            .map_err(|_| TlsError::NotX509 { path: names.cert.clone() })?;
+        if !leaf.validity().is_valid() {
+            return Err(TlsError::NotValidNow {
+                path: names.cert.clone(),
+                not_before: leaf.validity().not_before.to_string(),
+                not_after: leaf.validity().not_after.to_string(),
+            });
+        }
         let key = PrivateKeyDer::from_pem_slice(&self.key)
             .map_err(|_| TlsError::Pem { path: names.key.clone(), what: "private key" })?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -97,6 +129,17 @@ impl Pems {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Arc::new(config))
     }
+}
+
+/// The end of the validity period of the leaf certificate of `pems`, for the log.
+fn not_after(pems: &Pems) -> String {
+    CertificateDer::pem_slice_iter(&pems.cert)
+        .next()
+        .and_then(Result::ok)
+        .and_then(|leaf| {
+            x509_parser::parse_x509_certificate(&leaf).ok().map(|(_, leaf)| leaf.validity().not_after.to_string())
+        })
+        .unwrap_or_default()
 }
 
 /// The files a configuration was read from, as shown in errors.
@@ -221,7 +264,7 @@ impl ServerTls {
                         *current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = config;
                         in_force = Some(fingerprint);
                         refused = None;
-                        tracing::info!(cert = %names.cert, "TLS files reloaded: new connections use them");
+                        tracing::info!(cert = %names.cert, not_after = %not_after(&pems), "TLS files reloaded: new connections use them");
                     }
                     Err(error) => {
                         let text = error.to_string();
@@ -237,18 +280,19 @@ impl ServerTls {
 
     /// The TLS connections of `listener`, each handshaken with the configuration in force when
     /// it was accepted (TCP_NODELAY set), for `Server::serve_with_incoming_shutdown`. A
-    /// handshake that fails or takes longer than [`HANDSHAKE_TIMEOUT`] closes its connection
-    /// and is logged at debug level. Ends when the receiving side is dropped.
+    /// connection past the handshake bounds is closed at once; a handshake that fails or takes
+    /// longer than [`HANDSHAKE_TIMEOUT`] closes its connection, and is logged at debug level.
+    /// Ends when the receiving side is dropped.
     pub fn incoming(
         &self,
         listener: TcpListener,
-    ) -> impl futures_util::Stream<Item = io::Result<TlsStream<TcpStream>>> {
+    ) -> impl futures_util::Stream<Item = io::Result<PrefaceDeadline<TlsStream<TcpStream>>>> {
         let (connections, incoming) = mpsc::channel(64);
         let tls = self.clone();
         tokio::spawn(async move {
             let handshakes = Arc::new(Semaphore::new(HANDSHAKES_MAX));
+            let per_peer: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>> = Arc::default();
             loop {
-                let Ok(permit) = handshakes.clone().acquire_owned().await else { return };
                 let accepted = tokio::select! {
                     accepted = listener.accept() => accepted,
                     () = connections.closed() => return,
@@ -262,14 +306,23 @@ impl ServerTls {
                         continue;
                     }
                 };
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    tracing::debug!(%peer, "TLS handshakes at their bound: connection closed");
+                    continue;
+                };
+                let Some(peer_slot) = PeerSlot::take(&per_peer, peer.ip()) else {
+                    tracing::debug!(%peer, "TLS handshakes of this address at their bound: connection closed");
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let acceptor = TlsAcceptor::from(tls.config());
                 let connections = connections.clone();
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
+                    drop((permit, peer_slot));
+                    match handshake {
                         Ok(Ok(stream)) => {
-                            let _ = connections.send(Ok(stream)).await;
+                            let _ = connections.send(Ok(PrefaceDeadline::new(stream, PREFACE_TIMEOUT))).await;
                         }
                         Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -280,5 +333,147 @@ impl ServerTls {
         futures_util::stream::unfold(incoming, |mut incoming| async move {
             incoming.recv().await.map(|connection| (connection, incoming))
         })
+    }
+}
+
+/// One handshake in progress from an address, counted in a map shared by the accept loop.
+struct PeerSlot {
+    peers: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+    peer: IpAddr,
+}
+
+impl PeerSlot {
+    /// A slot for `peer`, or `None` when it has [`HANDSHAKES_PER_PEER_MAX`] already.
+    fn take(peers: &Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>, peer: IpAddr) -> Option<Self> {
+        let mut counts = peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = counts.entry(peer).or_insert(0);
+        if *count >= HANDSHAKES_PER_PEER_MAX {
+            return None;
+        }
+        *count += 1;
+        Some(Self { peers: peers.clone(), peer })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// A stream whose reads fail with `TimedOut` when no byte has arrived within its deadline
+/// since it was made; once one has, it is the stream itself.
+pub struct PrefaceDeadline<S> {
+    inner: S,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> PrefaceDeadline<S> {
+    fn new(inner: S, timeout: Duration) -> Self {
+        Self { inner, deadline: Some(Box::pin(tokio::time::sleep(timeout))) }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffer: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buffer.filled().len();
+        let read = Pin::new(&mut self.inner).poll_read(context, buffer);
+        match &read {
+            Poll::Ready(Ok(())) if buffer.filled().len() > before => self.deadline = None,
+            Poll::Pending => {
+                if let Some(deadline) = self.deadline.as_mut() {
+                    if deadline.as_mut().poll(context).is_ready() {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "no HTTP/2 preface after the TLS handshake",
+                        )));
+                    }
+                }
+            }
+            Poll::Ready(_) => {}
+        }
+        read
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for PrefaceDeadline<S> {
+    fn poll_write(mut self: Pin<&mut Self>, context: &mut Context<'_>, bytes: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(context, bytes)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(context)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(context)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+        buffers: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(context, buffers)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl<S: Connected> Connected for PrefaceDeadline<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    #[tokio::test]
+    async fn a_stream_silent_past_its_preface_deadline_fails_and_one_that_spoke_does_not() {
+        let (client, server) = tokio::io::duplex(64);
+        let mut silent = PrefaceDeadline::new(server, Duration::from_millis(100));
+        let mut buffer = [0u8; 8];
+        let error = silent.read(&mut buffer).await.unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        drop(client);
+
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut spoken = PrefaceDeadline::new(server, Duration::from_millis(100));
+        client.write_all(b"PRI").await.unwrap();
+        assert_eq!(spoken.read(&mut buffer).await.unwrap(), 3);
+        // Silent for longer than the deadline after its first bytes: still open.
+        let waited = tokio::time::timeout(Duration::from_millis(400), spoken.read(&mut buffer)).await;
+        assert!(waited.is_err(), "no deadline once the preface began");
+        client.write_all(b" *").await.unwrap();
+        assert_eq!(spoken.read(&mut buffer).await.unwrap(), 2);
+    }
+
+    #[test]
+    fn handshakes_are_counted_per_address_up_to_their_bound() {
+        let peers = Arc::default();
+        let one: IpAddr = "192.0.2.1".parse().unwrap();
+        let slots: Vec<PeerSlot> = (0..HANDSHAKES_PER_PEER_MAX).map(|_| PeerSlot::take(&peers, one).unwrap()).collect();
+        assert!(PeerSlot::take(&peers, one).is_none(), "past the bound");
+        assert!(PeerSlot::take(&peers, "192.0.2.2".parse().unwrap()).is_some(), "another address has its own");
+        drop(slots);
+        assert!(PeerSlot::take(&peers, one).is_some(), "slots come back when handshakes end");
+        assert!(peers.lock().unwrap().is_empty(), "an address without a handshake leaves the map");
     }
 }

@@ -57,7 +57,8 @@ impl JwksSource {
         let lowercase = location.to_ascii_lowercase();
         if lowercase.starts_with("http://") {
             return Err(AuthSettingsError::Source(format!(
-                "--auth-jwks {location}: a JWKS URL must be https:// (the keys decide who may move money)"
+                "--auth-jwks {}: a JWKS URL must be https:// (the keys decide who may move money)",
+                redacted(location)
             )));
         }
         if !lowercase.starts_with("https://") {
@@ -94,15 +95,16 @@ impl JwksSource {
         let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
         location
             .parse::<http::Uri>()
-            .map_err(|error| AuthSettingsError::Source(format!("--auth-jwks {location}: {error}")))?;
+            .map_err(|error| AuthSettingsError::Source(format!("--auth-jwks {}: {error}", redacted(location))))?;
         Ok(Self::Url { url: location.to_owned(), client: Box::new(client) })
     }
 
-    /// The file's path or the URL, for logs and errors.
+    /// The file's path or the URL, for logs and errors: a URL without its user information and
+    /// query, which may carry a credential.
     pub fn describe(&self) -> String {
         match self {
             Self::File(path) => path.display().to_string(),
-            Self::Url { url, .. } => url.clone(),
+            Self::Url { url, .. } => redacted(url),
         }
     }
 
@@ -117,7 +119,7 @@ impl JwksSource {
                 .await
                 .map_err(|source| AuthSettingsError::Read { path: path.display().to_string(), source }),
             Self::Url { url, client } => {
-                let failed = |detail: String| AuthSettingsError::Fetch { url: url.clone(), detail };
+                let failed = |detail: String| AuthSettingsError::Fetch { url: redacted(url), detail };
                 tokio::time::timeout(FETCH_TIMEOUT, fetch(client, url))
                     .await
                     .unwrap_or_else(|_| Err(format!("no answer within {} s", FETCH_TIMEOUT.as_secs())))
@@ -144,6 +146,18 @@ async fn fetch(client: &HttpsClient, url: &str) -> Result<String, String> {
         .map_err(|_| format!("a body over {JWKS_BYTES_MAX} bytes, or one cut short"))?
         .to_bytes();
     String::from_utf8(body.to_vec()).map_err(|_| "a body that is not UTF-8".to_owned())
+}
+
+/// `url` as scheme, host, port and path only.
+fn redacted(url: &str) -> String {
+    match url.parse::<http::Uri>() {
+        Ok(uri) => {
+            let host = uri.host().unwrap_or_default();
+            let port = uri.port_u16().map(|port| format!(":{port}")).unwrap_or_default();
+            format!("{}://{host}{port}{}", uri.scheme_str().unwrap_or("https"), uri.path())
+        }
+        Err(_) => "(an unparsable URL)".to_owned(),
+    }
 }
 
 /// An error with its causes, on one line (hyper's own text omits them).
@@ -206,4 +220,15 @@ pub fn spawn_refresher(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_is_shown_without_its_credentials() {
+        assert_eq!(redacted("https://user:secret@idp.example:8443/keys?token=abc"), "https://idp.example:8443/keys");
+        assert_eq!(redacted("https://idp.example/.well-known/jwks.json"), "https://idp.example/.well-known/jwks.json");
+    }
 }

@@ -146,8 +146,14 @@ fn key_set(jwks: &str) -> Result<KeySet, AuthSettingsError> {
             tracing::warn!(kid = ?jwk.common.key_id, "JWKS key skipped: no kid, or not an EdDSA, ES256 or RS256 signing key");
             continue;
         };
-        let key = DecodingKey::from_jwk(jwk)
-            .map_err(|error| AuthSettingsError::Parse { path: String::new(), detail: format!("key {kid}: {error}") })?;
+        // One key the provider published malformed does not block the others (nor a rotation).
+        let key = match DecodingKey::from_jwk(jwk) {
+            Ok(key) => key,
+            Err(error) => {
+                tracing::warn!(%kid, %error, "JWKS key skipped: it cannot be decoded");
+                continue;
+            }
+        };
         if keys.insert(kid.clone(), VerificationKey { algorithm, key }).is_some() {
             return Err(AuthSettingsError::Parse {
                 path: String::new(),

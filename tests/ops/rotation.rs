@@ -313,6 +313,13 @@ async fn a_certificate_renewed_on_disk_is_served_to_new_connections_and_open_one
         calls += 1;
     }
 
+    // A certificate outside its validity period (with its own key) is not taken either.
+    let expired = pki.issue_expired(&["localhost"]);
+    std::fs::write(&key, &expired.key_pem).unwrap();
+    std::fs::write(&cert, &expired.cert_pem).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(served_certificate(address, &pki.ca_pem()).await, der(&renewed.cert_pem), "an expired certificate");
+
     // Files that cannot be used leave the renewed configuration in force.
     std::fs::write(&key, "not a key").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -14,6 +14,7 @@ use payledger::proto;
 use payledger::startup::Application;
 use payledger::tls::ServerTls;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::pem::PemObject as _;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::Code;
@@ -38,6 +39,17 @@ impl Pki {
 
     pub(crate) fn ca_pem(&self) -> String {
         self.ca.pem()
+    }
+
+    /// A certificate whose validity period ended in 2021.
+    pub(crate) fn issue_expired(&self, names: &[&str]) -> Issued {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(names.iter().map(|name| (*name).to_owned()).collect::<Vec<_>>()).unwrap();
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() }
     }
 
     pub(crate) fn issue(&self, names: &[&str]) -> Issued {
@@ -295,4 +307,46 @@ async fn the_tools_refuse_tls_settings_for_a_plaintext_target() {
     let access = payledger_tools::TargetAccess { tls_ca: Some(directory.path().join("ca.pem")), ..Default::default() };
     let error = access.connect("http://127.0.0.1:1").await.unwrap_err();
     assert!(error.to_string().contains("http://"), "{error}");
+}
+
+/// Connections that open TCP and never handshake, many from one address, neither make the
+/// server close its listener nor keep a handshake from another address waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_from_one_address_do_not_hold_up_handshakes_from_another() {
+    let pki = Pki::new("payledger test CA");
+    let server = Server::start(&pki.issue(&["localhost"]), None, None).await;
+    let mut idle = Vec::new();
+    for _ in 0..(payledger::tls::HANDSHAKES_PER_PEER_MAX + 8) {
+        idle.push(tokio::net::TcpStream::connect(server.address).await.unwrap());
+    }
+    // Past the per-address bound, a connection is closed at once.
+    let mut closed = 0;
+    for stream in &mut idle {
+        let mut byte = [0u8; 1];
+        if let Ok(Ok(0)) =
+            tokio::time::timeout(Duration::from_millis(500), tokio::io::AsyncReadExt::read(stream, &mut byte)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 8, "{closed} of the connections past the bound were closed");
+    // Another address (127.0.0.2 is loopback too) is served at once.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let tcp = socket.connect(server.address).await.unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from_pem_slice(pki.ca_pem().as_bytes()).unwrap()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    tokio::time::timeout(Duration::from_secs(2), connector.connect(name, tcp))
+        .await
+        .expect("a handshake from another address is not kept waiting")
+        .expect("and succeeds");
+    drop(idle);
+    server.stop().await;
 }
