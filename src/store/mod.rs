@@ -349,7 +349,26 @@ impl Store {
                 .await
                 .map_err(|error| failed(error.into()))?;
         }
-        let outcome = migrator.run_direct(&mut *connection).await;
+        let outcome = if !self.galera {
+            migrator.run_direct(&mut *connection).await
+        } else {
+            // GET_LOCK holds on one node only: on Galera the instance that also claims the
+            // cluster-wide lease migrates, and the others wait for its migrations (`migrate`).
+            match claim_migration_lease(&mut connection).await {
+                Ok(Some(holder)) => {
+                    let outcome = migrator.run_direct(&mut *connection).await;
+                    let _ = sqlx::query("DELETE FROM payledger_migration_lease WHERE id = 1 AND holder = ?")
+                        .bind(holder)
+                        .execute(&mut *connection)
+                        .await;
+                    outcome
+                }
+                Ok(None) => Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
+                    "another instance holds the cluster's migration lease".into(),
+                ))),
+                Err(error) => Err(sqlx::migrate::MigrateError::Execute(error)),
+            }
+        };
         let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
         if self.galera {
             // Or the connection leaves the pool, rather than go back to it writable.
@@ -583,6 +602,43 @@ impl Store {
             })?;
         }
         Ok(())
+    }
+}
+
+/// Most seconds a migration lease is held: a lease older than that is taken to be an
+/// instance's that died migrating, and is claimed anew.
+const MIGRATION_LEASE_SECONDS: i64 = 600;
+
+/// Claims the cluster-wide migration lease of a Galera cluster: one row, inserted with
+/// autocommit, so that of instances claiming it at once through several nodes exactly one
+/// commits (the others fail Galera's certification, 1213, or find the row, 1062). `Some`
+/// with this claim's holder id when it is ours, `None` when another instance holds it.
+///
+/// # Errors
+/// The driver error of creating the lease table or clearing an expired lease.
+async fn claim_migration_lease(connection: &mut AnyConnection) -> Result<Option<String>, sqlx::Error> {
+    connection
+        .execute(
+            "CREATE TABLE IF NOT EXISTS payledger_migration_lease \
+             (id INT NOT NULL PRIMARY KEY, holder VARCHAR(64) NOT NULL, expires_at BIGINT NOT NULL)",
+        )
+        .await?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
+    let now = i64::try_from(now).unwrap_or(i64::MAX);
+    sqlx::query("DELETE FROM payledger_migration_lease WHERE id = 1 AND expires_at < ?")
+        .bind(now)
+        .execute(&mut *connection)
+        .await?;
+    let holder = uuid::Uuid::new_v4().simple().to_string();
+    let claimed = sqlx::query("INSERT INTO payledger_migration_lease (id, holder, expires_at) VALUES (1, ?, ?)")
+        .bind(&holder)
+        .bind(now + MIGRATION_LEASE_SECONDS)
+        .execute(&mut *connection)
+        .await;
+    match claimed {
+        Ok(_) => Ok(Some(holder)),
+        Err(sqlx::Error::Database(error)) if matches!(error.code().as_deref(), Some("23000" | "40001")) => Ok(None),
+        Err(error) => Err(error),
     }
 }
 
