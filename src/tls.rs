@@ -45,7 +45,9 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most TLS handshakes in progress at once; a connection past it is closed at once.
 pub const HANDSHAKES_MAX: usize = 1_024;
 /// Most TLS handshakes in progress from one IP address; a connection past it is closed at once.
-pub const HANDSHAKES_PER_PEER_MAX: usize = 32;
+/// Room for a burst of reconnections through one proxy or NAT address (callers behind an L4
+/// load balancer share its address), while one address alone cannot take every slot.
+pub const HANDSHAKES_PER_PEER_MAX: usize = 128;
 /// Longest a connection may send nothing after its TLS handshake (an HTTP/2 client sends its
 /// preface at once); past it the connection is closed.
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
