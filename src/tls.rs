@@ -186,6 +186,8 @@ impl Files {
 #[derive(Clone)]
 pub struct ServerTls {
     current: Arc<RwLock<Arc<ServerConfig>>>,
+    /// The digest of the PEMs the configuration in force at start was made from.
+    loaded: Option<[u8; 32]>,
     files: Option<Files>,
     mutual: bool,
 }
@@ -205,8 +207,14 @@ impl ServerTls {
     /// not the certificate's, say).
     pub fn from_files(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, TlsError> {
         let files = Files { cert: cert.to_owned(), key: key.to_owned(), client_ca: client_ca.map(Path::to_owned) };
-        let config = files.read()?.config(&files.names())?;
-        Ok(Self { current: Arc::new(RwLock::new(config)), mutual: client_ca.is_some(), files: Some(files) })
+        let pems = files.read()?;
+        let config = pems.config(&files.names())?;
+        Ok(Self {
+            current: Arc::new(RwLock::new(config)),
+            mutual: client_ca.is_some(),
+            loaded: Some(pems.fingerprint()),
+            files: Some(files),
+        })
     }
 
     /// A configuration from PEM texts, never reloaded (tests, and embedders that hold their
@@ -222,7 +230,7 @@ impl ServerTls {
             client_ca: client_ca.map(|_| "(client CA)".into()),
         };
         let config = pems.config(&names)?;
-        Ok(Self { current: Arc::new(RwLock::new(config)), mutual: client_ca.is_some(), files: None })
+        Ok(Self { current: Arc::new(RwLock::new(config)), mutual: client_ca.is_some(), loaded: None, files: None })
     }
 
     /// True when client certificates are required.
@@ -239,10 +247,10 @@ impl ServerTls {
     /// made from PEM texts.
     pub fn reload_every(&self, interval: Duration) -> Option<tokio::task::JoinHandle<()>> {
         let files = self.files.clone()?;
-        let current = self.current.clone();
+        let (current, loaded) = (self.current.clone(), self.loaded);
         Some(tokio::spawn(async move {
             let names = files.names();
-            let mut in_force = files.read().ok().map(|pems| pems.fingerprint());
+            let mut in_force = loaded;
             let mut refused = None;
             loop {
                 tokio::time::sleep(interval).await;
