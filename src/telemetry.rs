@@ -174,17 +174,15 @@ impl CollectorTls {
     /// private key or does not match its certificate, or one of the client certificate and
     /// key without the other. Key material is never part of it.
     fn from_variables(read: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let mut roots = rustls::RootCertStore::empty();
-        match certificate_variable(&read, "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE") {
-            Some((name, path)) => {
-                for certificate in certificates(&name, &path, &read_named(&name, &path)?)? {
-                    roots.add(certificate).map_err(|error| {
-                        format!("{name}={}: a certificate that is not a usable CA: {error}", path.display())
-                    })?;
-                }
-            }
-            None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
-        }
+        let roots = match certificate_variable(
+            &read,
+            "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        ) {
+            Some((name, path)) => crate::tls::trust_anchors(Some(&read_named(&name, &path)?))
+                .map_err(|error| format!("{name}={}: {error}", path.display()))?,
+            None => crate::tls::trust_anchors(None).map_err(|error| error.to_string())?,
+        };
         let client_certificate = certificate_variable(
             &read,
             "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",

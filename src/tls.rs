@@ -69,6 +69,39 @@ pub enum TlsError {
     NotX509 { path: String },
 }
 
+/// Why a PEM file of CA certificates cannot be trusted (see [`trust_anchors`]).
+#[derive(Debug, thiserror::Error)]
+pub enum AnchorsError {
+    #[error("not PEM certificates: {0}")]
+    NotPem(rustls::pki_types::pem::Error),
+    #[error("no PEM certificate (-----BEGIN CERTIFICATE-----) in the file")]
+    Empty,
+    #[error("a certificate that is not a usable CA: {0}")]
+    NotUsable(rustls::Error),
+}
+
+/// The CAs a peer's certificate must chain to: those of `ca_pem` alone (its `CERTIFICATE`
+/// blocks; other blocks are skipped) when given, else the public web roots (the Mozilla root
+/// programme's CAs, as bundled by webpki-roots). For the server's client CA, the JWKS fetch and
+/// the trace exporter alike.
+///
+/// # Errors
+/// [`AnchorsError`] for a malformed block, no certificate, or one rustls cannot trust.
+pub fn trust_anchors(ca_pem: Option<&[u8]>) -> Result<RootCertStore, AnchorsError> {
+    let mut roots = RootCertStore::empty();
+    let Some(pem) = ca_pem else {
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        return Ok(roots);
+    };
+    for certificate in CertificateDer::pem_slice_iter(pem) {
+        roots.add(certificate.map_err(AnchorsError::NotPem)?).map_err(AnchorsError::NotUsable)?;
+    }
+    if roots.is_empty() {
+        return Err(AnchorsError::Empty);
+    }
+    Ok(roots)
+}
+
 /// The PEM texts of one TLS configuration.
 #[derive(Clone, PartialEq, Eq)]
 struct Pems {
@@ -114,14 +147,10 @@ impl Pems {
             None => builder.with_no_client_auth(),
             Some(client_ca) => {
                 let path = names.client_ca.clone().unwrap_or_default();
-                let mut roots = RootCertStore::empty();
-                for ca in CertificateDer::pem_slice_iter(client_ca) {
-                    let ca = ca.map_err(|_| TlsError::Pem { path: path.clone(), what: "certificate" })?;
-                    roots.add(ca)?;
-                }
-                if roots.is_empty() {
-                    return Err(TlsError::Pem { path, what: "certificate" });
-                }
+                let roots = trust_anchors(Some(client_ca)).map_err(|error| match error {
+                    AnchorsError::NotUsable(error) => TlsError::Config(error),
+                    AnchorsError::NotPem(_) | AnchorsError::Empty => TlsError::Pem { path, what: "certificate" },
+                })?;
                 builder.with_client_cert_verifier(
                     WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?,
                 )

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{AuthSettingsError, Authenticator};
+use crate::tls::AnchorsError;
 
 /// Longest a JWKS fetch may take, connection included.
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -68,23 +69,11 @@ impl JwksSource {
             return Ok(Self::File(PathBuf::from(location)));
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        match ca_pem {
-            Some(pem) => {
-                use rustls::pki_types::pem::PemObject as _;
-                for certificate in rustls::pki_types::CertificateDer::pem_slice_iter(pem) {
-                    let certificate = certificate
-                        .map_err(|_| AuthSettingsError::Source("--auth-jwks-ca is not a PEM certificate".into()))?;
-                    roots
-                        .add(certificate)
-                        .map_err(|error| AuthSettingsError::Source(format!("--auth-jwks-ca: {error}")))?;
-                }
-                if roots.is_empty() {
-                    return Err(AuthSettingsError::Source("--auth-jwks-ca holds no certificate".into()));
-                }
-            }
-            None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
-        }
+        let roots = crate::tls::trust_anchors(ca_pem).map_err(|error| match error {
+            AnchorsError::NotPem(_) => AuthSettingsError::Source("--auth-jwks-ca is not a PEM certificate".into()),
+            AnchorsError::Empty => AuthSettingsError::Source("--auth-jwks-ca holds no certificate".into()),
+            AnchorsError::NotUsable(error) => AuthSettingsError::Source(format!("--auth-jwks-ca: {error}")),
+        })?;
         let tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|error| AuthSettingsError::Source(error.to_string()))?

@@ -367,19 +367,28 @@ impl Drop for OwnMariaDb {
     }
 }
 
+impl OwnMariaDb {
+    /// A `ledger` database and the URL of a user with every right on it but SUPER, whose
+    /// writes `read_only` refuses.
+    fn ledger_for_a_user_without_super(&self) -> String {
+        sqlx::any::install_default_drivers();
+        self.admin("CREATE DATABASE ledger; CREATE USER 'payledger'@'%' IDENTIFIED BY 'pw'; GRANT ALL ON ledger.* TO 'payledger'@'%'")
+            .unwrap();
+        format!("mysql://payledger:pw@127.0.0.1:{}/ledger", self.port)
+    }
+
+    /// Turns the server's `read_only` on or off.
+    fn switch_read_only(&self, on: bool) -> impl std::future::Future<Output = ()> {
+        let result = self.admin(if on { "SET GLOBAL read_only = 1" } else { "SET GLOBAL read_only = 0" });
+        async move { result.unwrap() }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_mariadb_server_turned_read_only_under_load_gets_only_retryable_codes_then_recovers() {
     let Some(mariadb) = OwnMariaDb::start() else { return };
-    sqlx::any::install_default_drivers();
-    mariadb
-        .admin("CREATE DATABASE ledger; CREATE USER 'payledger'@'%' IDENTIFIED BY 'pw'; GRANT ALL ON ledger.* TO 'payledger'@'%'")
-        .unwrap();
-    let database_url = format!("mysql://payledger:pw@127.0.0.1:{}/ledger", mariadb.port);
-
-    let switch = |on: bool| {
-        let result = mariadb.admin(if on { "SET GLOBAL read_only = 1" } else { "SET GLOBAL read_only = 0" });
-        async move { result.unwrap() }
-    };
+    let database_url = mariadb.ledger_for_a_user_without_super();
+    let switch = |on: bool| mariadb.switch_read_only(on);
     read_only_under_load(&database_url, switch).await;
 }
 
@@ -387,15 +396,7 @@ async fn a_mariadb_server_turned_read_only_under_load_gets_only_retryable_codes_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_not_serving_while_a_mariadb_server_refuses_writes_and_serving_again_after() {
     let Some(mariadb) = OwnMariaDb::start() else { return };
-    sqlx::any::install_default_drivers();
-    mariadb
-        .admin("CREATE DATABASE ledger; CREATE USER 'payledger'@'%' IDENTIFIED BY 'pw'; GRANT ALL ON ledger.* TO 'payledger'@'%'")
-        .unwrap();
-    let database_url = format!("mysql://payledger:pw@127.0.0.1:{}/ledger", mariadb.port);
-
-    let switch = |on: bool| {
-        let result = mariadb.admin(if on { "SET GLOBAL read_only = 1" } else { "SET GLOBAL read_only = 0" });
-        async move { result.unwrap() }
-    };
+    let database_url = mariadb.ledger_for_a_user_without_super();
+    let switch = |on: bool| mariadb.switch_read_only(on);
     health_follows_writability(&database_url, switch).await;
 }
