@@ -13,6 +13,7 @@
 mod batch;
 pub mod chain;
 mod dialect;
+mod migrations;
 mod queries;
 mod rows;
 
@@ -127,9 +128,26 @@ fn connect_options(url: &str, create: bool) -> Result<sqlx::any::AnyConnectOptio
     Ok(if create { options } else { options.log_slow_statements(log::LevelFilter::Off, Duration::MAX) })
 }
 
-/// How long an instance on a Galera node waits for migrations that another instance applies
-/// through another node (see [`Store::migrate`]).
-const GALERA_MIGRATION_WAIT: Duration = Duration::from_secs(60);
+/// How long a start waits in all for migrations that another instance is applying (see
+/// [`Store::migrate`]).
+const MIGRATION_WAIT: Duration = Duration::from_secs(120);
+
+/// Why one attempt to migrate did not complete the schema.
+enum Attempt {
+    /// Another instance holds the migration lock or lease.
+    Busy(String),
+    Failed(sqlx::migrate::MigrateError),
+}
+
+/// The fault class of the database error behind a failed migration, if one is.
+fn migration_fault(error: &sqlx::migrate::MigrateError) -> Option<Fault> {
+    match error {
+        sqlx::migrate::MigrateError::Execute(error) | sqlx::migrate::MigrateError::ExecuteMigration(error, _) => {
+            Some(dialect::classify(error))
+        }
+        _ => None,
+    }
+}
 
 /// How long a health check may take, its connection included; longer is unhealthy.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -286,38 +304,50 @@ impl Store {
         self.galera
     }
 
-    /// Applies the embedded migrations of this backend (`migrations/<backend>`). Safe to run
-    /// from several instances at once: sqlx takes a database lock while it migrates. On a
-    /// Galera node that lock holds on the node only, so an instance that starts beside one
-    /// migrating through another node may fail (a deadlock, or a migration it finds
-    /// "partially applied"): it then waits, up to [`GALERA_MIGRATION_WAIT`], for the history
-    /// to show every migration applied by the other, and fails with its own error only if it
-    /// never does.
+    /// Applies the embedded migrations of this backend (`migrations/<backend>`), and
+    /// completes one that an earlier start began and did not finish. Safe to run from
+    /// several instances at once, on every backend and on a Galera cluster:
+    /// - PostgreSQL and SQLite apply each migration in a transaction, under sqlx's lock
+    ///   (`pg_advisory_lock`, SQLite's file lock): a start killed part way leaves nothing of
+    ///   the migration it was applying;
+    /// - MySQL/MariaDB apply them statement by statement (`store::migrations`), under a named
+    ///   lock (`GET_LOCK`, freed when its session ends), and on a Galera cluster also under a
+    ///   lease all nodes see, which lapses 20 s after its holder died.
+    ///
+    /// An instance that finds another migrating (its lock or lease held, a lock wait that
+    /// timed out, a deadlock) waits for it, trying again each second, up to 120 s in all: it
+    /// succeeds as soon as the history shows every migration applied, or takes over what a
+    /// dead instance left.
     ///
     /// # Errors
-    /// [`ConnectError::Migrate`] when a migration fails or the history does not match.
+    /// [`ConnectError::Migrate`] when a migration fails for another reason (at once), when
+    /// the history does not match this release, or when another instance is still migrating
+    /// after 120 s.
     pub async fn migrate(&self) -> Result<(), ConnectError> {
-        let outcome = self.migrate_once().await;
-        if outcome.is_ok() || !self.galera {
-            return outcome;
-        }
-        if let Err(error) = &outcome {
-            tracing::info!(%error, "migrating failed on a Galera node; waiting for the migrations another instance applies");
-        }
-        let migrator = &MYSQL_MIGRATIONS;
-        let deadline = Instant::now() + GALERA_MIGRATION_WAIT;
-        while Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if self.has_every_migration(migrator).await {
+        let deadline = Instant::now() + MIGRATION_WAIT;
+        loop {
+            let (error, waiting) = match self.migrate_once().await {
+                Ok(()) => return Ok(()),
+                Err(Attempt::Busy(why)) => (sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(why)), true),
+                Err(Attempt::Failed(error)) => {
+                    let waiting = self.galera || migration_fault(&error).is_some_and(|fault| fault != Fault::Other);
+                    (error, waiting)
+                }
+            };
+            if !waiting || Instant::now() >= deadline {
+                return Err(ConnectError::Migrate(self.dialect.name(), error));
+            }
+            if self.has_every_migration(self.migrator()).await {
                 return Ok(());
             }
+            tracing::info!(%error, "another instance is migrating the database; trying again in 1 s");
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        outcome
     }
 
-    async fn migrate_once(&self) -> Result<(), ConnectError> {
+    async fn migrate_once(&self) -> Result<(), Attempt> {
         let migrator = self.migrator();
-        let failed = |error| ConnectError::Migrate(self.dialect.name(), error);
+        let failed = |error: sqlx::Error| Attempt::Failed(error.into());
         // sqlx's migrator writes before it reads (it creates its table if it is missing),
         // which a read-only database refuses; a ledger that has every migration of this
         // release needs none of that, and so starts on a read-only database too.
@@ -325,21 +355,16 @@ impl Store {
             return Ok(());
         }
         if self.dialect != Dialect::MySql {
-            return migrator.run(&self.pool).await.map_err(failed);
+            return migrator.run(&self.pool).await.map_err(Attempt::Failed);
         }
         // sqlx takes MySQL's lock with GET_LOCK(name, -1); MariaDB answers NULL at once to a
-        // negative timeout instead of waiting, so two instances starting together would both
-        // migrate. Take a named lock with a real timeout first, on the connection that then
-        // migrates (GET_LOCK nests within one session).
-        let mut connection = self.pool.acquire().await.map_err(|error| failed(error.into()))?;
-        let locked: Option<i64> = sqlx::query_scalar(MYSQL_MIGRATION_LOCK)
-            .fetch_one(&mut *connection)
-            .await
-            .map_err(|error| failed(error.into()))?;
+        // negative timeout instead of waiting. Take the named lock with a real timeout, on
+        // the connection that then migrates.
+        let mut connection = self.pool.acquire().await.map_err(failed)?;
+        let locked: Option<i64> =
+            sqlx::query_scalar(MYSQL_MIGRATION_LOCK).fetch_one(&mut *connection).await.map_err(failed)?;
         if locked != Some(1) {
-            return Err(failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
-                "another instance held the migration lock for 60 s".into(),
-            ))));
+            return Err(Attempt::Busy("another instance held the migration lock for 60 s".into()));
         }
         // A Galera session is READ ONLY outside its transactions, and may have autocommit off
         // since its last write transaction; migrating writes outside transactions.
@@ -347,26 +372,21 @@ impl Store {
             connection
                 .execute("SET SESSION autocommit = 1; SET SESSION TRANSACTION READ WRITE")
                 .await
-                .map_err(|error| failed(error.into()))?;
+                .map_err(failed)?;
         }
         let outcome = if !self.galera {
-            migrator.run_direct(&mut *connection).await
+            migrations::apply_mysql(&mut connection, migrator).await.map_err(Attempt::Failed)
         } else {
             // GET_LOCK holds on one node only: on Galera the instance that also claims the
-            // cluster-wide lease migrates, and the others wait for its migrations (`migrate`).
-            match claim_migration_lease(&mut connection).await {
-                Ok(Some(holder)) => {
-                    let outcome = migrator.run_direct(&mut *connection).await;
-                    let _ = sqlx::query("DELETE FROM payledger_migration_lease WHERE id = 1 AND holder = ?")
-                        .bind(holder)
-                        .execute(&mut *connection)
-                        .await;
-                    outcome
+            // cluster-wide lease migrates, and the others wait for it (`migrate`).
+            match migrations::claim_lease(&mut connection, &self.pool.connect_options()).await {
+                Ok(Some(lease)) => {
+                    let outcome = migrations::apply_mysql(&mut connection, migrator).await;
+                    lease.release(&mut connection).await;
+                    outcome.map_err(Attempt::Failed)
                 }
-                Ok(None) => Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
-                    "another instance holds the cluster's migration lease".into(),
-                ))),
-                Err(error) => Err(sqlx::migrate::MigrateError::Execute(error)),
+                Ok(None) => Err(Attempt::Busy("another instance holds the cluster's migration lease".into())),
+                Err(error) => Err(failed(error)),
             }
         };
         let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
@@ -376,7 +396,7 @@ impl Store {
                 connection.close_on_drop();
             }
         }
-        outcome.map_err(failed)
+        outcome.map(|_| ())
     }
 
     pub fn dialect(&self) -> Dialect {
@@ -482,9 +502,6 @@ impl Store {
         (self.pool.size(), idle, self.max_connections)
     }
 
-    /// True when the database records every migration of `migrator` as applied, with the
-    /// same checksum. False when it cannot tell (no history table yet, say): the migrator
-    /// then runs and says what is wrong.
     /// Whether the database holds every migration of this release, as `serve --migrations
     /// check` requires (it writes nothing: a read-only database passes too).
     ///
@@ -523,6 +540,9 @@ impl Store {
         }
     }
 
+    /// True when the database records every migration of `migrator` as applied, with the
+    /// same checksum. False when it cannot tell (no history table yet, say): the migrator
+    /// then runs and says what is wrong.
     async fn has_every_migration(&self, migrator: &Migrator) -> bool {
         let applied: Result<Vec<(i64, Vec<u8>)>, _> =
             sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
@@ -602,43 +622,6 @@ impl Store {
             })?;
         }
         Ok(())
-    }
-}
-
-/// Most seconds a migration lease is held: a lease older than that is taken to be an
-/// instance's that died migrating, and is claimed anew.
-const MIGRATION_LEASE_SECONDS: i64 = 600;
-
-/// Claims the cluster-wide migration lease of a Galera cluster: one row, inserted with
-/// autocommit, so that of instances claiming it at once through several nodes exactly one
-/// commits (the others fail Galera's certification, 1213, or find the row, 1062). `Some`
-/// with this claim's holder id when it is ours, `None` when another instance holds it.
-///
-/// # Errors
-/// The driver error of creating the lease table or clearing an expired lease.
-async fn claim_migration_lease(connection: &mut AnyConnection) -> Result<Option<String>, sqlx::Error> {
-    connection
-        .execute(
-            "CREATE TABLE IF NOT EXISTS payledger_migration_lease \
-             (id INT NOT NULL PRIMARY KEY, holder VARCHAR(64) NOT NULL, expires_at BIGINT NOT NULL)",
-        )
-        .await?;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_secs());
-    let now = i64::try_from(now).unwrap_or(i64::MAX);
-    sqlx::query("DELETE FROM payledger_migration_lease WHERE id = 1 AND expires_at < ?")
-        .bind(now)
-        .execute(&mut *connection)
-        .await?;
-    let holder = uuid::Uuid::new_v4().simple().to_string();
-    let claimed = sqlx::query("INSERT INTO payledger_migration_lease (id, holder, expires_at) VALUES (1, ?, ?)")
-        .bind(&holder)
-        .bind(now + MIGRATION_LEASE_SECONDS)
-        .execute(&mut *connection)
-        .await;
-    match claimed {
-        Ok(_) => Ok(Some(holder)),
-        Err(sqlx::Error::Database(error)) if matches!(error.code().as_deref(), Some("23000" | "40001")) => Ok(None),
-        Err(error) => Err(error),
     }
 }
 

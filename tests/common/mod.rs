@@ -181,3 +181,107 @@ pub async fn run_every_scenario_at(served: &Served, concurrency: usize, total: u
         assert_eq!(report.status_codes.keys().collect::<Vec<_>>(), ["Ok"], "{scenario:?}: {:?}", report.status_codes);
     }
 }
+
+/// How many rounds the start tests run: `PAYLEDGER_TEST_START_ROUNDS`, 4 unless set.
+pub fn start_rounds() -> usize {
+    std::env::var("PAYLEDGER_TEST_START_ROUNDS").ok().and_then(|rounds| rounds.parse().ok()).unwrap_or(4)
+}
+
+/// An instance as `serve` opens one on `url` (connect, migrate), pool of 2.
+pub async fn open_instance(url: &str) -> Result<payledger::ledger::Ledger, payledger::startup::StartupError> {
+    let database = payledger::config::DatabaseSettings {
+        database_url: url.to_owned(),
+        pool_size: 2,
+        pool_acquire_timeout_ms: 5_000,
+        plan_lifetime_seconds: 30,
+        lock_timeout_ms: 2_000,
+        pay_batch_max: 64,
+        pay_batch_workers: 1,
+        pay_batch_pipeline: 1,
+        pay_queue_max: 1024,
+        database_wait_seconds: 10,
+        funding_account_shards: None,
+    };
+    payledger::startup::open_ledger(&database, &payledger::config::IdempotencySettings::default()).await
+}
+
+/// `count` instances start at once on `url` (`urls` round-robin), each serves an
+/// OpenAccount, and the schema is complete: every migration of this release recorded as
+/// applied, none begun and unfinished, and the audit clean.
+pub async fn instances_start_together_and_serve(urls: &[String], count: usize) {
+    let opened = futures::future::join_all((0..count).map(|n| open_instance(&urls[n % urls.len()]))).await;
+    let mut ledgers = Vec::new();
+    for (n, ledger) in opened.into_iter().enumerate() {
+        ledgers.push(
+            ledger.unwrap_or_else(|error| {
+                panic!("instance {n} did not start: {}", payledger::startup::error_chain(&error))
+            }),
+        );
+    }
+    for (n, ledger) in ledgers.into_iter().enumerate() {
+        let store = ledger.store().clone();
+        store.check_schema(&urls[0]).await.expect("the schema is complete");
+        let begun: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations WHERE success = FALSE")
+            .fetch_one(&sqlx::AnyPool::connect(&urls[0]).await.unwrap())
+            .await
+            .unwrap();
+        assert_eq!(begun, 0, "no migration is left begun");
+        let served = serve_ledger(ledger).await;
+        let client = payledger::client::PayledgerClient::connect(
+            &format!("http://{}", served.address),
+            payledger::client::ClientSettings::default(),
+        )
+        .unwrap();
+        let request =
+            payledger::proto::OpenAccountRequest { account_id: format!("started-{n}"), currency: "USD".into() };
+        client.open_account(request).await.unwrap_or_else(|status| panic!("instance {n} does not serve: {status}"));
+        served.finish().await;
+    }
+}
+
+/// Starts `payledger migrate` on `url` and kills it (SIGKILL) once the history shows
+/// `applied` migrations applied (at once for 0), or when it has exited by itself.
+pub async fn migrate_killed_after(url: &str, applied: i64) {
+    let mut migrate = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["migrate", "--database-url", url, "--database-wait-seconds", "0", "--lock-timeout-ms", "60000"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pool = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(url).await.unwrap();
+    for _ in 0..10_000 {
+        if migrate.try_wait().unwrap().is_some() {
+            break;
+        }
+        if applied == 0 || history_on(&pool).await.0 >= applied {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = migrate.kill().await;
+    pool.close().await;
+}
+
+/// How many migrations the history of `url` records as applied, and as begun and unfinished
+/// (none of either without a history table).
+pub async fn history(url: &str) -> (i64, i64) {
+    let pool = sqlx::AnyPool::connect(url).await.unwrap();
+    let counts = history_on(&pool).await;
+    pool.close().await;
+    counts
+}
+
+pub async fn history_on(pool: &sqlx::AnyPool) -> (i64, i64) {
+    let count = |sql| async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(pool).await.unwrap_or(0) };
+    (
+        count("SELECT COUNT(*) FROM _sqlx_migrations WHERE success = TRUE").await,
+        count("SELECT COUNT(*) FROM _sqlx_migrations WHERE success = FALSE").await,
+    )
+}
+
+/// The migrations of this release on the backend of `url`.
+pub fn migration_count(url: &str) -> i64 {
+    let directory = if url.starts_with("postgres") { "migrations/postgres" } else { "migrations/mysql" };
+    i64::try_from(std::fs::read_dir(directory).unwrap().count()).unwrap()
+}

@@ -1,54 +1,56 @@
-//! Several instances starting at once over one empty database all come up: the migrations
-//! run once, under a lock that really waits (on MariaDB too).
+//! Schema changes a platform can run safely: several instances starting at once over one
+//! empty database all come up, on every backend, round after round, also right after a
+//! `payledger migrate` killed part way; a MySQL migration interrupted at any of its
+//! statements is completed by the next start; an older release starts on a newer schema;
+//! `serve --migrations check` waits for `payledger migrate`.
 
 use crate::common;
 
 use std::time::Duration;
 
-use common::{admin_url, database_url, small_pool};
+use common::{admin_url, database_url, history, instances_start_together_and_serve, migrate_killed_after, small_pool};
 
 use payledger::ledger::Ledger;
 use payledger::store::Store;
 use sqlx::migrate::Migrator;
 use sqlx::{AnyPool, Row};
 
-async fn instances_start_together(admin_url: &str) {
+/// Per round: a fresh database, `payledger migrate` killed in every other round once it has
+/// applied a random number of the migrations (so part way through the next one, or between
+/// two), then four instances at once
+/// ([`instances_start_together_and_serve`]). Says how the kills left the history.
+async fn rounds_of_starts(admin_url: &str) {
     sqlx::any::install_default_drivers();
-    let name = format!("payledger_migrate_{}", uuid::Uuid::new_v4().simple());
-    let admin = AnyPool::connect(admin_url).await.unwrap();
-    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let url = database_url(admin_url, &name);
-    let settings = small_pool(Duration::from_secs(30));
-
-    let starts = (0..4).map(|_| {
-        let (url, settings) = (url.clone(), settings.clone());
-        tokio::spawn(async move {
-            let store = Store::connect(&url, &settings).await?;
-            let migrated = store.migrate().await;
-            store.close().await;
-            migrated
-        })
-    });
-    let outcomes = futures::future::join_all(starts).await;
-    let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
-    admin.close().await;
-
-    for outcome in outcomes {
-        outcome.unwrap().expect("every instance starts");
+    let rounds = common::start_rounds();
+    let total = common::migration_count(admin_url);
+    let mut left = Vec::new();
+    for round in 0..rounds {
+        let database = common::ServerDatabase::create(admin_url, "starts").await;
+        if round % 2 == 1 {
+            migrate_killed_after(&database.url, rand::random_range(0..total)).await;
+            left.push(history(&database.url).await);
+        }
+        instances_start_together_and_serve(std::slice::from_ref(&database.url), 4).await;
     }
+    let part_way = left.iter().filter(|(applied, begun)| *begun > 0 || (*applied > 0 && *applied < total)).count();
+    eprintln!(
+        "{rounds} rounds of four starts at once; {} after a killed `payledger migrate`, which left \
+         (applied, begun) of {total} migrations: {left:?}, {part_way} of them part way",
+        left.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn four_instances_starting_together_on_postgres_all_come_up() {
+async fn instances_starting_together_on_postgres_all_come_up_round_after_round() {
     if let Some(url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") {
-        instances_start_together(&url).await;
+        rounds_of_starts(&url).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn four_instances_starting_together_on_mysql_all_come_up() {
+async fn instances_starting_together_on_mysql_all_come_up_round_after_round() {
     if let Some(url) = admin_url("PAYLEDGER_TEST_MYSQL_URL") {
-        instances_start_together(&url).await;
+        rounds_of_starts(&url).await;
     }
 }
 
@@ -265,4 +267,153 @@ async fn migrate_then_serve_checking_the_schema_on_every_backend() {
         let _ = sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await;
         admin.close().await;
     }
+}
+
+/// The statements of a MySQL migration file as its author wrote them: each ends at a line,
+/// not a comment, that ends with `;` (split here independently of payledger's own splitter).
+fn written_statements(sql: &str) -> Vec<String> {
+    let (mut statements, mut current) = (Vec::new(), String::new());
+    for line in sql.lines() {
+        if line.trim_start().starts_with("--") {
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+        if line.trim_end().ends_with(';') {
+            statements.push(std::mem::take(&mut current));
+        }
+    }
+    assert!(current.trim().is_empty(), "a migration ends with a statement");
+    statements
+}
+
+/// What a MySQL database holds, for comparison: every column (type, nullability, default,
+/// position), index column and constraint, and the row count of every table but the history.
+async fn mysql_contents(pool: &AnyPool) -> Vec<String> {
+    // Long text from information_schema reaches the Any driver as bytes.
+    let contents: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT CAST(CONCAT_WS('|', 'column', TABLE_NAME, COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE, \
+                COALESCE(COLUMN_DEFAULT, 'none'), CAST(ORDINAL_POSITION AS CHAR)) AS CHAR) \
+         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() \
+         UNION ALL SELECT CAST(CONCAT_WS('|', 'index', TABLE_NAME, INDEX_NAME, CAST(SEQ_IN_INDEX AS CHAR), COLUMN_NAME, \
+                CAST(NON_UNIQUE AS CHAR)) AS CHAR) \
+         FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() \
+         UNION ALL SELECT CAST(CONCAT_WS('|', 'constraint', TABLE_NAME, CONSTRAINT_NAME, CONSTRAINT_TYPE) AS CHAR) \
+         FROM information_schema.TABLE_CONSTRAINTS WHERE TABLE_SCHEMA = DATABASE()",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut contents: Vec<String> = contents.into_iter().map(|line| String::from_utf8(line).unwrap()).collect();
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME <> '_sqlx_migrations'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    for table in tables {
+        let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(pool).await.unwrap();
+        contents.push(format!("rows|{table}|{rows}"));
+    }
+    contents.sort();
+    contents
+}
+
+/// A database on the MySQL server of `admin_url` with the migrations before `version`
+/// applied by sqlx's own migrator, holding [`LEGACY_ROWS`] from migration 3 on, and
+/// `migration`'s history row and first `cut` statements written as a start killed part way
+/// leaves them (sqlx's migrator commits each statement of a MySQL migration on its own).
+async fn killed_at(admin_url: &str, version: i64, cut: usize) -> common::ServerDatabase {
+    let database = common::ServerDatabase::create(admin_url, "cut").await;
+    let raw = AnyPool::connect(&database.url).await.unwrap();
+    let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
+    for (upto, rows) in [((version - 1).min(3), true), (version - 1, false)] {
+        let mut previous = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
+        previous.ignore_missing = true;
+        previous.migrations = all.iter().filter(|migration| migration.version <= upto).cloned().collect();
+        previous.run(&raw).await.unwrap();
+        if rows && version > 3 {
+            for statement in LEGACY_ROWS {
+                sqlx::query(statement).execute(&raw).await.unwrap();
+            }
+        }
+    }
+    let migration = all.iter().find(|migration| migration.version == version).unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (?, ?, FALSE, ?, -1)",
+    )
+    .bind(migration.version)
+    .bind(&*migration.description)
+    .bind(&*migration.checksum)
+    .execute(&raw)
+    .await
+    .unwrap();
+    for statement in written_statements(&migration.sql).iter().take(cut) {
+        sqlx::query(statement).execute(&raw).await.unwrap();
+    }
+    raw.close().await;
+    database
+}
+
+/// Every MySQL migration interrupted after each of its statements (none, some, all but the
+/// history's success flag) is completed by the next start: the database then holds exactly
+/// what an uninterrupted migration builds, rows included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_mysql_migration_interrupted_after_any_statement_is_completed_by_the_next_start() {
+    use futures::StreamExt as _;
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
+    let last = all.iter().map(|migration| migration.version).max().unwrap();
+    let count = i64::try_from(all.iter().count()).unwrap();
+    let expected = {
+        let database = killed_at(&admin_url, last, 0).await;
+        let store = Store::connect(&database.url, &small_pool(Duration::from_secs(10))).await.unwrap();
+        store.migrate().await.unwrap();
+        store.close().await;
+        let pool = AnyPool::connect(&database.url).await.unwrap();
+        let contents = mysql_contents(&pool).await;
+        pool.close().await;
+        contents
+    };
+    let cases: Vec<(i64, usize)> = all
+        .iter()
+        .flat_map(|migration| (0..=written_statements(&migration.sql).len()).map(|cut| (migration.version, cut)))
+        .collect();
+    let outcomes: Vec<Result<(), String>> = futures::stream::iter(cases.iter().copied())
+        .map(|(version, cut)| {
+            let (admin_url, expected) = (admin_url.clone(), &expected);
+            async move {
+                let database = killed_at(&admin_url, version, cut).await;
+                let store = Store::connect(&database.url, &small_pool(Duration::from_secs(10))).await.unwrap();
+                let migrated = store.migrate().await;
+                store.close().await;
+                migrated
+                    .map_err(|error| format!("{version} after {cut}: {}", payledger::startup::error_chain(&error)))?;
+                assert_eq!(history(&database.url).await, (count, 0), "{version} after {cut}");
+                let pool = AnyPool::connect(&database.url).await.unwrap();
+                let mut contents = mysql_contents(&pool).await;
+                pool.close().await;
+                let mut expected = expected.clone();
+                if version <= 3 {
+                    // Rows are written from migration 3 on.
+                    contents.retain(|line| !line.starts_with("rows|"));
+                    expected.retain(|line| !line.starts_with("rows|"));
+                }
+                if contents != expected {
+                    let differ: Vec<_> = contents.iter().filter(|line| !expected.contains(line)).collect();
+                    let lacks: Vec<_> = expected.iter().filter(|line| !contents.contains(line)).collect();
+                    return Err(format!("{version} after {cut}: has {differ:?}, lacks {lacks:?}"));
+                }
+                Ok(())
+            }
+        })
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    let failures: Vec<String> = outcomes.into_iter().filter_map(Result::err).collect();
+    assert!(failures.is_empty(), "{} of {} cuts: {failures:#?}", failures.len(), cases.len());
+    eprintln!("{} cuts completed", cases.len());
 }
