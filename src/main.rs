@@ -130,7 +130,10 @@ async fn migrate(settings: &DatabaseSettings) -> Result<ExitCode, AnyError> {
         eprintln!("payledger: nothing to apply: the schema of {database} is complete");
     } else {
         let versions: Vec<String> = applied.iter().map(i64::to_string).collect();
-        eprintln!("payledger: applied migrations {}: the schema of {database} is complete", versions.join(", "));
+        eprintln!(
+            "payledger: migrations {} applied (by this run, or by an instance migrating beside it): the schema of {database} is complete",
+            versions.join(", ")
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -93,8 +93,8 @@ pub async fn open_ledger_with(
 /// the database as `serve` does, `--database-wait-seconds`). Several at once, and beside
 /// starting servers, take turns.
 ///
-/// Returns the versions this run applied (none when the schema was complete already, or when
-/// another instance applied them meanwhile).
+/// Returns the versions applied while it ran (by it, or by another instance migrating at the
+/// same time; none when the schema was complete already).
 ///
 /// # Errors
 /// [`StartupError::Database`] for a database that cannot be reached or migrated.

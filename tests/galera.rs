@@ -416,6 +416,76 @@ async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
     );
 }
 
+/// A lease holder paused for longer than the lease (SIGSTOP while it migrates through the
+/// first node) loses the lease to an instance starting through the second node, which
+/// completes the migrations; resumed, the first finds its lease gone before its next
+/// statement, stops migrating, waits, and finds the schema complete. Nothing is applied
+/// twice: the history and the progress table end as one clean run leaves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
+    let Some(admin_urls) = node_admin_urls() else { return };
+    sqlx::any::install_default_drivers();
+    let name = format!("payledger_galera_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let admin = admin_pool(&admin_urls[0]).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
+    let total = common::migration_count("mysql:");
+    let watch = admin_pool(&node_urls[1]).await.unwrap();
+
+    let mut first = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["migrate", "--database-url", &node_urls[0], "--database-wait-seconds", "0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = first.id().unwrap().to_string();
+    let mut paused_at = None;
+    for _ in 0..5_000 {
+        let (applied, _) = common::history_on(&watch).await;
+        if applied >= 2 {
+            let stopped = std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+            assert!(stopped.success());
+            paused_at = Some(common::history_on(&watch).await);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let paused_at = paused_at.expect("the first instance got as far as two migrations");
+    assert!(paused_at.0 < total, "paused before the end: {paused_at:?}");
+    // The lease lapses 20 s after its last renewal.
+    let lapsed = "SELECT COUNT(*) FROM payledger_migration_lease WHERE expires_at >= UNIX_TIMESTAMP()";
+    for _ in 0..60 {
+        if sqlx::query_scalar::<_, i64>(lapsed).fetch_one(&watch).await.unwrap() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    let second = common::open_instance(&node_urls[1]).await;
+    let second = second.unwrap_or_else(|error| panic!("{}", payledger::startup::error_chain(&error)));
+    assert_eq!(common::history_on(&watch).await, (total, 0), "the second instance completed the migrations");
+    let resumed = std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    assert!(resumed.success());
+    let exited = tokio::time::timeout(Duration::from_secs(150), first.wait()).await.expect("the first exits").unwrap();
+    let mut said = String::new();
+    if let Some(mut stderr) = first.stderr.take() {
+        use tokio::io::AsyncReadExt as _;
+        let _ = stderr.read_to_string(&mut said).await;
+    }
+    assert!(exited.success(), "the first instance, resumed, finds the schema complete: {said}");
+    assert_eq!(common::history_on(&watch).await, (total, 0));
+    let progress: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM payledger_migration_progress").fetch_one(&watch).await.unwrap();
+    assert_eq!(progress, 0, "no migration is left in progress");
+    assert!(second.audit().await.unwrap().is_empty());
+    second.store().close().await;
+    watch.close().await;
+    eprintln!("paused with (applied, begun) = {paused_at:?}; the first said: {said}");
+    sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
+    admin.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_transaction_runs_after_the_cluster_aborted_it_is_never_committed() {
     let Some(admin_urls) = node_admin_urls() else { return };

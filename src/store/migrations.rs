@@ -7,30 +7,37 @@
 //! (same columns, versions and checksums), so releases that migrate with sqlx read it too.
 //!
 //! A migration is applied as:
-//! 1. its history row, `success = FALSE`, committed first (what sqlx writes too: a row left
-//!    so means "begun, maybe partly applied");
-//! 2. its schema statements one by one (CREATE, ALTER, DROP, RENAME, TRUNCATE), each
-//!    committing on its own;
+//! 1. its history row, `success = FALSE` (what sqlx writes too: "begun"), and its progress
+//!    row in `payledger_migration_progress` (`statements_done` 0), in one transaction;
+//! 2. its schema statements one by one (CREATE, ALTER, DROP), each committing on its own
+//!    and followed by `statements_done` + 1;
 //! 3. its data statements (INSERT, UPDATE, DELETE, REPLACE), which must all come after the
-//!    schema statements, in one transaction with the row's `success = TRUE`.
+//!    schema statements, in one transaction with the history row's `success = TRUE` and the
+//!    progress row's deletion.
 //!
-//! A migration found begun (`success = FALSE`, the same checksum) is applied again from its
-//! first statement: a schema statement that fails because its change is already there
-//! (the table, column or index exists, or what it drops is gone) is taken as done. Its data
-//! statements never committed if this runner began it; sqlx's migrator (releases before this
-//! runner) committed each on its own, so an INSERT that finds its rows there (a duplicate
-//! key) is taken as done too. A data statement must therefore be one that a second run
-//! either repeats harmlessly or refuses with a duplicate key.
+//! A migration found begun is continued from statement `statements_done`. That one statement
+//! may have committed just before its start died (between step 2's two writes): if it fails
+//! because its change is there (the table, column or index exists, or what it drops is gone),
+//! it is taken as done. No other statement is given that benefit, and neither is one that
+//! failed for a reason of the database's (a start that saw it fail records `failed_at`): an
+//! operator's table in the way, say, stops every start until a person looks, as it should.
+//! A migration begun by an older release (a history row without a progress row) is refused
+//! as sqlx refuses it. Each schema statement must therefore be one that, run a second time,
+//! either changes nothing or fails with one of [`ALREADY_DONE`]'s errors (the unit tests
+//! check the embedded migrations for it).
 //!
 //! On a Galera cluster MySQL's named lock (`GET_LOCK`) holds on one node only: one instance
 //! migrates under a lease row that all nodes see ([`claim_lease`]), renewed while it
-//! migrates, so that a lease of an instance that died is free again within
-//! [`LEASE_SECONDS`].
+//! migrates and checked before each statement and in the closing transaction, so that a
+//! holder that lost its lease (paused for longer than [`LEASE_SECONDS`], or cut off) stops
+//! instead of migrating beside the next holder.
 
 use std::time::{Duration, Instant};
 
 use sqlx::migrate::{MigrateError, Migration, Migrator};
 use sqlx::{AnyConnection, ConnectOptions, Connection, Executor};
+
+use super::dialect::{self, Fault};
 
 /// sqlx's history table, as sqlx-mysql 0.8 creates it.
 const HISTORY_TABLE: &str = "CREATE TABLE IF NOT EXISTS _sqlx_migrations ( \
@@ -41,20 +48,50 @@ const HISTORY_TABLE: &str = "CREATE TABLE IF NOT EXISTS _sqlx_migrations ( \
      checksum BLOB NOT NULL, \
      execution_time BIGINT NOT NULL)";
 
-/// MySQL/MariaDB error numbers of a schema statement whose change is already there, taken as
-/// done when a begun migration is applied again (MySQL manual, "Server Error Message
-/// Reference"): ER_TABLE_EXISTS_ERROR (1050), ER_DUP_FIELDNAME (1060), ER_DUP_KEYNAME
-/// (1061), ER_CANT_DROP_FIELD_OR_KEY (1091), ER_BAD_TABLE_ERROR (1051, a dropped table),
-/// ER_FK_DUP_NAME (1826).
-const ALREADY_DONE: [u16; 6] = [1050, 1051, 1060, 1061, 1091, 1826];
+/// How far each begun migration has come: a row while it is begun, none once it is applied.
+const PROGRESS_TABLE: &str = "CREATE TABLE IF NOT EXISTS payledger_migration_progress ( \
+     version BIGINT NOT NULL PRIMARY KEY, \
+     statements_done INT NOT NULL, \
+     failed_at INT NULL) ENGINE = InnoDB";
 
-/// ER_DUP_ENTRY: a data statement of a begun migration that inserts rows already there.
+/// The Galera migration lease: one row while an instance migrates.
+const LEASE_TABLE: &str = "CREATE TABLE IF NOT EXISTS payledger_migration_lease \
+     (id INT NOT NULL PRIMARY KEY, holder VARCHAR(64) NOT NULL, expires_at BIGINT NOT NULL) ENGINE = InnoDB";
+
+/// MySQL/MariaDB error numbers of a schema statement whose change is already there (MySQL
+/// manual, "Server Error Message Reference"), taken as done for the one statement a dead
+/// start may have committed: ER_TABLE_EXISTS_ERROR (1050), ER_BAD_TABLE_ERROR (1051, a
+/// dropped table), ER_DUP_FIELDNAME (1060), ER_DUP_KEYNAME (1061), ER_CANT_DROP_FIELD_OR_KEY
+/// (1091).
+pub(crate) const ALREADY_DONE: [u16; 5] = [1050, 1051, 1060, 1061, 1091];
+
+/// ER_DUP_ENTRY.
 const DUPLICATE_ENTRY: u16 = 1062;
+
+/// Why [`apply_mysql`] stopped.
+#[derive(Debug)]
+pub(super) enum RunError {
+    /// The Galera lease is no longer this instance's: another may be migrating.
+    LeaseLost,
+    Migrate(MigrateError),
+}
+
+impl From<MigrateError> for RunError {
+    fn from(error: MigrateError) -> Self {
+        RunError::Migrate(error)
+    }
+}
+
+impl From<sqlx::Error> for RunError {
+    fn from(error: sqlx::Error) -> Self {
+        RunError::Migrate(error.into())
+    }
+}
 
 /// What a statement of a migration is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StatementKind {
-    /// DDL: commits on its own; applied again, it fails if its change is there already.
+    /// DDL: commits on its own.
     Schema,
     /// DML: runs in the migration's closing transaction.
     Data,
@@ -68,13 +105,15 @@ pub(crate) struct Statement<'a> {
 }
 
 /// Splits a migration's SQL text into its statements at each `;` outside quotes (`'`, `"`,
-/// `` ` ``, with backslash escapes) and comments (`-- `, `#`, `/* */`). Each statement is
-/// its text from its first word; pieces with nothing but comments and white space are left
-/// out.
+/// `` ` ``, with backslash escapes) and comments (`#`, `/* */`, and `--` followed by white
+/// space or a control character, as MySQL reads them). Each statement is its text from its
+/// first word; pieces with nothing but comments and white space are left out.
 ///
 /// # Errors
-/// The first word of a statement that is neither a schema nor a data statement, or a data
-/// statement followed by a schema statement (which could not share its transaction).
+/// A statement that does not begin with a schema or data statement's first word (among them
+/// MySQL's executable comments `/*! */` and optimizer hints `/*+ */`, which this splitter
+/// does not read), or a data statement followed by a schema statement (which could not share
+/// its transaction).
 pub(crate) fn statements(sql: &str) -> Result<Vec<Statement<'_>>, String> {
     let mut pieces = Vec::new();
     let bytes = sql.as_bytes();
@@ -87,11 +126,14 @@ pub(crate) fn statements(sql: &str) -> Result<Vec<Statement<'_>>, String> {
                     at += if bytes[at] == b'\\' && quote != b'`' { 2 } else { 1 };
                 }
             }
-            b'-' if bytes[at..].starts_with(b"-- ") || bytes[at..].starts_with(b"--\n") => {
+            b'-' if is_dash_comment(&bytes[at..]) => {
                 at = sql[at..].find('\n').map_or(bytes.len(), |end| at + end);
             }
             b'#' => at = sql[at..].find('\n').map_or(bytes.len(), |end| at + end),
-            b'/' if bytes[at..].starts_with(b"/*") => {
+            b'/' if bytes[at..].starts_with(b"/*")
+                && !bytes[at..].starts_with(b"/*!")
+                && !bytes[at..].starts_with(b"/*+") =>
+            {
                 at = sql[at + 2..].find("*/").map_or(bytes.len(), |end| at + 2 + end + 1);
             }
             b';' => {
@@ -107,80 +149,142 @@ pub(crate) fn statements(sql: &str) -> Result<Vec<Statement<'_>>, String> {
     let mut statements = Vec::new();
     for piece in pieces {
         let Some(from) = first_word(piece) else { continue };
-        let word =
-            &piece[from..from + piece[from..].find(|c: char| !c.is_ascii_alphabetic()).unwrap_or(piece.len() - from)];
+        let rest = &piece[from..];
+        let word = rest.split(|c: char| !c.is_ascii_alphabetic()).next().unwrap_or_default();
         let kind = match word.to_ascii_uppercase().as_str() {
-            "CREATE" | "ALTER" | "DROP" | "RENAME" | "TRUNCATE" => StatementKind::Schema,
+            "CREATE" | "ALTER" | "DROP" => StatementKind::Schema,
             "INSERT" | "UPDATE" | "DELETE" | "REPLACE" => StatementKind::Data,
-            _ => return Err(format!("a statement beginning with {word:?} is neither a schema nor a data statement")),
+            _ => {
+                let shown: String = rest.chars().take(24).collect();
+                return Err(format!("a statement beginning with {shown:?} is neither a schema nor a data statement"));
+            }
         };
         if kind == StatementKind::Schema
             && statements.iter().any(|statement: &Statement| statement.kind == StatementKind::Data)
         {
             return Err("a schema statement follows a data statement".to_owned());
         }
-        statements.push(Statement { sql: piece[from..].trim_end(), kind });
+        statements.push(Statement { sql: rest.trim_end(), kind });
     }
     Ok(statements)
 }
 
+/// `--` begins a comment when white space or a control character follows it (MySQL manual,
+/// 11.7 "Comments"), or at the end of the text.
+fn is_dash_comment(text: &[u8]) -> bool {
+    text.starts_with(b"--") && text.get(2).is_none_or(|next| next.is_ascii_whitespace() || next.is_ascii_control())
+}
+
 /// Where the first word of `piece` begins, after white space and comments; `None` when it
-/// has none.
+/// has nothing else. A piece whose first text is neither (an executable comment, say) begins
+/// there, and is refused by its caller.
 fn first_word(piece: &str) -> Option<usize> {
     let mut rest = piece.trim_start();
     loop {
-        if rest.starts_with("--") || rest.starts_with('#') {
+        if is_dash_comment(rest.as_bytes()) || rest.starts_with('#') {
             rest = rest.find('\n').map_or("", |end| &rest[end..]).trim_start();
-        } else if let Some(after) = rest.strip_prefix("/*") {
-            rest = after.find("*/").map_or("", |end| &after[end + 2..]).trim_start();
+        } else if rest.starts_with("/*") && !rest.starts_with("/*!") && !rest.starts_with("/*+") {
+            rest = rest[2..].find("*/").map_or("", |end| &rest[2 + end + 2..]).trim_start();
         } else {
             break;
         }
     }
-    rest.starts_with(|c: char| c.is_ascii_alphabetic()).then(|| piece.len() - rest.len())
+    (!rest.is_empty()).then(|| piece.len() - rest.len())
 }
 
-/// Applies `migrator`'s migrations that the database lacks, on `connection`, and completes
-/// any it finds begun (see the module's documentation). The caller holds the migration lock.
-/// Migrations in the history that `migrator` does not know (a newer release's) are ignored.
+/// Applies `migrator`'s migrations that the database lacks, on `connection`, and continues
+/// any this runner began and did not finish (see the module's documentation). The caller
+/// holds the migration lock and, on Galera, the lease of holder `lease` (checked and renewed
+/// before each statement). Migrations in the history that `migrator` does not know (a newer
+/// release's) are ignored.
 ///
 /// Returns how many migrations it applied or completed.
 ///
 /// # Errors
 /// [`MigrateError::VersionMismatch`] for a recorded migration whose checksum differs from
-/// this release's; [`MigrateError::ExecuteMigration`] for a statement that fails; the driver
-/// error of reading or writing the history.
-pub(super) async fn apply_mysql(connection: &mut AnyConnection, migrator: &Migrator) -> Result<usize, MigrateError> {
-    connection.execute(HISTORY_TABLE).await?;
+/// this release's; [`MigrateError::Dirty`] for one an older release began and did not finish;
+/// [`MigrateError::ExecuteMigration`] for a statement that fails; the driver error of reading
+/// or writing the history; [`RunError::LeaseLost`].
+pub(super) async fn apply_mysql(
+    connection: &mut AnyConnection,
+    migrator: &Migrator,
+    lease: Option<&str>,
+) -> Result<usize, RunError> {
+    ensure_table(connection, "_sqlx_migrations", HISTORY_TABLE).await?;
+    ensure_table(connection, "payledger_migration_progress", PROGRESS_TABLE).await?;
     let recorded: Vec<(i64, Vec<u8>, i64)> =
         sqlx::query_as("SELECT version, checksum, CAST(success AS SIGNED) FROM _sqlx_migrations")
             .fetch_all(&mut *connection)
             .await?;
     let mut applied = 0;
     for migration in migrator.iter().filter(|migration| migration.migration_type.is_up_migration()) {
-        let begun = match recorded.iter().find(|(version, ..)| *version == migration.version) {
+        match recorded.iter().find(|(version, ..)| *version == migration.version) {
             Some((_, checksum, _)) if *checksum != *migration.checksum => {
-                return Err(MigrateError::VersionMismatch(migration.version));
+                return Err(MigrateError::VersionMismatch(migration.version).into());
             }
             Some((.., 1)) => continue,
-            Some(_) => true,
-            None => !record_begun(connection, migration).await?,
+            Some(_) => {}
+            None => record_begun(connection, migration).await?,
+        }
+        let Some(progress) = progress(connection, migration.version).await? else {
+            return Err(MigrateError::Dirty(migration.version).into());
         };
-        if begun {
+        if progress.statements_done > 0 || progress.failed_at.is_some() {
             tracing::warn!(
                 version = migration.version,
-                "completing a migration that an earlier start began and did not finish"
+                statements_done = progress.statements_done,
+                "continuing a migration that an earlier start began and did not finish"
             );
         }
-        apply_one(connection, migration, begun).await?;
+        apply_one(connection, migration, progress, lease).await?;
         applied += 1;
     }
     Ok(applied)
 }
 
-/// Writes `migration`'s history row as begun. False when the row was there already (another
-/// migrator wrote it meanwhile): the migration is then applied as a begun one.
-async fn record_begun(connection: &mut AnyConnection, migration: &Migration) -> Result<bool, MigrateError> {
+/// Creates `table` with `ddl` unless it exists: asked first, because on Galera even a
+/// `CREATE TABLE IF NOT EXISTS` of a table that exists is replicated as DDL, in total order.
+async fn ensure_table(connection: &mut AnyConnection, table: &str, ddl: &str) -> Result<(), sqlx::Error> {
+    let exists: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+    )
+    .bind(table)
+    .fetch_one(&mut *connection)
+    .await?;
+    if exists == 0 {
+        connection.execute(ddl).await?;
+    }
+    Ok(())
+}
+
+/// A begun migration's progress row.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    /// Schema statements known to have committed.
+    statements_done: usize,
+    /// The schema statement a start saw fail for a reason of the database's, if one did.
+    failed_at: Option<usize>,
+}
+
+async fn progress(connection: &mut AnyConnection, version: i64) -> Result<Option<Progress>, sqlx::Error> {
+    let row: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT CAST(statements_done AS SIGNED), CAST(COALESCE(failed_at, -1) AS SIGNED) \
+         FROM payledger_migration_progress WHERE version = ?",
+    )
+    .bind(version)
+    .fetch_optional(&mut *connection)
+    .await?;
+    Ok(row.map(|(done, failed)| Progress {
+        statements_done: usize::try_from(done).unwrap_or(0),
+        failed_at: usize::try_from(failed).ok(),
+    }))
+}
+
+/// Writes `migration`'s history row as begun and its progress row, in one transaction. When
+/// the history row is there already (another migrator wrote it meanwhile) nothing is
+/// written: the migration is then continued as a begun one.
+async fn record_begun(connection: &mut AnyConnection, migration: &Migration) -> Result<(), RunError> {
+    let mut transaction = connection.begin().await?;
     let written = sqlx::query(
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
          VALUES (?, ?, FALSE, ?, -1)",
@@ -188,49 +292,90 @@ async fn record_begun(connection: &mut AnyConnection, migration: &Migration) -> 
     .bind(migration.version)
     .bind(&*migration.description)
     .bind(&*migration.checksum)
-    .execute(&mut *connection)
+    .execute(&mut *transaction)
     .await;
     match written {
-        Ok(_) => Ok(true),
-        Err(error) if mysql_error_number(&error) == Some(DUPLICATE_ENTRY) => Ok(false),
-        Err(error) => Err(error.into()),
+        Ok(_) => {}
+        Err(error) if mysql_error_number(&error) == Some(DUPLICATE_ENTRY) => return Ok(()),
+        Err(error) => return Err(error.into()),
     }
+    sqlx::query("INSERT INTO payledger_migration_progress (version, statements_done) VALUES (?, 0)")
+        .bind(migration.version)
+        .execute(&mut *transaction)
+        .await?;
+    transaction.commit().await?;
+    Ok(())
 }
 
-/// Runs `migration`'s statements and marks it applied (steps 2 and 3 of the module's
-/// documentation). `begun`: its change may be partly there already.
-async fn apply_one(connection: &mut AnyConnection, migration: &Migration, begun: bool) -> Result<(), MigrateError> {
+/// Runs `migration`'s statements from where `progress` says and marks it applied (steps 2 and
+/// 3 of the module's documentation).
+async fn apply_one(
+    connection: &mut AnyConnection,
+    migration: &Migration,
+    progress: Progress,
+    lease: Option<&str>,
+) -> Result<(), RunError> {
     let started = Instant::now();
-    let failed = |error| MigrateError::ExecuteMigration(error, migration.version);
+    let version = migration.version;
+    let failed = |error| RunError::Migrate(MigrateError::ExecuteMigration(error, version));
     let statements = statements(&migration.sql).map_err(|why| {
-        failed(sqlx::Error::Protocol(format!("migration {} cannot be applied in steps: {why}", migration.version)))
+        failed(sqlx::Error::Protocol(format!("migration {version} cannot be applied in steps: {why}")))
     })?;
-    for statement in statements.iter().filter(|statement| statement.kind == StatementKind::Schema) {
+    let schema: Vec<&Statement> =
+        statements.iter().filter(|statement| statement.kind == StatementKind::Schema).collect();
+    for (index, statement) in schema.iter().enumerate().skip(progress.statements_done) {
+        if let Some(holder) = lease {
+            hold_lease(&mut *connection, holder).await?;
+        }
+        let maybe_done = index == progress.statements_done && progress.failed_at != Some(index);
         match connection.execute(statement.sql).await {
             Ok(_) => {}
-            Err(error) if begun && mysql_error_number(&error).is_some_and(|number| ALREADY_DONE.contains(&number)) => {
-                tracing::info!(version = migration.version, %error, "a statement of the begun migration was applied before");
+            Err(error)
+                if maybe_done && mysql_error_number(&error).is_some_and(|number| ALREADY_DONE.contains(&number)) =>
+            {
+                tracing::info!(version, %error, "the statement an earlier start was applying had committed");
             }
-            Err(error) => return Err(failed(error)),
+            Err(error) => {
+                // A refusal of the database's own (not a lost connection or a lock wait, after
+                // which the statement may or may not have run) is recorded, so that the next
+                // start does not take its "already exists" for the statement's own work.
+                if dialect::classify(&error) == Fault::Other {
+                    let _ = sqlx::query("UPDATE payledger_migration_progress SET failed_at = ? WHERE version = ?")
+                        .bind(i64::try_from(index).unwrap_or(i64::MAX))
+                        .bind(version)
+                        .execute(&mut *connection)
+                        .await;
+                }
+                return Err(failed(error));
+            }
         }
+        // Only forward from this statement: a holder that lost its lease while the statement
+        // ran must not move the next holder's progress back.
+        sqlx::query(
+            "UPDATE payledger_migration_progress SET statements_done = ?, failed_at = NULL \
+             WHERE version = ? AND statements_done = ?",
+        )
+        .bind(i64::try_from(index + 1).unwrap_or(i64::MAX))
+        .bind(version)
+        .bind(i64::try_from(index).unwrap_or(i64::MAX))
+        .execute(&mut *connection)
+        .await?;
     }
     let mut transaction = connection.begin().await?;
+    if let Some(holder) = lease {
+        hold_lease(&mut *transaction, holder).await?;
+    }
     for statement in statements.iter().filter(|statement| statement.kind == StatementKind::Data) {
-        match transaction.execute(statement.sql).await {
-            Ok(_) => {}
-            // An INSERT committed by a start of an older release, whose migrator (sqlx's)
-            // committed each statement on its own: its rows are there. A failed statement
-            // leaves the transaction open (InnoDB rolls back the statement only).
-            Err(error) if begun && mysql_error_number(&error) == Some(DUPLICATE_ENTRY) => {
-                tracing::info!(version = migration.version, %error, "a data statement of the begun migration was applied before");
-            }
-            Err(error) => return Err(failed(error)),
-        }
+        transaction.execute(statement.sql).await.map_err(failed)?;
     }
     let nanos = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
     sqlx::query("UPDATE _sqlx_migrations SET success = TRUE, execution_time = ? WHERE version = ?")
         .bind(nanos)
-        .bind(migration.version)
+        .bind(version)
+        .execute(&mut *transaction)
+        .await?;
+    sqlx::query("DELETE FROM payledger_migration_progress WHERE version = ?")
+        .bind(version)
         .execute(&mut *transaction)
         .await?;
     transaction.commit().await?;
@@ -244,12 +389,36 @@ fn mysql_error_number(error: &sqlx::Error) -> Option<u16> {
 }
 
 /// How long a Galera migration lease lasts without renewal: a lease older than that is taken
-/// to be an instance's that died migrating, and is claimed anew. In the database's clock
-/// (`UNIX_TIMESTAMP()`), so that the instances' clocks do not matter.
+/// to be an instance's that died migrating, and is claimed anew. In the clocks of the
+/// cluster's nodes (`UNIX_TIMESTAMP()`), not the instances'.
 pub(super) const LEASE_SECONDS: i64 = 20;
 
-/// How often the holder renews its lease while it migrates, well within [`LEASE_SECONDS`].
+/// How often the holder renews its lease while a statement runs, well within
+/// [`LEASE_SECONDS`].
 const LEASE_RENEWAL: Duration = Duration::from_secs(4);
+
+/// Renews the lease of `holder` if it is still theirs and has not lapsed.
+///
+/// # Errors
+/// [`RunError::LeaseLost`] when it is not.
+async fn hold_lease<'c, E>(executor: E, holder: &str) -> Result<(), RunError>
+where
+    E: Executor<'c, Database = sqlx::Any>,
+{
+    let held = sqlx::query(
+        "UPDATE payledger_migration_lease SET expires_at = UNIX_TIMESTAMP() + ? \
+         WHERE id = 1 AND holder = ? AND expires_at >= UNIX_TIMESTAMP()",
+    )
+    .bind(LEASE_SECONDS)
+    .bind(holder)
+    .execute(executor)
+    .await?;
+    if held.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(RunError::LeaseLost)
+    }
+}
 
 /// A Galera migration lease held by this instance, renewed on a connection of its own until
 /// released (or dropped, when the renewal stops and the lease runs out).
@@ -259,6 +428,11 @@ pub(super) struct Lease {
 }
 
 impl Lease {
+    /// The holder id to pass to [`apply_mysql`].
+    pub(super) fn holder(&self) -> &str {
+        &self.holder
+    }
+
     /// Stops renewing and gives the lease up, so that no other instance waits for it to run
     /// out.
     pub(super) async fn release(self, connection: &mut AnyConnection) {
@@ -278,24 +452,18 @@ impl Drop for Lease {
 
 /// Claims the cluster-wide migration lease of a Galera cluster: one row, inserted with
 /// autocommit, so that of instances claiming it at once through several nodes exactly one
-/// commits (the others fail Galera's certification, 1213, or find the row, 1062). A lease not
-/// renewed for [`LEASE_SECONDS`] is cleared first. `Some` when the lease is ours (renewed
-/// every [`LEASE_RENEWAL`] on a connection opened with `options`), `None` when another
-/// instance holds it.
+/// commits (the others fail Galera's certification, 1213, or find the row, 1062). A lease
+/// not renewed for [`LEASE_SECONDS`] is cleared first. `Some` when the lease is ours,
+/// renewed every [`LEASE_RENEWAL`] on a connection opened with `options` (opened again
+/// after an error), `None` when another instance holds it.
 ///
 /// # Errors
-/// The driver error of creating the lease table, clearing a lapsed lease or opening the
-/// renewal's connection.
+/// The driver error of creating the lease table or clearing a lapsed lease.
 pub(super) async fn claim_lease(
     connection: &mut AnyConnection,
     options: &sqlx::any::AnyConnectOptions,
 ) -> Result<Option<Lease>, sqlx::Error> {
-    connection
-        .execute(
-            "CREATE TABLE IF NOT EXISTS payledger_migration_lease \
-             (id INT NOT NULL PRIMARY KEY, holder VARCHAR(64) NOT NULL, expires_at BIGINT NOT NULL)",
-        )
-        .await?;
+    ensure_table(connection, "payledger_migration_lease", LEASE_TABLE).await?;
     connection.execute("DELETE FROM payledger_migration_lease WHERE id = 1 AND expires_at < UNIX_TIMESTAMP()").await?;
     let holder = uuid::Uuid::new_v4().simple().to_string();
     let claimed = sqlx::query(
@@ -312,29 +480,29 @@ pub(super) async fn claim_lease(
         }
         Err(error) => return Err(error),
     }
-    let mut renewing = match options.connect().await {
-        Ok(renewing) => renewing,
-        Err(error) => {
-            let _ = sqlx::query("DELETE FROM payledger_migration_lease WHERE id = 1 AND holder = ?")
-                .bind(&holder)
-                .execute(&mut *connection)
-                .await;
-            return Err(error);
-        }
-    };
-    let renewed = holder.clone();
+    let (options, renewed) = (options.clone(), holder.clone());
     let renewal = tokio::spawn(async move {
+        let mut renewing: Option<AnyConnection> = None;
         loop {
             tokio::time::sleep(LEASE_RENEWAL).await;
-            let renewal = sqlx::query(
-                "UPDATE payledger_migration_lease SET expires_at = UNIX_TIMESTAMP() + ? WHERE id = 1 AND holder = ?",
-            )
-            .bind(LEASE_SECONDS)
-            .bind(&renewed)
-            .execute(&mut renewing)
-            .await;
-            if let Err(error) = renewal {
-                tracing::warn!(%error, "cannot renew the migration lease");
+            let connection = match renewing.as_mut() {
+                Some(connection) => connection,
+                None => match options.connect().await {
+                    Ok(connection) => renewing.insert(connection),
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot renew the migration lease");
+                        continue;
+                    }
+                },
+            };
+            match hold_lease(&mut *connection, &renewed).await {
+                Ok(()) => {}
+                // The holder finds out before its next statement, and stops.
+                Err(RunError::LeaseLost) => return,
+                Err(RunError::Migrate(error)) => {
+                    tracing::warn!(%error, "cannot renew the migration lease");
+                    renewing = None;
+                }
             }
         }
     });
@@ -350,31 +518,124 @@ mod tests {
         let sql = "-- a comment; with a semicolon\n\
                    CREATE TABLE t (a VARCHAR(3) DEFAULT ';', b INT /* ; */); # trailing; comment\n\
                    ALTER TABLE t ADD COLUMN `c;d` INT;\n\
-                   INSERT INTO t (a) VALUES ('it\\'s; fine'), (\"x;\");\n\
+                   --\ta tab comment's apostrophe; still a comment\n\
+                   INSERT INTO t (a) VALUES ('it\\'s; fine'), (\"x;\"), ('a''b;');\n\
                    -- only a comment;\n";
         let split = statements(sql).unwrap();
         let kinds: Vec<StatementKind> = split.iter().map(|statement| statement.kind).collect();
         assert_eq!(kinds, [StatementKind::Schema, StatementKind::Schema, StatementKind::Data]);
         assert!(split[0].sql.ends_with("b INT /* ; */)"), "{:?}", split[0].sql);
         assert_eq!(split[1].sql, "ALTER TABLE t ADD COLUMN `c;d` INT");
-        assert_eq!(split[2].sql, "INSERT INTO t (a) VALUES ('it\\'s; fine'), (\"x;\")");
+        assert_eq!(split[2].sql, "INSERT INTO t (a) VALUES ('it\\'s; fine'), (\"x;\"), ('a''b;')");
     }
 
     #[test]
-    fn a_schema_statement_after_a_data_statement_is_refused() {
+    fn what_the_splitter_does_not_read_is_refused_not_dropped() {
         assert!(statements("INSERT INTO t VALUES (1); CREATE TABLE u (a INT);").is_err());
         assert!(statements("SELECT 1;").is_err());
+        assert!(statements("RENAME TABLE a TO b;").is_err());
+        assert!(statements("/*!50001 CREATE TABLE f (a INT) */;").is_err());
+        assert!(statements("(SELECT 1);").is_err());
         assert_eq!(statements("  \n-- nothing\n; ;").unwrap(), Vec::new());
     }
 
-    /// Every MySQL migration of this release can be applied in steps: each splits into
-    /// statements of a known kind, data after schema (the integration tests compare the
-    /// schema it builds in steps with the one sqlx's migrator builds).
+    /// Splits `text` at commas outside parentheses and quotes.
+    fn clauses(text: &str) -> Vec<&str> {
+        let (mut clauses, mut depth, mut quote, mut start) = (Vec::new(), 0_i32, None, 0);
+        for (at, c) in text.char_indices() {
+            match (quote, c) {
+                (Some(open), _) if c == open => quote = None,
+                (Some(_), _) => {}
+                (None, '\'' | '"' | '`') => quote = Some(c),
+                (None, '(') => depth += 1,
+                (None, ')') => depth -= 1,
+                (None, ',') if depth == 0 => {
+                    clauses.push(text[start..at].trim());
+                    start = at + 1;
+                }
+                _ => {}
+            }
+        }
+        clauses.push(text[start..].trim());
+        clauses
+    }
+
+    /// Whether `statement`, run a second time, changes nothing or fails with one of
+    /// [`ALREADY_DONE`]'s errors: why not, when it is not.
+    fn rerunnable(statement: &str) -> Result<(), String> {
+        // Comments out (no migration has "-- " inside a string).
+        let statement: String = statement
+            .lines()
+            .map(|line| line.find("-- ").map_or(line, |at| &line[..at]))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let statement = statement.as_str();
+        let words: Vec<String> =
+            statement.split_whitespace().filter(|word| !word.starts_with("--")).map(str::to_ascii_uppercase).collect();
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        match words.as_slice() {
+            ["CREATE", "TABLE", name, ..] if *name != "IF" => Ok(()),
+            ["CREATE", "INDEX", _, "ON", ..] | ["CREATE", "UNIQUE", "INDEX", _, "ON", ..] => Ok(()),
+            ["DROP", "TABLE", name, ..] if *name != "IF" => Ok(()),
+            ["DROP", "INDEX", _, "ON", ..] => Ok(()),
+            ["ALTER", "TABLE", _, ..] => {
+                let after_table = statement.split_whitespace().skip(3).collect::<Vec<_>>().join(" ");
+                for clause in clauses(&after_table) {
+                    let upper: Vec<String> = clause.split_whitespace().map(str::to_ascii_uppercase).collect();
+                    let upper: Vec<&str> = upper.iter().map(String::as_str).collect();
+                    let named = |name: &&str| !name.starts_with('(');
+                    let fine = match upper.as_slice() {
+                        ["ADD", "COLUMN", ..] | ["MODIFY", "COLUMN", ..] | ["DROP", "COLUMN", ..] => true,
+                        ["ADD", "KEY" | "INDEX", name, ..] | ["ADD", "UNIQUE", "KEY" | "INDEX", name, ..] => {
+                            named(name)
+                        }
+                        ["DROP", "KEY" | "INDEX", ..] => true,
+                        _ => false,
+                    };
+                    if !fine {
+                        return Err(format!("the clause {clause:?}"));
+                    }
+                }
+                Ok(())
+            }
+            _ => Err("its kind".to_owned()),
+        }
+    }
+
     #[test]
-    fn every_mysql_migration_applies_in_steps() {
+    fn the_rerunnable_shapes_are_told_apart() {
+        assert!(rerunnable("CREATE TABLE t (a INT, b INT)").is_ok());
+        assert!(rerunnable("ALTER TABLE t ADD COLUMN a INT, ADD COLUMN b VARCHAR(3) DEFAULT 'x,y'").is_ok());
+        assert!(rerunnable("ALTER TABLE t MODIFY COLUMN a VARCHAR(9), ADD UNIQUE KEY t_a (a)").is_ok());
+        assert!(rerunnable("CREATE INDEX t_a ON t (a)").is_ok());
+        for unsafe_to_repeat in [
+            "CREATE TABLE IF NOT EXISTS t (a INT)",
+            "ALTER TABLE t ADD INDEX (a)",
+            "ALTER TABLE t ADD FOREIGN KEY (a) REFERENCES u (a)",
+            "ALTER TABLE t RENAME COLUMN a TO b",
+            "ALTER TABLE t ADD PRIMARY KEY (a)",
+            "ALTER TABLE t CHANGE COLUMN a b INT",
+            "DROP VIEW v",
+        ] {
+            assert!(rerunnable(unsafe_to_repeat).is_err(), "{unsafe_to_repeat}");
+        }
+    }
+
+    /// Every MySQL migration of this release can be applied in steps and continued after a
+    /// start died in it: each splits into statements of a known kind, data after schema, and
+    /// each schema statement is one that a second run leaves as it is or refuses with an
+    /// "already there" error (the integration tests compare the schema it builds in steps,
+    /// cut after each statement, with the one sqlx's migrator builds).
+    #[test]
+    fn every_mysql_migration_applies_in_steps_and_each_step_can_run_twice() {
         for migration in super::super::MYSQL_MIGRATIONS.iter() {
             let split = statements(&migration.sql).unwrap_or_else(|why| panic!("{}: {why}", migration.version));
             assert!(!split.is_empty(), "{}", migration.version);
+            for statement in split.iter().filter(|statement| statement.kind == StatementKind::Schema) {
+                if let Err(why) = rerunnable(statement.sql) {
+                    panic!("migration {}: cannot be run twice ({why}): {}", migration.version, statement.sql);
+                }
+            }
         }
     }
 }

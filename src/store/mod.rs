@@ -42,8 +42,8 @@ pub use rows::{
 static POSTGRES_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/postgres") };
 static MYSQL_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/mysql") };
 static SQLITE_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/sqlite") };
-/// Waits up to 60 s for the migration lock (1: held, 0: timed out).
-const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK('payledger_migrations', 60) AS SIGNED)";
+/// Waits up to the bound seconds for the migration lock (1: held, 0: timed out).
+const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK('payledger_migrations', ?) AS SIGNED)";
 
 /// Pool settings.
 #[derive(Debug, Clone)]
@@ -118,6 +118,9 @@ pub struct Store {
     up: Gauge,
     /// True on a MariaDB Galera cluster node (`wsrep_on` with a provider loaded).
     galera: bool,
+    /// The SQLite database's file (`None` in memory and on the other backends), beside which
+    /// migrating takes its lock.
+    sqlite_file: Option<std::path::PathBuf>,
 }
 
 /// The driver's options for `url`. sqlx warns of every statement slower than 1 s; the audit
@@ -175,17 +178,23 @@ pub enum Unhealthy {
     /// (PostgreSQL's SQLSTATE 25006, MySQL's error 1290), or another refusal the source says.
     #[error("the database refuses writes")]
     RefusesWrites(#[source] sqlx::Error),
+    /// The check's write waited [`PROBE_LOCK_WAIT`] (1 s) for a lock on its table and gave up
+    /// (PostgreSQL's 55P03, MySQL's 1205): a `LOCK TABLE(S)` or DDL held by an operator. The
+    /// database may take writes to the ledger's tables meanwhile, but the check cannot tell.
+    #[error("the health check's write waited 1 s for a table lock")]
+    LockWait(#[source] sqlx::Error),
 }
 
 impl Unhealthy {
-    /// The reason in one word, for logs: `unreachable`, `timed_out`, `not_synced` or
-    /// `refuses_writes`.
+    /// The reason in one word, for logs: `unreachable`, `timed_out`, `not_synced`,
+    /// `refuses_writes` or `lock_wait`.
     pub fn reason(&self) -> &'static str {
         match self {
             Unhealthy::Unreachable(_) => "unreachable",
             Unhealthy::TimedOut => "timed_out",
             Unhealthy::NotSynced => "not_synced",
             Unhealthy::RefusesWrites(_) => "refuses_writes",
+            Unhealthy::LockWait(_) => "lock_wait",
         }
     }
 }
@@ -203,6 +212,8 @@ pub enum ConnectError {
     Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
     #[error("the database at {0} lacks migrations of this release ({1}): run `payledger migrate` on it first")]
     SchemaBehind(String, String),
+    #[error("gave up after 120 s waiting for another instance to finish migrating the {0} database: {1}")]
+    MigrationWait(&'static str, String),
 }
 
 impl Store {
@@ -294,6 +305,7 @@ impl Store {
             acquire_duration: crate::metrics::duration_buckets(),
             up,
             galera,
+            sqlite_file: sqlite_file(url),
         })
     }
 
@@ -307,45 +319,55 @@ impl Store {
     /// Applies the embedded migrations of this backend (`migrations/<backend>`), and
     /// completes one that an earlier start began and did not finish. Safe to run from
     /// several instances at once, on every backend and on a Galera cluster:
-    /// - PostgreSQL and SQLite apply each migration in a transaction, under sqlx's lock
-    ///   (`pg_advisory_lock`, SQLite's file lock): a start killed part way leaves nothing of
-    ///   the migration it was applying;
+    /// - PostgreSQL applies each migration in a transaction, under sqlx's
+    ///   `pg_advisory_lock` (on a connection of its own, closed if migrating fails, so that the
+    ///   lock never stays behind in the pool); SQLite each in a transaction, under an
+    ///   exclusive lock of the file `<database>-migrate.lock` beside it (sqlx takes none on
+    ///   SQLite). A start killed part way leaves nothing of the migration it was applying.
     /// - MySQL/MariaDB apply them statement by statement (`store::migrations`), under a named
     ///   lock (`GET_LOCK`, freed when its session ends), and on a Galera cluster also under a
     ///   lease all nodes see, which lapses 20 s after its holder died.
     ///
-    /// An instance that finds another migrating (its lock or lease held, a lock wait that
-    /// timed out, a deadlock) waits for it, trying again each second, up to 120 s in all: it
-    /// succeeds as soon as the history shows every migration applied, or takes over what a
-    /// dead instance left.
+    /// An instance that finds another migrating (its lock or lease held) or the database
+    /// busy (a lock wait that timed out, a deadlock, a lost connection) tries again each
+    /// second, up to 120 s in all: it succeeds as soon as the history shows every migration
+    /// applied, or takes over what a dead instance left.
     ///
     /// # Errors
-    /// [`ConnectError::Migrate`] when a migration fails for another reason (at once), when
-    /// the history does not match this release, or when another instance is still migrating
-    /// after 120 s.
+    /// [`ConnectError::Migrate`] at once when a migration fails for another reason or the
+    /// history does not match this release; [`ConnectError::MigrationWait`] when another
+    /// instance still holds the lock or lease after 120 s.
     pub async fn migrate(&self) -> Result<(), ConnectError> {
         let deadline = Instant::now() + MIGRATION_WAIT;
         loop {
-            let (error, waiting) = match self.migrate_once().await {
+            let error = match self.migrate_once(deadline).await {
                 Ok(()) => return Ok(()),
-                Err(Attempt::Busy(why)) => (sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(why)), true),
-                Err(Attempt::Failed(error)) => {
-                    let waiting = self.galera || migration_fault(&error).is_some_and(|fault| fault != Fault::Other);
-                    (error, waiting)
+                Err(Attempt::Failed(error)) if !migration_fault(&error).is_some_and(|fault| fault != Fault::Other) => {
+                    return Err(ConnectError::Migrate(self.dialect.name(), error));
                 }
+                Err(error) => error,
             };
-            if !waiting || Instant::now() >= deadline {
-                return Err(ConnectError::Migrate(self.dialect.name(), error));
+            if Instant::now() >= deadline {
+                return Err(match error {
+                    Attempt::Busy(why) => ConnectError::MigrationWait(self.dialect.name(), why),
+                    Attempt::Failed(error) => ConnectError::Migrate(self.dialect.name(), error),
+                });
             }
             if self.has_every_migration(self.migrator()).await {
                 return Ok(());
             }
-            tracing::info!(%error, "another instance is migrating the database; trying again in 1 s");
+            match &error {
+                Attempt::Busy(why) => {
+                    tracing::info!(why = %why, "another instance is migrating the database; trying again in 1 s")
+                }
+                Attempt::Failed(error) => tracing::info!(%error, "migrating failed for now; trying again in 1 s"),
+            }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
-    async fn migrate_once(&self) -> Result<(), Attempt> {
+    /// One attempt of [`Store::migrate`]; lock waits end by `deadline`.
+    async fn migrate_once(&self, deadline: Instant) -> Result<(), Attempt> {
         let migrator = self.migrator();
         let failed = |error: sqlx::Error| Attempt::Failed(error.into());
         // sqlx's migrator writes before it reads (it creates its table if it is missing),
@@ -354,17 +376,37 @@ impl Store {
         if self.has_every_migration(migrator).await {
             return Ok(());
         }
-        if self.dialect != Dialect::MySql {
-            return migrator.run(&self.pool).await.map_err(Attempt::Failed);
+        match self.dialect {
+            Dialect::Postgres => {
+                let mut connection = self.pool.acquire().await.map_err(failed)?;
+                let outcome = migrator.run_direct(&mut *connection).await;
+                if outcome.is_err() {
+                    // sqlx returns without pg_advisory_unlock when a migration fails.
+                    connection.close_on_drop();
+                }
+                return outcome.map_err(Attempt::Failed);
+            }
+            Dialect::Sqlite => {
+                let _lock = match &self.sqlite_file {
+                    Some(file) => Some(lock_file(file, deadline).await?),
+                    None => None,
+                };
+                return migrator.run(&self.pool).await.map_err(Attempt::Failed);
+            }
+            Dialect::MySql => {}
         }
         // sqlx takes MySQL's lock with GET_LOCK(name, -1); MariaDB answers NULL at once to a
         // negative timeout instead of waiting. Take the named lock with a real timeout, on
         // the connection that then migrates.
         let mut connection = self.pool.acquire().await.map_err(failed)?;
-        let locked: Option<i64> =
-            sqlx::query_scalar(MYSQL_MIGRATION_LOCK).fetch_one(&mut *connection).await.map_err(failed)?;
+        let wait = deadline.saturating_duration_since(Instant::now()).as_secs().clamp(1, 60);
+        let locked: Option<i64> = sqlx::query_scalar(MYSQL_MIGRATION_LOCK)
+            .bind(i64::try_from(wait).unwrap_or(60))
+            .fetch_one(&mut *connection)
+            .await
+            .map_err(failed)?;
         if locked != Some(1) {
-            return Err(Attempt::Busy("another instance held the migration lock for 60 s".into()));
+            return Err(Attempt::Busy(format!("another instance held the migration lock (GET_LOCK) for {wait} s")));
         }
         // A Galera session is READ ONLY outside its transactions, and may have autocommit off
         // since its last write transaction; migrating writes outside transactions.
@@ -375,18 +417,18 @@ impl Store {
                 .map_err(failed)?;
         }
         let outcome = if !self.galera {
-            migrations::apply_mysql(&mut connection, migrator).await.map_err(Attempt::Failed)
+            migrations::apply_mysql(&mut connection, migrator, None).await
         } else {
             // GET_LOCK holds on one node only: on Galera the instance that also claims the
             // cluster-wide lease migrates, and the others wait for it (`migrate`).
             match migrations::claim_lease(&mut connection, &self.pool.connect_options()).await {
                 Ok(Some(lease)) => {
-                    let outcome = migrations::apply_mysql(&mut connection, migrator).await;
+                    let outcome = migrations::apply_mysql(&mut connection, migrator, Some(lease.holder())).await;
                     lease.release(&mut connection).await;
-                    outcome.map_err(Attempt::Failed)
+                    outcome
                 }
-                Ok(None) => Err(Attempt::Busy("another instance holds the cluster's migration lease".into())),
-                Err(error) => Err(failed(error)),
+                Ok(None) => Err(migrations::RunError::LeaseLost),
+                Err(error) => Err(error.into()),
             }
         };
         let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
@@ -396,7 +438,13 @@ impl Store {
                 connection.close_on_drop();
             }
         }
-        outcome.map(|_| ())
+        match outcome {
+            Ok(_) => Ok(()),
+            Err(migrations::RunError::LeaseLost) => {
+                Err(Attempt::Busy("another instance holds the cluster's migration lease".to_owned()))
+            }
+            Err(migrations::RunError::Migrate(error)) => Err(Attempt::Failed(error)),
+        }
     }
 
     pub fn dialect(&self) -> Dialect {
@@ -617,11 +665,55 @@ impl Store {
         }
         if let Some(write) = self.dialect.write_check(PROBE_LOCK_WAIT) {
             connection.execute(write.as_str()).await.map_err(|error| match error {
+                sqlx::Error::Database(_) if dialect::classify(&error) == Fault::LockTimeout => {
+                    Unhealthy::LockWait(error)
+                }
                 sqlx::Error::Database(_) => Unhealthy::RefusesWrites(error),
                 error => Unhealthy::Unreachable(error),
             })?;
         }
         Ok(())
+    }
+}
+
+/// The file of the SQLite database at `url`, or `None` (in memory, or another backend).
+fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    use std::str::FromStr as _;
+    if Dialect::from_url(url) != Some(Dialect::Sqlite) {
+        return None;
+    }
+    let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
+    let file = options.get_filename();
+    (!file.as_os_str().is_empty() && file.as_os_str() != ":memory:" && !url.contains("mode=memory"))
+        .then(|| file.to_owned())
+}
+
+/// Takes an exclusive lock (`flock`) of `<file>-migrate.lock`, trying every 100 ms until
+/// `deadline`. Never a lock of the database file itself: closing any descriptor of that file
+/// would drop this process's SQLite (POSIX) locks on it (SQLite manual, "How To Corrupt An
+/// SQLite Database File", 2.2).
+async fn lock_file(file: &std::path::Path, deadline: Instant) -> Result<std::fs::File, Attempt> {
+    let mut name = file.as_os_str().to_owned();
+    name.push("-migrate.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&name)
+        .map_err(|error| Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Io(error))))?;
+    loop {
+        match lock.try_lock() {
+            Ok(()) => return Ok(lock),
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Attempt::Busy("another process holds the SQLite migration lock".to_owned()));
+            }
+            Err(std::fs::TryLockError::Error(error)) => {
+                return Err(Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Io(error))));
+            }
+        }
     }
 }
 

@@ -273,3 +273,29 @@ async fn health_turns_not_serving_while_mariadb_refuses_its_user_and_back_withou
     let _ = sqlx::query(&format!("DROP USER '{user}'@'%'")).execute(&admin).await;
     admin.close().await;
 }
+
+/// A table lock held by an operator on the table the health check writes to makes the check
+/// fail as `lock_wait` (its write waited 1 s), not as a database that refuses writes; the
+/// check passes once the lock is gone. PostgreSQL (`LOCK TABLE`) and MariaDB (`LOCK TABLES`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_lock_in_the_way_of_the_health_check_is_told_as_a_lock_wait() {
+    use sqlx::{Connection as _, Executor as _};
+    for (variable, lock) in [
+        ("PAYLEDGER_TEST_POSTGRES_URL", "BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE"),
+        ("PAYLEDGER_TEST_MYSQL_URL", "LOCK TABLES _sqlx_migrations WRITE"),
+    ] {
+        let Some(admin) = admin_url(variable) else { continue };
+        let database = common::ServerDatabase::create(&admin, "lockwait").await;
+        let store = Store::connect(&database.url, &common::small_pool(Duration::from_secs(5))).await.unwrap();
+        store.migrate().await.unwrap();
+        store.check_health().await.expect("healthy before the lock");
+        let mut holder = sqlx::AnyConnection::connect(&database.url).await.unwrap();
+        holder.execute(lock).await.unwrap();
+        let locked = store.check_health().await;
+        holder.close().await.unwrap();
+        let reason = locked.as_ref().err().map(payledger::store::Unhealthy::reason);
+        assert_eq!(reason, Some("lock_wait"), "{variable}: {locked:?}");
+        store.check_health().await.expect("healthy once the lock is gone");
+        store.close().await;
+    }
+}
