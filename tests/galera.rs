@@ -417,7 +417,7 @@ async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
 }
 
 /// A lease holder paused for longer than the lease (SIGSTOP while it migrates through the
-/// first node) loses the lease to an instance starting through the second node, which
+/// first node, once it has applied a random number of migrations) loses the lease to an instance starting through the second node, which
 /// completes the migrations; resumed, the first finds its lease gone before its next
 /// statement, stops migrating, waits, and finds the schema complete. Nothing is applied
 /// twice: the history and the progress table end as one clean run leaves them.
@@ -441,9 +441,10 @@ async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
         .unwrap();
     let pid = first.id().unwrap().to_string();
     let mut paused_at = None;
+    let target = rand::random_range(1..total - 1);
     for _ in 0..5_000 {
         let (applied, _) = common::history_on(&watch).await;
-        if applied >= 2 {
+        if applied >= target {
             let stopped = std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
             assert!(stopped.success());
             paused_at = Some(common::history_on(&watch).await);
@@ -451,7 +452,7 @@ async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let paused_at = paused_at.expect("the first instance got as far as two migrations");
+    let paused_at = paused_at.expect("the first instance got as far as the target");
     assert!(paused_at.0 < total, "paused before the end: {paused_at:?}");
     // The lease lapses 20 s after its last renewal.
     let lapsed = "SELECT COUNT(*) FROM payledger_migration_lease WHERE expires_at >= UNIX_TIMESTAMP()";

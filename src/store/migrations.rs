@@ -9,18 +9,20 @@
 //! A migration is applied as:
 //! 1. its history row, `success = FALSE` (what sqlx writes too: "begun"), and its progress
 //!    row in `payledger_migration_progress` (`statements_done` 0), in one transaction;
-//! 2. its schema statements one by one (CREATE, ALTER, DROP), each committing on its own
-//!    and followed by `statements_done` + 1;
+//! 2. its schema statements one by one (CREATE, ALTER, DROP): `attempting` set to the
+//!    statement's number, the statement (committing on its own), then `statements_done` + 1
+//!    and `attempting` cleared;
 //! 3. its data statements (INSERT, UPDATE, DELETE, REPLACE), which must all come after the
 //!    schema statements, in one transaction with the history row's `success = TRUE` and the
 //!    progress row's deletion.
 //!
-//! A migration found begun is continued from statement `statements_done`. That one statement
-//! may have committed just before its start died (between step 2's two writes): if it fails
-//! because its change is there (the table, column or index exists, or what it drops is gone),
-//! it is taken as done. No other statement is given that benefit, and neither is one that
-//! failed for a reason of the database's (a start that saw it fail records `failed_at`): an
-//! operator's table in the way, say, stops every start until a person looks, as it should.
+//! A migration found begun is continued from statement `statements_done`. When `attempting`
+//! names that statement, a start was running it and did not see it end (it died, or lost its
+//! connection): it may have committed, so if it fails because its change is there (the
+//! table, column or index exists, or what it drops is gone), it is taken as done. No other
+//! statement is given that benefit: not one this start runs first, and not one that a start
+//! saw the database refuse (`attempting` is cleared then): an operator's table in the way,
+//! say, stops every start until a person looks, as it should.
 //! A migration begun by an older release (a history row without a progress row) is refused
 //! as sqlx refuses it. Each schema statement must therefore be one that, run a second time,
 //! either changes nothing or fails with one of [`ALREADY_DONE`]'s errors (the unit tests
@@ -52,7 +54,7 @@ const HISTORY_TABLE: &str = "CREATE TABLE IF NOT EXISTS _sqlx_migrations ( \
 const PROGRESS_TABLE: &str = "CREATE TABLE IF NOT EXISTS payledger_migration_progress ( \
      version BIGINT NOT NULL PRIMARY KEY, \
      statements_done INT NOT NULL, \
-     failed_at INT NULL) ENGINE = InnoDB";
+     attempting INT NULL) ENGINE = InnoDB";
 
 /// The Galera migration lease: one row while an instance migrates.
 const LEASE_TABLE: &str = "CREATE TABLE IF NOT EXISTS payledger_migration_lease \
@@ -226,10 +228,18 @@ pub(super) async fn apply_mysql(
             Some(_) => {}
             None => record_begun(connection, migration).await?,
         }
+        // A holder paused past its lease finds out here, before it reads what the next
+        // holder may have finished meanwhile.
+        if let Some(holder) = lease {
+            hold_lease(&mut *connection, holder).await?;
+        }
         let Some(progress) = progress(connection, migration.version).await? else {
+            if applied_meanwhile(connection, migration.version).await? {
+                continue;
+            }
             return Err(MigrateError::Dirty(migration.version).into());
         };
-        if progress.statements_done > 0 || progress.failed_at.is_some() {
+        if progress.statements_done > 0 || progress.attempting.is_some() {
             tracing::warn!(
                 version = migration.version,
                 statements_done = progress.statements_done,
@@ -262,22 +272,32 @@ async fn ensure_table(connection: &mut AnyConnection, table: &str, ddl: &str) ->
 struct Progress {
     /// Schema statements known to have committed.
     statements_done: usize,
-    /// The schema statement a start saw fail for a reason of the database's, if one did.
-    failed_at: Option<usize>,
+    /// The schema statement a start was running and did not see end, if one was.
+    attempting: Option<usize>,
 }
 
 async fn progress(connection: &mut AnyConnection, version: i64) -> Result<Option<Progress>, sqlx::Error> {
     let row: Option<(i64, i64)> = sqlx::query_as(
-        "SELECT CAST(statements_done AS SIGNED), CAST(COALESCE(failed_at, -1) AS SIGNED) \
+        "SELECT CAST(statements_done AS SIGNED), CAST(COALESCE(attempting, -1) AS SIGNED) \
          FROM payledger_migration_progress WHERE version = ?",
     )
     .bind(version)
     .fetch_optional(&mut *connection)
     .await?;
-    Ok(row.map(|(done, failed)| Progress {
+    Ok(row.map(|(done, attempting)| Progress {
         statements_done: usize::try_from(done).unwrap_or(0),
-        failed_at: usize::try_from(failed).ok(),
+        attempting: usize::try_from(attempting).ok(),
     }))
+}
+
+/// Whether `version` is recorded as applied now: by another migrator, after this one read
+/// the history.
+async fn applied_meanwhile(connection: &mut AnyConnection, version: i64) -> Result<bool, sqlx::Error> {
+    let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations WHERE version = ? AND success = TRUE")
+        .bind(version)
+        .fetch_one(&mut *connection)
+        .await?;
+    Ok(applied > 0)
 }
 
 /// Writes `migration`'s history row as begun and its progress row, in one transaction. When
@@ -327,21 +347,28 @@ async fn apply_one(
         if let Some(holder) = lease {
             hold_lease(&mut *connection, holder).await?;
         }
-        let maybe_done = index == progress.statements_done && progress.failed_at != Some(index);
+        let maybe_done = progress.attempting == Some(index);
+        let number = i64::try_from(index).unwrap_or(i64::MAX);
+        if !maybe_done {
+            sqlx::query("UPDATE payledger_migration_progress SET attempting = ? WHERE version = ?")
+                .bind(number)
+                .bind(version)
+                .execute(&mut *connection)
+                .await?;
+        }
         match connection.execute(statement.sql).await {
             Ok(_) => {}
             Err(error)
                 if maybe_done && mysql_error_number(&error).is_some_and(|number| ALREADY_DONE.contains(&number)) =>
             {
-                tracing::info!(version, %error, "the statement an earlier start was applying had committed");
+                tracing::info!(version, %error, "the statement an earlier start was running had committed");
             }
             Err(error) => {
                 // A refusal of the database's own (not a lost connection or a lock wait, after
-                // which the statement may or may not have run) is recorded, so that the next
-                // start does not take its "already exists" for the statement's own work.
+                // which the statement may or may not have run) clears `attempting`, so that the
+                // next start does not take its "already exists" for the statement's own work.
                 if dialect::classify(&error) == Fault::Other {
-                    let _ = sqlx::query("UPDATE payledger_migration_progress SET failed_at = ? WHERE version = ?")
-                        .bind(i64::try_from(index).unwrap_or(i64::MAX))
+                    let _ = sqlx::query("UPDATE payledger_migration_progress SET attempting = NULL WHERE version = ?")
                         .bind(version)
                         .execute(&mut *connection)
                         .await;
@@ -352,12 +379,12 @@ async fn apply_one(
         // Only forward from this statement: a holder that lost its lease while the statement
         // ran must not move the next holder's progress back.
         sqlx::query(
-            "UPDATE payledger_migration_progress SET statements_done = ?, failed_at = NULL \
+            "UPDATE payledger_migration_progress SET statements_done = ?, attempting = NULL \
              WHERE version = ? AND statements_done = ?",
         )
-        .bind(i64::try_from(index + 1).unwrap_or(i64::MAX))
+        .bind(number + 1)
         .bind(version)
-        .bind(i64::try_from(index).unwrap_or(i64::MAX))
+        .bind(number)
         .execute(&mut *connection)
         .await?;
     }

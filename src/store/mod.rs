@@ -682,10 +682,13 @@ fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
     if Dialect::from_url(url) != Some(Dialect::Sqlite) {
         return None;
     }
+    let in_memory = url.split_once('?').is_some_and(|(_, query)| query.split('&').any(|pair| pair == "mode=memory"));
     let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
     let file = options.get_filename();
-    (!file.as_os_str().is_empty() && file.as_os_str() != ":memory:" && !url.contains("mode=memory"))
-        .then(|| file.to_owned())
+    let name = file.to_string_lossy();
+    // sqlx names an in-memory database `:memory:`, or `file:sqlx-in-memory-<n>` when shared.
+    let in_memory = in_memory || name.is_empty() || name == ":memory:" || name.starts_with("file:sqlx-in-memory-");
+    (!in_memory).then(|| file.to_owned())
 }
 
 /// Takes an exclusive lock (`flock`) of `<file>-migrate.lock`, trying every 100 ms until
@@ -700,7 +703,12 @@ async fn lock_file(file: &std::path::Path, deadline: Instant) -> Result<std::fs:
         .truncate(false)
         .write(true)
         .open(&name)
-        .map_err(|error| Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Io(error))))?;
+        // Not a wait: a directory that refuses the file refuses it at the next try too.
+        .map_err(|error| {
+            let why =
+                format!("cannot open the SQLite migration lock {}: {error}", std::path::Path::new(&name).display());
+            Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.into())))
+        })?;
     loop {
         match lock.try_lock() {
             Ok(()) => return Ok(lock),
@@ -711,7 +719,10 @@ async fn lock_file(file: &std::path::Path, deadline: Instant) -> Result<std::fs:
                 return Err(Attempt::Busy("another process holds the SQLite migration lock".to_owned()));
             }
             Err(std::fs::TryLockError::Error(error)) => {
-                return Err(Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Io(error))));
+                let why = format!("cannot lock {}: {error}", std::path::Path::new(&name).display());
+                return Err(Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(
+                    why.into(),
+                ))));
             }
         }
     }

@@ -359,9 +359,16 @@ async fn migrated_before(admin_url: &str, version: i64) -> common::ServerDatabas
 
 /// [`migrated_before`] `version`, then `version` as a start of this release that died in it
 /// leaves it: its history row begun, its first `applied` schema statements committed, and
-/// its progress row saying `done` of them (`applied` is `done`, or `done + 1` when the start
-/// died between a statement's commit and its progress write).
-async fn killed_at(admin_url: &str, version: i64, applied: usize, done: usize) -> common::ServerDatabase {
+/// its progress row saying `done` of them and, with `attempting`, that statement `done` was
+/// being run (`applied` is `done`, or `done + 1` when the start died between a statement's
+/// commit and its progress write).
+async fn killed_at(
+    admin_url: &str,
+    version: i64,
+    applied: usize,
+    done: usize,
+    attempting: bool,
+) -> common::ServerDatabase {
     let database = migrated_before(admin_url, version).await;
     let raw = AnyPool::connect(&database.url).await.unwrap();
     let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
@@ -369,7 +376,7 @@ async fn killed_at(admin_url: &str, version: i64, applied: usize, done: usize) -
     // The progress table as the runner creates it.
     sqlx::query(
         "CREATE TABLE payledger_migration_progress (version BIGINT NOT NULL PRIMARY KEY, \
-         statements_done INT NOT NULL, failed_at INT NULL) ENGINE = InnoDB",
+         statements_done INT NOT NULL, attempting INT NULL) ENGINE = InnoDB",
     )
     .execute(&raw)
     .await
@@ -384,9 +391,10 @@ async fn killed_at(admin_url: &str, version: i64, applied: usize, done: usize) -
     .execute(&raw)
     .await
     .unwrap();
-    sqlx::query("INSERT INTO payledger_migration_progress (version, statements_done) VALUES (?, ?)")
+    sqlx::query("INSERT INTO payledger_migration_progress (version, statements_done, attempting) VALUES (?, ?, ?)")
         .bind(version)
         .bind(i64::try_from(done).unwrap())
+        .bind(attempting.then(|| i64::try_from(done).unwrap()))
         .execute(&raw)
         .await
         .unwrap();
@@ -409,8 +417,8 @@ async fn migrated_by_sqlx(admin_url: &str) -> Vec<String> {
     contents
 }
 
-/// Every MySQL migration interrupted at each of its statements, before the statement's commit
-/// or right after it (before its progress was written), and after the last one, is
+/// Every MySQL migration interrupted at each of its statements (before it was begun, while it
+/// ran, right after its commit and before its progress was written) and after the last one is
 /// completed by the next start: the database then holds exactly what sqlx's migrator builds
 /// without interruption, rows included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -421,22 +429,25 @@ async fn a_mysql_migration_interrupted_at_any_statement_is_completed_by_the_next
     let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
     let count = i64::try_from(all.iter().count()).unwrap();
     let expected = migrated_by_sqlx(&admin_url).await;
-    let mut cases: Vec<(i64, usize, usize)> = Vec::new();
+    let mut cases: Vec<(i64, usize, usize, bool)> = Vec::new();
     for migration in all.iter() {
         let schema = written_statements(&migration.sql).iter().filter(|(_, data)| !data).count();
         for done in 0..=schema {
-            cases.push((migration.version, done, done));
+            cases.push((migration.version, done, done, false));
             if done < schema {
-                cases.push((migration.version, done + 1, done));
+                cases.push((migration.version, done, done, true));
+                cases.push((migration.version, done + 1, done, true));
             }
         }
     }
     let outcomes: Vec<Result<(), String>> = futures::stream::iter(cases.iter().copied())
-        .map(|(version, applied, done)| {
+        .map(|(version, applied, done, attempting)| {
             let (admin_url, expected) = (admin_url.clone(), &expected);
             async move {
-                let case = format!("migration {version}, {applied} statements applied, {done} recorded");
-                let database = killed_at(&admin_url, version, applied, done).await;
+                let case = format!(
+                    "migration {version}, {applied} statements applied, {done} recorded, attempting {attempting}"
+                );
+                let database = killed_at(&admin_url, version, applied, done, attempting).await;
                 let store = Store::connect(&database.url, &small_pool(Duration::from_secs(10))).await.unwrap();
                 let migrated = store.migrate().await;
                 store.close().await;
@@ -497,6 +508,26 @@ async fn a_mysql_migration_refused_by_the_database_is_not_taken_as_done() {
     let count =
         i64::try_from(Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap().iter().count()).unwrap();
     assert_eq!(history(&database.url).await, (count, 0));
+
+    // In the way of a migration's first statement (which no start has run yet): an
+    // operator's `accounts` on an empty schema, and a column added ahead of migration 10.
+    for (version, ahead, error) in [
+        (1, "CREATE TABLE accounts (operator_col INT)", "1050"),
+        (10, "ALTER TABLE journal_entries ADD COLUMN entry_hash INT", "1060"),
+    ] {
+        let database = migrated_before(&admin_url, version).await;
+        let raw = AnyPool::connect(&database.url).await.unwrap();
+        sqlx::query(ahead).execute(&raw).await.unwrap();
+        raw.close().await;
+        for attempt in 0..2 {
+            let store = Store::connect(&database.url, &small_pool(Duration::from_secs(10))).await.unwrap();
+            let refused = store.migrate().await.map_err(|error| payledger::startup::error_chain(&error));
+            store.close().await;
+            let refused = refused.expect_err("the object in the way is not taken for the migration's own");
+            assert!(refused.contains(error), "{ahead}, attempt {attempt}: {refused}");
+        }
+        assert_eq!(history(&database.url).await.0, version - 1 - i64::from(version > 5), "{ahead}");
+    }
 
     let legacy = migrated_before(&admin_url, 7).await;
     let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
