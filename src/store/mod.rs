@@ -42,8 +42,16 @@ pub use rows::{
 static POSTGRES_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/postgres") };
 static MYSQL_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/mysql") };
 static SQLITE_MIGRATIONS: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/sqlite") };
-/// Waits up to the bound seconds for the migration lock (1: held, 0: timed out).
-const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK('payledger_migrations', ?) AS SIGNED)";
+/// Waits up to the bound seconds for the migration lock of the connection's database (1:
+/// held, 0: timed out). A named lock holds across the whole server, so its name carries the
+/// database's (hashed: a lock name has at most 64 characters).
+const MYSQL_MIGRATION_LOCK: &str = "SELECT CAST(GET_LOCK(CONCAT('payledger_migrate_', MD5(DATABASE())), ?) AS SIGNED)";
+
+/// Releases [`MYSQL_MIGRATION_LOCK`].
+const MYSQL_MIGRATION_UNLOCK: &str = "SELECT RELEASE_LOCK(CONCAT('payledger_migrate_', MD5(DATABASE())))";
+
+/// How long one attempt waits for MySQL's migration lock before it says so and tries again.
+const MYSQL_MIGRATION_LOCK_WAIT: u64 = 5;
 
 /// Pool settings.
 #[derive(Debug, Clone)]
@@ -212,7 +220,7 @@ pub enum ConnectError {
     Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
     #[error("the database at {0} lacks migrations of this release ({1}): run `payledger migrate` on it first")]
     SchemaBehind(String, String),
-    #[error("gave up after 120 s waiting for another instance to finish migrating the {0} database: {1}")]
+    #[error("gave up after 120 s waiting for another instance to finish migrating the {0} database (or for the database to take writes): {1}")]
     MigrationWait(&'static str, String),
 }
 
@@ -329,14 +337,15 @@ impl Store {
     ///   lease all nodes see, which lapses 20 s after its holder died.
     ///
     /// An instance that finds another migrating (its lock or lease held) or the database
-    /// busy (a lock wait that timed out, a deadlock, a lost connection) tries again each
-    /// second, up to 120 s in all: it succeeds as soon as the history shows every migration
-    /// applied, or takes over what a dead instance left.
+    /// busy or closed to writes (a lock wait that timed out, a deadlock, a lost connection,
+    /// read-only) tries again each second, up to 120 s in all: it succeeds as soon as the
+    /// history shows every migration applied, or takes over what a dead instance left.
     ///
     /// # Errors
     /// [`ConnectError::Migrate`] at once when a migration fails for another reason or the
     /// history does not match this release; [`ConnectError::MigrationWait`] when another
-    /// instance still holds the lock or lease after 120 s.
+    /// instance still holds the lock or lease, or the database is still busy or read-only,
+    /// after 120 s.
     pub async fn migrate(&self) -> Result<(), ConnectError> {
         let deadline = Instant::now() + MIGRATION_WAIT;
         loop {
@@ -348,10 +357,11 @@ impl Store {
                 Err(error) => error,
             };
             if Instant::now() >= deadline {
-                return Err(match error {
-                    Attempt::Busy(why) => ConnectError::MigrationWait(self.dialect.name(), why),
-                    Attempt::Failed(error) => ConnectError::Migrate(self.dialect.name(), error),
-                });
+                let why = match error {
+                    Attempt::Busy(why) => why,
+                    Attempt::Failed(error) => crate::startup::error_chain(&error),
+                };
+                return Err(ConnectError::MigrationWait(self.dialect.name(), why));
             }
             if self.has_every_migration(self.migrator()).await {
                 return Ok(());
@@ -360,7 +370,10 @@ impl Store {
                 Attempt::Busy(why) => {
                     tracing::info!(why = %why, "another instance is migrating the database; trying again in 1 s")
                 }
-                Attempt::Failed(error) => tracing::info!(%error, "migrating failed for now; trying again in 1 s"),
+                Attempt::Failed(error) => tracing::info!(
+                    error = %crate::startup::error_chain(error),
+                    "another instance is migrating the database, or the database is busy or refuses writes; trying again in 1 s"
+                ),
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
@@ -399,14 +412,14 @@ impl Store {
         // negative timeout instead of waiting. Take the named lock with a real timeout, on
         // the connection that then migrates.
         let mut connection = self.pool.acquire().await.map_err(failed)?;
-        let wait = deadline.saturating_duration_since(Instant::now()).as_secs().clamp(1, 60);
+        let wait = deadline.saturating_duration_since(Instant::now()).as_secs().clamp(1, MYSQL_MIGRATION_LOCK_WAIT);
         let locked: Option<i64> = sqlx::query_scalar(MYSQL_MIGRATION_LOCK)
             .bind(i64::try_from(wait).unwrap_or(60))
             .fetch_one(&mut *connection)
             .await
             .map_err(failed)?;
         if locked != Some(1) {
-            return Err(Attempt::Busy(format!("another instance held the migration lock (GET_LOCK) for {wait} s")));
+            return Err(Attempt::Busy("another instance holds the migration lock (GET_LOCK)".to_owned()));
         }
         // A Galera session is READ ONLY outside its transactions, and may have autocommit off
         // since its last write transaction; migrating writes outside transactions.
@@ -431,7 +444,7 @@ impl Store {
                 Err(error) => Err(error.into()),
             }
         };
-        let _ = sqlx::query("SELECT RELEASE_LOCK('payledger_migrations')").execute(&mut *connection).await;
+        let _ = sqlx::query(MYSQL_MIGRATION_UNLOCK).execute(&mut *connection).await;
         if self.galera {
             // Or the connection leaves the pool, rather than go back to it writable.
             if connection.execute("SET SESSION TRANSACTION READ ONLY").await.is_err() {
@@ -709,14 +722,21 @@ async fn lock_file(file: &std::path::Path, deadline: Instant) -> Result<std::fs:
                 format!("cannot open the SQLite migration lock {}: {error}", std::path::Path::new(&name).display());
             Attempt::Failed(sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.into())))
         })?;
+    let mut said = false;
     loop {
         match lock.try_lock() {
             Ok(()) => return Ok(lock),
             Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                if !said {
+                    let lock = std::path::Path::new(&name).display();
+                    tracing::info!(%lock, "another instance is migrating the database; waiting for its lock");
+                    said = true;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(Attempt::Busy("another process holds the SQLite migration lock".to_owned()));
+                let lock = std::path::Path::new(&name).display();
+                return Err(Attempt::Busy(format!("another process holds the SQLite migration lock {lock}")));
             }
             Err(std::fs::TryLockError::Error(error)) => {
                 let why = format!("cannot lock {}: {error}", std::path::Path::new(&name).display());

@@ -576,3 +576,31 @@ async fn instances_starting_together_on_sqlite_all_come_up_round_after_round() {
         }
     }
 }
+
+/// MySQL's named locks hold across the whole server: the migration lock of one database (as
+/// docs/operations.md names it) holds up that database's migrations, and not another's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mysql_migration_lock_of_one_database_leaves_another_free() {
+    use sqlx::{Connection as _, Executor as _};
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_MYSQL_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let held = common::ServerDatabase::create(&admin_url, "lockheld").await;
+    let free = common::ServerDatabase::create(&admin_url, "lockfree").await;
+    let mut holder = sqlx::AnyConnection::connect(&held.url).await.unwrap();
+    holder.execute("SELECT GET_LOCK(CONCAT('payledger_migrate_', MD5(DATABASE())), 0)").await.unwrap();
+    let migrate = |url: String| async move {
+        let store = Store::connect(&url, &small_pool(Duration::from_secs(10))).await.unwrap();
+        let migrated = store.migrate().await;
+        store.close().await;
+        migrated
+    };
+    let waiting = tokio::spawn(migrate(held.url.clone()));
+    let started = std::time::Instant::now();
+    migrate(free.url.clone()).await.expect("the other database migrates");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "it did not wait for the other database's lock ({took:?})");
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(took)).await;
+    assert!(!waiting.is_finished(), "the held database's migrations wait for its lock");
+    holder.close().await.unwrap();
+    waiting.await.unwrap().expect("and apply once it is free");
+}
