@@ -220,18 +220,21 @@ pub(super) async fn apply_mysql(
             .await?;
     let mut applied = 0;
     for migration in migrator.iter().filter(|migration| migration.migration_type.is_up_migration()) {
-        match recorded.iter().find(|(version, ..)| *version == migration.version) {
+        let begun = match recorded.iter().find(|(version, ..)| *version == migration.version) {
             Some((_, checksum, _)) if *checksum != *migration.checksum => {
                 return Err(MigrateError::VersionMismatch(migration.version).into());
             }
             Some((.., 1)) => continue,
-            Some(_) => {}
-            None => record_begun(connection, migration).await?,
-        }
-        // A holder paused past its lease finds out here, before it reads what the next
-        // holder may have finished meanwhile.
+            Some(_) => true,
+            None => false,
+        };
+        // A holder paused past its lease finds out here, before it writes or reads what the
+        // next holder may have done meanwhile.
         if let Some(holder) = lease {
             hold_lease(&mut *connection, holder).await?;
+        }
+        if !begun {
+            record_begun(connection, migration).await?;
         }
         let Some(progress) = progress(connection, migration.version).await? else {
             if applied_meanwhile(connection, migration.version).await? {
