@@ -359,7 +359,7 @@ impl Store {
             if Instant::now() >= deadline {
                 let why = match error {
                     Attempt::Busy(why) => why,
-                    Attempt::Failed(error) => crate::startup::error_chain(&error),
+                    Attempt::Failed(error) => error.to_string(),
                 };
                 return Err(ConnectError::MigrationWait(self.dialect.name(), why));
             }
@@ -371,7 +371,7 @@ impl Store {
                     tracing::info!(why = %why, "another instance is migrating the database; trying again in 1 s")
                 }
                 Attempt::Failed(error) => tracing::info!(
-                    error = %crate::startup::error_chain(error),
+                    %error,
                     "another instance is migrating the database, or the database is busy or refuses writes; trying again in 1 s"
                 ),
             }
@@ -414,7 +414,7 @@ impl Store {
         let mut connection = self.pool.acquire().await.map_err(failed)?;
         let wait = deadline.saturating_duration_since(Instant::now()).as_secs().clamp(1, MYSQL_MIGRATION_LOCK_WAIT);
         let locked: Option<i64> = sqlx::query_scalar(MYSQL_MIGRATION_LOCK)
-            .bind(i64::try_from(wait).unwrap_or(60))
+            .bind(i64::try_from(wait).unwrap_or(1))
             .fetch_one(&mut *connection)
             .await
             .map_err(failed)?;
