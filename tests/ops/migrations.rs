@@ -357,6 +357,21 @@ async fn migrated_before(admin_url: &str, version: i64) -> common::ServerDatabas
     database
 }
 
+/// Writes `migration`'s history row as begun (`success = FALSE`), as sqlx's migrator and
+/// payledger's both write it first.
+async fn record_begun(pool: &AnyPool, migration: &sqlx::migrate::Migration) {
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (?, ?, FALSE, ?, -1)",
+    )
+    .bind(migration.version)
+    .bind(&*migration.description)
+    .bind(&*migration.checksum)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// [`migrated_before`] `version`, then `version` as a start of this release that died in it
 /// leaves it: its history row begun, its first `applied` schema statements committed, and
 /// its progress row saying `done` of them and, with `attempting`, that statement `done` was
@@ -381,16 +396,7 @@ async fn killed_at(
     .execute(&raw)
     .await
     .unwrap();
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (?, ?, FALSE, ?, -1)",
-    )
-    .bind(migration.version)
-    .bind(&*migration.description)
-    .bind(&*migration.checksum)
-    .execute(&raw)
-    .await
-    .unwrap();
+    record_begun(&raw, migration).await;
     sqlx::query("INSERT INTO payledger_migration_progress (version, statements_done, attempting) VALUES (?, ?, ?)")
         .bind(version)
         .bind(i64::try_from(done).unwrap())
@@ -533,16 +539,7 @@ async fn a_mysql_migration_refused_by_the_database_is_not_taken_as_done() {
     let all = Migrator::new(std::path::Path::new("migrations/mysql")).await.unwrap();
     let seven = all.iter().find(|migration| migration.version == 7).unwrap();
     let legacy_raw = AnyPool::connect(&legacy.url).await.unwrap();
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (?, ?, FALSE, ?, -1)",
-    )
-    .bind(seven.version)
-    .bind(&*seven.description)
-    .bind(&*seven.checksum)
-    .execute(&legacy_raw)
-    .await
-    .unwrap();
+    record_begun(&legacy_raw, seven).await;
     legacy_raw.close().await;
     let store = Store::connect(&legacy.url, &small_pool(Duration::from_secs(10))).await.unwrap();
     let refused = store.migrate().await.map_err(|error| payledger::startup::error_chain(&error));
