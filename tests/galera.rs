@@ -416,13 +416,41 @@ async fn instances_that_start_together_on_every_node_all_migrate_and_serve() {
     );
 }
 
+/// Where [`pause_a_lease_holder`] stops the first instance.
+#[derive(Debug, Clone, Copy)]
+enum PauseAt {
+    /// Once it has applied this many migrations, wherever it then is.
+    Applied(i64),
+    /// Once it has applied this many migrations, while the answer to its next lease check
+    /// (which found the lease still its own) is on its way: the check passed, and what the
+    /// holder does next happens after the lease moved on.
+    LeaseCheckAnswered(i64),
+}
+
 /// A lease holder paused for longer than the lease (SIGSTOP while it migrates through the
-/// first node, once it has applied a random number of migrations) loses the lease to an instance starting through the second node, which
-/// completes the migrations; resumed, the first finds its lease gone before its next
-/// statement, stops migrating, waits, and finds the schema complete. Nothing is applied
-/// twice: the history and the progress table end as one clean run leaves them.
+/// first node, once it has applied a random number of migrations) loses the lease to an
+/// instance starting through the second node, which completes the migrations; resumed, the
+/// first finds its lease gone before its next statement, stops migrating, waits, and finds
+/// the schema complete. Nothing is applied twice: the history and the progress table end
+/// as one clean run leaves them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
+    let total = common::migration_count("mysql:");
+    pause_a_lease_holder(PauseAt::Applied(rand::random_range(1..total - 1))).await;
+}
+
+/// As above, with the holder stopped between a lease check's answer and what it sends next
+/// (the test holds the lease row's lock until the check waits for it, stops the holder, and
+/// lets the check through): no check can stop it, so it finds its progress row gone or its
+/// statement's change there, and takes that for the lost lease rather than a failed
+/// migration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_holder_paused_after_a_passed_check_stops_when_it_resumes() {
+    let total = common::migration_count("mysql:");
+    pause_a_lease_holder(PauseAt::LeaseCheckAnswered(rand::random_range(1..total - 1))).await;
+}
+
+async fn pause_a_lease_holder(at: PauseAt) {
     let Some(admin_urls) = node_admin_urls() else { return };
     sqlx::any::install_default_drivers();
     let name = format!("payledger_galera_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
@@ -431,6 +459,8 @@ async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
     let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
     let total = common::migration_count("mysql:");
     let watch = admin_pool(&node_urls[1]).await.unwrap();
+    // Row locks hold on the node that takes them: the lease row is locked where the first migrates.
+    let first_node = sqlx::any::AnyPoolOptions::new().max_connections(2).connect(&node_urls[0]).await.unwrap();
 
     let mut first = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
         .args(["migrate", "--database-url", &node_urls[0], "--database-wait-seconds", "0"])
@@ -440,17 +470,45 @@ async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
         .spawn()
         .unwrap();
     let pid = first.id().unwrap().to_string();
+    let pause = |pid: &str| {
+        let stopped = std::process::Command::new("kill").args(["-STOP", pid]).status().unwrap();
+        assert!(stopped.success());
+    };
+    let (PauseAt::Applied(target) | PauseAt::LeaseCheckAnswered(target)) = at;
     let mut paused_at = None;
-    let target = rand::random_range(1..total - 1);
     for _ in 0..5_000 {
         let (applied, _) = common::history_on(&watch).await;
-        if applied >= target {
-            let stopped = std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
-            assert!(stopped.success());
-            paused_at = Some(common::history_on(&watch).await);
-            break;
+        if applied < target {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            continue;
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        if let PauseAt::LeaseCheckAnswered(_) = at {
+            let mut blocker = first_node.begin().await.unwrap();
+            sqlx::query("SELECT holder FROM payledger_migration_lease WHERE id = 1 FOR UPDATE")
+                .fetch_optional(&mut *blocker)
+                .await
+                .unwrap();
+            // The migrating connection (not the renewal's): the one holding the migration lock.
+            let waiting = "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                           WHERE ID = IS_USED_LOCK(CONCAT('payledger_migrate_', MD5(DATABASE()))) \
+                           AND INFO LIKE '%UPDATE payledger_migration_lease SET expires_at%'";
+            let mut checked = false;
+            for _ in 0..2_000 {
+                if sqlx::query_scalar::<_, i64>(waiting).fetch_one(&first_node).await.unwrap() > 0 {
+                    checked = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(checked, "the migrating connection's lease check waits for the lease row");
+            pause(&pid);
+            blocker.commit().await.unwrap();
+            // The check, let through, renews the lease: it lapses a lease from now.
+        } else {
+            pause(&pid);
+        }
+        paused_at = Some(common::history_on(&watch).await);
+        break;
     }
     let paused_at = paused_at.expect("the first instance got as far as the target");
     assert!(paused_at.0 < total, "paused before the end: {paused_at:?}");
@@ -482,7 +540,8 @@ async fn a_lease_holder_paused_past_its_lease_stops_when_it_resumes() {
     assert!(second.audit().await.unwrap().is_empty());
     second.store().close().await;
     watch.close().await;
-    eprintln!("paused with (applied, begun) = {paused_at:?}; the first said: {said}");
+    first_node.close().await;
+    eprintln!("{at:?}: paused with (applied, begun) = {paused_at:?}; the first said: {said}");
     sqlx::query(&format!("DROP DATABASE {name}")).execute(&admin).await.unwrap();
     admin.close().await;
 }

@@ -32,7 +32,11 @@
 //! migrates under a lease row that all nodes see ([`claim_lease`]), renewed while it
 //! migrates and checked before each statement and in the closing transaction, so that a
 //! holder that lost its lease (paused for longer than [`LEASE_SECONDS`], or cut off) stops
-//! instead of migrating beside the next holder.
+//! instead of migrating beside the next holder. No check can stop a holder paused between a
+//! check's answer and what it sends next: it finds its progress row gone or moved on, or
+//! runs that one statement, which (being one that can run twice) fails or changes nothing;
+//! a failure is then put down to the lost lease, and the start waits for the next holder
+//! like any other.
 
 use std::time::{Duration, Instant};
 
@@ -212,6 +216,25 @@ pub(super) async fn apply_mysql(
     migrator: &Migrator,
     lease: Option<&str>,
 ) -> Result<usize, RunError> {
+    let outcome = apply_missing(connection, migrator, lease).await;
+    match (outcome, lease) {
+        // A holder paused between a lease check and what it then ran (the check's answer
+        // was on its way when it stopped) finds the next holder's work in its way: that
+        // failure is the lost lease's, not the migration's.
+        (Err(RunError::Migrate(error)), Some(holder)) => match hold_lease(&mut *connection, holder).await {
+            Err(RunError::LeaseLost) => Err(RunError::LeaseLost),
+            _ => Err(RunError::Migrate(error)),
+        },
+        (outcome, _) => outcome,
+    }
+}
+
+/// [`apply_mysql`], before a failure is put down to a lost lease.
+async fn apply_missing(
+    connection: &mut AnyConnection,
+    migrator: &Migrator,
+    lease: Option<&str>,
+) -> Result<usize, RunError> {
     ensure_table(connection, "_sqlx_migrations", HISTORY_TABLE).await?;
     ensure_table(connection, "payledger_migration_progress", PROGRESS_TABLE).await?;
     let recorded: Vec<(i64, Vec<u8>, i64)> =
@@ -353,11 +376,19 @@ async fn apply_one(
         let maybe_done = progress.attempting == Some(index);
         let number = i64::try_from(index).unwrap_or(i64::MAX);
         if !maybe_done {
-            sqlx::query("UPDATE payledger_migration_progress SET attempting = ? WHERE version = ?")
-                .bind(number)
-                .bind(version)
-                .execute(&mut *connection)
-                .await?;
+            // Only where this statement is next: a row gone or moved on is another migrator's
+            // work since this one read it (a lease holder paused past its lease).
+            let marked = sqlx::query(
+                "UPDATE payledger_migration_progress SET attempting = ? WHERE version = ? AND statements_done = ?",
+            )
+            .bind(number)
+            .bind(version)
+            .bind(number)
+            .execute(&mut *connection)
+            .await?;
+            if marked.rows_affected() != 1 {
+                return Err(superseded(version, lease));
+            }
         }
         match connection.execute(statement.sql).await {
             Ok(_) => {}
@@ -367,21 +398,29 @@ async fn apply_one(
                 tracing::info!(version, %error, "the statement an earlier start was running had committed");
             }
             Err(error) => {
+                // Another holder's work in the way is not a refusal of this statement.
+                if let Some(holder) = lease {
+                    hold_lease(&mut *connection, holder).await?;
+                }
                 // A refusal of the database's own (not a lost connection or a lock wait, after
                 // which the statement may or may not have run) clears `attempting`, so that the
                 // next start does not take its "already exists" for the statement's own work.
                 if dialect::classify(&error) == Fault::Other {
-                    let _ = sqlx::query("UPDATE payledger_migration_progress SET attempting = NULL WHERE version = ?")
-                        .bind(version)
-                        .execute(&mut *connection)
-                        .await;
+                    let _ = sqlx::query(
+                        "UPDATE payledger_migration_progress SET attempting = NULL \
+                         WHERE version = ? AND attempting = ?",
+                    )
+                    .bind(version)
+                    .bind(number)
+                    .execute(&mut *connection)
+                    .await;
                 }
                 return Err(failed(error));
             }
         }
         // Only forward from this statement: a holder that lost its lease while the statement
         // ran must not move the next holder's progress back.
-        sqlx::query(
+        let moved = sqlx::query(
             "UPDATE payledger_migration_progress SET statements_done = ?, attempting = NULL \
              WHERE version = ? AND statements_done = ?",
         )
@@ -390,6 +429,9 @@ async fn apply_one(
         .bind(number)
         .execute(&mut *connection)
         .await?;
+        if moved.rows_affected() != 1 {
+            return Err(superseded(version, lease));
+        }
     }
     let mut transaction = connection.begin().await?;
     if let Some(holder) = lease {
@@ -410,6 +452,19 @@ async fn apply_one(
         .await?;
     transaction.commit().await?;
     Ok(())
+}
+
+/// What [`apply_one`] stops with when `version`'s progress row is gone or has moved on since
+/// it read it: the work of another migrator, which only a Galera holder that lost its lease
+/// meets (elsewhere the migration lock keeps one migrator per database).
+fn superseded(version: i64, lease: Option<&str>) -> RunError {
+    match lease {
+        Some(_) => RunError::LeaseLost,
+        None => RunError::Migrate(MigrateError::ExecuteMigration(
+            sqlx::Error::Protocol(format!("the progress of migration {version} moved under this run")),
+            version,
+        )),
+    }
 }
 
 /// The MySQL/MariaDB error number of a database error.
