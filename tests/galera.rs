@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::config::{DatabaseSettings, IdempotencySettings, WriteSettings};
 use payledger::ledger::Ledger;
 use payledger::proto::{self, query_request::Key};
 use payledger_client::{was_replayed, ClientSettings, PayledgerClient, RetrySettings};
@@ -50,19 +50,31 @@ async fn open_node(
         pool_acquire_timeout_ms: 5_000,
         plan_lifetime_seconds: 30,
         lock_timeout_ms: 5_000,
-        pay_batch_max: 64,
-        pay_batch_workers: 1,
-        pay_batch_pipeline: 1,
-        pay_queue_max: 1024,
         database_wait_seconds: 10,
-        funding_account_shards,
     };
-    payledger::startup::open_ledger(&database, &IdempotencySettings::default()).await
+    let writes = WriteSettings { pay_batch_pipeline: 1, funding_account_shards, ..WriteSettings::default() };
+    payledger::startup::open_ledger(&database, &writes, &IdempotencySettings::default()).await
 }
 
 /// A pool of one connection on a node, which gives up within 5 s when the node is down.
 async fn admin_pool(url: &str) -> Result<sqlx::AnyPool, sqlx::Error> {
     sqlx::any::AnyPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5)).connect(url).await
+}
+
+/// [`admin_pool`] on a database just created through another node, which this node may not
+/// have applied yet (its DDL is ordered, not waited for, on the other nodes): tried for up to 10 s.
+async fn pool_once_there(url: &str) -> sqlx::AnyPool {
+    let mut tries = 0;
+    loop {
+        match admin_pool(url).await {
+            Ok(pool) => return pool,
+            Err(_) if tries < 100 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!("{url}: {error}"),
+        }
+    }
 }
 
 /// The cluster's admin URLs, or `None` (skipped) when the variable is unset outside CI.
@@ -458,7 +470,7 @@ async fn pause_a_lease_holder(at: PauseAt) {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let node_urls: Vec<String> = admin_urls.iter().map(|url| common::database_url(url, &name)).collect();
     let total = common::migration_count("mysql:");
-    let watch = admin_pool(&node_urls[1]).await.unwrap();
+    let watch = pool_once_there(&node_urls[1]).await;
     // Row locks hold on the node that takes them: the lease row is locked where the first migrates.
     let first_node = sqlx::any::AnyPoolOptions::new().max_connections(2).connect(&node_urls[0]).await.unwrap();
 
