@@ -31,6 +31,33 @@ pub struct DatabaseSettings {
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
+    /// Seconds `serve` waits at start for a PostgreSQL or MySQL database to accept
+    /// connections (it may come up after payledger, or be created later), retrying with
+    /// backoff, before it exits with the last error; 0 tries once. SQLite is never waited for.
+    #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub database_wait_seconds: u64,
+}
+
+impl DatabaseSettings {
+    pub fn pool(&self) -> PoolSettings {
+        PoolSettings {
+            max_connections: self.pool_size.max(1),
+            acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
+            lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
+            plan_lifetime: Duration::from_secs(self.plan_lifetime_seconds),
+        }
+    }
+
+    pub fn database_wait(&self) -> Duration {
+        Duration::from_secs(self.database_wait_seconds)
+    }
+}
+
+/// How `serve` writes: group commit's bounds and the funding account shards (`payledger
+/// migrate` has none of these).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WriteSettings {
     /// Most Pays, Refunds, Transfers, Deposits, Withdraws and CreateOrders written together by
     /// one transaction (group commit: the calls that arrive while the database is busy share
     /// one transaction and one commit, with or without an idempotency-key or
@@ -61,12 +88,6 @@ pub struct DatabaseSettings {
     #[arg(long, env = "PAYLEDGER_PAY_QUEUE_MAX", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub pay_queue_max: u32,
-    /// Seconds `serve` waits at start for a PostgreSQL or MySQL database to accept
-    /// connections (it may come up after payledger, or be created later), retrying with
-    /// backoff, before it exits with the last error; 0 tries once. SQLite is never waited for.
-    #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 30,
-          value_parser = clap::value_parser!(u64).range(0..=3600))]
-    pub database_wait_seconds: u64,
     /// Shards of each currency's external funding account that Deposits and Withdraws
     /// spread over, by a hash of their request_id (`@external:USD`, `@external:USD:1`...;
     /// the audit sums them), so that they do not all write one row. 1 to 32; unset: 16 on a
@@ -77,23 +98,23 @@ pub struct DatabaseSettings {
     pub funding_account_shards: Option<u32>,
 }
 
-impl DatabaseSettings {
-    pub fn pool(&self) -> PoolSettings {
-        PoolSettings {
-            max_connections: self.pool_size.max(1),
-            acquire_timeout: Duration::from_millis(self.pool_acquire_timeout_ms),
-            lock_timeout: Duration::from_millis(self.lock_timeout_ms.max(1)),
-            plan_lifetime: Duration::from_secs(self.plan_lifetime_seconds),
+impl Default for WriteSettings {
+    /// The flags' defaults.
+    fn default() -> Self {
+        Self {
+            pay_batch_max: 64,
+            pay_batch_workers: 1,
+            pay_batch_pipeline: 4,
+            pay_queue_max: 1024,
+            funding_account_shards: None,
         }
     }
+}
 
+impl WriteSettings {
     /// The funding account shards for a store that is (`galera`) or is not a Galera node.
     pub fn funding_account_shards(&self, galera: bool) -> u32 {
         self.funding_account_shards.unwrap_or(if galera { GALERA_FUNDING_ACCOUNT_SHARDS } else { 1 })
-    }
-
-    pub fn database_wait(&self) -> Duration {
-        Duration::from_secs(self.database_wait_seconds)
     }
 
     pub fn group_commit(&self) -> GroupCommitSettings {
@@ -118,12 +139,7 @@ impl std::fmt::Debug for DatabaseSettings {
             .field("pool_acquire_timeout_ms", &self.pool_acquire_timeout_ms)
             .field("plan_lifetime_seconds", &self.plan_lifetime_seconds)
             .field("lock_timeout_ms", &self.lock_timeout_ms)
-            .field("pay_batch_max", &self.pay_batch_max)
-            .field("pay_batch_workers", &self.pay_batch_workers)
-            .field("pay_batch_pipeline", &self.pay_batch_pipeline)
-            .field("pay_queue_max", &self.pay_queue_max)
             .field("database_wait_seconds", &self.database_wait_seconds)
-            .field("funding_account_shards", &self.funding_account_shards)
             .finish()
     }
 }
@@ -400,6 +416,8 @@ pub struct ServeSettings {
     pub auth: AuthSettings,
     #[command(flatten)]
     pub database: DatabaseSettings,
+    #[command(flatten)]
+    pub writes: WriteSettings,
     /// `apply`: apply the migrations the database lacks at start; `check`: apply none and
     /// refuse to start unless the schema is complete (`payledger migrate` applies them).
     #[arg(long, env = "PAYLEDGER_MIGRATIONS", value_enum, default_value_t = Migrations::Apply)]

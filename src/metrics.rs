@@ -344,15 +344,28 @@ pub struct RpcMetrics {
     pub duration: Family<MethodLabels, Histogram, fn() -> Histogram>,
     pub in_flight: Family<MethodLabels, Gauge>,
     pub platform_calls: Family<CallLabels, Counter>,
+    /// TLS connections closed before they were served, by [`TLS_REFUSALS`] reason.
+    pub tls_refused: Family<ReasonLabel, Counter>,
 }
+
+/// Why a TLS connection was closed before it was served: its handshake failed (a client
+/// certificate no CA of `--tls-client-ca` signed, an expired one, no common protocol or
+/// cipher, plaintext to the TLS port), did not finish within 5 s, or arrived while the
+/// handshakes in progress (of all peers, or of its address) were at their bound.
+pub const TLS_REFUSALS: [&str; 4] = ["handshake_failed", "handshake_timed_out", "handshakes_at_bound", "peer_at_bound"];
 
 impl Default for RpcMetrics {
     fn default() -> Self {
+        let tls_refused = Family::<ReasonLabel, Counter>::default();
+        for reason in TLS_REFUSALS {
+            tls_refused.get_or_create_owned(&ReasonLabel { reason });
+        }
         Self {
             calls: Family::default(),
             duration: Family::new_with_constructor(duration_buckets),
             in_flight: Family::default(),
             platform_calls: Family::default(),
+            tls_refused,
         }
     }
 }
@@ -387,6 +400,12 @@ impl RpcMetrics {
             "payledger_rpc_platform_calls",
             "Completed health and reflection RPCs, apart from API traffic, by service, method, type and gRPC code",
             self.platform_calls.clone(),
+        );
+        registry.register(
+            "payledger_tls_connections_refused",
+            "TLS connections closed before they were served, by reason (handshake_failed, handshake_timed_out, \
+             handshakes_at_bound, peer_at_bound)",
+            self.tls_refused.clone(),
         );
     }
 }

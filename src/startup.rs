@@ -15,6 +15,7 @@ use crate::auth::jwks::{spawn_refresher, JwksSource, Refresh};
 use crate::auth::{AuthSettingsError, Authenticator};
 use crate::config::{
     AuditSettings, AuthSettings, DatabaseSettings, IdempotencySettings, Migrations, ServeSettings, TlsSettings,
+    WriteSettings,
 };
 use crate::grpc::{capture_guard_headers, AccountApi, Admission, Authentication, Observe, PaymentApi};
 use crate::ledger::{spawn_reaper, Ledger, LedgerSettings, ReaperSettings, TokenStore};
@@ -50,15 +51,17 @@ pub enum StartupError {
     Serve(#[from] tonic::transport::Error),
 }
 
-/// Connects to the database (applying its migrations) and to the token store.
+/// Connects to the database (applying its migrations) and to the token store, and writes
+/// as `writes` says.
 ///
 /// # Errors
 /// [`StartupError::Database`], [`StartupError::TokenStore`].
 pub async fn open_ledger(
     database: &DatabaseSettings,
+    writes: &WriteSettings,
     idempotency: &IdempotencySettings,
 ) -> Result<Ledger, StartupError> {
-    open_ledger_with(database, idempotency, Migrations::Apply).await
+    open_ledger_with(database, writes, idempotency, Migrations::Apply).await
 }
 
 /// [`open_ledger`], applying the migrations the database lacks (`Migrations::Apply`) or
@@ -69,10 +72,16 @@ pub async fn open_ledger(
 /// migration of this release is not applied.
 pub async fn open_ledger_with(
     database: &DatabaseSettings,
+    writes: &WriteSettings,
     idempotency: &IdempotencySettings,
     migrations: Migrations,
 ) -> Result<Ledger, StartupError> {
     idempotency.validate().map_err(StartupError::Settings)?;
+    // Checking a SQLite database that is not there must not create an empty one.
+    if migrations == Migrations::Check && crate::store::sqlite_file_missing(&database.database_url) {
+        let url = crate::store::redacted(&database.database_url);
+        return Err(ConnectError::SchemaBehind(url, "every one: there is no such file".to_owned()).into());
+    }
     let store = connect_waiting(&database.database_url, &database.pool(), database.database_wait()).await?;
     match migrations {
         Migrations::Apply => store.migrate().await?,
@@ -82,8 +91,8 @@ pub async fn open_ledger_with(
         .await
         .map_err(|error| StartupError::TokenStore(error.to_string()))?;
     let settings = LedgerSettings {
-        group_commit: database.group_commit(),
-        funding_account_shards: database.funding_account_shards(store.is_galera()),
+        group_commit: writes.group_commit(),
+        funding_account_shards: writes.funding_account_shards(store.is_galera()),
         ..idempotency.ledger()
     };
     Ok(Ledger::with_settings(store, tokens, settings))
@@ -267,7 +276,8 @@ impl Application {
             }
             None => None,
         };
-        let ledger = open_ledger_with(&settings.database, &settings.idempotency, settings.migrations).await?;
+        let ledger =
+            open_ledger_with(&settings.database, &settings.writes, &settings.idempotency, settings.migrations).await?;
         let mut application =
             Self::with_listener(listener, ledger, Duration::from_secs(settings.shutdown_grace_seconds)).with_jwks(jwks);
         if let Some(tls) = tls {
@@ -454,6 +464,7 @@ impl Application {
         let authentication = Authentication::new(authenticator);
         let metrics_server = metrics_listener
             .map(|listener| crate::metrics::serve(listener, Arc::new(Metrics::new(&ledger, &rpc_metrics))));
+        let tls_refused = rpc_metrics.tls_refused.clone();
         let observe = Observe::new(rpc_metrics);
         let admission = Admission::new(max_concurrent_calls, ledger.metrics().clone());
         let reaper = spawn_reaper(ledger.clone(), reaper);
@@ -507,7 +518,7 @@ impl Application {
             }
             Some(tls) => {
                 let reloader = tls_reload.and_then(|interval| tls.reload_every(interval));
-                (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(listener), stopped)), reloader)
+                (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(listener, tls_refused), stopped)), reloader)
             }
         };
         let _tls_reloader = AbortOnDrop(tls_reloader);

@@ -28,6 +28,8 @@ use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
@@ -39,6 +41,8 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tonic::transport::server::Connected;
+
+use crate::metrics::ReasonLabel;
 
 /// Longest a TLS handshake may take; a connection that has not finished it by then is closed.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -320,12 +324,17 @@ impl ServerTls {
     /// The TLS connections of `listener`, each handshaken with the configuration in force when
     /// it was accepted (TCP_NODELAY set), for `Server::serve_with_incoming_shutdown`. A
     /// connection past the handshake bounds is closed at once; a handshake that fails or takes
-    /// longer than [`HANDSHAKE_TIMEOUT`] closes its connection, and is logged at debug level.
-    /// Ends when the receiving side is dropped.
+    /// longer than [`HANDSHAKE_TIMEOUT`] closes its connection; each is counted in `refused` by
+    /// its reason ([`crate::metrics::TLS_REFUSALS`]) and logged at debug level (a peer can
+    /// cause as many as it likes). Ends when the receiving side is dropped.
     pub fn incoming(
         &self,
         listener: TcpListener,
+        refused: Family<ReasonLabel, Counter>,
     ) -> impl futures_util::Stream<Item = io::Result<PrefaceDeadline<TlsStream<TcpStream>>>> {
+        let refuse = move |reason: &'static str| {
+            refused.get_or_create(&ReasonLabel { reason }).inc();
+        };
         let (connections, incoming) = mpsc::channel(64);
         let tls = self.clone();
         tokio::spawn(async move {
@@ -346,16 +355,19 @@ impl ServerTls {
                     }
                 };
                 let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    refuse("handshakes_at_bound");
                     tracing::debug!(%peer, "TLS handshakes at their bound: connection closed");
                     continue;
                 };
                 let Some(peer_slot) = PeerSlot::take(&per_peer, peer.ip()) else {
+                    refuse("peer_at_bound");
                     tracing::debug!(%peer, "TLS handshakes of this address at their bound: connection closed");
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
                 let acceptor = TlsAcceptor::from(tls.config());
                 let connections = connections.clone();
+                let refuse = refuse.clone();
                 tokio::spawn(async move {
                     let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
                     drop((permit, peer_slot));
@@ -363,8 +375,14 @@ impl ServerTls {
                         Ok(Ok(stream)) => {
                             let _ = connections.send(Ok(PrefaceDeadline::new(stream, PREFACE_TIMEOUT))).await;
                         }
-                        Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                        Ok(Err(error)) => {
+                            refuse("handshake_failed");
+                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                        }
+                        Err(_) => {
+                            refuse("handshake_timed_out");
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                        }
                     }
                 });
             }

@@ -113,11 +113,14 @@ pub struct Store {
     /// writers in other processes.
     write_gate: Option<Arc<Semaphore>>,
     lock_timeout: Duration,
-    /// One connection of its own for health checks, so that a check never waits behind the
-    /// load for a pooled connection, nor takes one from it. On PostgreSQL and MySQL it is a
-    /// new session at every check, closed after it (see [`Store::check_health`]); SQLite keeps
-    /// its one connection.
+    /// Health checks have connections of their own, so that a check never waits behind the
+    /// load for a pooled connection, nor takes one from it: on SQLite this pool's one
+    /// connection, kept; on PostgreSQL and MySQL a new session at every check, made with
+    /// `probe_options` and closed after it (see [`Store::check_health`]).
     probe: AnyPool,
+    /// How the health check connects on PostgreSQL and MySQL/MariaDB: directly, a new
+    /// connection each check.
+    probe_options: sqlx::any::AnyConnectOptions,
     max_connections: u32,
     /// Seconds each transaction and read waited for a pooled connection.
     acquire_duration: Histogram,
@@ -267,7 +270,15 @@ impl Store {
     async fn open(url: &str, settings: &PoolSettings, create: bool) -> Result<Self, ConnectError> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
-        let galera = dialect == Dialect::MySql && is_galera_node(url).await?;
+        let galera = match dialect {
+            Dialect::Sqlite => false,
+            Dialect::Postgres | Dialect::MySql => {
+                let mut first = first_connection(dialect, url, settings.acquire_timeout).await?;
+                let galera = if dialect == Dialect::MySql { is_galera_node(&mut first).await } else { Ok(false) };
+                let _ = first.close().await;
+                galera.map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?
+            }
+        };
         let session_setup = Arc::new(dialect.session_setup(settings.lock_timeout, galera));
         // PostgreSQL: the age of the generic plans a connection keeps is bounded (see
         // `PoolSettings::plan_lifetime`); an older connection is closed when it is released or
@@ -293,13 +304,13 @@ impl Store {
             .connect_with(connect_options(&dialect.driver_url(url, create), create)?)
             .await
             .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+        let probe_options = connect_options(&dialect.driver_url(url, false), false)?;
         let probe = without_reaper(AnyPoolOptions::new(), None)
             .max_connections(1)
             .acquire_timeout(PROBE_TIMEOUT)
             // A connection the database dropped is found out here, and replaced.
             .test_before_acquire(true)
-            .connect_lazy(&dialect.driver_url(url, false))
-            .map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?;
+            .connect_lazy_with(probe_options.clone());
         let write_gate = (dialect == Dialect::Sqlite).then(|| Arc::new(Semaphore::new(1)));
         let up = Gauge::default();
         up.set(1);
@@ -309,6 +320,7 @@ impl Store {
             write_gate,
             lock_timeout: settings.lock_timeout,
             probe,
+            probe_options,
             max_connections: settings.max_connections,
             acquire_duration: crate::metrics::duration_buckets(),
             up,
@@ -662,13 +674,24 @@ impl Store {
     }
 
     async fn probe_database(&self) -> Result<(), Unhealthy> {
-        // A connection the database dropped is found out here, and replaced: the pool pings
-        // the connection it keeps (SQLite), and connects anew on the other backends.
-        let mut connection = self.probe.acquire().await.map_err(Unhealthy::Unreachable)?;
-        if self.dialect != Dialect::Sqlite {
-            // Closed when dropped, also when the check is cancelled by its timeout.
-            connection.close_on_drop();
+        if self.dialect == Dialect::Sqlite {
+            // A connection SQLite dropped is found out here, and replaced: the pool pings the
+            // connection it keeps.
+            let mut connection = self.probe.acquire().await.map_err(Unhealthy::Unreachable)?;
+            return self.probe_on(&mut connection).await;
         }
+        // A new connection each time, made directly rather than through a pool, so that a
+        // refusal is told in the database's words ("too many clients already", "the database
+        // system is starting up") rather than as a pool's timeout. Closed when dropped, also
+        // when the check is cancelled by its timeout.
+        let mut connection = AnyConnection::connect_with(&self.probe_options).await.map_err(Unhealthy::Unreachable)?;
+        let outcome = self.probe_on(&mut connection).await;
+        let _ = connection.close().await;
+        outcome
+    }
+
+    /// The health check's statements on `connection`.
+    async fn probe_on(&self, connection: &mut AnyConnection) -> Result<(), Unhealthy> {
         if self.galera {
             let synced: i64 =
                 sqlx::query_scalar(GALERA_SYNCED).fetch_one(&mut *connection).await.map_err(Unhealthy::Unreachable)?;
@@ -687,6 +710,12 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Whether `url` names a SQLite file that does not exist (an in-memory database, or another
+/// backend's URL, is never missing).
+pub fn sqlite_file_missing(url: &str) -> bool {
+    sqlite_file(url).is_some_and(|file| !file.exists())
 }
 
 /// The file of the SQLite database at `url`, or `None` (in memory, or another backend).
@@ -755,22 +784,37 @@ const GALERA_SYNCED: &str = "SELECT CAST(COUNT(*) AS SIGNED) FROM information_sc
 
 /// Whether the MySQL/MariaDB server behind `url` is a Galera cluster node: `wsrep_on` is ON
 /// and a provider is loaded. MySQL has neither variable (no rows: false); MariaDB without a
-/// cluster has `wsrep_on` OFF. Asked once at start, on a plain connection of its own.
-async fn is_galera_node(url: &str) -> Result<bool, ConnectError> {
-    let failed = |error| ConnectError::Connect(dialect::redacted(url), error);
-    let options = connect_options(&Dialect::MySql.driver_url(url, false), false)?;
-    let mut connection = AnyConnection::connect_with(&options).await.map_err(failed)?;
-    let variables: Result<Vec<(String, String)>, _> = sqlx::query_as(
+/// cluster has `wsrep_on` OFF. Asked once at start, on [`first_connection`].
+async fn is_galera_node(connection: &mut AnyConnection) -> Result<bool, sqlx::Error> {
+    let variables: Vec<(String, String)> = sqlx::query_as(
         // SHOW, not information_schema.GLOBAL_VARIABLES, which MySQL 8 no longer has.
         "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('wsrep_on', 'wsrep_provider')",
     )
-    .fetch_all(&mut connection)
-    .await;
-    let _ = connection.close().await;
-    let variables = variables.map_err(failed)?;
+    .fetch_all(&mut *connection)
+    .await?;
     let value =
         |name: &str| variables.iter().find(|(key, _)| key.eq_ignore_ascii_case(name)).map(|(_, value)| value.as_str());
     Ok(value("wsrep_on") == Some("ON") && value("wsrep_provider").is_some_and(|provider| provider != "none"))
+}
+
+/// One plain connection to a database server before its pool is opened (no session setup,
+/// no retries), within `timeout`: a server that refuses the connection, or a login it
+/// rejects, is named at once with the driver's own error ("Connection refused", "role ...
+/// does not exist"), where the pool would say only "pool timed out" after its acquire timeout.
+///
+/// # Errors
+/// [`ConnectError::Connect`] with the driver's error, or an I/O `TimedOut` error when
+/// `timeout` passed first.
+async fn first_connection(dialect: Dialect, url: &str, timeout: Duration) -> Result<AnyConnection, ConnectError> {
+    let failed = |error| ConnectError::Connect(dialect::redacted(url), error);
+    let options = connect_options(&dialect.driver_url(url, false), false)?;
+    match tokio::time::timeout(timeout, AnyConnection::connect_with(&options)).await {
+        Ok(connected) => connected.map_err(failed),
+        Err(_) => Err(failed(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within the pool's acquire timeout ({} ms)", timeout.as_millis()),
+        )))),
+    }
 }
 
 /// A write transaction. Dropping it without [`Tx::commit`] rolls it back.

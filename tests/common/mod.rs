@@ -195,14 +195,10 @@ pub async fn open_instance(url: &str) -> Result<payledger::ledger::Ledger, payle
         pool_acquire_timeout_ms: 5_000,
         plan_lifetime_seconds: 30,
         lock_timeout_ms: 2_000,
-        pay_batch_max: 64,
-        pay_batch_workers: 1,
-        pay_batch_pipeline: 1,
-        pay_queue_max: 1024,
         database_wait_seconds: 10,
-        funding_account_shards: None,
     };
-    payledger::startup::open_ledger(&database, &payledger::config::IdempotencySettings::default()).await
+    let writes = payledger::config::WriteSettings { pay_batch_pipeline: 1, ..Default::default() };
+    payledger::startup::open_ledger(&database, &writes, &payledger::config::IdempotencySettings::default()).await
 }
 
 /// `count` instances start at once on `url` (`urls` round-robin), each serves an

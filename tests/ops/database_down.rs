@@ -186,3 +186,34 @@ async fn postgres_gone_answers_a_batched_pay_and_a_deposit_unavailable_within_th
 async fn mariadb_gone_answers_a_batched_pay_and_a_deposit_unavailable_within_the_acquire_timeout() {
     database_down("PAYLEDGER_TEST_MYSQL_URL").await;
 }
+
+/// A start on a database server that refuses connections is told why at once, in the
+/// driver's words, with the URL's password redacted, rather than "pool timed out" after the
+/// pool's acquire timeout (here a minute, which the test would otherwise wait out).
+async fn a_refused_start_says_why(admin_variable: &str) {
+    let Some(admin) = common::admin_url(admin_variable) else { return };
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+    let (before, _, after) = around_host(&admin);
+    let scheme = &before[..before.find("://").unwrap() + 3];
+    let url = format!("{scheme}payledger:secret-password@{closed}{after}");
+    let settings = PoolSettings {
+        max_connections: 4,
+        acquire_timeout: Duration::from_secs(60),
+        lock_timeout: Duration::from_secs(5),
+        plan_lifetime: PoolSettings::PLAN_LIFETIME_DEFAULT,
+    };
+    let refused = Store::connect(&url, &settings).await.err().expect("nothing listens there");
+    let said = payledger::startup::error_chain(&refused);
+    assert!(said.contains("Connection refused"), "{said}");
+    assert!(!said.contains("secret-password") && !said.contains("pool timed out"), "{said}");
+}
+
+#[tokio::test]
+async fn a_start_on_a_postgres_port_that_refuses_connections_says_so() {
+    a_refused_start_says_why("PAYLEDGER_TEST_POSTGRES_URL").await;
+}
+
+#[tokio::test]
+async fn a_start_on_a_mariadb_port_that_refuses_connections_says_so() {
+    a_refused_start_says_why("PAYLEDGER_TEST_MYSQL_URL").await;
+}

@@ -70,6 +70,36 @@ fn the_settings_table_names_every_flag_and_variable_of_serve() {
     );
 }
 
+/// `payledger migrate --help` offers the database's flags, and none of those only `serve`
+/// reads (how it writes, where it listens).
+#[test]
+fn migrate_offers_only_the_flags_it_reads() {
+    let help =
+        std::process::Command::new(env!("CARGO_BIN_EXE_payledger")).args(["migrate", "--help"]).output().unwrap();
+    assert!(help.status.success());
+    let help = String::from_utf8_lossy(&help.stdout);
+    let offered: BTreeSet<String> = help
+        .lines()
+        .filter_map(|line| line.trim_start().strip_prefix("--"))
+        .filter_map(|flag| flag.split([' ', '=', ',']).next())
+        .map(|flag| format!("--{flag}"))
+        .collect();
+    let database = payledger::config::DatabaseSettings::augment_args(clap::Command::new("migrate"));
+    let logging = LogSettings::augment_args(clap::Command::new("migrate"));
+    let expected: BTreeSet<String> = database
+        .get_arguments()
+        .chain(logging.get_arguments())
+        .filter_map(|argument| argument.get_long())
+        .map(|long| format!("--{long}"))
+        .collect();
+    assert_eq!(offered, expected, "{help}");
+    let serve_only = payledger::config::WriteSettings::augment_args(clap::Command::new("serve"));
+    for argument in serve_only.get_arguments() {
+        let flag = format!("--{}", argument.get_long().unwrap());
+        assert!(!help.contains(&flag), "migrate offers {flag}, which only serve reads");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_table_names_every_family_of_metrics() {
     let directory = tempfile::tempdir().unwrap();

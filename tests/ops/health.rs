@@ -9,7 +9,7 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::{admin_url, database_url};
-use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::config::{DatabaseSettings, IdempotencySettings, WriteSettings};
 use payledger::ledger::Ledger;
 use payledger::startup::{open_ledger, Application};
 use payledger::store::{PoolSettings, Store};
@@ -121,6 +121,10 @@ async fn health_turns_not_serving_while_postgres_refuses_connections_and_back_wi
         .await
         .unwrap();
     until_health_is(address, ServingStatus::NotServing).await;
+    // Why, in the database's words (not a pool's timeout).
+    let unhealthy = server.ledger.store().check_health().await.unwrap_err();
+    let said = payledger::startup::error_chain(&unhealthy);
+    assert!(said.contains("not currently accepting connections"), "{said}");
     sqlx::query(&format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true")).execute(&admin).await.unwrap();
     until_health_is(address, ServingStatus::Serving).await;
 
@@ -140,19 +144,15 @@ async fn opens_once_the_database_exists(admin_url: &str, force: &str) {
         pool_acquire_timeout_ms: 2_000,
         plan_lifetime_seconds: 30,
         lock_timeout_ms: 2_000,
-        pay_batch_max: 64,
-        pay_batch_workers: 1,
-        pay_batch_pipeline: 1,
-        pay_queue_max: 1024,
         database_wait_seconds: wait,
-        funding_account_shards: None,
     };
+    let writes = || WriteSettings { pay_batch_pipeline: 1, ..WriteSettings::default() };
     let started = Instant::now();
-    assert!(open_ledger(&settings(0), &IdempotencySettings::default()).await.is_err());
+    assert!(open_ledger(&settings(0), &writes(), &IdempotencySettings::default()).await.is_err());
     assert!(started.elapsed() < Duration::from_secs(5), "no wait: one try");
 
     let waiting = settings(60);
-    let opening = tokio::spawn(async move { open_ledger(&waiting, &IdempotencySettings::default()).await });
+    let opening = tokio::spawn(async move { open_ledger(&waiting, &writes(), &IdempotencySettings::default()).await });
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(!opening.is_finished(), "it waits for the database");
     let admin = AnyPool::connect(admin_url).await.unwrap();
@@ -264,6 +264,8 @@ async fn health_turns_not_serving_while_mariadb_refuses_its_user_and_back_withou
     }
     until_health_is(address, ServingStatus::NotServing).await;
     assert_eq!(ledger.store().up().get(), 0, "payledger_db_up follows health");
+    let said = payledger::startup::error_chain(&ledger.store().check_health().await.unwrap_err());
+    assert!(said.contains("account is locked"), "{said}");
     sqlx::query(&format!("ALTER USER '{user}'@'%' ACCOUNT UNLOCK")).execute(&admin).await.unwrap();
     until_health_is(address, ServingStatus::Serving).await;
     assert_eq!(ledger.store().up().get(), 1);

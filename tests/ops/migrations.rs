@@ -232,6 +232,9 @@ async fn migrate_then_serve_checking(url: &str) {
     let refused = payledger::startup::Application::build(&settings).await.err().expect("an empty schema is refused");
     let refused = payledger::startup::error_chain(&refused);
     assert!(refused.contains("lacks migrations") && refused.contains("payledger migrate"), "{refused}");
+    if let Some(path) = url.strip_prefix("sqlite:") {
+        assert!(!std::path::Path::new(path).exists(), "checking a missing SQLite file leaves none behind");
+    }
 
     let migrate = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
         .args(["migrate", "--database-url", url, "--database-wait-seconds", "0"])

@@ -64,6 +64,8 @@ impl Pki {
 /// given, JWT authentication, over a fresh SQLite ledger.
 struct Server {
     address: SocketAddr,
+    /// Its Prometheus listener.
+    metrics: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
     _directory: tempfile::TempDir,
@@ -80,9 +82,12 @@ impl Server {
         )
         .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics = metrics_listener.local_addr().unwrap();
         let application = Application::with_listener(listener, ledger, Duration::from_secs(2))
             .with_tls(tls, None)
-            .with_authenticator(authenticator.map(Arc::new));
+            .with_authenticator(authenticator.map(Arc::new))
+            .with_metrics_listener(Some(metrics_listener));
         let address = application.local_addr();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -93,12 +98,37 @@ impl Server {
                 .await
                 .unwrap();
         });
-        Self { address, stop: Some(stop), task, _directory: directory }
+        Self { address, metrics, stop: Some(stop), task, _directory: directory }
     }
 
     async fn stop(mut self) {
         let _ = self.stop.take().map(|stop| stop.send(()));
         let _ = self.task.await;
+    }
+
+    /// `payledger_tls_connections_refused_total` of `reason`, as `/metrics` shows it now.
+    async fn refused(&self, reason: &str) -> u64 {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics).await.unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.unwrap();
+        let series = format!("payledger_tls_connections_refused_total{{reason=\"{reason}\"}} ");
+        let line = text.lines().find_map(|line| line.strip_prefix(series.as_str()));
+        line.unwrap_or_else(|| panic!("no {series} in {text}")).trim().parse().unwrap()
+    }
+
+    /// Waits (up to 10 s) until `reason`'s count is at least `count`; the count as last seen.
+    async fn refused_reaches(&self, reason: &str, count: u64) -> u64 {
+        let mut seen = self.refused(reason).await;
+        for _ in 0..200 {
+            if seen >= count {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            seen = self.refused(reason).await;
+        }
+        seen
     }
 }
 
@@ -147,6 +177,48 @@ async fn the_client_speaks_tls_to_a_tls_server_and_refuses_one_it_cannot_verify(
     let settings = ClientSettings { tls: Some(trusting(&pki)), ..ClientSettings::default() };
     let mixed = PayledgerClient::connect(&format!("http://localhost:{}", server.address.port()), settings);
     assert!(matches!(mixed, Err(ConnectError::TlsForPlaintextTarget)));
+    server.stop().await;
+}
+
+/// Each connection refused at the TLS handshake is counted by its reason, starting from 0:
+/// plaintext sent to the TLS port, and (mutual TLS) a client certificate of another CA and
+/// none at all; a connection that completes its handshake is not.
+#[tokio::test]
+async fn connections_refused_at_the_handshake_are_counted_by_reason() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (server_pki, client_pki, stranger_pki) = (Pki::new("server CA"), Pki::new("client CA"), Pki::new("other"));
+    let server = Server::start(&server_pki.issue(&["localhost"]), Some(&client_pki.ca_pem()), None).await;
+    assert_eq!(server.refused("handshake_failed").await, 0);
+    assert_eq!(server.refused("handshake_timed_out").await, 0);
+
+    let mut plaintext = tokio::net::TcpStream::connect(server.address).await.unwrap();
+    plaintext.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    let _ = plaintext.read_to_end(&mut answer).await;
+    assert_eq!(server.refused_reaches("handshake_failed", 1).await, 1, "plaintext to the TLS port");
+
+    let target = format!("https://localhost:{}", server.address.port());
+    let client_with = |identity: Option<Issued>| {
+        let tls = ClientTls {
+            identity_pem: identity.map(|issued| (issued.cert_pem.into_bytes(), issued.key_pem.into_bytes())),
+            ..trusting(&server_pki)
+        };
+        let settings = ClientSettings {
+            retry: RetrySettings { max_attempts: 1, ..quick() },
+            tls: Some(tls),
+            ..ClientSettings::default()
+        };
+        PayledgerClient::connect(&target, settings).unwrap()
+    };
+    open(&client_with(Some(client_pki.issue(&["checkout"]))), "alice").await.expect("a client certificate of the CA");
+    assert_eq!(server.refused("handshake_failed").await, 1, "a completed handshake is not counted");
+    for identity in [Some(stranger_pki.issue(&["checkout"])), None] {
+        let before = server.refused("handshake_failed").await;
+        assert!(open(&client_with(identity), "bob").await.is_err());
+        assert!(server.refused_reaches("handshake_failed", before + 1).await > before, "a refused client certificate");
+    }
+    assert_eq!(server.refused("handshakes_at_bound").await, 0);
+    assert_eq!(server.refused("peer_at_bound").await, 0);
     server.stop().await;
 }
 

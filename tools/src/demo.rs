@@ -10,7 +10,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Response, Status};
 use tonic_types::StatusExt;
 
-use payledger::config::{DatabaseSettings, IdempotencySettings};
+use payledger::config::{DatabaseSettings, IdempotencySettings, WriteSettings};
 use payledger::startup::{open_ledger, Application};
 use payledger_client::proto::account_service_client::AccountServiceClient;
 use payledger_client::proto::payment_service_client::PaymentServiceClient;
@@ -56,14 +56,10 @@ pub async fn run(settings: DemoSettings) -> Result<ExitCode, AnyError> {
                 pool_acquire_timeout_ms: 5_000,
                 plan_lifetime_seconds: 30,
                 lock_timeout_ms: 5_000,
-                pay_batch_max: 64,
-                pay_batch_workers: 2,
-                pay_batch_pipeline: 1,
-                pay_queue_max: 1024,
                 database_wait_seconds: 0,
-                funding_account_shards: None,
             };
-            let ledger = open_ledger(&database, &IdempotencySettings::default()).await?;
+            let writes = WriteSettings { pay_batch_workers: 2, pay_batch_pipeline: 1, ..WriteSettings::default() };
+            let ledger = open_ledger(&database, &writes, &IdempotencySettings::default()).await?;
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let application = Application::with_listener(listener, ledger.clone(), Duration::from_secs(5));
             let address = application.local_addr();
