@@ -31,9 +31,9 @@ pub struct DatabaseSettings {
     /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
-    /// Seconds `serve` waits at start for a PostgreSQL or MySQL database to accept
-    /// connections (it may come up after payledger, or be created later), retrying with
-    /// backoff, before it exits with the last error; 0 tries once. SQLite is never waited for.
+    /// Seconds `serve` and `migrate` wait at start for a PostgreSQL or MySQL database to
+    /// accept connections (it may come up after payledger, or be created later), retrying with
+    /// backoff, before they exit with the last error; 0 tries once. SQLite is never waited for.
     #[arg(long, env = "PAYLEDGER_DATABASE_WAIT_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub database_wait_seconds: u64,
@@ -572,6 +572,19 @@ pub struct LogSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `WriteSettings::default()` is what `serve` gets without the flags.
+    #[test]
+    fn write_settings_default_to_the_flags_defaults() {
+        #[derive(clap::Parser)]
+        struct Writes {
+            #[command(flatten)]
+            writes: WriteSettings,
+        }
+        use clap::Parser as _;
+        let parsed = Writes::try_parse_from(["serve"]).unwrap().writes;
+        assert_eq!(format!("{parsed:?}"), format!("{:?}", WriteSettings::default()));
+    }
 
     #[test]
     fn a_key_kept_shorter_than_a_token_lives_is_refused_at_start() {

@@ -349,10 +349,13 @@ pub struct RpcMetrics {
 }
 
 /// Why a TLS connection was closed before it was served: its handshake failed (a client
-/// certificate no CA of `--tls-client-ca` signed, an expired one, no common protocol or
-/// cipher, plaintext to the TLS port), did not finish within 5 s, or arrived while the
-/// handshakes in progress (of all peers, or of its address) were at their bound.
-pub const TLS_REFUSALS: [&str; 4] = ["handshake_failed", "handshake_timed_out", "handshakes_at_bound", "peer_at_bound"];
+/// certificate no CA of `--tls-client-ca` signed, an expired one, a caller that refused the
+/// server's certificate, no common protocol or cipher, plaintext to the TLS port), its peer
+/// closed it before the handshake ended (a TCP probe, a port scan, a client that gave up),
+/// it did not finish within 5 s, or it arrived while the handshakes in progress (of all
+/// peers, or of its address) were at their bound.
+pub const TLS_REFUSALS: [&str; 5] =
+    ["handshake_failed", "closed_early", "handshake_timed_out", "handshakes_at_bound", "peer_at_bound"];
 
 impl Default for RpcMetrics {
     fn default() -> Self {
@@ -403,8 +406,8 @@ impl RpcMetrics {
         );
         registry.register(
             "payledger_tls_connections_refused",
-            "TLS connections closed before they were served, by reason (handshake_failed, handshake_timed_out, \
-             handshakes_at_bound, peer_at_bound)",
+            "TLS connections closed before they were served, by reason (handshake_failed, closed_early, \
+             handshake_timed_out, handshakes_at_bound, peer_at_bound)",
             self.tls_refused.clone(),
         );
     }

@@ -375,6 +375,12 @@ impl ServerTls {
                         Ok(Ok(stream)) => {
                             let _ = connections.send(Ok(PrefaceDeadline::new(stream, PREFACE_TIMEOUT))).await;
                         }
+                        // The peer closed the connection before the handshake ended: a TCP
+                        // probe or a port scan (nothing sent), or a client that gave up.
+                        Ok(Err(error)) if error.kind() == io::ErrorKind::UnexpectedEof => {
+                            refuse("closed_early");
+                            tracing::debug!(%peer, %error, "connection closed during the TLS handshake");
+                        }
                         Ok(Err(error)) => {
                             refuse("handshake_failed");
                             tracing::debug!(%peer, %error, "TLS handshake failed");

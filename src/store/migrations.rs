@@ -30,13 +30,14 @@
 //!
 //! On a Galera cluster MySQL's named lock (`GET_LOCK`) holds on one node only: one instance
 //! migrates under a lease row that all nodes see ([`claim_lease`]), renewed while it
-//! migrates and checked before each statement and in the closing transaction, so that a
-//! holder that lost its lease (paused for longer than [`LEASE_SECONDS`], or cut off) stops
-//! instead of migrating beside the next holder. No check can stop a holder paused between a
-//! check's answer and what it sends next: it finds its progress row gone or moved on, or
-//! runs that one statement, which (being one that can run twice) fails or changes nothing;
-//! a failure is then put down to the lost lease, and the start waits for the next holder
-//! like any other.
+//! migrates. Each write to the progress (the mark of `attempting`, its clearing, the move
+//! forward) and the closing transaction commit in one transaction with the lease's renewal,
+//! so that a holder that lost its lease (paused for longer than [`LEASE_SECONDS`], or cut
+//! off) stops instead of writing over the next holder's progress. No check can stop a holder
+//! paused between its last such commit and the statement it sends next: that statement is
+//! already marked `attempting`, so the next holder gives its own run of it the benefit of
+//! "already there"; the stale holder's run fails or changes nothing (every statement can run
+//! twice), its failure is put down to the lost lease, and its start waits like any other.
 
 use std::time::{Duration, Instant};
 
@@ -370,23 +371,22 @@ async fn apply_one(
     let schema: Vec<&Statement> =
         statements.iter().filter(|statement| statement.kind == StatementKind::Schema).collect();
     for (index, statement) in schema.iter().enumerate().skip(progress.statements_done) {
-        if let Some(holder) = lease {
-            hold_lease(&mut *connection, holder).await?;
-        }
         let maybe_done = progress.attempting == Some(index);
         let number = i64::try_from(index).unwrap_or(i64::MAX);
-        if !maybe_done {
+        if maybe_done {
+            if let Some(holder) = lease {
+                hold_lease(&mut *connection, holder).await?;
+            }
+        } else {
             // Only where this statement is next: a row gone or moved on is another migrator's
-            // work since this one read it (a lease holder paused past its lease).
-            let marked = sqlx::query(
+            // work since this one read it.
+            let mark = sqlx::query(
                 "UPDATE payledger_migration_progress SET attempting = ? WHERE version = ? AND statements_done = ?",
             )
             .bind(number)
             .bind(version)
-            .bind(number)
-            .execute(&mut *connection)
-            .await?;
-            if marked.rows_affected() != 1 {
+            .bind(number);
+            if under_lease(connection, lease, mark).await? != 1 {
                 return Err(superseded(version, lease));
             }
         }
@@ -398,38 +398,36 @@ async fn apply_one(
                 tracing::info!(version, %error, "the statement an earlier start was running had committed");
             }
             Err(error) => {
-                // Another holder's work in the way is not a refusal of this statement.
-                if let Some(holder) = lease {
-                    hold_lease(&mut *connection, holder).await?;
-                }
                 // A refusal of the database's own (not a lost connection or a lock wait, after
                 // which the statement may or may not have run) clears `attempting`, so that the
-                // next start does not take its "already exists" for the statement's own work.
+                // next start does not take its "already exists" for the statement's own work;
+                // only while the lease is still this holder's, or it could be the next holder's
+                // mark. The statement's own error is what the start reports (unless the lease
+                // is gone: `apply_mysql`).
                 if dialect::classify(&error) == Fault::Other {
-                    let _ = sqlx::query(
-                        "UPDATE payledger_migration_progress SET attempting = NULL \
-                         WHERE version = ? AND attempting = ?",
+                    let clear = sqlx::query(
+                        "UPDATE payledger_migration_progress SET attempting = NULL WHERE version = ? AND attempting = ?",
                     )
                     .bind(version)
-                    .bind(number)
-                    .execute(&mut *connection)
-                    .await;
+                    .bind(number);
+                    if let Err(RunError::LeaseLost) = under_lease(connection, lease, clear).await {
+                        return Err(RunError::LeaseLost);
+                    }
                 }
                 return Err(failed(error));
             }
         }
-        // Only forward from this statement: a holder that lost its lease while the statement
-        // ran must not move the next holder's progress back.
-        let moved = sqlx::query(
+        // Only forward from this statement, and only while the lease is still this holder's:
+        // one that lost it while the statement ran leaves the progress to the next holder,
+        // who gives the statement the benefit of `attempting`.
+        let forward = sqlx::query(
             "UPDATE payledger_migration_progress SET statements_done = ?, attempting = NULL \
              WHERE version = ? AND statements_done = ?",
         )
         .bind(number + 1)
         .bind(version)
-        .bind(number)
-        .execute(&mut *connection)
-        .await?;
-        if moved.rows_affected() != 1 {
+        .bind(number);
+        if under_lease(connection, lease, forward).await? != 1 {
             return Err(superseded(version, lease));
         }
     }
@@ -452,6 +450,29 @@ async fn apply_one(
         .await?;
     transaction.commit().await?;
     Ok(())
+}
+
+/// Runs `update` (a write to the progress table) and returns the rows it matched; on Galera
+/// (`lease` is `Some`) in one transaction with the lease's renewal, so that it commits only
+/// while the lease is `lease`'s: a holder paused past its lease cannot then write over the
+/// next holder's progress (the renewal fails, or the transaction fails Galera's
+/// certification against the next holder's claim of the lease row).
+///
+/// # Errors
+/// [`RunError::LeaseLost`]; the driver error.
+async fn under_lease<'q>(
+    connection: &mut AnyConnection,
+    lease: Option<&str>,
+    update: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+) -> Result<u64, RunError> {
+    let Some(holder) = lease else {
+        return Ok(update.execute(&mut *connection).await?.rows_affected());
+    };
+    let mut transaction = connection.begin().await?;
+    hold_lease(&mut *transaction, holder).await?;
+    let matched = update.execute(&mut *transaction).await?.rows_affected();
+    transaction.commit().await?;
+    Ok(matched)
 }
 
 /// What [`apply_one`] stops with when `version`'s progress row is gone or has moved on since

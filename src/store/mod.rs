@@ -274,7 +274,12 @@ impl Store {
             Dialect::Sqlite => false,
             Dialect::Postgres | Dialect::MySql => {
                 let mut first = first_connection(dialect, url, settings.acquire_timeout).await?;
-                let galera = if dialect == Dialect::MySql { is_galera_node(&mut first).await } else { Ok(false) };
+                let galera = match dialect {
+                    Dialect::MySql => tokio::time::timeout(settings.acquire_timeout, is_galera_node(&mut first))
+                        .await
+                        .unwrap_or_else(|_| Err(timed_out("no answer", settings.acquire_timeout))),
+                    _ => Ok(false),
+                };
                 let _ = first.close().await;
                 galera.map_err(|error| ConnectError::Connect(dialect::redacted(url), error))?
             }
@@ -798,7 +803,8 @@ async fn is_galera_node(connection: &mut AnyConnection) -> Result<bool, sqlx::Er
 }
 
 /// One plain connection to a database server before its pool is opened (no session setup,
-/// no retries), within `timeout`: a server that refuses the connection, or a login it
+/// no retries), within `timeout` (and, on MySQL, the Galera question asked on it within
+/// another): a server that refuses the connection, or a login it
 /// rejects, is named at once with the driver's own error ("Connection refused", "role ...
 /// does not exist"), where the pool would say only "pool timed out" after its acquire timeout.
 ///
@@ -810,11 +816,16 @@ async fn first_connection(dialect: Dialect, url: &str, timeout: Duration) -> Res
     let options = connect_options(&dialect.driver_url(url, false), false)?;
     match tokio::time::timeout(timeout, AnyConnection::connect_with(&options)).await {
         Ok(connected) => connected.map_err(failed),
-        Err(_) => Err(failed(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within the pool's acquire timeout ({} ms)", timeout.as_millis()),
-        )))),
+        Err(_) => Err(failed(timed_out("no connection", timeout))),
     }
+}
+
+/// An I/O `TimedOut` error: `what` within the pool's acquire timeout `timeout`.
+fn timed_out(what: &str, timeout: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what} within the pool's acquire timeout ({} ms)", timeout.as_millis()),
+    ))
 }
 
 /// A write transaction. Dropping it without [`Tx::commit`] rolls it back.

@@ -182,20 +182,26 @@ async fn the_client_speaks_tls_to_a_tls_server_and_refuses_one_it_cannot_verify(
 
 /// Each connection refused at the TLS handshake is counted by its reason, starting from 0:
 /// plaintext sent to the TLS port, and (mutual TLS) a client certificate of another CA and
-/// none at all; a connection that completes its handshake is not.
+/// none at all, as `handshake_failed`; a TCP probe (connect, close) as `closed_early`; a
+/// connection that completes its handshake not at all.
 #[tokio::test]
 async fn connections_refused_at_the_handshake_are_counted_by_reason() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let (server_pki, client_pki, stranger_pki) = (Pki::new("server CA"), Pki::new("client CA"), Pki::new("other"));
     let server = Server::start(&server_pki.issue(&["localhost"]), Some(&client_pki.ca_pem()), None).await;
-    assert_eq!(server.refused("handshake_failed").await, 0);
-    assert_eq!(server.refused("handshake_timed_out").await, 0);
+    for reason in payledger::metrics::TLS_REFUSALS {
+        assert_eq!(server.refused(reason).await, 0, "{reason} starts at 0");
+    }
 
     let mut plaintext = tokio::net::TcpStream::connect(server.address).await.unwrap();
     plaintext.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
     let mut answer = Vec::new();
     let _ = plaintext.read_to_end(&mut answer).await;
     assert_eq!(server.refused_reaches("handshake_failed", 1).await, 1, "plaintext to the TLS port");
+    // A TCP probe: connected, then closed without a byte.
+    drop(tokio::net::TcpStream::connect(server.address).await.unwrap());
+    assert_eq!(server.refused_reaches("closed_early", 1).await, 1, "a TCP probe");
+    assert_eq!(server.refused("handshake_failed").await, 1, "a TCP probe is not a failed handshake");
 
     let target = format!("https://localhost:{}", server.address.port());
     let client_with = |identity: Option<Issued>| {
