@@ -11,14 +11,18 @@ use crate::store::PoolSettings;
 #[derive(Clone, clap::Args)]
 pub struct DatabaseSettings {
     /// Database URL; its scheme picks the backend: `postgres://user@host:5432/db`,
-    /// `mysql://root@host:3306/db` (also `mariadb://`), or `sqlite:path/to/file.db` (`serve`
-    /// creates the file on first start; `audit` never creates anything).
+    /// `mysql://root@host:3306/db` (also `mariadb://`), or `sqlite:path/to/file.db` (`migrate`
+    /// and `serve` create the file on first start, `serve --migrations check` and `audit`
+    /// never create anything).
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:payledger.db")]
     pub database_url: String,
-    /// Most database connections (PostgreSQL and MySQL do best with a few per core).
-    #[arg(long, env = "PAYLEDGER_POOL_SIZE", default_value_t = 16)]
+    /// Most database connections (PostgreSQL and MySQL do best with a few per core). 1 to
+    /// 10,000.
+    #[arg(long, env = "PAYLEDGER_POOL_SIZE", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub pool_size: u32,
-    /// Milliseconds a call waits for a free connection before it fails with UNAVAILABLE.
+    /// Milliseconds a call waits for a free connection before it fails with UNAVAILABLE; also
+    /// how long a start waits for its first connection to a database server.
     #[arg(long, env = "PAYLEDGER_POOL_ACQUIRE_TIMEOUT_MS", default_value_t = 5_000)]
     pub pool_acquire_timeout_ms: u64,
     /// PostgreSQL: seconds a pooled connection, and the query plans it keeps, is used before it
@@ -28,7 +32,8 @@ pub struct DatabaseSettings {
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub plan_lifetime_seconds: u64,
     /// Milliseconds a call waits for a row lock, or for a concurrent request with the same
-    /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT).
+    /// idempotency key to finish, before it fails with ABORTED (LOCK_TIMEOUT); also the lock
+    /// waits of migrations (on MySQL/MariaDB their row-lock waits only).
     #[arg(long, env = "PAYLEDGER_LOCK_TIMEOUT_MS", default_value_t = 5_000)]
     pub lock_timeout_ms: u64,
     /// Seconds `serve` and `migrate` wait at start for a PostgreSQL or MySQL database to
@@ -584,6 +589,20 @@ mod tests {
         use clap::Parser as _;
         let parsed = Writes::try_parse_from(["serve"]).unwrap().writes;
         assert_eq!(format!("{parsed:?}"), format!("{:?}", WriteSettings::default()));
+    }
+
+    /// A pool of no connection is refused as the flag is read, not taken as one.
+    #[test]
+    fn a_pool_of_no_connection_is_refused() {
+        #[derive(clap::Parser)]
+        struct Database {
+            #[command(flatten)]
+            database: DatabaseSettings,
+        }
+        use clap::Parser as _;
+        let refused = Database::try_parse_from(["migrate", "--pool-size", "0"]).err().expect("0 is refused");
+        assert!(refused.to_string().contains("--pool-size"), "{refused}");
+        assert_eq!(Database::try_parse_from(["migrate", "--pool-size", "1"]).unwrap().database.pool_size, 1);
     }
 
     #[test]

@@ -241,7 +241,18 @@ async fn health(settings: HealthSettings) -> Result<ExitCode, AnyError> {
         let answer = client.check(HealthCheckRequest { service: settings.service.clone() }).await?;
         Ok::<_, AnyError>(answer.into_inner().status())
     };
-    let status = tokio::time::timeout(wait, asked).await.map_err(|_| "no answer in time")??;
+    let asked = tokio::time::timeout(wait, asked)
+        .await
+        .map_err(|_| AnyError::from("no answer in time"))
+        .and_then(|asked| asked);
+    let status = asked.map_err(|error| -> AnyError {
+        let said = payledger::startup::error_chain(&*error);
+        // A plaintext call to a TLS port ends as a closed or cancelled connection.
+        let closed = said.contains("closed") || said.contains("cancelled");
+        let hint =
+            if closed && target.starts_with("http://") { " (if it serves TLS, use an https:// target)" } else { "" };
+        format!("cannot ask {target} for its health: {said}{hint}").into()
+    })?;
     println!("{}", status.as_str_name());
     Ok(if status == ServingStatus::Serving { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

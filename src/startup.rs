@@ -69,7 +69,8 @@ pub async fn open_ledger(
 ///
 /// # Errors
 /// As [`open_ledger`]; with `Check`, [`StartupError::Database`] (`SchemaBehind`) when a
-/// migration of this release is not applied.
+/// migration of this release is not applied (`SchemaDiffers`, `History`: see
+/// [`Store::check_schema`]).
 pub async fn open_ledger_with(
     database: &DatabaseSettings,
     writes: &WriteSettings,

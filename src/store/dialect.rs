@@ -261,6 +261,15 @@ pub enum Fault {
 /// not ready or without quorum, a lock wait or statement timeout, a deadlock or
 /// serialization failure) is retryable; only what no retry can fix (a bug, a broken schema,
 /// corrupted data) is [`Fault::Other`], answered INTERNAL.
+/// Whether `error` says a table does not exist: PostgreSQL's SQLSTATE 42P01
+/// (undefined_table), MySQL/MariaDB's 42S02 (ER_NO_SUCH_TABLE, 1146), SQLite's "no such
+/// table" (its result code 1 carries no finer one).
+pub fn is_missing_table(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(database_error) = error else { return false };
+    matches!(database_error.code().as_deref(), Some("42P01" | "42S02"))
+        || database_error.message().starts_with("no such table")
+}
+
 pub fn classify(error: &sqlx::Error) -> Fault {
     match error {
         sqlx::Error::PoolTimedOut

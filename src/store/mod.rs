@@ -223,6 +223,10 @@ pub enum ConnectError {
     Migrate(&'static str, #[source] sqlx::migrate::MigrateError),
     #[error("the database at {0} lacks migrations of this release ({1}): run `payledger migrate` on it first")]
     SchemaBehind(String, String),
+    #[error("the database at {0} records migrations {1} with other contents than this release's (applied by another build of it): `payledger migrate` does not change an applied migration; see docs/operations.md, Databases")]
+    SchemaDiffers(String, String),
+    #[error("cannot read the migration history (_sqlx_migrations) of the database at {0}: payledger's user needs SELECT on it")]
+    History(String, #[source] sqlx::Error),
     #[error("gave up after 120 s waiting for another instance to finish migrating the {0} database (or for the database to take writes): {1}")]
     MigrationWait(&'static str, String),
 }
@@ -270,6 +274,13 @@ impl Store {
     async fn open(url: &str, settings: &PoolSettings, create: bool) -> Result<Self, ConnectError> {
         sqlx::any::install_default_drivers();
         let dialect = Dialect::from_url(url).ok_or(ConnectError::UnknownScheme)?;
+        // SQLite says only "unable to open database file" for a file in a missing directory.
+        let directory = sqlite_file(url).and_then(|file| file.parent().map(std::path::Path::to_owned));
+        if let Some(directory) = directory.filter(|directory| !directory.as_os_str().is_empty() && !directory.is_dir())
+        {
+            let missing = format!("the directory {} does not exist", directory.display());
+            return Err(ConnectError::Connect(dialect::redacted(url), sqlx::Error::Configuration(missing.into())));
+        }
         let galera = match dialect {
             Dialect::Sqlite => false,
             Dialect::Postgres | Dialect::MySql => {
@@ -581,24 +592,43 @@ impl Store {
     }
 
     /// Whether the database holds every migration of this release, as `serve --migrations
-    /// check` requires (it writes nothing: a read-only database passes too).
+    /// check` requires (it writes nothing: a read-only database passes too). Versions the
+    /// database records that this release does not know (a newer release's) are ignored.
     ///
     /// # Errors
-    /// [`ConnectError::SchemaBehind`] naming the versions missing (or all of them, on a
-    /// database that has no migration history).
+    /// [`ConnectError::History`] when the history cannot be read (not for a database that has
+    /// none: then every migration is missing); [`ConnectError::SchemaDiffers`] naming the
+    /// versions recorded with other contents than this release's; [`ConnectError::SchemaBehind`]
+    /// naming the versions missing.
     pub async fn check_schema(&self, url: &str) -> Result<(), ConnectError> {
         let migrator = self.migrator();
-        if self.has_every_migration(migrator).await {
-            return Ok(());
+        let read = sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
+            .fetch_all(&self.pool)
+            .await;
+        let recorded: Vec<(i64, Vec<u8>)> = match read {
+            Ok(recorded) => recorded,
+            Err(error) if dialect::is_missing_table(&error) => Vec::new(),
+            Err(error) => return Err(ConnectError::History(dialect::redacted(url), error)),
+        };
+        let versions = |wanted: &dyn Fn(&sqlx::migrate::Migration) -> bool| -> Vec<String> {
+            migrator
+                .iter()
+                .filter(|migration| wanted(migration))
+                .map(|migration| migration.version.to_string())
+                .collect()
+        };
+        let changed = versions(&|migration| {
+            recorded.iter().any(|(version, checksum)| *version == migration.version && *checksum != *migration.checksum)
+        });
+        if !changed.is_empty() {
+            return Err(ConnectError::SchemaDiffers(dialect::redacted(url), changed.join(", ")));
         }
-        let applied = self.applied_migrations().await;
-        let missing: Vec<String> = migrator
-            .iter()
-            .filter(|migration| !applied.contains(&migration.version))
-            .map(|migration| migration.version.to_string())
-            .collect();
-        let missing = if missing.is_empty() { "a changed one".to_owned() } else { missing.join(", ") };
-        Err(ConnectError::SchemaBehind(dialect::redacted(url), missing))
+        let missing = versions(&|migration| !recorded.iter().any(|(version, _)| *version == migration.version));
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(ConnectError::SchemaBehind(dialect::redacted(url), missing.join(", ")))
+        }
     }
 
     /// The versions of the migrations applied to the database (none when it has no history).

@@ -210,6 +210,8 @@ async fn the_health_command_exits_zero_only_for_a_serving_server() {
     let down = health_command(&target, "").await;
     assert_eq!(down.status.code(), Some(1), "{down:?}");
     assert!(started.elapsed() < Duration::from_secs(10), "refused or timed out within --timeout-ms");
+    let said = String::from_utf8_lossy(&down.stderr);
+    assert!(said.contains(&format!("cannot ask {target} for its health")), "names what it asked: {said}");
 }
 
 /// SQLite runs no write in its check (see `Store::check_health`): a healthy server passes its

@@ -254,6 +254,72 @@ async fn migrate_then_serve_checking(url: &str) {
 
     let application = payledger::startup::Application::build(&settings).await.expect("a complete schema is served");
     drop(application);
+
+    // A migration recorded with other contents (another build's) is named as such, not as
+    // missing: `payledger migrate` cannot mend it.
+    let pool = AnyPool::connect(url).await.unwrap();
+    let last: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&pool).await.unwrap();
+    let checksum: Vec<u8> =
+        sqlx::query_scalar(&format!("SELECT checksum FROM _sqlx_migrations WHERE version = {last}"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let placeholder = if url.starts_with("postgres") { "$1" } else { "?" };
+    let set_checksum = format!("UPDATE _sqlx_migrations SET checksum = {placeholder} WHERE version = {last}");
+    sqlx::query(&set_checksum).bind(vec![0_u8; checksum.len()]).execute(&pool).await.unwrap();
+    let refused =
+        payledger::startup::Application::build(&settings).await.err().expect("a changed migration is refused");
+    let refused = payledger::startup::error_chain(&refused);
+    assert!(refused.contains(&format!("records migrations {last} with other contents")), "{refused}");
+    sqlx::query(&set_checksum).bind(checksum).execute(&pool).await.unwrap();
+    pool.close().await;
+}
+
+/// A SQLite database in a directory that does not exist is refused naming the directory
+/// (SQLite itself says only "unable to open database file"), and nothing is created.
+#[tokio::test]
+async fn a_sqlite_file_in_a_missing_directory_names_the_directory() {
+    let directory = tempfile::tempdir().unwrap();
+    let missing = directory.path().join("not-made");
+    let url = format!("sqlite:{}", missing.join("ledger.db").display());
+    let refused = Store::connect(&url, &small_pool(Duration::from_secs(1))).await.err().expect("no such directory");
+    let said = payledger::startup::error_chain(&refused);
+    assert!(said.contains(&format!("the directory {} does not exist", missing.display())), "{said}");
+    assert!(!missing.exists());
+}
+
+/// `serve --migrations check` as a role that may not read the migration history says so,
+/// rather than that the (complete) schema lacks every migration. PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_that_cannot_read_the_history_says_so() {
+    let Some(admin_url) = admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    sqlx::any::install_default_drivers();
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let (name, role) = (format!("payledger_grants_{suffix}"), format!("payledger_reader_{}", &suffix[..12]));
+    let admin = AnyPool::connect(&admin_url).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN")).execute(&admin).await.unwrap();
+    let owner_url = database_url(&admin_url, &name);
+    let migrated = tokio::process::Command::new(env!("CARGO_BIN_EXE_payledger"))
+        .args(["migrate", "--database-url", &owner_url, "--database-wait-seconds", "0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
+    let (before, rest) = owner_url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    let role_url = format!("{before}://{role}@{host}");
+    let settings = serve_settings(&["--listen", "127.0.0.1:0", "--database-url", &role_url, "--migrations", "check"]);
+    let refused = payledger::startup::Application::build(&settings).await.err().expect("the history is not readable");
+    let refused = payledger::startup::error_chain(&refused);
+    assert!(
+        refused.contains("cannot read the migration history") && refused.contains("permission denied"),
+        "{refused}"
+    );
+    assert!(!refused.contains("lacks migrations"), "{refused}");
+    let _ = sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await;
+    let _ = sqlx::query(&format!("DROP ROLE {role}")).execute(&admin).await;
+    admin.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
