@@ -834,9 +834,9 @@ async fn is_galera_node(connection: &mut AnyConnection) -> Result<bool, sqlx::Er
 
 /// One plain connection to a database server before its pool is opened (no session setup,
 /// no retries), within `timeout` (and, on MySQL, the Galera question asked on it within
-/// another): a server that refuses the connection, or a login it
-/// rejects, is named at once with the driver's own error ("Connection refused", "role ...
-/// does not exist"), where the pool would say only "pool timed out" after its acquire timeout.
+/// another): a server that refuses the connection, or a login it rejects, is named at once
+/// with the driver's own error ("Connection refused", "role ... does not exist"), where the
+/// pool would say only "pool timed out" after its acquire timeout.
 ///
 /// # Errors
 /// [`ConnectError::Connect`] with the driver's error, or an I/O `TimedOut` error when
