@@ -602,10 +602,7 @@ impl Store {
     /// naming the versions missing.
     pub async fn check_schema(&self, url: &str) -> Result<(), ConnectError> {
         let migrator = self.migrator();
-        let read = sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
-            .fetch_all(&self.pool)
-            .await;
-        let recorded: Vec<(i64, Vec<u8>)> = match read {
+        let recorded = match self.recorded_migrations().await {
             Ok(recorded) => recorded,
             Err(error) if dialect::is_missing_table(&error) => Vec::new(),
             Err(error) => return Err(ConnectError::History(dialect::redacted(url), error)),
@@ -631,6 +628,13 @@ impl Store {
         }
     }
 
+    /// The version and checksum of each migration the history records as applied.
+    async fn recorded_migrations(&self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+        sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
+            .fetch_all(&self.pool)
+            .await
+    }
+
     /// The versions of the migrations applied to the database (none when it has no history).
     pub async fn applied_migrations(&self) -> Vec<i64> {
         sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success = TRUE ORDER BY version")
@@ -652,11 +656,7 @@ impl Store {
     /// same checksum. False when it cannot tell (no history table yet, say): the migrator
     /// then runs and says what is wrong.
     async fn has_every_migration(&self, migrator: &Migrator) -> bool {
-        let applied: Result<Vec<(i64, Vec<u8>)>, _> =
-            sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success = TRUE")
-                .fetch_all(&self.pool)
-                .await;
-        let Ok(applied) = applied else { return false };
+        let Ok(applied) = self.recorded_migrations().await else { return false };
         migrator.iter().all(|migration| {
             applied.iter().any(|(version, checksum)| *version == migration.version && *checksum == *migration.checksum)
         })
