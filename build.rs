@@ -2,17 +2,19 @@
 
 use std::{env, fs, path::PathBuf};
 
-use prost::Message;
-
 const PROTO_FILE: &str = "proto/payledger/v1/payledger.proto";
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     println!("cargo:rustc-env=PAYLEDGER_BUILD_COMMIT={}", build_commit());
-    let descriptors = protox::compile([PROTO_FILE], ["proto"])?;
+    let mut compiler = protox::Compiler::new(["proto"])?;
+    compiler.include_imports(true).include_source_info(true).open_file(PROTO_FILE)?;
+    let descriptors = compiler.file_descriptor_set();
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
-    // Server reflection serves this encoded set, so grpcurl, buf curl and ghz need no .proto.
-    fs::write(out_dir.join("payledger_descriptor.bin"), descriptors.encode_to_vec())?;
+    // Server reflection serves this encoded set, so grpcurl, buf curl and ghz need no .proto;
+    // the HTTP/JSON gateway reads its google.api.http options (which this encoding keeps, and
+    // prost's own types would drop).
+    fs::write(out_dir.join("payledger_descriptor.bin"), compiler.encode_file_descriptor_set())?;
     // Server stubs only: the messages (and client stubs) are the payledger-client crate's, so
     // server and callers share one set of types.
     tonic_prost_build::configure()

@@ -412,7 +412,8 @@ pub enum Migrations {
 /// `payledger serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeSettings {
-    /// Address to listen on for gRPC (HTTP/2; TLS with --tls-cert).
+    /// Address to listen on for gRPC (HTTP/2) and HTTP/JSON (HTTP/1.1 and HTTP/2; docs/http.md);
+    /// TLS with --tls-cert.
     #[arg(long, env = "PAYLEDGER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
     #[command(flatten)]

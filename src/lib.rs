@@ -9,6 +9,7 @@ pub mod config;
 pub mod domain;
 pub mod error;
 pub mod grpc;
+pub mod http;
 pub mod ledger;
 pub mod metrics;
 pub mod startup;

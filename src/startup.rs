@@ -47,6 +47,8 @@ pub enum StartupError {
     Auth(#[from] AuthSettingsError),
     #[error("the TLS certificate, key or client CA cannot be used: {0}")]
     Tls(#[from] TlsError),
+    #[error(transparent)]
+    HttpRules(#[from] crate::http::RuleError),
     #[error("the gRPC server failed")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -491,10 +493,10 @@ impl Application {
         if let Some(Keepalive { interval, timeout }) = keepalive {
             builder = builder.http2_keepalive_interval(Some(interval)).http2_keepalive_timeout(Some(timeout));
         }
-        let router = builder
-            .layer(observe)
-            .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
-            .add_service(health_service)
+        // The gRPC services behind their layers: what a gRPC caller reaches, and what the
+        // HTTP/JSON gateway calls in process for each HTTP call (so both go through the same
+        // observation, authentication, idempotency and limits).
+        let grpc_routes = tonic::service::Routes::new(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(InterceptedService::new(
@@ -506,7 +508,17 @@ impl Application {
                 PaymentServiceServer::new(PaymentApi::new(ledger.clone()).with_admission(admission))
                     .max_decoding_message_size(REQUEST_BYTES_MAX),
                 authentication,
-            ));
+            ))
+            .prepare();
+        let grpc: crate::http::GrpcService = tower::util::BoxCloneSyncService::new(
+            tower::ServiceBuilder::new()
+                .layer(observe)
+                .layer(tower::util::MapRequestLayer::new(capture_guard_headers))
+                .service(grpc_routes),
+        );
+        let gateway = crate::http::Gateway::new(proto::FILE_DESCRIPTOR_SET, grpc.clone())?;
+        let router =
+            builder.accept_http1(true).add_routes(tonic::service::Routes::from(crate::http::router(gateway, grpc)));
         let stopped = async {
             let _ = stopped.await;
         };

@@ -10,7 +10,8 @@
 //! the other is seen half-written at most until its next write: the pair is only taken once
 //! it matches.
 //!
-//! TLS 1.2 and 1.3 (rustls's safe defaults, the *ring* provider), ALPN `h2`. A certificate
+//! TLS 1.2 and 1.3 (rustls's safe defaults, the *ring* provider), ALPN `h2` (gRPC and
+//! HTTP/JSON) then `http/1.1` (HTTP/JSON, see [`crate::http`]). A certificate
 //! outside its validity period is refused, at start and on reload. Handshakes run concurrently,
 //! each bounded by [`HANDSHAKE_TIMEOUT`], at most [`HANDSHAKES_MAX`] at once and
 //! [`HANDSHAKES_PER_PEER_MAX`] from one IP address: a connection past either is closed at
@@ -161,7 +162,7 @@ impl Pems {
             }
         };
         let mut config = builder.with_single_cert(certs, key)?;
-        config.alpn_protocols = vec![b"h2".to_vec()];
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Arc::new(config))
     }
 }

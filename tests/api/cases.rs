@@ -10,6 +10,7 @@ use tonic::transport::Channel;
 use tonic_types::StatusExt as _;
 
 pub use crate::auth_cases::*;
+pub use crate::http_cases::*;
 pub use crate::lifecycle_cases::*;
 
 pub async fn open_account_is_replayed_and_a_different_currency_is_already_exists(app: &TestApp) {

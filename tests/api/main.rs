@@ -10,6 +10,7 @@
 mod auth_cases;
 mod cases;
 mod helpers;
+mod http_cases;
 mod lifecycle_cases;
 
 /// The options of a case: the default server, or the one named after `=>`.
@@ -186,6 +187,11 @@ backend_suite!(
     every_bench_scenario_runs_clean_with_a_token => authenticated,
     callers_are_kept_apart_with_redis_tokens => authenticated_redis,
     the_demo_plays_clean_against_a_running_server => authenticated,
+    // HTTP/JSON (the same guarantees over HTTP/1.1 and HTTP/2 cleartext).
+    http_json_pays_once_and_replays_by_key_and_by_natural_key,
+    concurrent_http_duplicates_of_a_keyed_pay_move_the_money_once,
+    http_refusals_carry_their_status_and_a_google_rpc_status_body_and_leave_nothing,
+    http_callers_need_a_valid_bearer_token_and_reach_only_their_merchants => authenticated,
     // Operability.
     metrics_count_calls_replays_key_conflicts_and_refusals,
     a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work => tightly_bounded,

@@ -1,0 +1,657 @@
+//! HTTP/JSON for every RPC (docs/http.md): each RPC's `google.api.http` annotation in the proto
+//! names its method and path; the JSON body is the request message in the proto3 JSON mapping;
+//! the call then runs in process as the gRPC call it stands for, through the same layers,
+//! authentication, idempotency and limits, and its answer is turned back into JSON.
+//!
+//! - Paths follow Google's HTTP rule templates (`google/api/http.proto`) in the subset the
+//!   proto uses: literal segments, `{field}` variables (one segment each, percent-decoded, a
+//!   top-level string field) and a final `:verb`. A rule outside that subset stops the start.
+//! - Request bodies (`body: "*"`): a JSON object of the request message, at most
+//!   [`BODY_BYTES_MAX`] bytes (413 beyond), `Content-Type: application/json` (or none); field
+//!   names as in the proto (`out_trade_no`) or lowerCamelCase (`outTradeNo`); unknown fields are
+//!   refused. A path variable the body also sets must agree with it. Rules without a body take
+//!   the other top-level scalar fields from the query string.
+//! - Headers: `Authorization`, `Idempotency-Key`, `Idempotency-Token`, `grpc-timeout`,
+//!   `traceparent` and `tracestate` are passed on as the gRPC call's metadata, every value and
+//!   request trailers included, so every rule of the gRPC metadata (a header sent twice, a
+//!   malformed one, one in trailers) holds over HTTP; no other header reaches the call.
+//! - Answers: 200 with the response message as JSON, fields named as in the proto, fields at
+//!   their default omitted (proto3 JSON); `Idempotent-Replayed: true` on a replay and
+//!   `Idempotency-Expires-At` as over gRPC. A refusal is the standard gRPC-to-HTTP status
+//!   (`google/rpc/code.proto`) with a `google.rpc.Status` JSON body carrying every detail
+//!   (ErrorInfo, BadRequest, RetryInfo), except that an idempotency key or token reused with
+//!   another payload is 422 (the IETF Idempotency-Key draft, section 2.7); RetryInfo is also
+//!   said as `Retry-After` (whole seconds, rounded up), UNAUTHENTICATED carries
+//!   `WWW-Authenticate: Bearer` (RFC 6750).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::{BodyExt as _, Limited};
+use prost_reflect::{
+    DescriptorPool, DeserializeOptions, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor, SerializeOptions,
+    Value,
+};
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt as _};
+use tower::util::BoxCloneSyncService;
+use tower::ServiceExt as _;
+
+use crate::error::ERROR_DOMAIN;
+
+/// The largest request body accepted, in bytes: the gRPC listener's message bound. A larger
+/// body is answered 413 (OUT_OF_RANGE, `REQUEST_TOO_LARGE`) before it is parsed.
+pub const BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// The gRPC services the gateway calls in process: the server's whole gRPC stack.
+pub type GrpcService =
+    BoxCloneSyncService<http::Request<tonic::body::Body>, http::Response<tonic::body::Body>, Infallible>;
+
+/// Request headers passed on to the gRPC call as its metadata (every value of each).
+const FORWARDED_HEADERS: [&str; 6] =
+    ["authorization", "idempotency-key", "idempotency-token", "grpc-timeout", "traceparent", "tracestate"];
+
+/// Response metadata passed back as HTTP response headers.
+const ANSWERED_HEADERS: [&str; 2] = [payledger_client::REPLAYED_HEADER, payledger_client::KEY_EXPIRES_HEADER];
+
+/// Why the rules of the proto cannot be served.
+#[derive(Debug, thiserror::Error)]
+#[error("the google.api.http rule of {method} cannot be served: {reason}")]
+pub struct RuleError {
+    method: String,
+    reason: String,
+}
+
+/// A path's variables: (field, percent-decoded value), in path order.
+type Variables = Vec<(String, String)>;
+
+/// One segment of a path template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    /// A top-level string field of the request message.
+    Field(String),
+}
+
+/// A path template: `/v1/merchants/{merchant_id}/orders/{order_no}:pay`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Template {
+    segments: Vec<Segment>,
+    verb: Option<String>,
+}
+
+impl Template {
+    /// Parses the subset of the HTTP rule grammar described in the module docs.
+    fn parse(text: &str) -> Result<Self, String> {
+        let rest = text.strip_prefix('/').ok_or("a path must start with /")?;
+        let (path, verb) = match rest.rsplit_once('/') {
+            Some((head, last)) => match last.split_once(':') {
+                Some((segment, verb)) if !last.starts_with('{') || segment.ends_with('}') => {
+                    (format!("{head}/{segment}"), Some(verb.to_owned()))
+                }
+                _ => (rest.to_owned(), None),
+            },
+            None => match rest.split_once(':') {
+                Some((segment, verb)) => (segment.to_owned(), Some(verb.to_owned())),
+                None => (rest.to_owned(), None),
+            },
+        };
+        let literal =
+            |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if verb.as_deref().is_some_and(|verb| !literal(verb)) {
+            return Err(format!("the verb of {text} is not a plain literal"));
+        }
+        let segments = path
+            .split('/')
+            .map(|segment| match segment.strip_prefix('{').and_then(|inner| inner.strip_suffix('}')) {
+                Some(field) if literal(field) && !field.contains('.') => Ok(Segment::Field(field.to_owned())),
+                Some(_) => Err(format!("{text}: only {{field}} variables of a top-level field are supported")),
+                None if literal(segment) => Ok(Segment::Literal(segment.to_owned())),
+                None => Err(format!("{text}: the segment {segment:?} is not supported")),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { segments, verb })
+    }
+
+    /// The variables of `path` (percent-decoded), when it matches.
+    fn matches(&self, path: &str) -> Option<Result<Variables, String>> {
+        let path = path.strip_prefix('/')?;
+        let path = match &self.verb {
+            Some(verb) => path.strip_suffix(verb.as_str())?.strip_suffix(':')?,
+            None => path,
+        };
+        let parts: Vec<&str> = path.split('/').collect();
+        if parts.len() != self.segments.len() {
+            return None;
+        }
+        let mut variables = Vec::new();
+        for (segment, part) in self.segments.iter().zip(parts) {
+            match segment {
+                Segment::Literal(literal) if literal == part => {}
+                Segment::Literal(_) => return None,
+                Segment::Field(_) if part.is_empty() => return None,
+                Segment::Field(field) => match percent_encoding::percent_decode_str(part).decode_utf8() {
+                    Ok(value) => variables.push((field.clone(), value.into_owned())),
+                    Err(_) => return Some(Err(format!("the path segment of {field} is not UTF-8"))),
+                },
+            }
+        }
+        Some(Ok(variables))
+    }
+}
+
+/// One HTTP binding of an RPC.
+#[derive(Debug, Clone)]
+struct Route {
+    method: Method,
+    template: Template,
+    /// `body: "*"`: the request message is the JSON body; else it has no body.
+    whole_body: bool,
+    /// `/payledger.v1.PaymentService/Pay`.
+    grpc_path: String,
+    input: MessageDescriptor,
+    output: MessageDescriptor,
+}
+
+/// Serves the HTTP/JSON API by calling the gRPC services in process.
+#[derive(Clone)]
+pub struct Gateway {
+    routes: Arc<Vec<Route>>,
+    grpc: GrpcService,
+    status: MessageDescriptor,
+}
+
+impl Gateway {
+    /// The routes of every RPC annotated in `descriptors` (an encoded FileDescriptorSet of the
+    /// API and its imports) that calls `grpc`.
+    ///
+    /// # Errors
+    /// [`RuleError`] when a rule is outside the supported subset (see the module docs).
+    pub fn new(descriptors: &[u8], grpc: GrpcService) -> Result<Self, RuleError> {
+        let error = |method: &str, reason: String| RuleError { method: method.to_owned(), reason };
+        let mut pool = DescriptorPool::decode(descriptors).map_err(|e| error("the API", e.to_string()))?;
+        pool.decode_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+            .map_err(|e| error("google.rpc", e.to_string()))?;
+        let http = pool
+            .get_extension_by_name("google.api.http")
+            .ok_or_else(|| error("the API", "google.api.http is not among its imports".into()))?;
+        let status = pool
+            .get_message_by_name("google.rpc.Status")
+            .ok_or_else(|| error("google.rpc", "no google.rpc.Status".into()))?;
+        let mut routes = Vec::new();
+        for service in pool.services() {
+            for method in service.methods() {
+                let options = method.options();
+                if !options.has_extension(&http) {
+                    continue;
+                }
+                let rule = options.get_extension(&http);
+                let Some(rule) = rule.as_message() else { continue };
+                let name = method.full_name().to_owned();
+                let mut bindings = vec![rule.clone()];
+                if let Some(Value::List(more)) = rule.get_field_by_name("additional_bindings").as_deref() {
+                    bindings.extend(more.iter().filter_map(Value::as_message).cloned());
+                }
+                for binding in bindings {
+                    let route = Route::from_rule(&binding, &method).map_err(|reason| error(&name, reason))?;
+                    routes.push(route);
+                }
+            }
+        }
+        Ok(Self { routes: Arc::new(routes), grpc, status })
+    }
+
+    /// The paths served (`POST /v1/...`), for the start-up log and the docs' check.
+    pub fn bindings(&self) -> Vec<String> {
+        self.routes.iter().map(|route| format!("{} {}", route.method, route.template_text())).collect()
+    }
+
+    /// Answers one HTTP request.
+    pub async fn handle(&self, request: http::Request<axum::body::Body>) -> http::Response<axum::body::Body> {
+        match self.call(request).await {
+            Ok(response) => response,
+            Err(status) => self.refusal(&status),
+        }
+    }
+
+    async fn call(&self, request: http::Request<axum::body::Body>) -> Result<http::Response<axum::body::Body>, Status> {
+        let (parts, body) = request.into_parts();
+        let (route, variables) = self.route(&parts.method, parts.uri.path())?;
+        let collected = match Limited::new(body, BODY_BYTES_MAX).collect().await {
+            Ok(collected) => collected,
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
+            Err(_) => {
+                return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", "the request body could not be read"))
+            }
+        };
+        let trailers = collected.trailers().cloned();
+        let body = collected.to_bytes();
+        let mut message = route.message(&parts.headers, &body)?;
+        route.apply_query(&mut message, parts.uri.query().unwrap_or(""))?;
+        route.apply_path(&mut message, variables)?;
+
+        let encoded = prost::Message::encode_to_vec(&message);
+        let mut frame = BytesMut::with_capacity(5 + encoded.len());
+        frame.put_u8(0);
+        frame.put_u32(u32::try_from(encoded.len()).map_err(|_| too_large())?);
+        frame.put_slice(&encoded);
+        let mut frames = vec![Ok::<_, Infallible>(http_body::Frame::data(frame.freeze()))];
+        if let Some(trailers) = trailers.filter(|trailers| !trailers.is_empty()) {
+            frames.push(Ok(http_body::Frame::trailers(trailers)));
+        }
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let mut inner = http::Request::new(tonic::body::Body::new(body));
+        *inner.method_mut() = Method::POST;
+        *inner.version_mut() = http::Version::HTTP_2;
+        *inner.uri_mut() = route.grpc_path.parse().map_err(|_| refuse(Code::Internal, "INTERNAL", "internal error"))?;
+        *inner.extensions_mut() = parts.extensions.clone();
+        let headers = inner.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        for name in FORWARDED_HEADERS {
+            for value in parts.headers.get_all(name) {
+                headers.append(name, value.clone());
+            }
+        }
+
+        let Ok(response) = self.grpc.clone().oneshot(inner).await;
+        let (answer, body) = response.into_parts();
+        if let Some(status) = status_of(&answer.headers) {
+            return Err(status);
+        }
+        let collected = body.collect().await?;
+        if let Some(status) = collected.trailers().and_then(status_of) {
+            return Err(status);
+        }
+        let bytes = collected.to_bytes();
+        let message = bytes
+            .get(5..)
+            .filter(|_| bytes.first() == Some(&0))
+            .and_then(|encoded| DynamicMessage::decode(route.output.clone(), encoded).ok())
+            .ok_or_else(|| refuse(Code::Internal, "INTERNAL", "internal error"))?;
+        let mut response = json_response(StatusCode::OK, &message);
+        for name in ANSWERED_HEADERS {
+            if let Some(value) = answer.headers.get(name) {
+                response.headers_mut().insert(name, value.clone());
+            }
+        }
+        Ok(response)
+    }
+
+    /// The route of `method` and `path`, and its variables; NOT_FOUND (404) when no rule has
+    /// the path, 405 when none has it with this method.
+    fn route(&self, method: &Method, path: &str) -> Result<(&Route, Variables), Status> {
+        let mut path_known = false;
+        for route in self.routes.iter() {
+            let Some(variables) = route.template.matches(path) else { continue };
+            if route.method != *method {
+                path_known = true;
+                continue;
+            }
+            let variables = variables.map_err(|reason| refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &reason))?;
+            return Ok((route, variables));
+        }
+        if path_known {
+            let allowed: Vec<String> = self
+                .routes
+                .iter()
+                .filter(|r| r.template.matches(path).is_some())
+                .map(|r| r.method.to_string())
+                .collect();
+            let mut status = refuse(Code::Unimplemented, "METHOD_NOT_ALLOWED", "this path does not take this method");
+            if let Ok(value) = allowed.join(", ").parse() {
+                status.metadata_mut().insert("allow", value);
+            }
+            return Err(status);
+        }
+        Err(refuse(
+            Code::NotFound,
+            "ROUTE_NOT_FOUND",
+            "no RPC is served at this path (see the OpenAPI document, docs/http.md)",
+        ))
+    }
+
+    /// The JSON answer of a refused call.
+    fn refusal(&self, status: &Status) -> http::Response<axum::body::Body> {
+        let details = status.get_error_details();
+        let reason = details.error_info().map(|info| info.reason.as_str()).unwrap_or_default();
+        let mut code = http_status(status.code());
+        if matches!(reason, "IDEMPOTENCY_KEY_REUSED" | "TOKEN_REUSED") {
+            code = StatusCode::UNPROCESSABLE_ENTITY;
+        }
+        if reason == "METHOD_NOT_ALLOWED" {
+            code = StatusCode::METHOD_NOT_ALLOWED;
+        }
+        if reason == "REQUEST_TOO_LARGE" {
+            code = StatusCode::PAYLOAD_TOO_LARGE;
+        }
+        if reason == "UNSUPPORTED_MEDIA_TYPE" {
+            code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+        }
+        let mut body = DynamicMessage::decode(self.status.clone(), status.details()).unwrap_or_else(|_| {
+            let mut bare = DynamicMessage::new(self.status.clone());
+            bare.set_field_by_name("code", Value::I32(status.code() as i32));
+            bare.set_field_by_name("message", Value::String(status.message().to_owned()));
+            bare
+        });
+        if status.details().is_empty() {
+            body.set_field_by_name("code", Value::I32(status.code() as i32));
+            body.set_field_by_name("message", Value::String(status.message().to_owned()));
+        }
+        let mut response = json_response(code, &body);
+        let headers = response.headers_mut();
+        if let Some(delay) = details.retry_info().and_then(|info| info.retry_delay) {
+            let seconds = delay.as_secs() + u64::from(delay.subsec_nanos() > 0);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+        }
+        if status.code() == Code::Unauthenticated {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(allow) = status.metadata().get("allow").and_then(|value| value.to_str().ok()) {
+            if let Ok(value) = HeaderValue::from_str(allow) {
+                headers.insert(header::ALLOW, value);
+            }
+        }
+        response
+    }
+}
+
+impl Route {
+    fn from_rule(rule: &DynamicMessage, method: &prost_reflect::MethodDescriptor) -> Result<Self, String> {
+        let text = |name: &str| match rule.get_field_by_name(name).as_deref() {
+            Some(Value::String(text)) if !text.is_empty() => Some(text.clone()),
+            _ => None,
+        };
+        let (verb, path) = [
+            ("get", Method::GET),
+            ("post", Method::POST),
+            ("put", Method::PUT),
+            ("delete", Method::DELETE),
+            ("patch", Method::PATCH),
+        ]
+        .into_iter()
+        .find_map(|(name, verb)| text(name).map(|path| (verb, path)))
+        .ok_or("the rule has no get, post, put, delete or patch path")?;
+        let template = Template::parse(&path)?;
+        let input = method.input();
+        for segment in &template.segments {
+            if let Segment::Field(field) = segment {
+                let descriptor =
+                    input.get_field_by_name(field).ok_or(format!("{path}: {field} is not a field of the request"))?;
+                if descriptor.kind() != Kind::String || descriptor.is_list() {
+                    return Err(format!("{path}: {field} is not a string field"));
+                }
+            }
+        }
+        let whole_body = match text("body").as_deref() {
+            None => false,
+            Some("*") => true,
+            Some(other) => return Err(format!("body {other:?}: only \"*\" or none is supported")),
+        };
+        Ok(Self {
+            method: verb,
+            template,
+            whole_body,
+            grpc_path: format!("/{}/{}", method.parent_service().full_name(), method.name()),
+            input,
+            output: method.output(),
+        })
+    }
+
+    fn template_text(&self) -> String {
+        let mut text = String::new();
+        for segment in &self.template.segments {
+            match segment {
+                Segment::Literal(literal) => text.push_str(&format!("/{literal}")),
+                Segment::Field(field) => text.push_str(&format!("/{{{field}}}")),
+            }
+        }
+        if let Some(verb) = &self.template.verb {
+            text.push_str(&format!(":{verb}"));
+        }
+        text
+    }
+
+    /// The request message of the body (an empty one without a body).
+    fn message(&self, headers: &HeaderMap, body: &Bytes) -> Result<DynamicMessage, Status> {
+        if !self.whole_body {
+            if !body.is_empty() {
+                return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", "this method takes no request body"));
+            }
+            return Ok(DynamicMessage::new(self.input.clone()));
+        }
+        if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+            let essence = content_type.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
+            if !essence.eq_ignore_ascii_case("application/json") {
+                return Err(refuse(
+                    Code::InvalidArgument,
+                    "UNSUPPORTED_MEDIA_TYPE",
+                    "the request body must be application/json",
+                ));
+            }
+        }
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(DynamicMessage::new(self.input.clone()));
+        }
+        let mut json = serde_json::Deserializer::from_slice(body);
+        let message =
+            DynamicMessage::deserialize_with_options(self.input.clone(), &mut json, &DeserializeOptions::new())
+                .and_then(|message| json.end().map(|()| message))
+                .map_err(|error| {
+                    let message = format!("the request body is not a JSON {}: {error}", self.input.name());
+                    refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &message)
+                })?;
+        Ok(message)
+    }
+
+    /// Sets the top-level scalar fields named in the query string (rules without a body).
+    fn apply_query(&self, message: &mut DynamicMessage, query: &str) -> Result<(), Status> {
+        let mut seen = HashMap::new();
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            let field = self
+                .input
+                .get_field_by_name(&name)
+                .or_else(|| self.input.get_field_by_json_name(&name))
+                .filter(|field| !self.whole_body && self.is_query_field(field));
+            let Some(field) = field else {
+                return Err(bad_request(&name, "is not a query parameter of this method"));
+            };
+            if seen.insert(field.name().to_owned(), ()).is_some() {
+                return Err(bad_request(&name, "is given more than once"));
+            }
+            let parsed = match field.kind() {
+                Kind::String => Some(Value::String(value.into_owned())),
+                Kind::Int32 | Kind::Sint32 | Kind::Sfixed32 => value.parse().ok().map(Value::I32),
+                Kind::Int64 | Kind::Sint64 | Kind::Sfixed64 => value.parse().ok().map(Value::I64),
+                Kind::Uint32 | Kind::Fixed32 => value.parse().ok().map(Value::U32),
+                Kind::Uint64 | Kind::Fixed64 => value.parse().ok().map(Value::U64),
+                Kind::Bool => value.parse().ok().map(Value::Bool),
+                _ => None,
+            };
+            let Some(parsed) = parsed else {
+                return Err(bad_request(&name, "is not a valid value of its type"));
+            };
+            message.set_field(&field, parsed);
+        }
+        Ok(())
+    }
+
+    /// A field the query string may set: a top-level scalar outside any oneof and the path.
+    fn is_query_field(&self, field: &FieldDescriptor) -> bool {
+        let in_path = self
+            .template
+            .segments
+            .iter()
+            .any(|segment| matches!(segment, Segment::Field(name) if name == field.name()));
+        !in_path
+            && !field.is_list()
+            && !field.is_map()
+            && field.containing_oneof().is_none()
+            && !matches!(field.kind(), Kind::Message(_))
+    }
+
+    /// Sets the path's variables; a body that set one of them to another value is refused.
+    fn apply_path(&self, message: &mut DynamicMessage, variables: Variables) -> Result<(), Status> {
+        for (name, value) in variables {
+            if message.has_field_by_name(&name) {
+                let same = matches!(message.get_field_by_name(&name).as_deref(), Some(Value::String(given)) if *given == value);
+                if !same {
+                    return Err(bad_request(&name, "differs between the path and the body"));
+                }
+            }
+            message.set_field_by_name(&name, Value::String(value));
+        }
+        Ok(())
+    }
+}
+
+/// The status a gRPC answer carries in `headers` (its trailers, or a trailers-only answer's
+/// headers), when it is not OK.
+fn status_of(headers: &HeaderMap) -> Option<Status> {
+    Status::from_header_map(headers).filter(|status| status.code() != Code::Ok)
+}
+
+/// A JSON answer of `message`, fields named as in the proto.
+fn json_response(code: StatusCode, message: &DynamicMessage) -> http::Response<axum::body::Body> {
+    let mut json = serde_json::Serializer::new(Vec::new());
+    let options = SerializeOptions::new().use_proto_field_name(true);
+    let body = match message.serialize_with_options(&mut json, &options) {
+        Ok(()) => json.into_inner(),
+        Err(_) => br#"{"code":13,"message":"internal error"}"#.to_vec(),
+    };
+    let mut response = http::Response::new(axum::body::Body::from(body));
+    *response.status_mut() = code;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// The HTTP status of a gRPC code (google/rpc/code.proto, "HTTP Mapping").
+pub fn http_status(code: Code) -> StatusCode {
+    match code {
+        Code::Ok => StatusCode::OK,
+        Code::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => StatusCode::BAD_REQUEST,
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// A refusal of the gateway's own, with its ErrorInfo.
+fn refuse(code: Code, reason: &str, message: &str) -> Status {
+    let mut details = ErrorDetails::new();
+    details.set_error_info(reason, ERROR_DOMAIN, HashMap::new());
+    Status::with_error_details(code, message, details)
+}
+
+/// INVALID_ARGUMENT naming `field` in a BadRequest.
+fn bad_request(field: &str, description: &str) -> Status {
+    let mut details = ErrorDetails::new();
+    details.set_error_info("INVALID_ARGUMENT", ERROR_DOMAIN, HashMap::new());
+    details.add_bad_request_violation(field, description);
+    Status::with_error_details(Code::InvalidArgument, format!("invalid argument: {field} {description}"), details)
+}
+
+/// A body over [`BODY_BYTES_MAX`].
+fn too_large() -> Status {
+    let mut details = ErrorDetails::new();
+    let metadata = HashMap::from([
+        ("bound".to_owned(), "body_bytes_max".to_owned()),
+        ("limit".to_owned(), BODY_BYTES_MAX.to_string()),
+    ]);
+    details.set_error_info("REQUEST_TOO_LARGE", ERROR_DOMAIN, metadata);
+    Status::with_error_details(Code::OutOfRange, format!("the request body is over {BODY_BYTES_MAX} bytes"), details)
+}
+
+/// The server's router: the HTTP/JSON paths (`/v1/...`) to `gateway`; everything else to the
+/// gRPC services, over HTTP/2 (an HTTP/1 request for any other path is answered 404 in JSON).
+pub fn router(gateway: Gateway, grpc: GrpcService) -> axum::Router {
+    let json = gateway.clone();
+    let other = tower::service_fn(move |request: axum::extract::Request| {
+        let (grpc, gateway) = (grpc.clone(), gateway.clone());
+        async move {
+            if request.version() != http::Version::HTTP_2 {
+                return Ok::<_, Infallible>(not_http_json(&gateway));
+            }
+            let Ok(response) = grpc.oneshot(request.map(tonic::body::Body::new)).await;
+            Ok(response.map(axum::body::Body::new))
+        }
+    });
+    axum::Router::new()
+        .route(
+            "/v1/{*rest}",
+            axum::routing::any(move |request: axum::extract::Request| async move { json.handle(request).await }),
+        )
+        .fallback_service(other)
+}
+
+/// The answer to an HTTP/1 request for a gRPC path: gRPC needs HTTP/2.
+fn not_http_json(gateway: &Gateway) -> http::Response<axum::body::Body> {
+    gateway.refusal(&refuse(
+        Code::NotFound,
+        "ROUTE_NOT_FOUND",
+        "no HTTP/JSON RPC is served at this path (gRPC needs HTTP/2; see docs/http.md)",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_parse_and_match_with_colons_inside_variables() {
+        let template = Template::parse("/v1/merchants/{merchant_id}/orders/{order_no}:pay").unwrap();
+        assert_eq!(template.verb.as_deref(), Some("pay"));
+        let variables = template.matches("/v1/merchants/m1/orders/a:b:pay").unwrap().unwrap();
+        assert_eq!(variables, vec![("merchant_id".into(), "m1".into()), ("order_no".into(), "a:b".into())]);
+        assert!(template.matches("/v1/merchants/m1/orders/a").is_none());
+        assert!(template.matches("/v1/merchants/m1/orders/:pay").is_none());
+        assert!(template.matches("/v1/merchants/m1/orders/a/b:pay").is_none());
+        let plain = Template::parse("/v1/accounts/{account_id}").unwrap();
+        assert_eq!(plain.verb, None);
+        assert_eq!(plain.matches("/v1/accounts/a%3Ab").unwrap().unwrap(), vec![("account_id".into(), "a:b".into())]);
+        assert!(plain.matches("/v1/accounts/%FF").unwrap().is_err());
+        assert!(Template::parse("/v1/{name=accounts/*}").is_err());
+        assert!(Template::parse("/v1/**").is_err());
+        assert!(Template::parse("v1/accounts").is_err());
+    }
+
+    #[test]
+    fn grpc_codes_map_to_the_standard_http_statuses() {
+        assert_eq!(http_status(Code::InvalidArgument), StatusCode::BAD_REQUEST);
+        assert_eq!(http_status(Code::FailedPrecondition), StatusCode::BAD_REQUEST);
+        assert_eq!(http_status(Code::AlreadyExists), StatusCode::CONFLICT);
+        assert_eq!(http_status(Code::Aborted), StatusCode::CONFLICT);
+        assert_eq!(http_status(Code::ResourceExhausted), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(http_status(Code::Unauthenticated), StatusCode::UNAUTHORIZED);
+        assert_eq!(http_status(Code::Cancelled).as_u16(), 499);
+        assert_eq!(http_status(Code::Unavailable), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(http_status(Code::DeadlineExceeded), StatusCode::GATEWAY_TIMEOUT);
+    }
+
+    #[test]
+    fn every_rpc_of_the_api_has_a_binding() {
+        let grpc: GrpcService =
+            BoxCloneSyncService::new(tower::service_fn(|_: http::Request<tonic::body::Body>| async {
+                Ok::<_, Infallible>(http::Response::new(tonic::body::Body::empty()))
+            }));
+        let gateway = Gateway::new(crate::proto::FILE_DESCRIPTOR_SET, grpc).expect("the proto's rules are served");
+        let bindings = gateway.bindings();
+        assert!(
+            bindings.contains(&"POST /v1/merchants/{merchant_id}/orders/{order_no}:pay".to_owned()),
+            "{bindings:?}"
+        );
+        let grpc_paths: std::collections::HashSet<_> =
+            gateway.routes.iter().map(|route| route.grpc_path.clone()).collect();
+        assert_eq!(grpc_paths.len(), 15, "every RPC of both services: {grpc_paths:?}");
+    }
+}
