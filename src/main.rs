@@ -35,6 +35,9 @@ enum Command {
     /// from your identity provider; payledger needs only its JWKS).
     #[command(subcommand)]
     Auth(AuthCommand),
+    /// Print the OpenAPI 3.0 document of the HTTP/JSON API (what a server serves at
+    /// /v1/openapi.json; docs/http.md).
+    Openapi,
 }
 
 #[derive(Debug, Subcommand)]
@@ -80,6 +83,11 @@ enum AuthCommand {
     },
 }
 
+fn openapi() -> Result<ExitCode, AnyError> {
+    print!("{}", payledger::http::openapi_document(payledger::proto::FILE_DESCRIPTOR_SET)?);
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
@@ -111,6 +119,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Audit(settings) => audit(settings).await,
         Command::Health(settings) => health(settings).await,
         Command::Auth(command) => auth(command),
+        Command::Openapi => openapi(),
     };
     match result {
         Ok(code) => code,

@@ -255,8 +255,51 @@ pub async fn http_refusals_carry_their_status_and_a_google_rpc_status_body_and_l
     twice.assert_refused(400, 3, "INVALID_ARGUMENT");
     let unprintable = http.post(PAY_PATH, &[("idempotency-key", "a\tb")], pay_body("t-x", "25.00")).await;
     unprintable.assert_refused(400, 3, "INVALID_ARGUMENT");
+    // A member named twice, in one spelling or in both: parsers disagree on which counts.
+    let twice_named =
+        br#"{"out_trade_no":"t-x","payer_account_id":"alice","amount":"1.00","amount":"25.00","currency":"USD"}"#;
+    let doubled = http.raw(Method::POST, PAY_PATH, &[], Some(Bytes::from_static(twice_named))).await;
+    doubled.assert_refused(400, 3, "MALFORMED_REQUEST");
+    let aliased = http
+        .post(PAY_PATH, &[], json!({"out_trade_no": "t-x", "outTradeNo": "t-y", "payer_account_id": "alice"}))
+        .await;
+    aliased.assert_refused(400, 3, "MALFORMED_REQUEST");
+    // A path field the body names as "" (proto3's default) is another value, not the path's.
+    let emptied = http.post(PAY_PATH, &[], json!({"order_no": "", "out_trade_no": "t-x", "payer_account_id": "alice", "amount": "25.00", "currency": "USD"})).await;
+    emptied.assert_refused(400, 3, "INVALID_ARGUMENT");
+    // Request trailers, even repeating a header's value, and a declared oversize body.
+    let keyed_trailer =
+        "POST /v1/transfers HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
+        Idempotency-Key: tr-1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nIdempotency-Key: tr-1\r\n\r\n";
+    let answer = raw_http1(app.address, keyed_trailer).await;
+    assert!(answer.starts_with("HTTP/1.1 400") && answer.contains("\"MALFORMED_REQUEST\""), "{answer}");
+    let declared = "POST /v1/transfers HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{}";
+    let answer = raw_http1(app.address, declared).await;
+    assert!(answer.starts_with("HTTP/1.1 413") && answer.contains("\"REQUEST_TOO_LARGE\""), "{answer}");
 
     assert_eq!(app.all_rows().await, before, "nothing written by a refused call");
+}
+
+/// Sends `request` as written on a connection of its own and reads the answer's first bytes.
+async fn raw_http1(address: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("the server accepts");
+    stream.write_all(request.as_bytes()).await.expect("the request is sent");
+    let mut answer = vec![0; 4096];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(30), stream.read(&mut answer))
+        .await
+        .expect("an answer without waiting for the body")
+        .expect("the answer is read");
+    String::from_utf8_lossy(&answer[..read]).into_owned()
+}
+
+pub async fn the_served_openapi_document_is_the_one_generated_from_the_proto(app: &TestApp) {
+    let http = Caller::new(app, true);
+    let served = http.get("/v1/openapi.json").await;
+    assert_eq!(served.status, StatusCode::OK);
+    let generated = payledger::http::openapi_document(payledger::proto::FILE_DESCRIPTOR_SET).unwrap();
+    assert_eq!(served.json, serde_json::from_str::<Value>(&generated).unwrap());
+    assert!(served.json["paths"]["/v1/merchants/{merchant_id}/orders/{order_no}:pay"]["post"].is_object());
 }
 
 pub async fn http_callers_need_a_valid_bearer_token_and_reach_only_their_merchants(app: &TestApp) {

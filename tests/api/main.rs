@@ -192,6 +192,7 @@ backend_suite!(
     concurrent_http_duplicates_of_a_keyed_pay_move_the_money_once,
     http_refusals_carry_their_status_and_a_google_rpc_status_body_and_leave_nothing,
     http_callers_need_a_valid_bearer_token_and_reach_only_their_merchants => authenticated,
+    the_served_openapi_document_is_the_one_generated_from_the_proto,
     // Operability.
     metrics_count_calls_replays_key_conflicts_and_refusals,
     a_call_past_the_concurrency_limit_is_resource_exhausted_before_any_work => tightly_bounded,

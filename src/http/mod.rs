@@ -12,9 +12,10 @@
 //!   refused. A path variable the body also sets must agree with it. Rules without a body take
 //!   the other top-level scalar fields from the query string.
 //! - Headers: `Authorization`, `Idempotency-Key`, `Idempotency-Token`, `grpc-timeout`,
-//!   `traceparent` and `tracestate` are passed on as the gRPC call's metadata, every value and
-//!   request trailers included, so every rule of the gRPC metadata (a header sent twice, a
-//!   malformed one, one in trailers) holds over HTTP; no other header reaches the call.
+//!   `traceparent` and `tracestate` are passed on as the gRPC call's metadata, every value of
+//!   each, so every rule of the gRPC metadata (a header sent twice, a malformed one) holds over
+//!   HTTP; no other header reaches the call. Request trailers are refused. A body must arrive
+//!   within [`BODY_READ_TIMEOUT`], and may name a member once (in either spelling).
 //! - Answers: 200 with the response message as JSON, fields named as in the proto, fields at
 //!   their default omitted (proto3 JSON); `Idempotent-Replayed: true` on a replay and
 //!   `Idempotency-Expires-At` as over gRPC. A refusal is the standard gRPC-to-HTTP status
@@ -42,9 +43,17 @@ use tower::ServiceExt as _;
 
 use crate::error::ERROR_DOMAIN;
 
+mod openapi;
+pub use openapi::OPENAPI_PATH;
+
 /// The largest request body accepted, in bytes: the gRPC listener's message bound. A larger
 /// body is answered 413 (OUT_OF_RANGE, `REQUEST_TOO_LARGE`) before it is parsed.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// The longest a request body may take to arrive once its headers have (a slow or stalled
+/// sender): 10 s, then 504 (DEADLINE_EXCEEDED, `REQUEST_BODY_TIMEOUT`) and the connection is
+/// free of it.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The gRPC services the gateway calls in process: the server's whole gRPC stack.
 pub type GrpcService =
@@ -154,6 +163,8 @@ struct Route {
     grpc_path: String,
     input: MessageDescriptor,
     output: MessageDescriptor,
+    /// The RPC, for the OpenAPI document's descriptions.
+    rpc: prost_reflect::MethodDescriptor,
 }
 
 /// Serves the HTTP/JSON API by calling the gRPC services in process.
@@ -162,6 +173,8 @@ pub struct Gateway {
     routes: Arc<Vec<Route>>,
     grpc: GrpcService,
     status: MessageDescriptor,
+    /// The OpenAPI document, served at [`OPENAPI_PATH`].
+    openapi: Bytes,
 }
 
 impl Gateway {
@@ -171,37 +184,9 @@ impl Gateway {
     /// # Errors
     /// [`RuleError`] when a rule is outside the supported subset (see the module docs).
     pub fn new(descriptors: &[u8], grpc: GrpcService) -> Result<Self, RuleError> {
-        let error = |method: &str, reason: String| RuleError { method: method.to_owned(), reason };
-        let mut pool = DescriptorPool::decode(descriptors).map_err(|e| error("the API", e.to_string()))?;
-        pool.decode_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
-            .map_err(|e| error("google.rpc", e.to_string()))?;
-        let http = pool
-            .get_extension_by_name("google.api.http")
-            .ok_or_else(|| error("the API", "google.api.http is not among its imports".into()))?;
-        let status = pool
-            .get_message_by_name("google.rpc.Status")
-            .ok_or_else(|| error("google.rpc", "no google.rpc.Status".into()))?;
-        let mut routes = Vec::new();
-        for service in pool.services() {
-            for method in service.methods() {
-                let options = method.options();
-                if !options.has_extension(&http) {
-                    continue;
-                }
-                let rule = options.get_extension(&http);
-                let Some(rule) = rule.as_message() else { continue };
-                let name = method.full_name().to_owned();
-                let mut bindings = vec![rule.clone()];
-                if let Some(Value::List(more)) = rule.get_field_by_name("additional_bindings").as_deref() {
-                    bindings.extend(more.iter().filter_map(Value::as_message).cloned());
-                }
-                for binding in bindings {
-                    let route = Route::from_rule(&binding, &method).map_err(|reason| error(&name, reason))?;
-                    routes.push(route);
-                }
-            }
-        }
-        Ok(Self { routes: Arc::new(routes), grpc, status })
+        let (routes, status) = routes(descriptors)?;
+        let openapi = Bytes::from(openapi_text(&routes));
+        Ok(Self { routes: Arc::new(routes), grpc, status, openapi })
     }
 
     /// The paths served (`POST /v1/...`), for the start-up log and the docs' check.
@@ -219,31 +204,51 @@ impl Gateway {
 
     async fn call(&self, request: http::Request<axum::body::Body>) -> Result<http::Response<axum::body::Body>, Status> {
         let (parts, body) = request.into_parts();
+        if parts.uri.path() == OPENAPI_PATH && parts.method == Method::GET {
+            let mut response = http::Response::new(axum::body::Body::from(self.openapi.clone()));
+            response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return Ok(response);
+        }
         let (route, variables) = self.route(&parts.method, parts.uri.path())?;
-        let collected = match Limited::new(body, BODY_BYTES_MAX).collect().await {
-            Ok(collected) => collected,
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
+        let declared =
+            parts.headers.get(header::CONTENT_LENGTH).and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > BODY_BYTES_MAX as u64) {
+            return Err(too_large());
+        }
+        let collected = match tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, BODY_BYTES_MAX).collect())
+            .await
+        {
             Err(_) => {
+                return Err(refuse(
+                    Code::DeadlineExceeded,
+                    "REQUEST_BODY_TIMEOUT",
+                    "the request body did not arrive in time",
+                ))
+            }
+            Ok(Ok(collected)) => collected,
+            Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
+            Ok(Err(_)) => {
                 return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", "the request body could not be read"))
             }
         };
-        let trailers = collected.trailers().cloned();
+        if collected.trailers().is_some_and(|trailers| !trailers.is_empty()) {
+            return Err(refuse(
+                Code::InvalidArgument,
+                "MALFORMED_REQUEST",
+                "request trailers are not accepted: send every header before the body",
+            ));
+        }
         let body = collected.to_bytes();
         let mut message = route.message(&parts.headers, &body)?;
         route.apply_query(&mut message, parts.uri.query().unwrap_or(""))?;
-        route.apply_path(&mut message, variables)?;
+        route.apply_path(&mut message, variables, &body)?;
 
         let encoded = prost::Message::encode_to_vec(&message);
         let mut frame = BytesMut::with_capacity(5 + encoded.len());
         frame.put_u8(0);
         frame.put_u32(u32::try_from(encoded.len()).map_err(|_| too_large())?);
         frame.put_slice(&encoded);
-        let mut frames = vec![Ok::<_, Infallible>(http_body::Frame::data(frame.freeze()))];
-        if let Some(trailers) = trailers.filter(|trailers| !trailers.is_empty()) {
-            frames.push(Ok(http_body::Frame::trailers(trailers)));
-        }
-        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
-        let mut inner = http::Request::new(tonic::body::Body::new(body));
+        let mut inner = http::Request::new(tonic::body::Body::new(http_body_util::Full::new(frame.freeze())));
         *inner.method_mut() = Method::POST;
         *inner.version_mut() = http::Version::HTTP_2;
         *inner.uri_mut() = route.grpc_path.parse().map_err(|_| refuse(Code::Internal, "INTERNAL", "internal error"))?;
@@ -284,34 +289,35 @@ impl Gateway {
     /// The route of `method` and `path`, and its variables; NOT_FOUND (404) when no rule has
     /// the path, 405 when none has it with this method.
     fn route(&self, method: &Method, path: &str) -> Result<(&Route, Variables), Status> {
-        let mut path_known = false;
-        for route in self.routes.iter() {
-            let Some(variables) = route.template.matches(path) else { continue };
-            if route.method != *method {
-                path_known = true;
-                continue;
-            }
-            let variables = variables.map_err(|reason| refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &reason))?;
-            return Ok((route, variables));
+        // A path a custom method's template (`...:pay`) matches is that method's, even where a
+        // template without a verb would also take it with the verb as part of its last
+        // variable (GET /v1/accounts/a:deposit): ids that end in `:<verb>` are sent with the
+        // colon percent-encoded (`a%3Adeposit`).
+        let matching: Vec<(&Route, Result<Variables, String>)> =
+            self.routes.iter().filter_map(|route| route.template.matches(path).map(|found| (route, found))).collect();
+        let custom = matching.iter().any(|(route, _)| route.template.verb.is_some());
+        let candidates: Vec<_> =
+            matching.into_iter().filter(|(route, _)| !custom || route.template.verb.is_some()).collect();
+        if candidates.is_empty() {
+            return Err(refuse(
+                Code::NotFound,
+                "ROUTE_NOT_FOUND",
+                "no RPC is served at this path (docs/http.md lists them)",
+            ));
         }
-        if path_known {
-            let allowed: Vec<String> = self
-                .routes
-                .iter()
-                .filter(|r| r.template.matches(path).is_some())
-                .map(|r| r.method.to_string())
-                .collect();
-            let mut status = refuse(Code::Unimplemented, "METHOD_NOT_ALLOWED", "this path does not take this method");
-            if let Ok(value) = allowed.join(", ").parse() {
-                status.metadata_mut().insert("allow", value);
+        let allowed: Vec<String> = candidates.iter().map(|(route, _)| route.method.to_string()).collect();
+        match candidates.into_iter().find(|(route, _)| route.method == *method) {
+            Some((route, Ok(variables))) => Ok((route, variables)),
+            Some((_, Err(reason))) => Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &reason)),
+            None => {
+                let mut status =
+                    refuse(Code::Unimplemented, "METHOD_NOT_ALLOWED", "this path does not take this method");
+                if let Ok(value) = allowed.join(", ").parse() {
+                    status.metadata_mut().insert("allow", value);
+                }
+                Err(status)
             }
-            return Err(status);
         }
-        Err(refuse(
-            Code::NotFound,
-            "ROUTE_NOT_FOUND",
-            "no RPC is served at this path (see the OpenAPI document, docs/http.md)",
-        ))
     }
 
     /// The JSON answer of a refused call.
@@ -327,6 +333,9 @@ impl Gateway {
         }
         if reason == "REQUEST_TOO_LARGE" {
             code = StatusCode::PAYLOAD_TOO_LARGE;
+        }
+        if reason == "REQUEST_BODY_TIMEOUT" {
+            code = StatusCode::REQUEST_TIMEOUT;
         }
         if reason == "UNSUPPORTED_MEDIA_TYPE" {
             code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
@@ -357,6 +366,55 @@ impl Gateway {
         }
         response
     }
+}
+
+/// The routes of every RPC annotated in `descriptors`, and google.rpc.Status's descriptor.
+fn routes(descriptors: &[u8]) -> Result<(Vec<Route>, MessageDescriptor), RuleError> {
+    let error = |method: &str, reason: String| RuleError { method: method.to_owned(), reason };
+    let mut pool = DescriptorPool::decode(descriptors).map_err(|e| error("the API", e.to_string()))?;
+    pool.decode_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+        .map_err(|e| error("google.rpc", e.to_string()))?;
+    let http = pool
+        .get_extension_by_name("google.api.http")
+        .ok_or_else(|| error("the API", "google.api.http is not among its imports".into()))?;
+    let status = pool
+        .get_message_by_name("google.rpc.Status")
+        .ok_or_else(|| error("google.rpc", "no google.rpc.Status".into()))?;
+    let mut routes = Vec::new();
+    for service in pool.services() {
+        for method in service.methods() {
+            let options = method.options();
+            if !options.has_extension(&http) {
+                continue;
+            }
+            let rule = options.get_extension(&http);
+            let Some(rule) = rule.as_message() else { continue };
+            let name = method.full_name().to_owned();
+            let mut bindings = vec![rule.clone()];
+            if let Some(Value::List(more)) = rule.get_field_by_name("additional_bindings").as_deref() {
+                bindings.extend(more.iter().filter_map(Value::as_message).cloned());
+            }
+            for binding in bindings {
+                routes.push(Route::from_rule(&binding, &method).map_err(|reason| error(&name, reason))?);
+            }
+        }
+    }
+    Ok((routes, status))
+}
+
+fn openapi_text(routes: &[Route]) -> String {
+    let mut text = serde_json::to_string_pretty(&openapi::document(routes)).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// The OpenAPI document of the API described by `descriptors` (what the server serves at
+/// [`OPENAPI_PATH`]; `payledger openapi` prints it).
+///
+/// # Errors
+/// [`RuleError`] when a rule is outside the supported subset.
+pub fn openapi_document(descriptors: &[u8]) -> Result<String, RuleError> {
+    Ok(openapi_text(&routes(descriptors)?.0))
 }
 
 impl Route {
@@ -398,6 +456,7 @@ impl Route {
             grpc_path: format!("/{}/{}", method.parent_service().full_name(), method.name()),
             input,
             output: method.output(),
+            rpc: method.clone(),
         })
     }
 
@@ -435,6 +494,10 @@ impl Route {
         }
         if body.iter().all(u8::is_ascii_whitespace) {
             return Ok(DynamicMessage::new(self.input.clone()));
+        }
+        if let Err(error) = serde_json::from_slice::<Unambiguous>(body) {
+            let message = format!("the request body is not a JSON {}: {error}", self.input.name());
+            return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &message));
         }
         let mut json = serde_json::Deserializer::from_slice(body);
         let message =
@@ -493,10 +556,14 @@ impl Route {
             && !matches!(field.kind(), Kind::Message(_))
     }
 
-    /// Sets the path's variables; a body that set one of them to another value is refused.
-    fn apply_path(&self, message: &mut DynamicMessage, variables: Variables) -> Result<(), Status> {
+    /// Sets the path's variables. A body that names one of them (in either spelling, even as
+    /// `""` or `null`) must give it the path's value.
+    fn apply_path(&self, message: &mut DynamicMessage, variables: Variables, body: &[u8]) -> Result<(), Status> {
+        let named: Vec<String> = serde_json::from_slice::<HashMap<String, serde::de::IgnoredAny>>(body)
+            .map(|object| object.into_keys().map(|key| field_key(&key)).collect())
+            .unwrap_or_default();
         for (name, value) in variables {
-            if message.has_field_by_name(&name) {
+            if named.contains(&field_key(&name)) {
                 let same = matches!(message.get_field_by_name(&name).as_deref(), Some(Value::String(given)) if *given == value);
                 if !same {
                     return Err(bad_request(&name, "differs between the path and the body"));
@@ -505,6 +572,68 @@ impl Route {
             message.set_field_by_name(&name, Value::String(value));
         }
         Ok(())
+    }
+}
+
+/// A JSON member name as the field it names, whichever spelling the proto3 JSON mapping lets
+/// a caller use (`out_trade_no`, `outTradeNo`): lowercase, without underscores.
+fn field_key(name: &str) -> String {
+    name.chars().filter(|c| *c != '_').map(|c| c.to_ascii_lowercase()).collect()
+}
+
+/// A JSON document in which no object names a member twice, in either spelling (a parser
+/// that kept the first and one that keeps the last would read different requests: the same
+/// `amount` twice, or `request_id` beside `requestId`).
+struct Unambiguous;
+
+impl<'de> serde::Deserialize<'de> for Unambiguous {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UnambiguousVisitor)
+    }
+}
+
+struct UnambiguousVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UnambiguousVisitor {
+    type Value = Unambiguous;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("JSON")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Unambiguous, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(field_key(&key)) {
+                return Err(serde::de::Error::custom(format!("the member {key:?} is given twice")));
+            }
+            map.next_value::<Unambiguous>()?;
+        }
+        Ok(Unambiguous)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Unambiguous, A::Error> {
+        while seq.next_element::<Unambiguous>()?.is_some() {}
+        Ok(Unambiguous)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
+    }
+    fn visit_unit<E>(self) -> Result<Unambiguous, E> {
+        Ok(Unambiguous)
     }
 }
 
@@ -623,6 +752,73 @@ mod tests {
         assert!(Template::parse("/v1/{name=accounts/*}").is_err());
         assert!(Template::parse("/v1/**").is_err());
         assert!(Template::parse("v1/accounts").is_err());
+    }
+
+    #[test]
+    fn the_checked_in_openapi_document_is_the_one_served() {
+        let document = openapi_document(crate::proto::FILE_DESCRIPTOR_SET).expect("the proto's rules are served");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/openapi.json");
+        let checked_in = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            checked_in == document,
+            "docs/openapi.json differs from the document the server serves: run `cargo run -- openapi > docs/openapi.json`"
+        );
+        let json: serde_json::Value = serde_json::from_str(&document).unwrap();
+        assert_eq!(json["openapi"], "3.0.3");
+        let pay = &json["paths"]["/v1/merchants/{merchant_id}/orders/{order_no}:pay"]["post"];
+        assert_eq!(pay["operationId"], "PaymentService_Pay");
+        let parameters: Vec<&str> =
+            pay["parameters"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+        assert_eq!(parameters, ["merchant_id", "order_no", "Idempotency-Key", "Idempotency-Token"]);
+        let body = &pay["requestBody"]["content"]["application/json"]["schema"];
+        let mut fields: Vec<&String> = body["properties"].as_object().unwrap().keys().collect();
+        fields.sort();
+        assert_eq!(
+            fields,
+            ["amount", "currency", "out_trade_no", "payer_account_id"],
+            "the body without the path's fields"
+        );
+        assert_eq!(body["additionalProperties"], false);
+        let entries = &json["paths"]["/v1/accounts/{account_id}/entries"]["get"]["parameters"];
+        let names: Vec<&str> = entries.as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["account_id", "page_size", "page_token"]);
+        let query_ids: Vec<&str> = ["orders/{order_no}", "payments/{out_trade_no}", "refunds/{out_refund_no}"]
+            .iter()
+            .map(|tail| {
+                json["paths"][format!("/v1/merchants/{{merchant_id}}/{tail}")]["get"]["operationId"].as_str().unwrap()
+            })
+            .collect();
+        assert_eq!(query_ids, ["PaymentService_Query", "PaymentService_Query_2", "PaymentService_Query_3"]);
+        let token = &json["paths"]["/v1/merchants/{merchant_id}/tokens"]["post"]["parameters"];
+        assert_eq!(token.as_array().unwrap().len(), 1, "IssueToken takes no guard header: {token}");
+        let account = &json["components"]["schemas"]["payledger.v1.Account"]["properties"];
+        assert_eq!(account["version"]["type"], "string", "64-bit integers are strings in proto3 JSON");
+        assert_eq!(account["created_at"]["format"], "date-time");
+    }
+
+    #[test]
+    fn a_custom_method_takes_its_path_before_a_variable_would() {
+        let grpc: GrpcService =
+            BoxCloneSyncService::new(tower::service_fn(|_: http::Request<tonic::body::Body>| async {
+                Ok::<_, Infallible>(http::Response::new(tonic::body::Body::empty()))
+            }));
+        let gateway = Gateway::new(crate::proto::FILE_DESCRIPTOR_SET, grpc).unwrap();
+        let (route, variables) = gateway.route(&Method::POST, "/v1/accounts/a:deposit").unwrap();
+        assert_eq!(route.grpc_path, "/payledger.v1.AccountService/Deposit");
+        assert_eq!(variables, vec![("account_id".to_owned(), "a".to_owned())]);
+        let refused = gateway.route(&Method::GET, "/v1/accounts/a:deposit").unwrap_err();
+        assert_eq!(refused.metadata().get("allow").unwrap(), "POST");
+        let (route, variables) = gateway.route(&Method::GET, "/v1/accounts/a%3Adeposit").unwrap();
+        assert_eq!(route.grpc_path, "/payledger.v1.AccountService/GetAccount");
+        assert_eq!(variables, vec![("account_id".to_owned(), "a:deposit".to_owned())]);
+    }
+
+    #[test]
+    fn a_member_named_twice_in_either_spelling_is_refused() {
+        assert!(serde_json::from_str::<Unambiguous>(r#"{"a": 1, "b": {"c": [1, {"d": 2}]}}"#).is_ok());
+        assert!(serde_json::from_str::<Unambiguous>(r#"{"amount": "1", "amount": "9"}"#).is_err());
+        assert!(serde_json::from_str::<Unambiguous>(r#"{"request_id": "a", "requestId": "b"}"#).is_err());
+        assert!(serde_json::from_str::<Unambiguous>(r#"{"x": [{"k": 1, "k": 2}]}"#).is_err());
     }
 
     #[test]
