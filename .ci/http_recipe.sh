@@ -2,10 +2,14 @@
 # README.md's curl recipe ("Over HTTP/JSON, with curl"), exactly as written there, against a
 # real `payledger serve` on a fresh SQLite ledger, three times: over HTTP/1.1, over HTTP/2
 # cleartext (curl's http2-prior-knowledge) and over TLS (HTTP/2 by ALPN, a certificate made
-# for the run). The transport is chosen by a .curlrc (CURL_HOME) and BASE, so the block runs
-# unchanged. Each run must succeed, replay the Pay, and have used the intended protocol.
+# for the run), then over mutual TLS (a client certificate from a CA made for the run; a
+# connection without one is refused). The transport is chosen by a .curlrc (CURL_HOME) and
+# BASE, so the block runs unchanged. Each run must succeed, replay the Pay, and have used the
+# intended protocol.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=.ci/lib.sh
+. .ci/lib.sh
 cargo build --locked --quiet --bin payledger
 work=$(mktemp -d)
 server=""
@@ -22,6 +26,16 @@ openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
   -addext basicConstraints=critical,CA:FALSE \
   -keyout "$work/server-key.pem" -out "$work/server.pem" 2>/dev/null
 
+# Mutual TLS: a CA, and a client certificate it signed.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=payledger-test-ca \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign \
+  -keyout "$work/ca-key.pem" -out "$work/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=back-office \
+  -keyout "$work/client-key.pem" -out "$work/client.csr" 2>/dev/null
+printf 'basicConstraints=critical,CA:FALSE\nextendedKeyUsage=clientAuth\n' > "$work/client.ext"
+openssl x509 -req -in "$work/client.csr" -CA "$work/ca.pem" -CAkey "$work/ca-key.pem" -CAcreateserial -days 2 \
+  -extfile "$work/client.ext" -out "$work/client.pem" 2>/dev/null
+
 run() { # name, protocol expected in the answers' status lines, curlrc lines...
   local name=$1 protocol=$2 port scheme=http tls=()
   shift 2
@@ -31,14 +45,18 @@ run() { # name, protocol expected in the answers' status lines, curlrc lines...
     scheme=https
     tls=(--tls-cert "$work/server.pem" --tls-key "$work/server-key.pem")
   fi
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  if grep -q '^cert' "$work/$name/.curlrc"; then
+    tls+=(--tls-client-ca "$work/ca.pem")
+  fi
+  port=$(free_port)
   target/debug/payledger serve --listen "127.0.0.1:$port" --database-url "sqlite:$work/$name/ledger.db" "${tls[@]}" \
     >"$work/$name/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 1 100); do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
-    sleep 0.1
-  done
+  wait_for_port "$port" || true
+  if [ ${#tls[@]} -gt 4 ] && curl -sS -o /dev/null --cacert "$work/server.pem" "https://localhost:$port/v1/accounts/alice" 2>/dev/null; then
+    echo "$name: a connection without a client certificate was served" >&2
+    exit 1
+  fi
   if ! CURL_HOME="$work/$name" BASE="$scheme://localhost:$port" bash -euo pipefail "$work/recipe.sh" > "$work/$name/out" 2>&1; then
     echo "the README's curl recipe failed over $name:" >&2
     cat "$work/$name/out" "$work/$name/server.log" >&2
@@ -54,3 +72,4 @@ run() { # name, protocol expected in the answers' status lines, curlrc lines...
 run "HTTP/1.1" "HTTP/1.1" "http1.1"
 run "HTTP/2 cleartext" "HTTP/2" "http2-prior-knowledge"
 run "TLS" "HTTP/2" "cacert = $work/server.pem"
+run "mutual TLS, HTTP/1.1" "HTTP/1.1" "cacert = $work/server.pem" "cert = $work/client.pem" "key = $work/client-key.pem" "http1.1"

@@ -4,13 +4,10 @@
 # .proto and certificates made for the run. The venv is kept in target/ between runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=.ci/lib.sh
+. .ci/lib.sh
 venv=target/contract-venv
-if [ ! -x "$venv/bin/python" ] || ! cmp -s .ci/contract/requirements.txt "$venv/requirements.txt"; then
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check -r .ci/contract/requirements.txt
-  cp .ci/contract/requirements.txt "$venv/requirements.txt"
-fi
+python_venv "$venv" .ci/contract/requirements.txt
 cargo build --locked --quiet --bin payledger
 work=$(mktemp -d)
 server=""
@@ -21,16 +18,13 @@ cp "$work/payledger/v1/payledger_pb2.py" "$work/payledger/v1/payledger_pb2_grpc.
 sed -i 's/^from payledger.v1 import payledger_pb2/import payledger_pb2/' "$work/payledger_pb2_grpc.py"
 "$venv/bin/python" .ci/contract/make_certs.py "$work"
 target/debug/payledger auth keygen --dir "$work/auth" >/dev/null
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 target/debug/payledger serve --listen "127.0.0.1:$port" --database-url "sqlite:$work/ledger.db" \
   --tls-cert "$work/server.pem" --tls-key "$work/server-key.pem" --tls-client-ca "$work/ca.pem" \
   --auth-jwks "$work/auth/jwks.json" --auth-issuer payledger-dev --auth-audience payledger --auth-leeway-seconds 0 \
   >"$work/server.log" 2>&1 &
 server=$!
-for _ in $(seq 1 100); do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
-  sleep 0.1
-done
+wait_for_port "$port" || true
 # GRPC_VERBOSITY=NONE: gRPC C-core would print the refused mTLS handshake the check provokes.
 if ! GRPC_VERBOSITY=NONE PYTHONPATH="$work" "$venv/bin/python" .ci/contract/auth_contract.py "127.0.0.1:$port" "$work" \
   target/debug/payledger "$work/auth/jwt-signing-key.pem"; then
@@ -40,7 +34,7 @@ if ! GRPC_VERBOSITY=NONE PYTHONPATH="$work" "$venv/bin/python" .ci/contract/auth
 fi
 # Connections that move (gRFC A9): a server of its own whose connections get a GOAWAY after
 # 1 s, called by grpcio until it has moved twice, every call answered.
-age_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+age_port=$(free_port)
 target/debug/payledger serve --listen "127.0.0.1:$age_port" --database-url "sqlite:$work/age.db" \
   --max-connection-age-seconds 1 >"$work/age.log" 2>&1 &
 age_server=$!

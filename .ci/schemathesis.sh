@@ -10,13 +10,10 @@
 # own (a "Runtime Error", "AST constructor recursion depth mismatch"), never on a server answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=.ci/lib.sh
+. .ci/lib.sh
 venv=target/schemathesis-venv
-if [ ! -x "$venv/bin/schemathesis" ] || ! cmp -s .ci/schemathesis/requirements.txt "$venv/requirements.txt"; then
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check -r .ci/schemathesis/requirements.txt
-  cp .ci/schemathesis/requirements.txt "$venv/requirements.txt"
-fi
+python_venv "$venv" .ci/schemathesis/requirements.txt
 cargo build --locked --quiet --bin payledger
 examples="${EXAMPLES:-100}"
 work=$(mktemp -d)
@@ -32,16 +29,14 @@ trap cleanup EXIT
 
 fuzz() { # backend, database URL
   local backend=$1 url=$2 port cases
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   target/debug/payledger serve --listen "127.0.0.1:$port" --database-url "$url" >"$work/$backend-server.log" 2>&1 &
   server=$!
-  for _ in $(seq 1 200); do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
-    sleep 0.1
-  done
-  if ! "$venv/bin/schemathesis" run "http://127.0.0.1:$port/v1/openapi.json" --url "http://127.0.0.1:$port" \
-      --max-examples "$examples" --workers 1 --no-color --exclude-checks positive_data_acceptance \
-      >"$work/$backend.out" 2>&1; then
+  wait_for_port "$port" 200 || true
+  # From the temporary directory: schemathesis keeps its cache (.schemathesis/) where it runs.
+  if ! (cd "$work" && "$OLDPWD/$venv/bin/schemathesis" run "http://127.0.0.1:$port/v1/openapi.json" \
+      --url "http://127.0.0.1:$port" --max-examples "$examples" --workers 1 --no-color \
+      --exclude-checks positive_data_acceptance) >"$work/$backend.out" 2>&1; then
     echo "schemathesis found failures on $backend:" >&2
     cat "$work/$backend.out" >&2
     tail -n 50 "$work/$backend-server.log" >&2

@@ -482,15 +482,12 @@ impl Route {
             }
             return Ok(DynamicMessage::new(self.input.clone()));
         }
-        if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
-            let essence = content_type.to_str().unwrap_or("").split(';').next().unwrap_or("").trim();
-            if !essence.eq_ignore_ascii_case("application/json") {
-                return Err(refuse(
-                    Code::InvalidArgument,
-                    "UNSUPPORTED_MEDIA_TYPE",
-                    "the request body must be application/json",
-                ));
-            }
+        if !is_plain_json(headers) {
+            return Err(refuse(
+                Code::InvalidArgument,
+                "UNSUPPORTED_MEDIA_TYPE",
+                "the request body must be application/json (UTF-8, one Content-Type, no Content-Encoding)",
+            ));
         }
         if body.iter().all(u8::is_ascii_whitespace) {
             return Ok(DynamicMessage::new(self.input.clone()));
@@ -635,6 +632,33 @@ impl<'de> serde::de::Visitor<'de> for UnambiguousVisitor {
     fn visit_unit<E>(self) -> Result<Unambiguous, E> {
         Ok(Unambiguous)
     }
+}
+
+/// Whether a body with `headers` is JSON as the gateway reads it: at most one `Content-Type`,
+/// `application/json` with no charset but UTF-8 (RFC 8259, section 8.1), and no
+/// `Content-Encoding` but `identity` (the gateway decodes none).
+fn is_plain_json(headers: &HeaderMap) -> bool {
+    let mut types = headers.get_all(header::CONTENT_TYPE).iter();
+    let content_type = match (types.next(), types.next()) {
+        (None, _) => true,
+        (Some(value), None) => {
+            let mut parts = value.to_str().unwrap_or("").split(';').map(str::trim);
+            let essence = parts.next().unwrap_or("");
+            essence.eq_ignore_ascii_case("application/json")
+                && parts.filter(|part| !part.is_empty()).all(|part| {
+                    part.split_once('=').is_some_and(|(name, value)| {
+                        name.trim().eq_ignore_ascii_case("charset")
+                            && value.trim().trim_matches('"').eq_ignore_ascii_case("utf-8")
+                    })
+                })
+        }
+        (Some(_), Some(_)) => false,
+    };
+    let encoding = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .all(|value| value.to_str().is_ok_and(|text| text.trim().eq_ignore_ascii_case("identity")));
+    content_type && encoding
 }
 
 /// The status a gRPC answer carries in `headers` (its trailers, or a trailers-only answer's
@@ -811,6 +835,26 @@ mod tests {
         let (route, variables) = gateway.route(&Method::GET, "/v1/accounts/a%3Adeposit").unwrap();
         assert_eq!(route.grpc_path, "/payledger.v1.AccountService/GetAccount");
         assert_eq!(variables, vec![("account_id".to_owned(), "a:deposit".to_owned())]);
+    }
+
+    #[test]
+    fn bodies_are_read_only_as_utf8_json_without_encoding() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                map.append(*name, HeaderValue::from_static(value));
+            }
+            map
+        };
+        assert!(is_plain_json(&headers(&[])));
+        assert!(is_plain_json(&headers(&[("content-type", "application/json")])));
+        assert!(is_plain_json(&headers(&[("content-type", "Application/JSON; charset=\"UTF-8\"")])));
+        assert!(is_plain_json(&headers(&[("content-encoding", "identity")])));
+        assert!(!is_plain_json(&headers(&[("content-type", "application/json; charset=latin1")])));
+        assert!(!is_plain_json(&headers(&[("content-type", "application/json; boundary=x")])));
+        assert!(!is_plain_json(&headers(&[("content-type", "text/plain")])));
+        assert!(!is_plain_json(&headers(&[("content-type", "application/json"), ("content-type", "text/plain")])));
+        assert!(!is_plain_json(&headers(&[("content-encoding", "gzip")])));
     }
 
     #[test]

@@ -23,8 +23,15 @@ use super::{Route, Segment};
 /// Where the server serves the document (GET, no authentication: it holds no data).
 pub const OPENAPI_PATH: &str = "/v1/openapi.json";
 
-/// The pattern of an `Idempotency-Key` (1-128 printable ASCII characters, docs/idempotency.md).
-const KEY_PATTERN: &str = "^[\\x20-\\x7E]{1,128}$";
+/// The pattern of an `Idempotency-Key` (docs/api.md): 1-128 printable ASCII characters but `,`,
+/// no space at either end.
+const KEY_PATTERN: &str = "^[\\x21-\\x2B\\x2D-\\x7E]([\\x20-\\x2B\\x2D-\\x7E]{0,126}[\\x21-\\x2B\\x2D-\\x7E])?$";
+
+/// The pattern of an `Idempotency-Token` as IssueToken makes them (docs/idempotency.md).
+const TOKEN_PATTERN: &str = "^[A-Za-z0-9_-]{16,64}$";
+
+/// The RPCs that require an `Idempotency-Key` (they have no natural key).
+const KEY_REQUIRED: [&str; 1] = ["/payledger.v1.AccountService/Transfer"];
 
 /// The RPCs that take no guard header (`Idempotency-Key`, `Idempotency-Token`): they write
 /// nothing a retry could repeat.
@@ -112,20 +119,23 @@ fn operation(route: &Route, operation_id: String, schemas: &mut BTreeMap<String,
         .collect();
     let guarded = !UNGUARDED.contains(&route.grpc_path.as_str());
     if route.whole_body && guarded {
-        for (name, description) in [
-            (
-                "Idempotency-Key",
-                "The client idempotency key: a retry with it is answered with the original (docs/idempotency.md).",
-            ),
-            ("Idempotency-Token", "A one-time token from IssueToken (docs/idempotency.md)."),
-        ] {
-            parameters.push(json!({"name": name, "in": "header", "required": false, "description": description,
-                "schema": {"type": "string", "pattern": KEY_PATTERN}}));
+        let key_required = KEY_REQUIRED.contains(&route.grpc_path.as_str());
+        let key = "The client idempotency key: a retry with it is answered with the original (docs/idempotency.md).";
+        let token = "A one-time token from IssueToken (docs/idempotency.md).";
+        for (name, pattern, required, description) in
+            [("Idempotency-Key", KEY_PATTERN, key_required, key), ("Idempotency-Token", TOKEN_PATTERN, false, token)]
+        {
+            parameters.push(json!({"name": name, "in": "header", "required": required, "description": description,
+                "schema": {"type": "string", "pattern": pattern}}));
         }
     } else if !route.whole_body {
         for field in route.input.fields().filter(|field| route.is_query_field(field)) {
-            parameters.push(json!({"name": field.name(), "in": "query", "required": false,
-                "schema": field_schema(&field, schemas)}));
+            let mut schema = field_schema(&field, schemas);
+            if field.name() == "page_size" {
+                schema["minimum"] = json!(0);
+                schema["description"] = json!("0: 50; above 500 is read as 500.");
+            }
+            parameters.push(json!({"name": field.name(), "in": "query", "required": false, "schema": schema}));
         }
     }
     let answer = reference(&route.output, schemas);
@@ -133,22 +143,7 @@ fn operation(route: &Route, operation_id: String, schemas: &mut BTreeMap<String,
         "operationId": operation_id,
         "tags": [operation_id.split('_').next().unwrap_or_default()],
         "parameters": parameters,
-        "responses": {
-            "200": {
-                "description": format!("The {}.", route.output.name()),
-                "headers": {
-                    "Idempotent-Replayed": {"description": "`true` on an answer replayed from the original call.",
-                        "schema": {"type": "string", "enum": ["true"]}},
-                    "Idempotency-Expires-At": {"description": "Until when the Idempotency-Key is kept (RFC 3339).",
-                        "schema": {"type": "string", "format": "date-time"}}
-                },
-                "content": {"application/json": {"schema": answer}}
-            },
-            "default": {
-                "description": "A refusal: the HTTP status of its gRPC code, with its details (docs/http.md#errors).",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/google.rpc.Status"}}}
-            }
-        }
+        "responses": responses(route, answer, guarded)
     });
     if let Some(description) = leading_comment(route) {
         operation["description"] = Json::String(description);
@@ -174,6 +169,58 @@ fn operation(route: &Route, operation_id: String, schemas: &mut BTreeMap<String,
         });
     }
     operation
+}
+
+/// An operation's answers: 200 with its response message (and, on a mutating call, the
+/// replay headers); each refusal status with a google.rpc.Status (docs/http.md#errors).
+fn responses(route: &Route, answer: Json, guarded: bool) -> Json {
+    let mut ok = json!({
+        "description": format!("The {}.", route.output.name()),
+        "content": {"application/json": {"schema": answer}}
+    });
+    if route.whole_body && guarded {
+        ok["headers"] = json!({
+            "Idempotent-Replayed": {"description": "`true` on an answer replayed from the original call.",
+                "schema": {"type": "string", "enum": ["true"]}},
+            "Idempotency-Expires-At": {"description": "Until when the Idempotency-Key is kept (RFC 3339).",
+                "schema": {"type": "string", "format": "date-time"}}
+        });
+    }
+    let status = json!({"application/json": {"schema": {"$ref": "#/components/schemas/google.rpc.Status"}}});
+    let retry_after = json!({"Retry-After": {"description": "Seconds to wait before a retry with the same key (RetryInfo).",
+        "schema": {"type": "integer", "minimum": 1}}});
+    let mut responses = json!({"200": ok});
+    let refusals: &[(&str, &str)] = &[
+        ("400", "INVALID_ARGUMENT (a BadRequest names each bad field), FAILED_PRECONDITION (a business rule: INSUFFICIENT_FUNDS, ORDER_ALREADY_PAID, ...), MALFORMED_REQUEST, OUT_OF_RANGE."),
+        ("401", "UNAUTHENTICATED: no usable bearer token."),
+        ("403", "PERMISSION_DENIED: a scope or merchant outside the caller's grant."),
+        ("404", "NOT_FOUND: the account, order, payment, refund or hold does not exist (or is another merchant's)."),
+        ("408", "REQUEST_BODY_TIMEOUT: the body did not arrive in time."),
+        ("409", "ALREADY_EXISTS (a natural key used with other terms) or ABORTED (CONTENTION, LOCK_TIMEOUT: retry with the same key)."),
+        ("413", "REQUEST_TOO_LARGE: the body is over 65,536 bytes."),
+        ("415", "UNSUPPORTED_MEDIA_TYPE: the body is not application/json."),
+        ("422", "IDEMPOTENCY_KEY_REUSED or TOKEN_REUSED: the key or token was used for another request."),
+        ("429", "RESOURCE_EXHAUSTED (OVERLOADED): retry later with the same key."),
+        ("500", "INTERNAL."),
+        ("503", "UNAVAILABLE: the database or token store is unreachable; retry with the same key."),
+        ("504", "DEADLINE_EXCEEDED: the grpc-timeout passed; retry with the same key."),
+    ];
+    for (code, description) in refusals {
+        if !route.whole_body && matches!(*code, "408" | "413" | "415" | "422") {
+            continue;
+        }
+        let mut refusal = json!({"description": description, "content": status.clone()});
+        match *code {
+            "401" => {
+                refusal["headers"] = json!({"WWW-Authenticate": {"schema": {"type": "string", "enum": ["Bearer"]}}})
+            }
+            "409" | "429" | "503" => refusal["headers"] = retry_after.clone(),
+            _ => {}
+        }
+        responses[*code] = refusal;
+    }
+    responses["default"] = json!({"description": "Any other refusal (docs/http.md#errors).", "content": status});
+    responses
 }
 
 /// The RPC's comment in the proto, from the descriptor set's source info.
