@@ -21,9 +21,9 @@
 //!   `Idempotency-Expires-At` as over gRPC. A refusal is the standard gRPC-to-HTTP status
 //!   (`google/rpc/code.proto`) with a `google.rpc.Status` JSON body carrying every detail
 //!   (ErrorInfo, BadRequest, RetryInfo), except that an idempotency key or token reused with
-//!   another payload is 422 (the IETF Idempotency-Key draft, section 2.7); RetryInfo is also
-//!   said as `Retry-After` (whole seconds, rounded up), UNAUTHENTICATED carries
-//!   `WWW-Authenticate: Bearer` (RFC 6750).
+//!   another payload is 422 (draft-ietf-httpapi-idempotency-key-header-06, "Error Scenarios");
+//!   RetryInfo is also said as `Retry-After` (whole seconds, rounded up), UNAUTHENTICATED
+//!   carries `WWW-Authenticate: Bearer` (RFC 6750).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -189,7 +189,7 @@ impl Gateway {
         Ok(Self { routes: Arc::new(routes), grpc, status, openapi })
     }
 
-    /// The paths served (`POST /v1/...`), for the start-up log and the docs' check.
+    /// The bindings served, as `POST /v1/...` (the tests check that every RPC has one).
     pub fn bindings(&self) -> Vec<String> {
         self.routes.iter().map(|route| format!("{} {}", route.method, route.template_text())).collect()
     }

@@ -11,7 +11,7 @@
 //! strings. Request bodies refuse unknown members (`additionalProperties: false`) and take
 //! `null` for any member (`nullable`: proto3 JSON reads it as the default value); response
 //! schemas list what may appear (fields at their default value are left out). Every refusal
-//! is a `google.rpc.Status` (the `default` response).
+//! is a `google.rpc.Status`: each status docs/http.md lists, and `default` for the rest.
 
 use std::collections::BTreeMap;
 
