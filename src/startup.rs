@@ -1,4 +1,5 @@
-//! Builds the server on a listener: both services, health, reflection, graceful shutdown.
+//! Builds the server on a listener: both services over gRPC and HTTP/JSON, health, reflection,
+//! graceful shutdown.
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -1,9 +1,10 @@
-//! The server's outermost layer, around every service: one span per RPC (OpenTelemetry
-//! semantic conventions for RPC and gRPC, stable since v1.45.0; child of the caller's W3C
-//! `traceparent`), the per-RPC metrics, one log line
-//! per call (a call the client cancelled too), the caller's deadline and presence for the
-//! use case, and the statuses tonic itself answers in its own words (a message over the size
-//! limit, a malformed frame).
+//! The outermost layer of the gRPC services, around every one of them, and so around every
+//! HTTP/JSON call too (the gateway calls the RPC through it, see [`crate::http`]): one span
+//! per RPC (OpenTelemetry semantic conventions for RPC and gRPC, stable since v1.45.0; child of
+//! the caller's W3C `traceparent`), the per-RPC metrics, one log line per call (a call the
+//! client cancelled too), the caller's deadline and presence for the use case, and the
+//! statuses tonic itself answers in its own words (a message over the size limit, a malformed
+//! frame).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -30,7 +31,7 @@ use crate::telemetry::RpcConventions;
 /// off.
 pub const ACCESS_LOG_TARGET: &str = "payledger::access";
 
-/// The outermost layer of the server (see the module docs).
+/// The outermost layer of the gRPC services (see the module docs).
 #[derive(Clone)]
 pub struct Observe {
     rpc: RpcMetrics,
