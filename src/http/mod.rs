@@ -1,31 +1,14 @@
-//! HTTP/JSON for every RPC (docs/http.md): each RPC's `google.api.http` annotation in the proto
-//! names its method and path; the JSON body is the request message in the proto3 JSON mapping;
-//! the call then runs in process as the gRPC call it stands for, through the same layers,
-//! authentication, idempotency and limits, and its answer is turned back into JSON.
-//!
-//! - Paths follow Google's HTTP rule templates (`google/api/http.proto`) in the subset the
-//!   proto uses: literal segments, `{field}` variables (one segment each, percent-decoded, a
-//!   top-level string field) and a final `:verb`. A rule outside that subset stops the start.
-//! - Request bodies (`body: "*"`): a JSON object of the request message, at most
-//!   [`BODY_BYTES_MAX`] bytes (413 beyond), `Content-Type: application/json` (or none); field
-//!   names as in the proto (`out_trade_no`) or lowerCamelCase (`outTradeNo`); unknown fields are
-//!   refused. A path variable the body also sets must agree with it. Rules without a body take
-//!   the other top-level scalar fields from the query string.
-//! - Headers: `Authorization`, `Idempotency-Key`, `Idempotency-Token`, `grpc-timeout`,
-//!   `traceparent` and `tracestate` are passed on as the gRPC call's metadata, every value of
-//!   each, so every rule of the gRPC metadata (a header sent twice, a malformed one) holds over
-//!   HTTP; no other header reaches the call. Request trailers are refused. A body must arrive
-//!   within [`BODY_READ_TIMEOUT`], and may name a member once (in either spelling).
-//! - Answers: 200 with the response message as JSON, fields named as in the proto, fields at
-//!   their default omitted (proto3 JSON); `Idempotent-Replayed: true` on a replay and
-//!   `Idempotency-Expires-At` as over gRPC. A refusal is the standard gRPC-to-HTTP status
-//!   (`google/rpc/code.proto`) with a `google.rpc.Status` JSON body carrying every detail
-//!   (ErrorInfo, BadRequest, RetryInfo), except that an idempotency key or token reused with
-//!   another payload is 422 (draft-ietf-httpapi-idempotency-key-header-06, "Error Scenarios");
-//!   RetryInfo is also said as `Retry-After` (whole seconds, rounded up), UNAUTHENTICATED
-//!   carries `WWW-Authenticate: Bearer` (RFC 6750).
+//! HTTP/JSON for every RPC: each RPC's `google.api.http` annotation in the proto names its
+//! method and path; the JSON body is the request message in the proto3 JSON mapping; the call
+//! then runs in process as the gRPC call it stands for, through the same layers
+//! (authentication, idempotency, limits, observation), and its answer, or its
+//! `google.rpc.Status`, is turned back into JSON. What a caller sends and gets (paths, bodies,
+//! headers, statuses, bounds) is docs/http.md; this module is how: the template router
+//! (`Template`, `Gateway::route`), the body's checks (`Route::message`, `Unambiguous`,
+//! `is_plain_json`), the call ([`Gateway::handle`]) and the refusal's answer
+//! (`Gateway::refusal`), and the OpenAPI document (`openapi`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -190,7 +173,8 @@ impl Gateway {
     }
 
     /// The bindings served, as `POST /v1/...` (the tests check that every RPC has one).
-    pub fn bindings(&self) -> Vec<String> {
+    #[cfg(test)]
+    fn bindings(&self) -> Vec<String> {
         self.routes.iter().map(|route| format!("{} {}", route.method, route.template_text())).collect()
     }
 
@@ -239,9 +223,9 @@ impl Gateway {
             ));
         }
         let body = collected.to_bytes();
-        let mut message = route.message(&parts.headers, &body)?;
+        let (mut message, named) = route.message(&parts.headers, &body)?;
         route.apply_query(&mut message, parts.uri.query().unwrap_or(""))?;
-        route.apply_path(&mut message, variables, &body)?;
+        route.apply_path(&mut message, variables, &named)?;
 
         let encoded = prost::Message::encode_to_vec(&message);
         let mut frame = BytesMut::with_capacity(5 + encoded.len());
@@ -324,32 +308,20 @@ impl Gateway {
     fn refusal(&self, status: &Status) -> http::Response<axum::body::Body> {
         let details = status.get_error_details();
         let reason = details.error_info().map(|info| info.reason.as_str()).unwrap_or_default();
-        let mut code = http_status(status.code());
-        if matches!(reason, "IDEMPOTENCY_KEY_REUSED" | "TOKEN_REUSED") {
-            code = StatusCode::UNPROCESSABLE_ENTITY;
-        }
-        if reason == "METHOD_NOT_ALLOWED" {
-            code = StatusCode::METHOD_NOT_ALLOWED;
-        }
-        if reason == "REQUEST_TOO_LARGE" {
-            code = StatusCode::PAYLOAD_TOO_LARGE;
-        }
-        if reason == "REQUEST_BODY_TIMEOUT" {
-            code = StatusCode::REQUEST_TIMEOUT;
-        }
-        if reason == "UNSUPPORTED_MEDIA_TYPE" {
-            code = StatusCode::UNSUPPORTED_MEDIA_TYPE;
-        }
-        let mut body = DynamicMessage::decode(self.status.clone(), status.details()).unwrap_or_else(|_| {
-            let mut bare = DynamicMessage::new(self.status.clone());
-            bare.set_field_by_name("code", Value::I32(status.code() as i32));
-            bare.set_field_by_name("message", Value::String(status.message().to_owned()));
-            bare
-        });
-        if status.details().is_empty() {
-            body.set_field_by_name("code", Value::I32(status.code() as i32));
-            body.set_field_by_name("message", Value::String(status.message().to_owned()));
-        }
+        // Beyond the standard mapping: the Idempotency-Key draft's 422, and the gateway's own.
+        let code = match reason {
+            "IDEMPOTENCY_KEY_REUSED" | "TOKEN_REUSED" => StatusCode::UNPROCESSABLE_ENTITY,
+            "METHOD_NOT_ALLOWED" => StatusCode::METHOD_NOT_ALLOWED,
+            "REQUEST_TOO_LARGE" => StatusCode::PAYLOAD_TOO_LARGE,
+            "REQUEST_BODY_TIMEOUT" => StatusCode::REQUEST_TIMEOUT,
+            "UNSUPPORTED_MEDIA_TYPE" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => http_status(status.code()),
+        };
+        // The details as sent (google.rpc.Status), with the status's own code and message.
+        let mut body = DynamicMessage::decode(self.status.clone(), status.details())
+            .unwrap_or_else(|_| DynamicMessage::new(self.status.clone()));
+        body.set_field_by_name("code", Value::I32(status.code() as i32));
+        body.set_field_by_name("message", Value::String(status.message().to_owned()));
         let mut response = json_response(code, &body);
         let headers = response.headers_mut();
         if let Some(delay) = details.retry_info().and_then(|info| info.retry_delay) {
@@ -474,13 +446,14 @@ impl Route {
         text
     }
 
-    /// The request message of the body (an empty one without a body).
-    fn message(&self, headers: &HeaderMap, body: &Bytes) -> Result<DynamicMessage, Status> {
+    /// The request message of the body (an empty one without a body), and the members its
+    /// JSON object names (as [`field_key`]s).
+    fn message(&self, headers: &HeaderMap, body: &Bytes) -> Result<(DynamicMessage, HashSet<String>), Status> {
         if !self.whole_body {
             if !body.is_empty() {
                 return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", "this method takes no request body"));
             }
-            return Ok(DynamicMessage::new(self.input.clone()));
+            return Ok((DynamicMessage::new(self.input.clone()), HashSet::new()));
         }
         if !is_plain_json(headers) {
             return Err(refuse(
@@ -490,12 +463,15 @@ impl Route {
             ));
         }
         if body.iter().all(u8::is_ascii_whitespace) {
-            return Ok(DynamicMessage::new(self.input.clone()));
+            return Ok((DynamicMessage::new(self.input.clone()), HashSet::new()));
         }
-        if let Err(error) = serde_json::from_slice::<Unambiguous>(body) {
-            let message = format!("the request body is not a JSON {}: {error}", self.input.name());
-            return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &message));
-        }
+        let named = match serde_json::from_slice::<Unambiguous>(body) {
+            Ok(Unambiguous(named)) => named,
+            Err(error) => {
+                let message = format!("the request body is not a JSON {}: {error}", self.input.name());
+                return Err(refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &message));
+            }
+        };
         let mut json = serde_json::Deserializer::from_slice(body);
         let message =
             DynamicMessage::deserialize_with_options(self.input.clone(), &mut json, &DeserializeOptions::new())
@@ -504,7 +480,7 @@ impl Route {
                     let message = format!("the request body is not a JSON {}: {error}", self.input.name());
                     refuse(Code::InvalidArgument, "MALFORMED_REQUEST", &message)
                 })?;
-        Ok(message)
+        Ok((message, named))
     }
 
     /// Sets the top-level scalar fields named in the query string (rules without a body).
@@ -553,12 +529,14 @@ impl Route {
             && !matches!(field.kind(), Kind::Message(_))
     }
 
-    /// Sets the path's variables. A body that names one of them (in either spelling, even as
-    /// `""` or `null`) must give it the path's value.
-    fn apply_path(&self, message: &mut DynamicMessage, variables: Variables, body: &[u8]) -> Result<(), Status> {
-        let named: Vec<String> = serde_json::from_slice::<HashMap<String, serde::de::IgnoredAny>>(body)
-            .map(|object| object.into_keys().map(|key| field_key(&key)).collect())
-            .unwrap_or_default();
+    /// Sets the path's variables. A body that names one of them (`named`, in either spelling,
+    /// even as `""` or `null`) must give it the path's value.
+    fn apply_path(
+        &self,
+        message: &mut DynamicMessage,
+        variables: Variables,
+        named: &HashSet<String>,
+    ) -> Result<(), Status> {
         for (name, value) in variables {
             if named.contains(&field_key(&name)) {
                 let same = matches!(message.get_field_by_name(&name).as_deref(), Some(Value::String(given)) if *given == value);
@@ -580,8 +558,9 @@ fn field_key(name: &str) -> String {
 
 /// A JSON document in which no object names a member twice, in either spelling (a parser
 /// that kept the first and one that keeps the last would read different requests: the same
-/// `amount` twice, or `request_id` beside `requestId`).
-struct Unambiguous;
+/// `amount` twice, or `request_id` beside `requestId`); it holds the members the top-level
+/// object names, as [`field_key`]s.
+struct Unambiguous(HashSet<String>);
 
 impl<'de> serde::Deserialize<'de> for Unambiguous {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -599,38 +578,38 @@ impl<'de> serde::de::Visitor<'de> for UnambiguousVisitor {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Unambiguous, A::Error> {
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = HashSet::new();
         while let Some(key) = map.next_key::<String>()? {
             if !seen.insert(field_key(&key)) {
                 return Err(serde::de::Error::custom(format!("the member {key:?} is given twice")));
             }
             map.next_value::<Unambiguous>()?;
         }
-        Ok(Unambiguous)
+        Ok(Unambiguous(seen))
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Unambiguous, A::Error> {
         while seq.next_element::<Unambiguous>()?.is_some() {}
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
 
     fn visit_bool<E>(self, _: bool) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
     fn visit_i64<E>(self, _: i64) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
     fn visit_u64<E>(self, _: u64) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
     fn visit_f64<E>(self, _: f64) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
     fn visit_str<E>(self, _: &str) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
     fn visit_unit<E>(self) -> Result<Unambiguous, E> {
-        Ok(Unambiguous)
+        Ok(Unambiguous(HashSet::new()))
     }
 }
 

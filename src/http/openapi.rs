@@ -1,17 +1,8 @@
 //! The OpenAPI 3.0 document of the HTTP/JSON API, made from the same descriptor set (compiled
 //! from the proto at build time) and the same routes the gateway serves, so it cannot drift
 //! from them: served at [`OPENAPI_PATH`], printed by `payledger openapi`, and checked in as
-//! `docs/openapi.json` (a test keeps that copy equal to this document).
-//!
-//! Each route is an operation (`operationId` `Service_Method`, a second binding of one RPC
-//! `Service_Method_2`); its description is the RPC's comment in the proto. Path variables are
-//! required path parameters; a GET's other top-level scalar fields are query parameters; a
-//! POST's body is the request message without its path fields. Field types follow the proto3
-//! JSON mapping: 64-bit integers are strings of digits, enums their names, Timestamps RFC 3339
-//! strings. Request bodies refuse unknown members (`additionalProperties: false`) and take
-//! `null` for any member (`nullable`: proto3 JSON reads it as the default value); response
-//! schemas list what may appear (fields at their default value are left out). Every refusal
-//! is a `google.rpc.Status`: each status docs/http.md lists, and `default` for the rest.
+//! `docs/openapi.json` (a test keeps that copy equal to this document). What it says of each
+//! operation, and what it cannot say, is docs/http.md, "The OpenAPI document".
 
 use std::collections::BTreeMap;
 
