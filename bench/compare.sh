@@ -12,14 +12,16 @@
 # setting is printed with the results. Every database it creates is dropped again.
 #
 # With BASELINE_REV set (a git revision), or with the target `cost`, it also measures what this
-# tree costs against that revision: `pay` and `keyed-pay` of both builds on PostgreSQL, each
-# on a fresh database, interleaved (baseline, this tree, baseline, this tree) at each of
-# COST_CONCURRENCY (default "1 32"); the ratio compares the two runs' means. It measured the
+# tree costs against that revision: each of COST_SCENARIOS (default "pay keyed-pay") of both
+# builds on PostgreSQL, each on a fresh database, interleaved (baseline, this tree, baseline,
+# this tree) at each of COST_CONCURRENCY (default "1 32"); the ratio compares the two runs'
+# means. It measured the
 # journal's hash chain against the revision before it (docs/benchmarks-history.md, "The hash
 # chain's cost").
 #
 # Usage: bench/compare.sh [postgres|mysql|sqlite|cost|all]   (default: all)
-# Environment: BASELINE_REV (none; required by `cost`), COST_CONCURRENCY ("1 32"), CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
+# Environment: BASELINE_REV (none; required by `cost`), COST_CONCURRENCY ("1 32"), COST_SCENARIOS
+#   ("pay keyed-pay"), CONCURRENCY (32), SECONDS_DB (20: length of the database's own run),
 #   COUNT (calls per payledger scenario, 20000), POOL_SIZE (payledger's pool, 16),
 #   PG_ADMIN (postgres://postgres@127.0.0.1:5432/postgres), MYSQL_ADMIN (mysql://root@127.0.0.1:3306/test).
 set -euo pipefail
@@ -131,7 +133,7 @@ if [ "$TARGETS" = cost ] || [ -n "${BASELINE_REV:-}" ]; then
   BASELINE_DIR="$(mktemp -d)/payledger-baseline"
   git worktree add --quiet --detach "$BASELINE_DIR" "$BASELINE_REV"
   trap 'cleanup; git worktree remove --force "$BASELINE_DIR"' EXIT
-  echo "== The cost of this tree ($(git rev-parse --short HEAD)) against $BASELINE_REV on PostgreSQL: pay and keyed-pay, interleaved"
+  echo "== The cost of this tree ($(git rev-parse --short HEAD)) against $BASELINE_REV on PostgreSQL: ${COST_SCENARIOS:-pay keyed-pay}, interleaved"
   # The dependencies built for this tree, copied: only the workspace's own crates are built again.
   mkdir -p "$BASELINE_DIR/target" && cp -r target/release "$BASELINE_DIR/target/"
   (cd "$BASELINE_DIR" && CARGO_TARGET_DIR="$BASELINE_DIR/target" cargo build --release --locked --quiet -p payledger)
@@ -146,13 +148,14 @@ if [ "$TARGETS" = cost ] || [ -n "${BASELINE_REV:-}" ]; then
         start_server "postgres://postgres@$PG_HOST:5432/$db"
         COUNT=$(( COUNT / 4 )) bench "warm-$side-$callers-$round" pay "$callers"
         analyze_pg "$db"
-        bench "pay-$side-$callers-$round" pay "$callers"
-        bench "keyed-$side-$callers-$round" keyed-pay "$callers"
+        for scenario in ${COST_SCENARIOS:-pay keyed-pay}; do
+          bench "$scenario-$side-$callers-$round" "$scenario" "$callers"
+        done
         stop_server
         drop_pg "$db"
       done
     done
-    for scenario in pay keyed; do
+    for scenario in ${COST_SCENARIOS:-pay keyed-pay}; do
       base=$(mean "$(rate "$scenario-baseline-$callers-1")" "$(rate "$scenario-baseline-$callers-2")")
       this=$(mean "$(rate "$scenario-this-$callers-1")" "$(rate "$scenario-this-$callers-2")")
       echo "  $scenario at $callers caller(s): $BASELINE_REV $base calls/s, this tree $this calls/s (means of 2), ratio $(ratio "$this" "$base")"

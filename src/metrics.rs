@@ -103,6 +103,9 @@ pub struct LedgerMetrics {
     pub tokens_consumed: Counter,
     pub cas_retries: Counter,
     pub cas_aborts: Counter,
+    /// Writes without row locks (a batch of one on PostgreSQL) that found a row they read moved
+    /// and were written under locks instead.
+    pub unlocked_write_misses: Counter,
     pub transaction_retries: Family<CauseLabel, Counter>,
     pub reaper_deletions: Counter,
     pub orders_expired: Counter,
@@ -139,6 +142,7 @@ impl Default for LedgerMetrics {
             tokens_consumed: Counter::default(),
             cas_retries: Counter::default(),
             cas_aborts: Counter::default(),
+            unlocked_write_misses: Counter::default(),
             transaction_retries: Family::default(),
             reaper_deletions: Counter::default(),
             orders_expired: Counter::default(),
@@ -239,6 +243,11 @@ impl LedgerMetrics {
             "payledger_cas_aborts",
             "Calls answered ABORTED CONTENTION after their CAS attempts ran out",
             self.cas_aborts.clone(),
+        );
+        registry.register(
+            "payledger_unlocked_write_misses",
+            "Writes without row locks (a batch of one on PostgreSQL) that found a row they read moved, then written under row locks",
+            self.unlocked_write_misses.clone(),
         );
         registry.register(
             "payledger_transaction_retries",

@@ -11,7 +11,7 @@
 use crate::domain::{CloseReason, OrderEvent, OrderStatus, Rejection, Transition};
 use crate::error::{Error, Resource, ReusedKey};
 use crate::proto;
-use crate::store::{HoldRow, OrderRow, PaymentRow, Queries};
+use crate::store::{HoldRow, OrderRow, PaymentRow, Queries, RowLocks};
 
 use super::commands::{Authorize, Capture, Void};
 use super::engine::book::{self, Book, OrderMove, OrderTo, SettledHold, WriteSet};
@@ -213,7 +213,7 @@ async fn release_expired(
     hold: &HoldRow,
     now: i64,
 ) -> Result<Option<Release>, Error> {
-    let mut book = Book::locked(queries.lock_accounts(&[hold.payer_account_id.as_str()]).await?);
+    let mut book = Book::locked(queries.lock_accounts(&[hold.payer_account_id.as_str()], RowLocks::Taken).await?);
     let Some(released) = release(order, hold, OrderEvent::HoldExpire, now, &mut book)? else { return Ok(None) };
     let mut set = WriteSet::default();
     released.add_to(hold, &mut set);

@@ -203,52 +203,78 @@ pub(super) static FIND_ANSWERED_RECORDS: Sql = Sql {
     ),
 };
 
+/// The orders of rows `[merchant_id, order_no]`, sorted as the caller sorted them, each
+/// backend's text ending in `$postgres_lock` and `$mysql_lock` (SQLite has no row locks: a
+/// write transaction, BEGIN IMMEDIATE, holds the database).
+macro_rules! orders_by_key {
+    ($postgres_lock:literal, $mysql_lock:literal) => {
+        Sql {
+            postgres: concat!(
+                "SELECT ",
+                super::queries::order_columns!(),
+                " FROM orders WHERE (merchant_id, order_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
+                 ORDER BY merchant_id COLLATE \"C\", order_no COLLATE \"C\"",
+                $postgres_lock
+            ),
+            mysql: concat!(
+                "SELECT ",
+                super::queries::order_columns!(),
+                " FROM ",
+                mysql_key_pair!("k_merchant_id", "k_order_no"),
+                " STRAIGHT_JOIN orders FORCE INDEX (PRIMARY) ON orders.merchant_id = k.k_merchant_id AND orders.order_no = k.k_order_no",
+                $mysql_lock
+            ),
+            sqlite: concat!(
+                "SELECT ",
+                super::queries::order_columns!(),
+                " FROM orders WHERE (merchant_id, order_no) IN \
+                 (SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]') FROM json_each(?1) AS k)"
+            ),
+        }
+    };
+}
+
+/// The accounts of rows `[account_id]`, sorted as the caller sorted them, each backend's text
+/// ending in `$postgres_lock` and `$mysql_lock`.
+macro_rules! accounts_by_id {
+    ($postgres_lock:literal, $mysql_lock:literal) => {
+        Sql {
+            postgres: concat!(
+                "SELECT ",
+                super::queries::account_columns!(),
+                " FROM accounts WHERE account_id = ANY($1::text[]) ORDER BY account_id COLLATE \"C\"",
+                $postgres_lock
+            ),
+            mysql: concat!(
+                "SELECT ",
+                super::queries::account_columns!(),
+                " FROM JSON_TABLE(?, '$[*]' COLUMNS (k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin \
+                 PATH '$[0]')) AS k STRAIGHT_JOIN accounts FORCE INDEX (PRIMARY) ON accounts.account_id = k.k_account_id",
+                $mysql_lock
+            ),
+            sqlite: concat!(
+                "SELECT ",
+                super::queries::account_columns!(),
+                " FROM accounts WHERE account_id IN (SELECT json_extract(k.value, '$[0]') FROM json_each(?1) AS k)"
+            ),
+        }
+    };
+}
+
 /// The orders of rows `[merchant_id, order_no]` (sorted by the caller), row-locked in that
 /// order. PostgreSQL locks after its sort, so its ORDER BY sets the order; MySQL's locks follow
 /// the join from the JSON rows.
-pub(super) static LOCK_ORDERS: Sql = Sql {
-    postgres: concat!(
-        "SELECT ",
-        super::queries::order_columns!(),
-        " FROM orders WHERE (merchant_id, order_no) IN (SELECT * FROM UNNEST($1::text[], $2::text[])) \
-         ORDER BY merchant_id COLLATE \"C\", order_no COLLATE \"C\" FOR NO KEY UPDATE"
-    ),
-    mysql: concat!(
-        "SELECT ",
-        super::queries::order_columns!(),
-        " FROM ",
-        mysql_key_pair!("k_merchant_id", "k_order_no"),
-        " STRAIGHT_JOIN orders FORCE INDEX (PRIMARY) ON orders.merchant_id = k.k_merchant_id AND orders.order_no = k.k_order_no FOR UPDATE"
-    ),
-    // SQLite has no row locks: a write transaction (BEGIN IMMEDIATE) holds the database.
-    sqlite: concat!(
-        "SELECT ",
-        super::queries::order_columns!(),
-        " FROM orders WHERE (merchant_id, order_no) IN \
-         (SELECT json_extract(k.value, '$[0]'), json_extract(k.value, '$[1]') FROM json_each(?1) AS k)"
-    ),
-};
+pub(super) static LOCK_ORDERS: Sql = orders_by_key!(" FOR NO KEY UPDATE", " FOR UPDATE");
+
+/// The orders of rows `[merchant_id, order_no]`, read without locks (each as last committed).
+pub(super) static READ_ORDERS: Sql = orders_by_key!("", "");
 
 /// The accounts of rows `[account_id]` (sorted by the caller, in byte order), row-locked in that
 /// order: the order in which single postings take their row locks too.
-pub(super) static LOCK_ACCOUNTS: Sql = Sql {
-    postgres: concat!(
-        "SELECT ",
-        super::queries::account_columns!(),
-        " FROM accounts WHERE account_id = ANY($1::text[]) ORDER BY account_id COLLATE \"C\" FOR NO KEY UPDATE"
-    ),
-    mysql: concat!(
-        "SELECT ",
-        super::queries::account_columns!(),
-        " FROM JSON_TABLE(?, '$[*]' COLUMNS (k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin \
-         PATH '$[0]')) AS k STRAIGHT_JOIN accounts FORCE INDEX (PRIMARY) ON accounts.account_id = k.k_account_id FOR UPDATE"
-    ),
-    sqlite: concat!(
-        "SELECT ",
-        super::queries::account_columns!(),
-        " FROM accounts WHERE account_id IN (SELECT json_extract(k.value, '$[0]') FROM json_each(?1) AS k)"
-    ),
-};
+pub(super) static LOCK_ACCOUNTS: Sql = accounts_by_id!(" FOR NO KEY UPDATE", " FOR UPDATE");
+
+/// The accounts of rows `[account_id]`, read without locks (each as last committed).
+pub(super) static READ_ACCOUNTS: Sql = accounts_by_id!("", "");
 
 /// The journal entries of rows `[posting_id, account_id]` (one leg each, by the entries'
 /// unique key: PostgreSQL knows each pair gives at most one row, where `posting_id` alone,
@@ -449,20 +475,24 @@ pub(super) static MARK_ORDERS_PAID: StepSql = StepSql {
 };
 
 /// One version CAS an account, for rows `[account_id, balance, expected_version, version,
-/// held, chain_hash]`, then `updated_at`.
+/// held, chain_hash, expected_held]`, then `updated_at`: the held amount is compared too, as a
+/// hold reserved or released moves it without a version (no entry is posted).
 pub(super) static CAS_BALANCES: StepSql = StepSql {
     mysql: "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
             k_account_id VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
             k_balance BIGINT PATH '$[1]', k_expected_version BIGINT PATH '$[2]', k_version BIGINT PATH '$[3]', \
             k_held BIGINT PATH '$[4]', \
-            k_chain_hash VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin PATH '$[5]')) AS k \
+            k_chain_hash VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin PATH '$[5]', \
+            k_expected_held BIGINT PATH '$[6]')) AS k \
             STRAIGHT_JOIN accounts FORCE INDEX (PRIMARY) ON accounts.account_id = k.k_account_id AND accounts.version = k.k_expected_version \
+            AND accounts.held = k.k_expected_held \
             SET accounts.balance = k.k_balance, accounts.version = k.k_version, accounts.held = k.k_held, \
             accounts.chain_hash = k.k_chain_hash, accounts.updated_at = ?",
     sqlite: "UPDATE accounts SET balance = json_extract(k.value, '$[1]'), version = json_extract(k.value, '$[3]'), \
              held = json_extract(k.value, '$[4]'), chain_hash = json_extract(k.value, '$[5]'), updated_at = ?2 \
              FROM json_each(?1) AS k \
-             WHERE accounts.account_id = json_extract(k.value, '$[0]') AND accounts.version = json_extract(k.value, '$[2]')",
+             WHERE accounts.account_id = json_extract(k.value, '$[0]') AND accounts.version = json_extract(k.value, '$[2]') \
+             AND accounts.held = json_extract(k.value, '$[6]')",
 };
 
 /// Rows `[account_id, currency, amount, balance_after, version_after, kind, reference,
@@ -690,13 +720,13 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     },
     WritePart {
         name: "a",
-        arrays: 6,
+        arrays: 7,
         text: "UPDATE accounts SET balance = k.balance, version = k.version, held = k.held, \
                chain_hash = k.chain_hash, updated_at = {now} \
-               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[], {6}::text[]) \
-               AS k(account_id, balance, expected_version, version, held, chain_hash) \
+               FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[], {6}::text[], \
+               {7}::bigint[]) AS k(account_id, balance, expected_version, version, held, chain_hash, expected_held) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
-               AND moved.version = k.expected_version LIMIT 1) AS found \
+               AND moved.version = k.expected_version AND moved.held = k.expected_held LIMIT 1) AS found \
                WHERE accounts.ctid = found.row_id RETURNING 1",
     },
     WritePart {
@@ -809,10 +839,27 @@ pub(super) fn postgres_write_shape(rows: &[u64; 10]) -> u16 {
     }
 }
 
+/// What PostgreSQL's group-commit statement fails with when a part wrote fewer rows than
+/// given (a key taken, an order's state or a version moved): the text of a cast to integer that
+/// cannot succeed, so the statement, its data-modifying CTEs with it, has no effect. The error
+/// is SQLSTATE 22P02 (invalid_text_representation), its message quoting this text, and the
+/// server logs it as such.
+const WRITE_MISSED: &str = "payledger: a row of the write set was taken or moved under it";
+
+/// Whether `error` is the statement's refusal of a write set with a row missing
+/// ([`WRITE_MISSED`]).
+pub(super) fn is_write_missed(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(database)
+        if database.code().as_deref() == Some("22P02") && database.message().contains(WRITE_MISSED))
+}
+
 /// The group-commit statement of PostgreSQL with the parts whose bits `shape` sets (bit i:
 /// part i of [`WRITE_PARTS_POSTGRES`]; see [`postgres_write_shape`]): `updated_at` as $1,
-/// then each part's arrays in order; it returns each part's row count, in order. Each text is
-/// made once per process and prepared once per connection.
+/// then each part's arrays in order, then the row count each part must write, in order, as
+/// one `bigint[]`; it returns each part's row count, in order, or fails whole
+/// ([`WRITE_MISSED`]) when one differs, so that, sent outside a transaction, it commits all of
+/// the write set or nothing. Each text is made once per process and prepared once per
+/// connection.
 pub(super) fn write_batch_postgres(shape: u16) -> &'static str {
     static TEXTS: [std::sync::OnceLock<String>; 1 << WRITE_PARTS_POSTGRES.len()] =
         [const { std::sync::OnceLock::new() }; 1 << WRITE_PARTS_POSTGRES.len()];
@@ -838,7 +885,15 @@ pub(super) fn write_batch_postgres(shape: u16) -> &'static str {
             })
             .collect();
         let counts: Vec<String> = present.iter().map(|part| format!("(SELECT COUNT(*) FROM {})", part.name)).collect();
-        format!("WITH {} SELECT {}", parts.join(", "), counts.join(", "))
+        // The check reads the parts' results, so it is run, never folded away as a constant.
+        format!(
+            "WITH {}, written AS (SELECT ARRAY[{}] AS counts) SELECT {}, \
+             CAST(CASE WHEN written.counts = ${next}::bigint[] THEN '0' ELSE '{WRITE_MISSED}' END AS integer) \
+             FROM written",
+            parts.join(", "),
+            counts.join(", "),
+            (1..=present.len()).map(|column| format!("written.counts[{column}]")).collect::<Vec<_>>().join(", "),
+        )
     })
 }
 
@@ -883,8 +938,8 @@ mod tests {
         assert_eq!(postgres_write_shape(&postings_alone), (1 << 10) - 1);
         let text = write_batch_postgres(0b1111);
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
-        assert!(text.contains("$33") && !text.contains("$34") && !text.contains('{'), "{text}");
-        assert!(text.ends_with("(SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)"), "{text}");
+        assert!(text.contains("$35::bigint[]") && !text.contains("$36") && !text.contains('{'), "{text}");
+        assert!(text.contains("ARRAY[(SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)]"), "{text}");
     }
 
     #[test]
@@ -896,6 +951,8 @@ mod tests {
             &FIND_ANSWERED_RECORDS,
             &LOCK_ORDERS,
             &LOCK_ACCOUNTS,
+            &READ_ORDERS,
+            &READ_ACCOUNTS,
             &FIND_ENTRIES,
         ]
         .map(|sql| (sql.mysql, sql.sqlite, 1))
@@ -924,7 +981,7 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$83") && !every_part.contains("$84") && !every_part.contains('{'));
+        assert!(every_part.contains("$85::bigint[]") && !every_part.contains("$86") && !every_part.contains('{'));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

@@ -876,6 +876,17 @@ pub enum FundingTable {
     Withdrawals,
 }
 
+/// Whether a read of rows a write moves locks them until its transaction ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowLocks {
+    /// Locked (`FOR NO KEY UPDATE` on PostgreSQL, `FOR UPDATE` on MySQL; SQLite's write
+    /// transaction holds the whole database).
+    Taken,
+    /// Read as last committed, unlocked: the write then guards each row it read by its version
+    /// CAS or its state's conditional UPDATE.
+    None,
+}
+
 /// Statements over one connection: a write transaction's or a reader's.
 pub struct Queries<'c> {
     connection: &'c mut AnyConnection,
@@ -1640,26 +1651,39 @@ impl<'c> Queries<'c> {
         Ok(())
     }
 
-    /// Reads the given orders and locks their rows until the transaction ends, in the order
-    /// given, which must be key order (byte order of merchant_id, then order_no: so two
-    /// transactions locking overlapping sets cannot deadlock on them). Missing keys are simply
-    /// absent from the result, which comes in no particular order.
-    pub async fn lock_orders(&mut self, keys: &[(&str, &str)]) -> Result<Vec<OrderRow>, sqlx::Error> {
+    /// Reads the given orders and, when `locks` is [`RowLocks::Taken`], locks their rows until
+    /// the transaction ends, in the order given, which must be key order (byte order of
+    /// merchant_id, then order_no: so two transactions locking overlapping sets cannot deadlock
+    /// on them). Missing keys are simply absent from the result, which comes in no particular
+    /// order.
+    pub async fn lock_orders(&mut self, keys: &[(&str, &str)], locks: RowLocks) -> Result<Vec<OrderRow>, sqlx::Error> {
         let rows: Vec<[Value<'_>; 2]> =
             keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
-        sqlx::query_as(batch::LOCK_ORDERS.text(self.dialect))
+        let sql = match locks {
+            RowLocks::Taken => &batch::LOCK_ORDERS,
+            RowLocks::None => &batch::READ_ORDERS,
+        };
+        sqlx::query_as(sql.text(self.dialect))
             .bind_rows(self.dialect, &rows)
             .fetch_all(&mut *self.connection)
             .await
     }
 
-    /// Reads the given accounts and locks their rows until the transaction ends, in the order
-    /// given, which must be ascending byte order of account_id: the order in which single
-    /// postings take their row locks too. Missing ids are absent from the result, which comes
-    /// in no particular order.
-    pub async fn lock_accounts(&mut self, account_ids: &[&str]) -> Result<Vec<AccountRow>, sqlx::Error> {
+    /// Reads the given accounts and, when `locks` is [`RowLocks::Taken`], locks their rows until
+    /// the transaction ends, in the order given, which must be ascending byte order of
+    /// account_id: the order in which single postings take their row locks too. Missing ids are
+    /// absent from the result, which comes in no particular order.
+    pub async fn lock_accounts(
+        &mut self,
+        account_ids: &[&str],
+        locks: RowLocks,
+    ) -> Result<Vec<AccountRow>, sqlx::Error> {
         let rows: Vec<[Value<'_>; 1]> = account_ids.iter().map(|account_id| [Value::Text(account_id)]).collect();
-        sqlx::query_as(batch::LOCK_ACCOUNTS.text(self.dialect))
+        let sql = match locks {
+            RowLocks::Taken => &batch::LOCK_ACCOUNTS,
+            RowLocks::None => &batch::READ_ACCOUNTS,
+        };
+        sqlx::query_as(sql.text(self.dialect))
             .bind_rows(self.dialect, &rows)
             .fetch_all(&mut *self.connection)
             .await
@@ -1673,9 +1697,11 @@ impl<'c> Queries<'c> {
     /// given (one INSERT; entry ids follow that order). True when every row was written; false
     /// when a key (an order's (merchant_id, order_no), out_trade_no, an order's one payment,
     /// out_refund_no, a request_id), an order's state or an account's version was taken under
-    /// the batch: the caller must roll back. On PostgreSQL
-    /// this is one statement (data-modifying CTEs, each run exactly once), elsewhere one a kind
-    /// of row the batch has; each has one text whatever the batch holds (see `batch`).
+    /// the batch: the caller must roll back. On PostgreSQL this is one statement
+    /// (data-modifying CTEs, each run exactly once) that fails whole when a row is missing (see
+    /// `batch::write_batch_postgres`), so it can also commit itself, outside a transaction;
+    /// elsewhere one a kind of row the batch has; each has one text whatever the batch holds
+    /// (see `batch`).
     pub async fn write_batch(&mut self, written: &BatchWrite<'_>) -> Result<bool, sqlx::Error> {
         let dialect = self.dialect;
         let payments: Vec<[Value<'_>; batch::PAYMENT_COLUMNS]> = written.payments.iter().map(payment_values).collect();
@@ -1684,7 +1710,7 @@ impl<'c> Queries<'c> {
             .iter()
             .map(|row| [Value::Text(&row.merchant_id), Value::Text(&row.order_no), Value::Text(&row.out_trade_no)])
             .collect();
-        let balances: Vec<[Value<'_>; 6]> = written
+        let balances: Vec<[Value<'_>; 7]> = written
             .balances
             .iter()
             .map(|update| {
@@ -1695,6 +1721,7 @@ impl<'c> Queries<'c> {
                     Value::Int(update.version),
                     Value::Int(update.held),
                     update.chain_hash.map_or(Value::Null, Value::Text),
+                    Value::Int(update.expected_held),
                 ]
             })
             .collect();
@@ -1771,10 +1798,16 @@ impl<'c> Queries<'c> {
             if has(9) {
                 query = query.bind_rows(dialect, &created);
             }
-            let row = query.fetch_one(&mut *self.connection).await?;
-            let counts = expected.iter().enumerate().filter(|(part, _)| has(*part));
-            for (column, (_, expected)) in counts.enumerate() {
-                if row.try_get::<i64, _>(column)? != *expected as i64 {
+            let counts: Vec<String> =
+                expected.iter().enumerate().filter(|(part, _)| has(*part)).map(|(_, count)| count.to_string()).collect();
+            query = query.bind(format!("{{{}}}", counts.join(",")));
+            let row = match query.fetch_one(&mut *self.connection).await {
+                Ok(row) => row,
+                Err(error) if batch::is_write_missed(&error) => return Ok(false),
+                Err(error) => return Err(error),
+            };
+            for (column, expected) in counts.iter().enumerate() {
+                if row.try_get::<i64, _>(column)?.to_string() != *expected {
                     return Ok(false);
                 }
             }

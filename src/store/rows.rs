@@ -188,8 +188,9 @@ impl NewEntry<'_> {
 }
 
 /// A new balance and held amount for one account (minor units), written by version CAS:
-/// only if the stored version is still `expected_version`, and then the version becomes
-/// `version` (unchanged when only `held` moves: a hold reserved or released posts no entry).
+/// only if the stored version is still `expected_version` and the stored held amount still
+/// `expected_held`, and then the version becomes `version` (unchanged when only `held` moves: a
+/// hold reserved or released posts no entry, so the version alone would not show it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BalanceUpdate<'a> {
     pub account_id: &'a str,
@@ -198,6 +199,8 @@ pub struct BalanceUpdate<'a> {
     pub held: i64,
     pub expected_version: i64,
     pub version: i64,
+    /// The held amount the write read (minor units).
+    pub expected_held: i64,
     /// The account's chain hash after the write: the hash of its last new entry, or the one it
     /// had when it posts none.
     pub chain_hash: Option<&'a str>,

@@ -209,6 +209,20 @@ pub(in crate::ledger) struct WriteSet<'a> {
     pub(in crate::ledger) postings: Vec<(Posting<'a>, Legs)>,
 }
 
+impl WriteSet<'_> {
+    /// Whether [`write`] writes it in one statement on PostgreSQL, which then writes all of it
+    /// or nothing, in a transaction or as one of its own (`Queries::write_batch`): no new
+    /// account, no order moved by a conditional UPDATE of its own, no capture's payment, no hold
+    /// reserved or settled.
+    pub(in crate::ledger) fn one_statement(&self) -> bool {
+        self.accounts.is_empty()
+            && self.order_moves.is_empty()
+            && self.captured_payments.is_empty()
+            && self.holds.is_empty()
+            && self.settled_holds.is_empty()
+    }
+}
+
 /// Writes `set` and the balances and held amounts `book` moved (one version CAS per account:
 /// an account moved N times moves N versions at once), the entries of each posting in order,
 /// so that every entry records its account's balance and version right after it; at `now`
@@ -235,6 +249,7 @@ pub(in crate::ledger) async fn write(
             held: account.row.held,
             expected_version: account.read_version,
             version: account.row.version,
+            expected_held: account.read_held,
             chain_hash: heads.get(&account.row.account_id).or(account.row.chain_hash.as_ref()).map(String::as_str),
         })
         .collect();
@@ -464,6 +479,7 @@ mod tests {
                 held: moved.held_after,
                 expected_version: moved.version_before,
                 version: moved.version_after,
+                expected_held: moved.held_before,
                 chain_hash: None,
             })
             .collect();
@@ -537,6 +553,62 @@ mod tests {
             let (entries, [alice, bob]) = books(&ledger).await;
             assert_eq!(entries - entries_before, 4, "{}", database.url);
             assert_eq!((alice.0, bob.0), (700, 300), "{}", database.url);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_set_sent_outside_a_transaction_with_one_version_moved_writes_nothing_of_it() {
+        // PostgreSQL's write is one statement, which a write without row locks sends alone
+        // (`group_commit::write_one_unlocked`): alice's version CAS misses, bob's would not, the
+        // entries would go in; the statement must fail whole.
+        for database in test_databases().await.iter().filter(|database| database.url.starts_with("postgres")) {
+            let ledger = ledger_of_two(database).await;
+            let before = books(&ledger).await;
+            let mut reader = ledger.store().reader().await.unwrap();
+            let mut queries = reader.queries();
+            let alice = queries.find_account("alice").await.unwrap().unwrap();
+            let bob = queries.find_account("bob").await.unwrap().unwrap();
+            let stale = AccountRow { version: alice.version - 1, ..alice.clone() };
+            let (moves, balances, entries) = posting("X3", &stale, &bob, 100, 1);
+
+            let missed = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
+                .await
+                .unwrap();
+            let (moves, balances, entries) = posting("X4", &alice, &bob, 100, 1);
+            let written = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
+                .await
+                .unwrap();
+            drop(reader);
+
+            assert!(!missed && written, "{}", database.url);
+            let (entries, [alice, bob]) = books(&ledger).await;
+            // Only the second: bob's CAS and the entries of the first were not written.
+            assert_eq!((entries - before.0, alice.0, bob.0), (2, 900, 100), "{}", database.url);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_set_read_before_a_held_amount_moved_writes_nothing() {
+        // A hold reserved or released moves `held` and not the version: the CAS compares both.
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let mut reader = ledger.store().reader().await.unwrap();
+            let alice = reader.queries().find_account("alice").await.unwrap().unwrap();
+            let bob = reader.queries().find_account("bob").await.unwrap().unwrap();
+            drop(reader);
+            ledger.store().on_pooled_session("UPDATE accounts SET held = 300 WHERE account_id = 'alice'").await.unwrap();
+            let before = books(&ledger).await;
+
+            let metrics = LedgerMetrics::default();
+            let written: Result<Inserted<bool>, Error> = in_transaction!(ledger.store(), &metrics, tx => {
+                let mut queries = tx.queries();
+                let (moves, balances, entries) = posting("X5", &alice, &bob, 100, 1);
+                let written = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries)).await?;
+                Ok(if written { Inserted::Done(true) } else { Inserted::KeyTaken })
+            });
+
+            assert!(matches!(written, Ok(Inserted::KeyTaken)), "{}", database.url);
+            assert_eq!(books(&ledger).await, before, "{}", database.url);
         }
     }
 

@@ -35,7 +35,8 @@ use prometheus_client::metrics::counter::Counter;
 use crate::error::Error;
 use crate::metrics::LedgerMetrics;
 use crate::store::{
-    EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries, Store,
+    Dialect, EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries,
+    RowLocks, Store,
 };
 
 use super::batching::{self, BatchWriter};
@@ -419,6 +420,13 @@ pub(in crate::ledger) async fn write_together(
     }
     let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
     let now = now_micros();
+    if let [one] = batch.as_slice() {
+        if let Some(outcome) = write_one_unlocked(store, one, &read, now, metrics).await {
+            count_committed(std::slice::from_ref(&outcome), metrics);
+            outcomes[open[0]] = Some(outcome);
+            return outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect();
+        }
+    }
     let result = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
         write_batch(&mut queries, &batch, &read, now).await
@@ -450,6 +458,78 @@ pub(in crate::ledger) async fn write_together(
         outcomes[index] = Some(outcome);
     }
     outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
+}
+
+/// A batch of one on PostgreSQL, without a guard to claim, written without row locks in two
+/// steps instead of a transaction's six: its rows read as last committed (no transaction),
+/// then, when its decision accepted it and its write set is one statement
+/// ([`WriteSet::one_statement`]), that statement sent alone, so that it commits itself, all of
+/// it or nothing: each row the decision read is guarded by the write (an order by its state's
+/// conditional UPDATE, an account by its version CAS, a key by its unique index), so a row that
+/// moved since the read fails the statement with nothing written. `None` when the call is to
+/// be written under locks, by the batch's transaction, as before: another backend, a call with
+/// a guard, a call not accepted (its refusal is made under the locks, as every refusal is), a
+/// write set of several statements, a row moved since the read, or an error before the write.
+/// A database error of the write itself may leave its outcome unknown: the call then runs
+/// alone, which finds its key taken if it committed ([`Outcome::Alone`]). No connection within
+/// the pool's acquire timeout answers it UNAVAILABLE, as the batch would ([`no_connection`]).
+async fn write_one_unlocked(
+    store: &Store,
+    batched: &Batched,
+    read: &ReadFirst,
+    now: i64,
+    metrics: &LedgerMetrics,
+) -> Option<Outcome> {
+    if store.dialect() != Dialect::Postgres || batched.claim.is_some() {
+        return None;
+    }
+    let mut reader = match store.reader().await {
+        Ok(reader) => reader,
+        Err(error) => {
+            let error = Error::Database(error);
+            return no_connection(&error).then(|| unavailable(1, &error).remove(0));
+        }
+    };
+    let mut queries = reader.queries();
+    let batch = [batched];
+    let mut deciding = Deciding { batch: &batch, claims: vec![None], read, now, outcomes: vec![None] };
+    let locked = deciding.lock(&mut queries, RowLocks::None).await.ok()?;
+    let Applied { book, moved, accepted, refused } = deciding.apply(&locked);
+    if !refused.is_empty() || accepted.is_empty() {
+        return None;
+    }
+    let set = write_set(&accepted, &locked.orders, &moved);
+    if !set.one_statement() {
+        return None;
+    }
+    match book::write(&mut queries, &set, &book, now).await {
+        Ok(true) => {}
+        Ok(false) => {
+            metrics.unlocked_write_misses.inc();
+            return None;
+        }
+        Err(Error::InvariantBroken(invariant)) => {
+            tracing::error!(invariant, "a write refused; nothing of it was written");
+            return Some(Outcome::Rejected(Error::InvariantBroken(invariant)));
+        }
+        Err(error) => {
+            tracing::debug!(%error, "a write without row locks failed; it runs alone");
+            return Some(Outcome::Alone);
+        }
+    }
+    drop(set);
+    // Committed: what follows reads what it wrote, which no one changes.
+    let answered = async {
+        let mut entries = entries_read_back(&mut queries, &accepted).await?;
+        deciding.answer(accepted, &mut entries, &locked.book)
+    };
+    match answered.await {
+        Ok(_) => deciding.into_outcomes().pop(),
+        Err(error) => {
+            tracing::debug!(%error, "a committed write could not be answered; it runs alone, a replay");
+            Some(Outcome::Alone)
+        }
+    }
 }
 
 /// The committed batch's counters: the batch, its size, and each kind of write.
@@ -631,7 +711,7 @@ async fn write_batch(
     if deciding.undecided().is_empty() {
         return Ok(Inserted::Done(deciding.into_outcomes()));
     }
-    let locked = deciding.lock(queries).await?;
+    let locked = deciding.lock(queries, RowLocks::Taken).await?;
     let mut claimed: HashSet<usize> = HashSet::new();
     // Until a claim of several found a key taken (see `claim_prefix_together`).
     let mut claim_together = true;
@@ -737,7 +817,7 @@ impl<'b> Deciding<'b> {
     ///    that account).
     ///
     /// Why two lock statements, not one: `docs/decisions/008-two-lock-statements.md`.
-    async fn lock(&self, queries: &mut Queries<'_>) -> Result<Locked, Error> {
+    async fn lock(&self, queries: &mut Queries<'_>, locks: RowLocks) -> Result<Locked, Error> {
         let undecided = self.undecided();
         let writes = || undecided.iter().map(|index| &self.batch[*index].write);
         let order_keys: BTreeSet<(&str, &str)> = writes().filter_map(|write| write.order_to_lock(self.read)).collect();
@@ -745,7 +825,7 @@ impl<'b> Deciding<'b> {
         let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
             HashMap::new()
         } else {
-            let rows = queries.lock_orders(&order_keys).await?;
+            let rows = queries.lock_orders(&order_keys, locks).await?;
             rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
         };
         let checked_at = deadline_clock(self.now);
@@ -773,7 +853,7 @@ impl<'b> Deciding<'b> {
         let book = if account_ids.is_empty() {
             Book::default()
         } else {
-            Book::locked(queries.lock_accounts(&account_ids).await?)
+            Book::locked(queries.lock_accounts(&account_ids, locks).await?)
         };
         let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
         let taken = find_taken(queries, &keys).await?;
@@ -950,10 +1030,8 @@ async fn entries_read_back(
     Ok(entries.into_iter().map(|entry| ((entry.posting_id.clone(), entry.account_id.clone()), entry)).collect())
 }
 
-/// Step 4: the write set of the accepted writes, each row in its table and each posting in
-/// the order the batch applied it, and each order moved by its CAS from the state it was
-/// locked in, written by [`book::write`]: false when a key, an order's state or a version was
-/// taken under the batch (roll back).
+/// Step 4: the write set of the accepted writes ([`write_set`]), written by [`book::write`]:
+/// false when a key, an order's state or a version was taken under the batch (roll back).
 async fn write_accepted(
     queries: &mut Queries<'_>,
     accepted: &[(usize, Box<dyn Accepted>)],
@@ -962,6 +1040,16 @@ async fn write_accepted(
     book: &Book,
     now: i64,
 ) -> Result<bool, Error> {
+    book::write(queries, &write_set(accepted, orders, moved), book, now).await
+}
+
+/// The write set of the accepted writes: each row in its table and each posting in the order
+/// the batch applied it, and each order moved by its CAS from the state it was read in.
+fn write_set<'s>(
+    accepted: &'s [(usize, Box<dyn Accepted>)],
+    orders: &'s HashMap<OrderKey, OrderRow>,
+    moved: &'s BTreeMap<OrderKey, OrderRow>,
+) -> WriteSet<'s> {
     let mut set = WriteSet::default();
     for (_, accepted_one) in accepted {
         accepted_one.add_to(&mut set);
@@ -980,7 +1068,7 @@ async fn write_accepted(
             }
         })
         .collect();
-    book::write(queries, &set, book, now).await
+    set
 }
 
 #[cfg(test)]
