@@ -576,7 +576,7 @@ impl Ledger {
                 claim: None,
             })
             .collect();
-        let decisions = write_together(&self.store, &batch, &self.metrics).await;
+        let decisions = write_together(&self.store, &batch, &self.metrics, true).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
@@ -684,7 +684,7 @@ impl Ledger {
                 }
             }
         }
-        let decisions = write_together(&self.store, &batch, &self.metrics).await;
+        let decisions = write_together(&self.store, &batch, &self.metrics, true).await;
         for ((index, mut session), decision) in sessions.into_iter().zip(decisions) {
             answers[index] = Some(match &calls[index] {
                 Together::Pay(call) => self.settle_together(call, &mut session, decision, now, BatchAnswer::Pay).await,

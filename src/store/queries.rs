@@ -1663,10 +1663,7 @@ impl<'c> Queries<'c> {
             RowLocks::Taken => &batch::LOCK_ORDERS,
             RowLocks::None => &batch::READ_ORDERS,
         };
-        sqlx::query_as(sql.text(self.dialect))
-            .bind_rows(self.dialect, &rows)
-            .fetch_all(&mut *self.connection)
-            .await
+        sqlx::query_as(sql.text(self.dialect)).bind_rows(self.dialect, &rows).fetch_all(&mut *self.connection).await
     }
 
     /// Reads the given accounts and, when `locks` is [`RowLocks::Taken`], locks their rows until
@@ -1683,10 +1680,7 @@ impl<'c> Queries<'c> {
             RowLocks::Taken => &batch::LOCK_ACCOUNTS,
             RowLocks::None => &batch::READ_ACCOUNTS,
         };
-        sqlx::query_as(sql.text(self.dialect))
-            .bind_rows(self.dialect, &rows)
-            .fetch_all(&mut *self.connection)
-            .await
+        sqlx::query_as(sql.text(self.dialect)).bind_rows(self.dialect, &rows).fetch_all(&mut *self.connection).await
     }
 
     /// Writes what a group commit accepted, all or nothing: the new orders (one INSERT of all
@@ -1798,8 +1792,12 @@ impl<'c> Queries<'c> {
             if has(9) {
                 query = query.bind_rows(dialect, &created);
             }
-            let counts: Vec<String> =
-                expected.iter().enumerate().filter(|(part, _)| has(*part)).map(|(_, count)| count.to_string()).collect();
+            let counts: Vec<String> = expected
+                .iter()
+                .enumerate()
+                .filter(|(part, _)| has(*part))
+                .map(|(_, count)| count.to_string())
+                .collect();
             query = query.bind(format!("{{{}}}", counts.join(",")));
             let row = match query.fetch_one(&mut *self.connection).await {
                 Ok(row) => row,

@@ -4,6 +4,7 @@
 //! for the next batch. The workers know no use case: the writer says how a call is routed and
 //! how a batch is written.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,8 +29,10 @@ pub(in crate::ledger) trait BatchWriter: Send + Sync + 'static {
     /// What routes a call to its worker: calls of one route share a worker (and its queue).
     fn route(call: &Self::Call) -> &str;
 
-    /// Writes one batch; one outcome per call, in order.
-    fn write(&self, calls: Vec<Self::Call>) -> impl Future<Output = Vec<Self::Outcome>> + Send;
+    /// Writes one batch; one outcome per call, in order. `route_alone`: no call of the batch's
+    /// routes is in another batch of its worker in flight, so no batch beside it is likely to
+    /// move its rows.
+    fn write(&self, calls: Vec<Self::Call>, route_alone: bool) -> impl Future<Output = Vec<Self::Outcome>> + Send;
 
     /// The outcome of a call no batch started: refused with `Some(error)` (its queue was full:
     /// OVERLOADED; its caller had gone), or, with `None`, the workers are gone.
@@ -184,15 +187,20 @@ async fn work<W: BatchWriter>(
     metrics: LedgerMetrics,
 ) {
     let (max_batch, pipeline) = (settings.max_batch.max(1), settings.pipeline.max(1));
-    // Each batch in flight returns the number of calls it holds.
+    // Each batch in flight returns the routes of the calls it holds.
     let mut running = tokio::task::JoinSet::new();
     let mut running_calls = 0;
+    // The routes of the calls in flight, each with its number of calls: at most `pipeline`
+    // batches of `max_batch` calls.
+    let mut routes: HashMap<String, usize> = HashMap::new();
     loop {
         // Each batch in flight holds one call: the database is not busy.
         let light_load = running_calls <= running.len();
         let may_start = running.is_empty() || (running.len() < pipeline && light_load);
         if !may_start {
-            running_calls -= running.join_next().await.and_then(Result::ok).unwrap_or(0);
+            if let Some(Ok(done)) = running.join_next().await {
+                finished(done, &mut running_calls, &mut routes);
+            }
             continue;
         }
         let first = tokio::select! {
@@ -201,7 +209,9 @@ async fn work<W: BatchWriter>(
                 None => break,
             },
             Some(done) = running.join_next(), if !running.is_empty() => {
-                running_calls -= done.unwrap_or(0);
+                if let Ok(done) = done {
+                    finished(done, &mut running_calls, &mut routes);
+                }
                 continue;
             }
         };
@@ -224,9 +234,13 @@ async fn work<W: BatchWriter>(
             }
         }
         if !jobs.is_empty() {
-            let calls = jobs.len();
-            running_calls += calls;
-            let batch = run_batch(writer.clone(), jobs);
+            let calls: Vec<String> = jobs.iter().map(|job| W::route(&job.call).to_owned()).collect();
+            let route_alone = calls.iter().all(|route| !routes.contains_key(route));
+            for route in &calls {
+                *routes.entry(route.clone()).or_default() += 1;
+            }
+            running_calls += calls.len();
+            let batch = run_batch(writer.clone(), jobs, route_alone);
             running.spawn(async move {
                 batch.await;
                 calls
@@ -236,8 +250,21 @@ async fn work<W: BatchWriter>(
     while running.join_next().await.is_some() {}
 }
 
+/// A batch done: its calls and their routes no longer in flight.
+fn finished(calls: Vec<String>, running_calls: &mut usize, routes: &mut HashMap<String, usize>) {
+    *running_calls -= calls.len();
+    for route in calls {
+        if let Some(count) = routes.get_mut(&route) {
+            *count -= 1;
+            if *count == 0 {
+                routes.remove(&route);
+            }
+        }
+    }
+}
+
 /// Writes one batch and answers each of its calls.
-async fn run_batch<W: BatchWriter>(writer: Arc<W>, jobs: Vec<Job<W>>) {
+async fn run_batch<W: BatchWriter>(writer: Arc<W>, jobs: Vec<Job<W>>, route_alone: bool) {
     let span = tracing::info_span!("group_commit", calls = jobs.len());
     for job in &jobs {
         if job.link.is_valid() {
@@ -245,7 +272,7 @@ async fn run_batch<W: BatchWriter>(writer: Arc<W>, jobs: Vec<Job<W>>) {
         }
     }
     let (calls, replies): (Vec<W::Call>, Vec<_>) = jobs.into_iter().map(|job| (job.call, job.reply)).unzip();
-    let outcomes = writer.write(calls).instrument(span).await;
+    let outcomes = writer.write(calls, route_alone).instrument(span).await;
     for (reply, outcome) in replies.into_iter().zip(outcomes) {
         // The caller may be gone (client cancelled); the batch is committed regardless.
         let _ = reply.send(outcome);

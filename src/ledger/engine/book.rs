@@ -571,13 +571,15 @@ mod tests {
             let stale = AccountRow { version: alice.version - 1, ..alice.clone() };
             let (moves, balances, entries) = posting("X3", &stale, &bob, 100, 1);
 
-            let missed = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
-                .await
-                .unwrap();
+            let missed =
+                write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
+                    .await
+                    .unwrap();
             let (moves, balances, entries) = posting("X4", &alice, &bob, 100, 1);
-            let written = write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
-                .await
-                .unwrap();
+            let written =
+                write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries))
+                    .await
+                    .unwrap();
             drop(reader);
 
             assert!(!missed && written, "{}", database.url);
@@ -596,7 +598,11 @@ mod tests {
             let alice = reader.queries().find_account("alice").await.unwrap().unwrap();
             let bob = reader.queries().find_account("bob").await.unwrap().unwrap();
             drop(reader);
-            ledger.store().on_pooled_session("UPDATE accounts SET held = 300 WHERE account_id = 'alice'").await.unwrap();
+            ledger
+                .store()
+                .on_pooled_session("UPDATE accounts SET held = 300 WHERE account_id = 'alice'")
+                .await
+                .unwrap();
             let before = books(&ledger).await;
 
             let metrics = LedgerMetrics::default();

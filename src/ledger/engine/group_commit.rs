@@ -379,8 +379,8 @@ impl BatchWriter for GroupCommit {
         call.write.route()
     }
 
-    async fn write(&self, calls: Vec<Batched>) -> Vec<Outcome> {
-        write_together(&self.store, &calls, &self.metrics).await
+    async fn write(&self, calls: Vec<Batched>, route_alone: bool) -> Vec<Outcome> {
+        write_together(&self.store, &calls, &self.metrics, route_alone).await
     }
 
     fn not_started(refusal: Option<Error>) -> Outcome {
@@ -393,11 +393,13 @@ pub(in crate::ledger) type Batcher = batching::Batcher<GroupCommit>;
 
 /// Runs `calls` as one group commit and returns one outcome per call, in order: first one
 /// read (no transaction, no locks) finds the payments the writes read, then one transaction
-/// writes the rest.
+/// writes the rest; or, for a batch of one that no batch in flight shares a route with
+/// (`route_alone`), one statement without row locks ([`write_one_unlocked`]).
 pub(in crate::ledger) async fn write_together(
     store: &Store,
     calls: &[Batched],
     metrics: &LedgerMetrics,
+    route_alone: bool,
 ) -> Vec<Outcome> {
     let (mut outcomes, read) = match read_payments(store, calls).await {
         Ok(read) => read,
@@ -420,7 +422,7 @@ pub(in crate::ledger) async fn write_together(
     }
     let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
     let now = now_micros();
-    if let [one] = batch.as_slice() {
+    if let ([one], true) = (batch.as_slice(), route_alone) {
         if let Some(outcome) = write_one_unlocked(store, one, &read, now, metrics).await {
             count_committed(std::slice::from_ref(&outcome), metrics);
             outcomes[open[0]] = Some(outcome);
