@@ -698,6 +698,13 @@ pub(super) static INSERT_ORDERS: StepSql = StepSql {
 /// the transfers, the deposits, the withdrawals and the new orders. Each part's `{k}` is its
 /// k-th array, `{now}` the `updated_at` of the UPDATEs. A batch never pays and refunds one
 /// order, nor creates one it pays or refunds, so no order row is written twice.
+///
+/// Each UPDATE finds its row by a lookup in the statement's snapshot (the LATERAL subquery,
+/// whose generic plan is an index lookup), then states its condition (the order's state, the
+/// account's version and held amount) again on the row it updates: a row another transaction
+/// moved after the snapshot is re-checked there by PostgreSQL's EvalPlanQual, where a TID
+/// condition alone may not be (PostgreSQL rechecked TID scans only from the fix "Fix missing
+/// EvalPlanQual recheck for TID scans", 2025). A write without row locks relies on it.
 pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
     WritePart {
         name: "p",
@@ -716,7 +723,7 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
                AS k(merchant_id, order_no, out_trade_no) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM orders AS paid WHERE paid.merchant_id = k.merchant_id \
                AND paid.order_no = k.order_no AND paid.status = 'PENDING' LIMIT 1) AS found \
-               WHERE orders.ctid = found.row_id RETURNING 1",
+               WHERE orders.ctid = found.row_id AND orders.status = 'PENDING' RETURNING 1",
     },
     WritePart {
         name: "a",
@@ -727,7 +734,8 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
                {7}::bigint[]) AS k(account_id, balance, expected_version, version, held, chain_hash, expected_held) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
                AND moved.version = k.expected_version AND moved.held = k.expected_held LIMIT 1) AS found \
-               WHERE accounts.ctid = found.row_id RETURNING 1",
+               WHERE accounts.ctid = found.row_id AND accounts.version = k.expected_version \
+               AND accounts.held = k.expected_held RETURNING 1",
     },
     WritePart {
         name: "e",
@@ -761,7 +769,8 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
                WHERE refunded.merchant_id = k.merchant_id AND refunded.order_no = k.order_no \
                AND refunded.status = k.from_status AND refunded.refunded_amount = k.from_refunded \
                AND k.to_refunded <= refunded.amount LIMIT 1) AS found \
-               WHERE orders.ctid = found.row_id RETURNING 1",
+               WHERE orders.ctid = found.row_id AND orders.status = k.from_status \
+               AND orders.refunded_amount = k.from_refunded RETURNING 1",
     },
     WritePart {
         name: "x",
@@ -884,15 +893,35 @@ pub(super) fn write_batch_postgres(shape: u16) -> &'static str {
                 format!("{} AS ({text})", part.name)
             })
             .collect();
-        let counts: Vec<String> = present.iter().map(|part| format!("(SELECT COUNT(*) FROM {})", part.name)).collect();
+        // PostgreSQL runs each part when the query first reads it, so in the order of `counts`:
+        // the UPDATEs of orders, then of accounts, then the INSERTs, as a locked batch takes
+        // its row locks (orders, accounts) before it inserts. A write without row locks whose
+        // INSERT took a key first would wait for a locked batch's order while that batch waits
+        // for the key: a deadlock, broken only after `deadlock_timeout`.
+        let mut run_order: Vec<usize> = (0..present.len()).collect();
+        run_order.sort_by_key(|index| match present[*index].name {
+            "o" | "t" => 0,
+            "a" => 1,
+            _ => 2,
+        });
+        let counts: Vec<String> =
+            run_order.iter().map(|index| format!("(SELECT COUNT(*) FROM {})", present[*index].name)).collect();
+        // Each part's count, in part order.
+        let columns: Vec<String> = (0..present.len())
+            .map(|index| {
+                let position = run_order.iter().position(|run| *run == index).expect("every part runs") + 1;
+                format!("written.counts[{position}]")
+            })
+            .collect();
         // The check reads the parts' results, so it is run, never folded away as a constant.
         format!(
             "WITH {}, written AS (SELECT ARRAY[{}] AS counts) SELECT {}, \
-             CAST(CASE WHEN written.counts = ${next}::bigint[] THEN '0' ELSE '{WRITE_MISSED}' END AS integer) \
+             CAST(CASE WHEN ARRAY[{}] = ${next}::bigint[] THEN '0' ELSE '{WRITE_MISSED}' END AS integer) \
              FROM written",
             parts.join(", "),
             counts.join(", "),
-            (1..=present.len()).map(|column| format!("written.counts[{column}]")).collect::<Vec<_>>().join(", "),
+            columns.join(", "),
+            columns.join(", "),
         )
     })
 }
@@ -939,7 +968,13 @@ mod tests {
         let text = write_batch_postgres(0b1111);
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
         assert!(text.contains("$35::bigint[]") && !text.contains("$36") && !text.contains('{'), "{text}");
-        assert!(text.contains("ARRAY[(SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM e)]"), "{text}");
+        // Run in lock order: the order's UPDATE, the accounts', then the INSERTs; answered in
+        // part order.
+        assert!(text.contains("ARRAY[(SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM e)]"), "{text}");
+        assert!(
+            text.contains("SELECT written.counts[3], written.counts[1], written.counts[2], written.counts[4], "),
+            "{text}"
+        );
     }
 
     #[test]

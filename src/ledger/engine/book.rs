@@ -590,6 +590,39 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_write_set_sent_alone_while_another_transaction_moves_its_account_writes_nothing() {
+        // The version CAS must hold on the row as the other transaction leaves it (PostgreSQL's
+        // EvalPlanQual), not only in the statement's snapshot: the write waits for the other
+        // transaction's row lock, then finds alice's version moved.
+        for database in test_databases().await.iter().filter(|database| database.url.starts_with("postgres")) {
+            let ledger = ledger_of_two(database).await;
+            let mut reader = ledger.store().reader().await.unwrap();
+            let alice = reader.queries().find_account("alice").await.unwrap().unwrap();
+            let bob = reader.queries().find_account("bob").await.unwrap().unwrap();
+            drop(reader);
+            let before = books(&ledger).await;
+            let mut other = ledger.store().begin().await.unwrap();
+            other.on_session("UPDATE accounts SET version = version + 1 WHERE account_id = 'alice'").await.unwrap();
+
+            let store = ledger.store().clone();
+            let write = tokio::spawn(async move {
+                let mut reader = store.reader().await.unwrap();
+                let mut queries = reader.queries();
+                let (moves, balances, entries) = posting("X6", &alice, &bob, 100, 1);
+                write_checked(&mut queries, &moves, &[], &WriteSet::default(), &write_set(&balances, &entries)).await
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!write.is_finished(), "{}: the write waits for alice's row", database.url);
+            other.commit().await.unwrap();
+
+            assert!(!write.await.unwrap().unwrap(), "{}", database.url);
+            let (entries, [alice_after, bob_after]) = books(&ledger).await;
+            let moved_by_the_other = (before.0, [(before.1[0].0, before.1[0].1 + 1), before.1[1]]);
+            assert_eq!((entries, [alice_after, bob_after]), moved_by_the_other, "{}", database.url);
+        }
+    }
+
+    #[tokio::test]
     async fn a_write_set_read_before_a_held_amount_moved_writes_nothing() {
         // A hold reserved or released moves `held` and not the version: the CAS compares both.
         for database in test_databases().await {
