@@ -29,9 +29,10 @@ pub(in crate::ledger) trait BatchWriter: Send + Sync + 'static {
     /// What routes a call to its worker: calls of one route share a worker (and its queue).
     fn route(call: &Self::Call) -> &str;
 
-    /// Writes one batch; one outcome per call, in order. `route_alone`: no call of the batch's
-    /// routes is in another batch of its worker in flight, so no batch beside it is likely to
-    /// move its rows.
+    /// Writes one batch; one outcome per call, in order. `route_alone`: the database is not busy
+    /// (at most [`ROUTE_ALONE_BESIDE_MAX`] other batches of its worker in flight) and no call of
+    /// the batch's routes is in one of them, nor was lately ([`ROUTE_COOLDOWN_BATCHES`]), so no
+    /// batch beside it is likely to move its rows.
     fn write(&self, calls: Vec<Self::Call>, route_alone: bool) -> impl Future<Output = Vec<Self::Outcome>> + Send;
 
     /// The outcome of a call no batch started: refused with `Some(error)` (its queue was full:
@@ -193,6 +194,7 @@ async fn work<W: BatchWriter>(
     // The routes of the calls in flight, each with its number of calls: at most `pipeline`
     // batches of `max_batch` calls.
     let mut routes: HashMap<String, usize> = HashMap::new();
+    let mut cooling = [0_u8; ROUTE_SLOTS];
     loop {
         // Each batch in flight holds one call: the database is not busy.
         let light_load = running_calls <= running.len();
@@ -235,7 +237,7 @@ async fn work<W: BatchWriter>(
         }
         if !jobs.is_empty() {
             let calls: Vec<String> = jobs.iter().map(|job| W::route(&job.call).to_owned()).collect();
-            let route_alone = calls.iter().all(|route| !routes.contains_key(route));
+            let route_alone = starts_route_alone(&calls, &routes, running.len(), &mut cooling);
             for route in &calls {
                 *routes.entry(route.clone()).or_default() += 1;
             }
@@ -248,6 +250,48 @@ async fn work<W: BatchWriter>(
         }
     }
     while running.join_next().await.is_some() {}
+}
+
+/// The most other batches in flight beside which a batch may be `route_alone`: past it the
+/// database is busy, and batching, not a call's round trips, sets the rate.
+pub(in crate::ledger) const ROUTE_ALONE_BESIDE_MAX: usize = 1;
+
+/// After a batch started while another batch held a call of its route (calls of one route
+/// contend for its rows), the batches of that route's slot that start next, up to this many,
+/// are not `route_alone`.
+pub(in crate::ledger) const ROUTE_COOLDOWN_BATCHES: u8 = 32;
+
+/// The slots of [`ROUTE_COOLDOWN_BATCHES`], by route hash: a bounded table, where two routes
+/// sharing a slot at worst cool down together.
+const ROUTE_SLOTS: usize = 256;
+
+fn route_slot(route: &str) -> usize {
+    let mut hasher = std::hash::DefaultHasher::new();
+    route.hash(&mut hasher);
+    (hasher.finish() % ROUTE_SLOTS as u64) as usize
+}
+
+/// Whether a batch of `calls` (their routes) starting now is `route_alone`, noting the routes
+/// that contend: a route already in flight cools its slot down; a batch on a cooling slot
+/// counts it down by one.
+fn starts_route_alone(
+    calls: &[String],
+    routes: &HashMap<String, usize>,
+    beside: usize,
+    cooling: &mut [u8; ROUTE_SLOTS],
+) -> bool {
+    let mut alone = beside <= ROUTE_ALONE_BESIDE_MAX;
+    for route in calls {
+        let slot = route_slot(route);
+        if routes.contains_key(route) {
+            cooling[slot] = ROUTE_COOLDOWN_BATCHES;
+            alone = false;
+        } else if cooling[slot] > 0 {
+            cooling[slot] -= 1;
+            alone = false;
+        }
+    }
+    alone
 }
 
 /// A batch done: its calls and their routes no longer in flight.
@@ -276,5 +320,29 @@ async fn run_batch<W: BatchWriter>(writer: Arc<W>, jobs: Vec<Job<W>>, route_alon
     for (reply, outcome) in replies.into_iter().zip(outcomes) {
         // The caller may be gone (client cancelled); the batch is committed regardless.
         let _ = reply.send(outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_route_alone_only_beside_few_batches_none_of_its_route_nor_lately() {
+        let mut cooling = [0_u8; ROUTE_SLOTS];
+        let mut routes = HashMap::new();
+        let merchant = vec!["m1".to_owned()];
+        assert!(starts_route_alone(&merchant, &routes, 0, &mut cooling));
+        assert!(starts_route_alone(&merchant, &routes, ROUTE_ALONE_BESIDE_MAX, &mut cooling));
+        assert!(!starts_route_alone(&merchant, &routes, ROUTE_ALONE_BESIDE_MAX + 1, &mut cooling), "busy");
+
+        routes.insert("m1".to_owned(), 1);
+        assert!(!starts_route_alone(&merchant, &routes, 1, &mut cooling), "its route in flight");
+        assert!(starts_route_alone(&["m2".to_owned()], &routes, 1, &mut cooling), "another route");
+        routes.clear();
+        for started in 0..ROUTE_COOLDOWN_BATCHES {
+            assert!(!starts_route_alone(&merchant, &routes, 0, &mut cooling), "cooling down, batch {started}");
+        }
+        assert!(starts_route_alone(&merchant, &routes, 0, &mut cooling), "cooled down");
     }
 }
