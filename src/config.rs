@@ -87,6 +87,13 @@ pub struct WriteSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 4,
           value_parser = clap::value_parser!(u16).range(1..=16))]
     pub pay_batch_pipeline: u16,
+    /// On PostgreSQL, whether a batch of one call without an idempotency key or token, started
+    /// beside at most one other batch and none of its route (merchant, from_account or funding
+    /// account), is read without row locks and written by one statement that commits itself,
+    /// all or nothing (docs/write-engine.md); it is written under locks when a row it read
+    /// moved. false: every batch locks its rows first. No effect on MariaDB or SQLite.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_UNLOCKED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub pay_batch_unlocked: bool,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one
     /// group-commit worker's queue; a call that finds it full is refused RESOURCE_EXHAUSTED
     /// (reason OVERLOADED, pushback 100 ms) before any work.
@@ -110,6 +117,7 @@ impl Default for WriteSettings {
             pay_batch_max: 64,
             pay_batch_workers: 1,
             pay_batch_pipeline: 4,
+            pay_batch_unlocked: true,
             pay_queue_max: 1024,
             funding_account_shards: None,
         }
@@ -128,6 +136,7 @@ impl WriteSettings {
             workers: usize::from(self.pay_batch_workers.max(1)),
             pipeline: usize::from(self.pay_batch_pipeline.max(1)),
             queue_max: self.pay_queue_max.max(1) as usize,
+            unlocked: self.pay_batch_unlocked,
         }
     }
 }

@@ -41,7 +41,7 @@ pub(in crate::ledger) trait BatchWriter: Send + Sync + 'static {
 }
 
 /// How the batch workers group calls (`--pay-batch-max`, `--pay-batch-workers`,
-/// `--pay-batch-pipeline`, `--pay-queue-max`).
+/// `--pay-batch-pipeline`, `--pay-queue-max`, `--pay-batch-unlocked`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) written by one
@@ -59,11 +59,14 @@ pub struct GroupCommitSettings {
     /// Most calls waiting in one worker's queue; a call that finds it full is refused
     /// RESOURCE_EXHAUSTED (OVERLOADED).
     pub queue_max: usize,
+    /// Whether a batch may be `route_alone` at all (see [`BatchWriter::write`]): on PostgreSQL
+    /// such a batch of one is written without row locks. False: every batch locks its rows.
+    pub unlocked: bool,
 }
 
 impl Default for GroupCommitSettings {
     fn default() -> Self {
-        Self { max_batch: 64, workers: 1, pipeline: DEFAULT_PIPELINE, queue_max: 1024 }
+        Self { max_batch: 64, workers: 1, pipeline: DEFAULT_PIPELINE, queue_max: 1024, unlocked: true }
     }
 }
 
@@ -237,7 +240,7 @@ async fn work<W: BatchWriter>(
         }
         if !jobs.is_empty() {
             let calls: Vec<String> = jobs.iter().map(|job| W::route(&job.call).to_owned()).collect();
-            let route_alone = starts_route_alone(&calls, &routes, running.len(), &mut cooling);
+            let route_alone = settings.unlocked && starts_route_alone(&calls, &routes, running.len(), &mut cooling);
             for route in &calls {
                 *routes.entry(route.clone()).or_default() += 1;
             }
