@@ -1792,20 +1792,17 @@ impl<'c> Queries<'c> {
             if has(9) {
                 query = query.bind_rows(dialect, &created);
             }
-            let counts: Vec<String> = expected
-                .iter()
-                .enumerate()
-                .filter(|(part, _)| has(*part))
-                .map(|(_, count)| count.to_string())
-                .collect();
-            query = query.bind(format!("{{{}}}", counts.join(",")));
+            let counts: Vec<i64> =
+                expected.iter().enumerate().filter(|(part, _)| has(*part)).map(|(_, count)| *count as i64).collect();
+            let array: Vec<String> = counts.iter().map(i64::to_string).collect();
+            query = query.bind(format!("{{{}}}", array.join(",")));
             let row = match query.fetch_one(&mut *self.connection).await {
                 Ok(row) => row,
                 Err(error) if batch::is_write_missed(&error) => return Ok(false),
                 Err(error) => return Err(error),
             };
             for (column, expected) in counts.iter().enumerate() {
-                if row.try_get::<i64, _>(column)?.to_string() != *expected {
+                if row.try_get::<i64, _>(column)? != *expected {
                     return Ok(false);
                 }
             }
