@@ -77,7 +77,15 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Serves as `payledger serve` does and, once bound, prints `listening ADDRESS` as its only
+/// stdout line (its logs go to stderr), so that `--listen 127.0.0.1:0` can be used.
 async fn storm_instance(settings: &ServeSettings) -> Result<ExitCode, AnyError> {
-    Application::build(settings).await?.run_until(shutdown_signal()).await?;
+    use std::io::Write;
+    let application = Application::build(settings).await?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}{}", storm::INSTANCE_LISTENING, application.local_addr())?;
+    stdout.flush()?;
+    drop(stdout);
+    application.run_until(shutdown_signal()).await?;
     Ok(ExitCode::SUCCESS)
 }

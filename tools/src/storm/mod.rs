@@ -175,14 +175,10 @@ fn classify<T>(result: &Result<Response<T>, Status>, id: impl FnOnce(&T) -> Stri
 }
 
 struct Instance {
-    port: u16,
+    address: SocketAddr,
     child: Child,
     /// The database (node) it serves from; a restart serves from the same one.
     database_url: String,
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// The storm's own signing key: its instances authenticate callers as a production server
@@ -220,10 +216,13 @@ impl StormAuth {
 }
 
 /// Starts one server instance: this binary's hidden `storm-instance` command, which serves
-/// exactly as `payledger serve` does, with JWT authentication.
-async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Result<Instance, AnyError> {
-    let child = Command::new(std::env::current_exe()?)
-        .args(["storm-instance", "--listen", &format!("127.0.0.1:{port}"), "--database-url", database_url])
+/// exactly as `payledger serve` does, with JWT authentication. It listens on a port the kernel
+/// picks (`127.0.0.1:0`) and says which on its first stdout line (`listening ADDRESS`), so no
+/// other process can hold the port it is reached at: a port chosen here and freed before the
+/// instance binds it could be taken in between by any other test or storm on the machine.
+async fn spawn_instance(database_url: &str, auth: &StormAuth) -> Result<Instance, AnyError> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["storm-instance", "--listen", "127.0.0.1:0", "--database-url", database_url])
         .arg("--auth-jwks")
         .arg(auth.jwks())
         .args(["--auth-issuer", STORM_ISSUER, "--auth-audience", STORM_AUDIENCE])
@@ -232,17 +231,37 @@ async fn spawn_instance(database_url: &str, port: u16, auth: &StormAuth) -> Resu
         .args(["--reaper-interval-seconds", "1", "--hold-ttl-seconds", "1"])
         .kill_on_drop(true)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        if Instant::now() > deadline {
-            return Err(format!("instance on port {port} did not start").into());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(Instance { port, child, database_url: database_url.to_owned() })
+    let stdout = child.stdout.take().ok_or("the instance's stdout is not piped")?;
+    let address = tokio::time::timeout(Duration::from_secs(30), instance_address(stdout))
+        .await
+        .map_err(|_| "an instance did not start listening within 30 s")??;
+    Ok(Instance { address, child, database_url: database_url.to_owned() })
 }
+
+/// Reads the `listening ADDRESS` line of a `storm-instance`, then drains its stdout in the
+/// background so that the instance never blocks on a full pipe.
+async fn instance_address(stdout: tokio::process::ChildStdout) -> Result<SocketAddr, AnyError> {
+    use tokio::io::AsyncBufReadExt;
+    let mut reader = tokio::io::BufReader::new(stdout);
+    let mut line = String::new();
+    if reader.read_line(&mut line).await? == 0 {
+        return Err("an instance exited before it listened (its error is on stderr)".into());
+    }
+    let address = line
+        .trim_end()
+        .strip_prefix(INSTANCE_LISTENING)
+        .and_then(|address| address.parse().ok())
+        .ok_or_else(|| format!("an instance's first line is not `{INSTANCE_LISTENING}ADDRESS`: {line:?}"))?;
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut reader, &mut tokio::io::sink()).await;
+    });
+    Ok(address)
+}
+
+/// What a `storm-instance` prints, followed by its bound address, once it listens.
+pub const INSTANCE_LISTENING: &str = "listening ";
 
 /// Cuts every database connection of the instances: PostgreSQL `pg_terminate_backend`,
 /// MySQL `KILL`. Returns how many were cut.
@@ -798,12 +817,11 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
     Store::connect(&database.url, &check_pool()).await?.migrate().await?;
     let mut instances = Vec::new();
     for number in 0..instance_count {
-        instances.push(spawn_instance(&node_urls[number % node_urls.len()], free_port()?, &auth).await?);
+        instances.push(spawn_instance(&node_urls[number % node_urls.len()], &auth).await?);
     }
     let mut proxies = Vec::new();
     for instance in &instances {
-        proxies
-            .push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], instance.port)), FaultSettings::none()).await?);
+        proxies.push(FaultProxy::start(instance.address, FaultSettings::none()).await?);
     }
     let retry = RetrySettings {
         // Bounded by the 30 s deadline rather than by count: short attempts, and quick
@@ -944,13 +962,15 @@ async fn storm_on(settings: &StormSettings, database: &StormDatabase) -> Result<
         if Instant::now() >= next_kill {
             next_kill += kill_every;
             let victim = rand::rng().random_range(0..instances.len());
-            let port = instances[victim].port;
             instances[victim].child.start_kill()?;
             let _ = instances[victim].child.wait().await;
             kills += 1;
             tokio::time::sleep(Duration::from_millis(300)).await;
             let database_url = instances[victim].database_url.clone();
-            instances[victim] = spawn_instance(&database_url, port, &auth).await?;
+            // Restarted on a port of its own, behind the same proxy: its clients see one
+            // address throughout, as behind a load balancer.
+            instances[victim] = spawn_instance(&database_url, &auth).await?;
+            proxies[victim].set_target(instances[victim].address);
         }
         if Instant::now() >= next_cut && dialect != Dialect::Sqlite {
             next_cut += cut_every;

@@ -133,6 +133,12 @@ impl FaultProxy {
         self.address
     }
 
+    /// Points the proxy at a new target (an instance restarted on another port); connections
+    /// already open keep their old one.
+    pub fn set_target(&self, target: SocketAddr) {
+        *lock(&self.shared.target) = target;
+    }
+
     /// Changes the fault probabilities, from the next request on.
     pub fn set_settings(&self, settings: FaultSettings) {
         *lock(&self.shared.settings) = settings;

@@ -57,22 +57,25 @@ struct Server {
 }
 
 impl Server {
+    /// Starts the server on a port the kernel picks and learns which from its first stdout
+    /// line: a port probed here and freed before the server binds it could be taken in between
+    /// by a storm test running beside this one.
     fn start(directory: &std::path::Path) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(env!("CARGO_BIN_EXE_payledger-tools"))
-            .args(["storm-instance", "--listen", &format!("127.0.0.1:{port}"), "--database-url"])
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_payledger-tools"))
+            .args(["storm-instance", "--listen", "127.0.0.1:0", "--database-url"])
             .arg(format!("sqlite:{}", directory.join("bench.db").display()))
-            .stdout(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let server = Self { child, target: format!("http://127.0.0.1:{port}") };
-        let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(started.elapsed() < std::time::Duration::from_secs(60), "the server listens within a minute");
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        server
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let address = line.trim_end().strip_prefix("listening ").unwrap_or_else(|| panic!("not listening: {line:?}"));
+        let target = format!("http://{address}");
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        Self { child, target }
     }
 
     fn bench(&self, progress: Option<&str>) -> Output {
