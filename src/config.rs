@@ -87,11 +87,11 @@ pub struct WriteSettings {
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_PIPELINE", default_value_t = 4,
           value_parser = clap::value_parser!(u16).range(1..=16))]
     pub pay_batch_pipeline: u16,
-    /// On PostgreSQL, whether a batch of one call without an idempotency key or token, started
-    /// beside at most one other batch and none of its route (merchant, from_account or funding
-    /// account), is read without row locks and written by one statement that commits itself,
-    /// all or nothing (docs/write-engine.md); it is written under locks when a row it read
-    /// moved. false: every batch locks its rows first. No effect on MariaDB or SQLite.
+    /// On PostgreSQL, whether a batch of one call without a one-time token, started beside at
+    /// most one other batch and none of its route (merchant, from_account or funding account),
+    /// is read without row locks and written by one statement that commits itself, all or
+    /// nothing, its idempotency key's record claimed by that statement (docs/write-engine.md);
+    /// it is written under locks when a row it read moved or its key was taken. false: every batch locks its rows first. No effect on MariaDB or SQLite.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_UNLOCKED", default_value_t = true, action = clap::ArgAction::Set)]
     pub pay_batch_unlocked: bool,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one

@@ -365,6 +365,28 @@ pub(super) static COMPLETE_RECORDS: ServerSql = ServerSql {
             WHERE idempotency_record.status = 'IN_PROGRESS'",
 };
 
+/// PostgreSQL's insert of idempotency records from twelve arrays (`$arrays`, the columns of
+/// [`CLAIM_RECORDS`]'s rows in order), in key order, skipping a key taken; `RETURNING` follows.
+/// [`CLAIM_RECORDS`] and the records' part of [`WRITE_PARTS_POSTGRES`] differ by their
+/// placeholders and what they return.
+macro_rules! claim_records_postgres {
+    ($arrays:literal) => {
+        concat!(
+            "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
+             response, response_message, caller_scope, status, created_at, expires_at) \
+             SELECT k.scope, k.idempotency_key, k.method, k.request_fingerprint, decode(k.request_fields, 'hex'), \
+             CASE WHEN k.nulls & 1 = 0 THEN decode(k.response, 'hex') END, \
+             CASE WHEN k.nulls & 2 = 0 THEN decode(k.response_message, 'hex') END, \
+             CASE WHEN k.nulls & 4 = 0 THEN k.caller_scope END, k.status, k.created_at, k.expires_at \
+             FROM UNNEST(",
+            $arrays,
+            ") AS k(scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
+             caller_scope, status, created_at, expires_at, nulls) \
+             ORDER BY k.scope, k.idempotency_key ON CONFLICT DO NOTHING RETURNING"
+        )
+    };
+}
+
 /// The columns a record row of [`CLAIM_RECORDS`] gives, in order.
 pub(super) const RECORD_COLUMNS: usize = 12;
 
@@ -381,18 +403,13 @@ pub(super) const RECORD_COLUMNS: usize = 12;
 /// - MySQL: a taken key fails the whole statement with a duplicate-key error, which undoes the
 ///   statement and leaves the transaction usable (MySQL manual, "InnoDB Error Handling").
 pub(super) static CLAIM_RECORDS: ServerSql = ServerSql {
-    postgres: "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
-               response, response_message, caller_scope, status, created_at, expires_at) \
-               SELECT k.scope, k.idempotency_key, k.method, k.request_fingerprint, decode(k.request_fields, 'hex'), \
-               CASE WHEN k.nulls & 1 = 0 THEN decode(k.response, 'hex') END, \
-               CASE WHEN k.nulls & 2 = 0 THEN decode(k.response_message, 'hex') END, \
-               CASE WHEN k.nulls & 4 = 0 THEN k.caller_scope END, k.status, k.created_at, k.expires_at \
-               FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
-               $8::text[], $9::text[], $10::bigint[], $11::bigint[], $12::bigint[]) \
-               AS k(scope, idempotency_key, method, request_fingerprint, request_fields, response, response_message, \
-               caller_scope, status, created_at, expires_at, nulls) \
-               ORDER BY k.scope, k.idempotency_key \
-               ON CONFLICT DO NOTHING RETURNING scope, idempotency_key",
+    postgres: concat!(
+        claim_records_postgres!(
+            "$1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], \
+             $9::text[], $10::bigint[], $11::bigint[], $12::bigint[]"
+        ),
+        " scope, idempotency_key"
+    ),
     mysql: "INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
             response, response_message, caller_scope, status, created_at, expires_at) \
             SELECT scope, idempotency_key, method, request_fingerprint, UNHEX(request_fields), \
@@ -695,7 +712,9 @@ pub(super) static INSERT_ORDERS: StepSql = StepSql {
 /// The parts of PostgreSQL's group-commit statement (data-modifying CTEs, each run exactly
 /// once), in the order their arrays are bound: the payments, PENDING -> PAID, the version CAS,
 /// the journal entries (given entry ids in array order), the refunds, the orders' refund CAS,
-/// the transfers, the deposits, the withdrawals and the new orders. Each part's `{k}` is its
+/// the transfers, the deposits, the withdrawals, the new orders and the idempotency records
+/// claimed with the write (only a call written without row locks has them: a locked batch
+/// claims its records before it writes, [`CLAIM_RECORDS`]). Each part's `{k}` is its
 /// k-th array, `{now}` the `updated_at` of the UPDATEs. A batch never pays and refunds one
 /// order, nor creates one it pays or refunds, so no order row is written twice.
 ///
@@ -705,7 +724,7 @@ pub(super) static INSERT_ORDERS: StepSql = StepSql {
 /// moved after the snapshot is re-checked there by PostgreSQL's EvalPlanQual, where a TID
 /// condition alone may not be (PostgreSQL rechecked TID scans only from the fix "Fix missing
 /// EvalPlanQual recheck for TID scans", 2025). A write without row locks relies on it.
-pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
+pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 11] = [
     WritePart {
         name: "p",
         arrays: 11,
@@ -811,6 +830,17 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 10] = [
              status, created_at, expires_at) ON CONFLICT DO NOTHING RETURNING 1"
         ),
     },
+    WritePart {
+        name: "c",
+        arrays: RECORD_COLUMNS,
+        text: concat!(
+            claim_records_postgres!(
+                "{1}::text[], {2}::text[], {3}::text[], {4}::text[], {5}::text[], {6}::text[], {7}::text[], \
+                 {8}::text[], {9}::text[], {10}::bigint[], {11}::bigint[], {12}::bigint[]"
+            ),
+            " 1"
+        ),
+    },
 ];
 
 /// One part of PostgreSQL's group-commit statement (see [`WRITE_PARTS_POSTGRES`]).
@@ -825,26 +855,29 @@ pub(super) struct WritePart {
 /// part of [`WRITE_PARTS_POSTGRES`] (in its order): bit i set when part i is in the statement.
 /// A batch of one kind of call (Pays only, Refunds only, Transfers, Deposits, Withdraws or
 /// CreateOrders only) runs just the parts its rows need (a batch of Pays four: payments, PAID,
-/// the version CAS and the entries); a batch that mixes kinds runs all ten, the empty ones on
-/// empty arrays. So at most seven statement texts exist, whatever the batches hold; they differ
-/// by the kind of call a batch holds, never by how many.
-pub(super) fn postgres_write_shape(rows: &[u64; 10]) -> u16 {
-    const EVERY_PART: u16 = (1 << WRITE_PARTS_POSTGRES.len()) - 1;
-    // The parts of each kind of call, and those of the money it moves (the version CAS and the
-    // entries), which every kind but CreateOrder writes.
+/// the version CAS and the entries), and the records' part when it claims records with the
+/// write (a Pay, Refund or CreateOrder with an idempotency key, written without row locks); a
+/// batch that mixes kinds runs every part but the records', the empty ones on empty arrays. So
+/// at most ten statement texts exist, whatever the batches hold; they differ by the kind of
+/// call a batch holds and whether it claims records, never by how many.
+pub(super) fn postgres_write_shape(rows: &[u64; WRITE_PARTS_POSTGRES.len()]) -> u16 {
+    // The parts of each kind of call, those of the money it moves (the version CAS and the
+    // entries), which every kind but CreateOrder writes, and the records'.
     const KINDS: [u16; 6] = [0b11, 0b11_0000, 1 << 6, 1 << 7, 1 << 8, 1 << 9];
     const MONEY: u16 = 0b1100;
+    const RECORDS: u16 = 1 << 10;
+    const EVERY_KIND: u16 = (1 << 10) - 1;
     let present =
         rows.iter().enumerate().filter(|(_, count)| **count > 0).fold(0_u16, |shape, (part, _)| shape | (1 << part));
     let kinds: Vec<u16> = KINDS.iter().copied().filter(|kind| present & kind != 0).collect();
     match kinds.as_slice() {
         // Nothing to write.
         [] if present == 0 => 0,
-        [kind] => kind | (present & MONEY),
+        [kind] => kind | (present & (MONEY | RECORDS)),
         // Several kinds; or balances and entries without a row of any kind (a Capture's
-        // posting, whose payment is written apart): every part, so that nothing given is left
-        // out, and no text beyond the seven.
-        _ => EVERY_PART,
+        // posting, whose payment is written apart); or records alone: every part of a kind, so
+        // that nothing given is left out, and no text beyond the ten.
+        _ => EVERY_KIND | (present & RECORDS),
     }
 }
 
@@ -894,15 +927,17 @@ pub(super) fn write_batch_postgres(shape: u16) -> &'static str {
             })
             .collect();
         // PostgreSQL runs each part when the query first reads it, so in the order of `counts`:
-        // the UPDATEs of orders, then of accounts, then the INSERTs, as a locked batch takes
-        // its row locks (orders, accounts) before it inserts. A write without row locks whose
-        // INSERT took a key first would wait for a locked batch's order while that batch waits
-        // for the key: a deadlock, broken only after `deadlock_timeout`.
+        // the UPDATEs of orders, then of accounts, then the INSERTs (the records' first), as a
+        // locked batch takes its row locks (orders, accounts), then claims its records, then
+        // inserts. A write without row locks whose INSERT took a key first would wait for a
+        // locked batch's order while that batch waits for the key: a deadlock, broken only
+        // after `deadlock_timeout`.
         let mut run_order: Vec<usize> = (0..present.len()).collect();
         run_order.sort_by_key(|index| match present[*index].name {
             "o" | "t" => 0,
             "a" => 1,
-            _ => 2,
+            "c" => 2,
+            _ => 3,
         });
         let counts: Vec<String> =
             run_order.iter().map(|index| format!("(SELECT COUNT(*) FROM {})", present[*index].name)).collect();
@@ -953,18 +988,26 @@ mod tests {
 
     #[test]
     fn a_batch_of_one_kind_runs_its_parts_and_a_mixed_batch_all_of_them() {
-        // p o a e r t x d w n
-        let pays = [2, 2, 4, 4, 0, 0, 0, 0, 0, 0];
+        // p o a e r t x d w n c
+        let pays = [2, 2, 4, 4, 0, 0, 0, 0, 0, 0, 0];
         assert_eq!(postgres_write_shape(&pays), 0b1111);
-        let refunds = [0, 0, 2, 2, 1, 1, 0, 0, 0, 0];
+        let keyed_pay = [1, 1, 2, 2, 0, 0, 0, 0, 0, 0, 1];
+        assert_eq!(postgres_write_shape(&keyed_pay), 0b100_0000_1111);
+        let refunds = [0, 0, 2, 2, 1, 1, 0, 0, 0, 0, 0];
         assert_eq!(postgres_write_shape(&refunds), 0b11_1100);
-        let orders = [0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
+        let orders = [0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0];
         assert_eq!(postgres_write_shape(&orders), 1 << 9);
-        let mixed = [1, 1, 3, 4, 0, 0, 1, 0, 0, 0];
+        let mixed = [1, 1, 3, 4, 0, 0, 1, 0, 0, 0, 0];
         assert_eq!(postgres_write_shape(&mixed), (1 << 10) - 1);
-        assert_eq!(postgres_write_shape(&[0; 10]), 0);
-        let postings_alone = [0, 0, 2, 2, 0, 0, 0, 0, 0, 0];
+        assert_eq!(postgres_write_shape(&[0; 11]), 0);
+        let postings_alone = [0, 0, 2, 2, 0, 0, 0, 0, 0, 0, 0];
         assert_eq!(postgres_write_shape(&postings_alone), (1 << 10) - 1);
+        let records_alone = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        assert_eq!(postgres_write_shape(&records_alone), (1 << 11) - 1, "nothing given is left out");
+        let keyed = write_batch_postgres(0b100_0000_1111);
+        assert!(keyed.contains("c AS (INSERT INTO idempotency_record") && keyed.contains("$47::bigint[]"), "{keyed}");
+        // The records claimed after the locks' UPDATEs and before the other INSERTs.
+        assert!(keyed.contains("ARRAY[(SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM c), (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM e)]"), "{keyed}");
         let text = write_batch_postgres(0b1111);
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
         assert!(text.contains("$35::bigint[]") && !text.contains("$36") && !text.contains('{'), "{text}");
@@ -1016,7 +1059,9 @@ mod tests {
         assert_eq!(COMPLETE_RECORDS.mysql.matches('?').count(), 1);
         assert!(COMPLETE_RECORDS.postgres.contains("$4") && !COMPLETE_RECORDS.postgres.contains("$5"));
         let every_part = write_batch_postgres((1 << WRITE_PARTS_POSTGRES.len()) - 1);
-        assert!(every_part.contains("$85::bigint[]") && !every_part.contains("$86") && !every_part.contains('{'));
+        assert!(every_part.contains("$97::bigint[]") && !every_part.contains("$98") && !every_part.contains('{'));
+        assert!(CLAIM_RECORDS.postgres.contains("$12::bigint[]") && !CLAIM_RECORDS.postgres.contains("$13"));
+        assert!(CLAIM_RECORDS.postgres.ends_with("RETURNING scope, idempotency_key"));
         assert!(FIND_FUNDINGS.postgres.contains("$2") && !FIND_FUNDINGS.postgres.contains("$3"));
     }
 }

@@ -1431,36 +1431,9 @@ impl<'c> Queries<'c> {
         if dialect == Dialect::Sqlite || records.is_empty() {
             return Ok(dialect != Dialect::Sqlite);
         }
-        let hex: Vec<[String; 3]> = records
-            .iter()
-            .map(|record| {
-                let bytes = |value: &Option<Vec<u8>>| value.as_deref().map(to_hex).unwrap_or_default();
-                [to_hex(&record.request_fields), bytes(&record.response), bytes(&record.response_message)]
-            })
-            .collect();
-        let rows: Vec<[Value<'_>; batch::RECORD_COLUMNS]> = records
-            .iter()
-            .zip(&hex)
-            .map(|(record, [fields, response, message])| {
-                let nulls = i64::from(record.response.is_none())
-                    | i64::from(record.response_message.is_none()) << 1
-                    | i64::from(record.caller_scope.is_none()) << 2;
-                [
-                    Value::Text(&record.scope),
-                    Value::Text(&record.idempotency_key),
-                    Value::Text(&record.method),
-                    Value::Text(&record.request_fingerprint),
-                    Value::Text(fields),
-                    Value::Text(response),
-                    Value::Text(message),
-                    Value::Text(record.caller_scope.as_deref().unwrap_or_default()),
-                    Value::Text(&record.status),
-                    Value::Int(record.created_at),
-                    Value::Int(record.expires_at),
-                    Value::Int(nulls),
-                ]
-            })
-            .collect();
+        let hex: Vec<[String; 3]> = records.iter().map(|record| record_hex(record)).collect();
+        let rows: Vec<[Value<'_>; batch::RECORD_COLUMNS]> =
+            records.iter().zip(&hex).map(|(record, hex)| record_values(record, hex)).collect();
         if dialect == Dialect::MySql {
             return self.insert_rows_text(batch::CLAIM_RECORDS.text(dialect), &rows, records.len() as u64).await;
         }
@@ -1741,6 +1714,9 @@ impl<'c> Queries<'c> {
         let withdrawals: Vec<[Value<'_>; batch::FUNDING_COLUMNS]> =
             written.withdrawals.iter().map(funding_values).collect();
         let created: Vec<[Value<'_>; batch::ORDER_COLUMNS]> = written.orders.iter().map(order_values).collect();
+        let records_hex: Vec<[String; 3]> = written.records.iter().map(record_hex).collect();
+        let records: Vec<[Value<'_>; batch::RECORD_COLUMNS]> =
+            written.records.iter().zip(&records_hex).map(|(record, hex)| record_values(record, hex)).collect();
         let expected = [
             payments.len(),
             orders.len(),
@@ -1752,6 +1728,7 @@ impl<'c> Queries<'c> {
             deposits.len(),
             withdrawals.len(),
             created.len(),
+            records.len(),
         ]
         .map(|count| count as u64);
         if dialect == Dialect::Postgres {
@@ -1792,6 +1769,9 @@ impl<'c> Queries<'c> {
             if has(9) {
                 query = query.bind_rows(dialect, &created);
             }
+            if has(10) {
+                query = query.bind_rows(dialect, &records);
+            }
             let counts: Vec<i64> =
                 expected.iter().enumerate().filter(|(part, _)| has(*part)).map(|(_, count)| *count as i64).collect();
             let array: Vec<String> = counts.iter().map(i64::to_string).collect();
@@ -1807,6 +1787,21 @@ impl<'c> Queries<'c> {
                 }
             }
             return Ok(true);
+        }
+        // The records first, as a locked batch claims them before it writes.
+        if !records.is_empty() {
+            let claimed = if dialect == Dialect::MySql {
+                self.insert_rows_text(batch::CLAIM_RECORDS.text(dialect), &records, expected[10]).await?
+            } else {
+                let mut claimed = true;
+                for record in written.records {
+                    claimed = claimed && self.insert_record(record).await?;
+                }
+                claimed
+            };
+            if !claimed {
+                return Ok(false);
+            }
         }
         // Each step runs only when the batch has rows of its kind: a batch of Refunds sends
         // no payment statements, and the other way round.
@@ -2081,6 +2076,9 @@ pub struct BatchWrite<'a> {
     pub balances: &'a [BalanceUpdate<'a>],
     /// Two legs per payment, refund and transfer, in the order the balances moved.
     pub entries: &'a [NewEntry<'a>],
+    /// Idempotency records claimed with the write, COMPLETED (a call written without row
+    /// locks, whose guards no transaction claimed before); a key taken misses the write.
+    pub records: &'a [IdempotencyRecordRow],
     pub now: i64,
 }
 
@@ -2131,6 +2129,36 @@ impl<'q, O> BindRows for QueryAs<'q, Any, O, AnyArguments<'q>> {
     fn bind_rows<const N: usize>(self, dialect: Dialect, rows: &[[Value<'_>; N]]) -> Self {
         batch::bind_rows(dialect, rows).into_iter().fold(self, |query, value| query.bind(value))
     }
+}
+
+/// The three byte columns of an idempotency record as hexadecimal text, for
+/// [`record_values`]: request_fields, response, response_message (an absent one empty).
+fn record_hex(record: &IdempotencyRecordRow) -> [String; 3] {
+    let bytes = |value: &Option<Vec<u8>>| value.as_deref().map(to_hex).unwrap_or_default();
+    [to_hex(&record.request_fields), bytes(&record.response), bytes(&record.response_message)]
+}
+
+/// An idempotency record as a row of [`batch::CLAIM_RECORDS`] (and of the records' part of
+/// PostgreSQL's write statement), its byte columns given as `hex` ([`record_hex`]).
+fn record_values<'a>(record: &'a IdempotencyRecordRow, hex: &'a [String; 3]) -> [Value<'a>; batch::RECORD_COLUMNS] {
+    let [fields, response, message] = hex;
+    let nulls = i64::from(record.response.is_none())
+        | i64::from(record.response_message.is_none()) << 1
+        | i64::from(record.caller_scope.is_none()) << 2;
+    [
+        Value::Text(&record.scope),
+        Value::Text(&record.idempotency_key),
+        Value::Text(&record.method),
+        Value::Text(&record.request_fingerprint),
+        Value::Text(fields),
+        Value::Text(response),
+        Value::Text(message),
+        Value::Text(record.caller_scope.as_deref().unwrap_or_default()),
+        Value::Text(&record.status),
+        Value::Int(record.created_at),
+        Value::Int(record.expires_at),
+        Value::Int(nulls),
+    ]
 }
 
 /// A payment as a row of [`batch::INSERT_PAYMENTS`], in `insert_payment_into!`'s column order.

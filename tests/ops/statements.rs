@@ -32,7 +32,7 @@ use sqlx::Row;
 /// and, on PostgreSQL, the statement that writes a batch of Deposits and the one that writes a
 /// batch of CreateOrders): PostgreSQL writes a batch of Pays, one of Refunds, one of Transfers
 /// and one that mixes kinds (Deposits and Withdraws) each with a statement of its shape
-/// (`postgres_write_shape`: seven at most, whatever the batch sizes), and reads the replays
+/// (`postgres_write_shape`: ten at most, whatever the batch sizes), and reads the replays
 /// (MariaDB also writes in up to ten statements, one a kind of row); then the guards: the replay read of a record
 /// (a call with a token), the token's owner, and in the batch the records of the calls with a
 /// key alone read, the token consumed (and read back when it was not) and

@@ -9,8 +9,8 @@ use crate::domain::Rejection;
 use crate::error::{Error, Resource};
 use crate::store::chain::{self, Hash};
 use crate::store::{
-    AccountRow, BalanceUpdate, BatchWrite, FundingRow, HoldRow, NewEntry, OrderRefund, OrderRow, PaymentRow, Queries,
-    RefundRow, TransferRow,
+    AccountRow, BalanceUpdate, BatchWrite, FundingRow, HoldRow, IdempotencyRecordRow, NewEntry, OrderRefund, OrderRow,
+    PaymentRow, Queries, RefundRow, TransferRow,
 };
 
 use super::invariants::{self, AccountMove, HoldMove};
@@ -207,6 +207,9 @@ pub(in crate::ledger) struct WriteSet<'a> {
     pub(in crate::ledger) withdrawals: Vec<FundingRow>,
     pub(in crate::ledger) refunded_orders: Vec<OrderRefund<'a>>,
     pub(in crate::ledger) postings: Vec<(Posting<'a>, Legs)>,
+    /// Idempotency records claimed COMPLETED with the write, by a call written without row
+    /// locks (a locked batch claims its records before it writes): false when a key is taken.
+    pub(in crate::ledger) records: Vec<IdempotencyRecordRow>,
 }
 
 impl WriteSet<'_> {
@@ -282,6 +285,7 @@ pub(in crate::ledger) async fn write(
         refunded_orders: &set.refunded_orders,
         balances: &balances,
         entries: &entries,
+        records: &set.records,
         now,
     };
     write_checked(queries, &moves, &holds, set, &written).await
@@ -514,6 +518,7 @@ mod tests {
             refunded_orders: &[],
             balances,
             entries,
+            records: &[],
             now: 1,
         }
     }
@@ -647,6 +652,80 @@ mod tests {
             });
 
             assert!(matches!(written, Ok(Inserted::KeyTaken)), "{}", database.url);
+            assert_eq!(books(&ledger).await, before, "{}", database.url);
+        }
+    }
+
+    /// An idempotency record claimed with a write, COMPLETED, under `key`.
+    fn record(key: &str) -> IdempotencyRecordRow {
+        IdempotencyRecordRow {
+            scope: "merchant:m1".into(),
+            idempotency_key: key.into(),
+            method: "Pay".into(),
+            request_fingerprint: "f".repeat(64),
+            request_fields: b"amount=1.00".to_vec(),
+            response: Some(Vec::new()),
+            response_message: Some(vec![0x0a, 0x00, 0xff]),
+            caller_scope: None,
+            status: "COMPLETED".into(),
+            created_at: 1,
+            expires_at: i64::MAX / 2,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_set_claims_its_records_with_it_and_writes_nothing_when_a_key_is_taken() {
+        // A call written without row locks claims its idempotency key in its write; on
+        // PostgreSQL that write is one statement sent outside a transaction, which must fail
+        // whole when the key is taken, elsewhere the caller rolls its transaction back.
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let records_of = |key: &'static str| {
+                let ledger = &ledger;
+                async move {
+                    let sql = format!("SELECT COUNT(*) FROM idempotency_record WHERE idempotency_key = '{key}'");
+                    let rows = ledger.store().on_pooled_session(&sql).await.unwrap();
+                    sqlx::Row::get::<i64, _>(&rows[0], 0)
+                }
+            };
+            let write = |posting_id: &'static str, records: Vec<IdempotencyRecordRow>| {
+                let ledger = &ledger;
+                async move {
+                    let postgres = ledger.store().dialect() == crate::store::Dialect::Postgres;
+                    let metrics = LedgerMetrics::default();
+                    let written: Result<Inserted<bool>, Error> = in_transaction!(ledger.store(), &metrics, tx => {
+                        let mut queries = tx.queries();
+                        let alice = queries.find_account("alice").await?.unwrap();
+                        let bob = queries.find_account("bob").await?.unwrap();
+                        let (moves, balances, entries) = posting(posting_id, &alice, &bob, 100, 1);
+                        let written = BatchWrite { records: &records, ..write_set(&balances, &entries) };
+                        let set = WriteSet::default();
+                        let done = if postgres {
+                            // Outside the transaction, on a connection of its own.
+                            let mut reader = ledger.store().reader().await?;
+                            write_checked(&mut reader.queries(), &moves, &[], &set, &written).await?
+                        } else {
+                            write_checked(&mut queries, &moves, &[], &set, &written).await?
+                        };
+                        Ok(if done { Inserted::Done(true) } else { Inserted::KeyTaken })
+                    });
+                    written.unwrap()
+                }
+            };
+
+            assert!(matches!(write("X9", vec![record("k1")]).await, Inserted::Done(true)), "{}", database.url);
+            assert_eq!(records_of("k1").await, 1, "{}", database.url);
+            let mut reader = ledger.store().reader().await.unwrap();
+            let found = reader.queries().find_answered_records(&[("merchant:m1", "k1")]).await.unwrap();
+            drop(reader);
+            assert_eq!(found, vec![record("k1")], "{}: the record as claimed, bytes and NULLs", database.url);
+            let before = books(&ledger).await;
+
+            // k2 is free, k1 taken: nothing of the write, k2 included.
+            let taken = write("X10", vec![record("k2"), record("k1")]).await;
+
+            assert!(matches!(taken, Inserted::KeyTaken), "{}", database.url);
+            assert_eq!(records_of("k2").await, 0, "{}", database.url);
             assert_eq!(books(&ledger).await, before, "{}", database.url);
         }
     }

@@ -462,19 +462,27 @@ pub(in crate::ledger) async fn write_together(
     outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
 }
 
-/// A batch of one on PostgreSQL, without a guard to claim, written without row locks in two
+/// A batch of one on PostgreSQL, without a token to consume, written without row locks in two
 /// steps instead of a transaction's six: its rows read as last committed (no transaction),
 /// then, when its decision accepted it and its write set is one statement
 /// ([`WriteSet::one_statement`]), that statement sent alone, so that it commits itself, all of
 /// it or nothing: each row the decision read is guarded by the write (an order by its state's
-/// conditional UPDATE, an account by its version CAS, a key by its unique index), so a row that
-/// moved since the read fails the statement with nothing written. `None` when the call is to
-/// be written under locks, by the batch's transaction, as before: another backend, a call with
-/// a guard, a call not accepted (its refusal is made under the locks, as every refusal is), a
-/// write set of several statements, a row moved since the read, or an error before the write.
-/// A database error of the write itself may leave its outcome unknown: the call then runs
-/// alone, which finds its key taken if it committed ([`Outcome::Alone`]). No connection within
-/// the pool's acquire timeout answers it UNAVAILABLE, as the batch would ([`no_connection`]).
+/// conditional UPDATE, an account by its version CAS, a key by its unique index, an
+/// idempotency key's record by its primary key), so a row that moved since the read fails the
+/// statement with nothing written. A call with an idempotency key reads its key's record first,
+/// as a locked batch does (a record found answers it, a replay), and its record is claimed by
+/// the same statement, COMPLETED with its answer; only when its answer is known before the
+/// write ([`Accepted::message`]: Pay, Refund, CreateOrder), since a record claimed IN_PROGRESS
+/// must be completed in the transaction that claimed it.
+///
+/// `None` when the call is to be written under locks, by the batch's transaction, as before:
+/// another backend, a call that consumes a token, a call not accepted (its refusal is made
+/// under the locks, as every refusal is), a keyed call whose answer only the write makes, a
+/// write set of several statements, a row or key moved since the read, or an error before the
+/// write. A database error of the write itself may leave its outcome unknown: the call then
+/// runs alone, which finds its key taken if it committed ([`Outcome::Alone`]). No connection
+/// within the pool's acquire timeout answers it UNAVAILABLE, as the batch would
+/// ([`no_connection`]).
 async fn write_one_unlocked(
     store: &Store,
     batched: &Batched,
@@ -482,7 +490,8 @@ async fn write_one_unlocked(
     now: i64,
     metrics: &LedgerMetrics,
 ) -> Option<Outcome> {
-    if store.dialect() != Dialect::Postgres || batched.claim.is_some() {
+    let claim = batched.claim.as_ref();
+    if store.dialect() != Dialect::Postgres || claim.is_some_and(BatchClaim::consumes_token) {
         return None;
     }
     let mut reader = match store.reader().await {
@@ -494,13 +503,23 @@ async fn write_one_unlocked(
     };
     let mut queries = reader.queries();
     let batch = [batched];
-    let mut deciding = Deciding { batch: &batch, claims: vec![None], read, now, outcomes: vec![None] };
+    let mut deciding = Deciding { batch: &batch, claims: vec![claim], read, now, outcomes: vec![None] };
+    deciding.read_guards(&mut queries).await.ok()?;
+    if deciding.undecided().is_empty() {
+        // Answered by its key's committed record, as the locked batch's same read would.
+        return deciding.into_outcomes().pop();
+    }
     let locked = deciding.lock(&mut queries, RowLocks::None).await.ok()?;
     let Applied { book, moved, accepted, refused } = deciding.apply(&locked);
     if !refused.is_empty() || accepted.is_empty() {
         return None;
     }
-    let set = write_set(&accepted, &locked.orders, &moved);
+    let mut set = write_set(&accepted, &locked.orders, &moved);
+    if let Some(claim) = claim {
+        let message = accepted.first().map(|(_, accepted_one)| accepted_one.message());
+        let Some(Ok(Some(message))) = message else { return None };
+        set.records = claim.completed_records(&message);
+    }
     if !set.one_statement() {
         return None;
     }
@@ -520,7 +539,8 @@ async fn write_one_unlocked(
         }
     }
     drop(set);
-    // Committed: what follows reads what it wrote, which no one changes.
+    // Committed: what follows reads what it wrote, which no one changes. Its records were
+    // claimed COMPLETED, so its answer completes none.
     let answered = async {
         let mut entries = entries_read_back(&mut queries, &accepted).await?;
         deciding.answer(accepted, &mut entries, &locked.book)
