@@ -3,7 +3,9 @@
 # the lowest rate any server could reach with payledger's tables, whatever it does above them.
 # At each concurrency, in one run on this machine, each for SECONDS_RUN:
 #   database      pgbench -M prepared -b tpcb-like (scale 32), the curve's reference;
-#   as-sent       a Pay's statements as payledger sends them (bench/floor/as-sent.sql);
+#   as-sent       a Pay's statements as a locked batch of one sends them (bench/floor/as-sent.sql);
+#   as-sent-unlocked  as a batch of one without row locks sends them, payledger's shape at 1
+#                 caller (as-sent-unlocked.sql: three reads, then the write that commits itself);
 #   minimal       the fewest statements a Pay's rows need, in a transaction (minimal.sql);
 #   two-round-trips  a read without locks, then the as-sent write as one statement that commits
 #                 itself (two-round-trips.sql): what an optimistic write path could cost;
@@ -60,7 +62,7 @@ analyze_pg payledger_floor
 for clients in $CONCURRENCIES; do
   echo "== $clients clients"
   pgbench_run database "$clients" -b tpcb-like pgbench_reference
-  for script in as-sent minimal two-round-trips one-statement; do
+  for script in as-sent as-sent-unlocked minimal two-round-trips one-statement; do
     # With the server's session setting: each statement planned once and kept (src/store/dialect.rs).
     PGOPTIONS="-c plan_cache_mode=force_generic_plan" \
       pgbench_run "$script" "$clients" -n -f "bench/floor/$script.sql" payledger_floor
