@@ -502,7 +502,7 @@ impl GuardSession<'_> {
             true => RecordsRead::BeforeQueued,
             false => RecordsRead::ByBatch { unauthenticated_key: self.unauthenticated_key() },
         };
-        Ok(BatchClaim { records: self.records(now), consume_token, records_read })
+        Ok(BatchClaim { records: self.records(now), consume_token, token: self.token.is_some(), records_read })
     }
 
     /// True when the call claims a record, whose response [`GuardSession::complete`] then
@@ -654,6 +654,8 @@ pub(super) async fn complete_claims(queries: &mut Queries<'_>, completions: &[Co
 pub(super) struct BatchClaim {
     records: Vec<IdempotencyRecordRow>,
     consume_token: Option<String>,
+    /// Whether the call carries a one-time token, whichever store keeps it.
+    token: bool,
     records_read: RecordsRead,
 }
 
@@ -734,6 +736,11 @@ impl BatchClaim {
     /// ([`BatchClaim::claim`]) writes it, under a savepoint.
     pub(super) fn consumes_token(&self) -> bool {
         self.consume_token.is_some()
+    }
+
+    /// True when the call carries a one-time token (of either store).
+    pub(super) fn carries_token(&self) -> bool {
+        self.token
     }
 
     /// The answer for the records claimed IN_PROGRESS ([`BatchClaim::in_progress_records`]),

@@ -858,8 +858,10 @@ pub(super) struct WritePart {
 /// the version CAS and the entries), and the records' part when it claims records with the
 /// write (a Pay, Refund or CreateOrder with an idempotency key, written without row locks); a
 /// batch that mixes kinds runs every part but the records', the empty ones on empty arrays. So
-/// at most ten statement texts exist, whatever the batches hold; they differ by the kind of
-/// call a batch holds and whether it claims records, never by how many.
+/// at most ten statement texts exist, whatever the batches hold (records come only with one
+/// call of one kind; a write set of records alone, or of records and several kinds, which only
+/// tests make, runs every part); they differ by the kind of call a batch holds and whether it
+/// claims records, never by how many.
 pub(super) fn postgres_write_shape(rows: &[u64; WRITE_PARTS_POSTGRES.len()]) -> u16 {
     // The parts of each kind of call, those of the money it moves (the version CAS and the
     // entries), which every kind but CreateOrder writes, and the records'.
