@@ -91,7 +91,8 @@ pub struct WriteSettings {
     /// most one other batch and none of its route (merchant, from_account or funding account),
     /// is read without row locks and written by one statement that commits itself, all or
     /// nothing, its idempotency key's record claimed by that statement (docs/write-engine.md);
-    /// it is written under locks when a row it read moved or its key was taken. false: every batch locks its rows first. No effect on MariaDB or SQLite.
+    /// it is written under locks when a row it read moved or its key was taken. false: every
+    /// batch locks its rows first. No effect on MariaDB or SQLite.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_UNLOCKED", default_value_t = true, action = clap::ArgAction::Set)]
     pub pay_batch_unlocked: bool,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one
