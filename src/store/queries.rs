@@ -1789,18 +1789,17 @@ impl<'c> Queries<'c> {
             return Ok(true);
         }
         // The records first, as a locked batch claims them before it writes.
-        if !records.is_empty() {
-            let claimed = if dialect == Dialect::MySql {
-                self.insert_rows_text(batch::CLAIM_RECORDS.text(dialect), &records, expected[10]).await?
-            } else {
-                let mut claimed = true;
-                for record in written.records {
-                    claimed = claimed && self.insert_record(record).await?;
-                }
-                claimed
-            };
-            if !claimed {
+        if dialect == Dialect::MySql {
+            if !records.is_empty()
+                && !self.insert_rows_text(batch::CLAIM_RECORDS.text(dialect), &records, expected[10]).await?
+            {
                 return Ok(false);
+            }
+        } else {
+            for record in written.records {
+                if !self.insert_record(record).await? {
+                    return Ok(false);
+                }
             }
         }
         // Each step runs only when the batch has rows of its kind: a batch of Refunds sends
