@@ -139,6 +139,38 @@ pub(super) static FIND_PAYMENTS_AND_ORDERS: Sql = Sql {
     ),
 };
 
+/// PostgreSQL's one read before a batch of one is decided without row locks: the payments of
+/// `$1`, `$2` (merchant_id, out_trade_no); the orders of `$3`, `$4` (merchant_id, order_no) and
+/// those of the payments found; the accounts of `$5` (account_id) and the payees of the orders
+/// found and the payers of the payments found; the answered records of `$6`, `$7` (scope,
+/// idempotency_key), as [`FIND_ANSWERED_RECORDS`] reads them. One statement, so one snapshot,
+/// one round trip instead of four. Each row as `(kind, row)`: `kind` `p`, `o`, `a` or `c`,
+/// `row` the row as a JSON object (`row_to_json`, PostgreSQL manual 9.16) whose names are the
+/// row type's fields, a record's byte columns as hexadecimal text (`encode(..., 'hex')`). Each
+/// key is looked up in a `LATERAL` subquery with `LIMIT 1` (see [`FIND_REFUNDS`]).
+pub(super) static READ_AT_ONCE_POSTGRES: &str = concat!(
+    "WITH p AS (SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS k(merchant_id, out_trade_no) CROSS JOIN LATERAL \
+     (SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, \
+     status, created_at, created_by FROM payment_flow WHERE payment_flow.merchant_id = k.merchant_id \
+     AND payment_flow.out_trade_no = k.out_trade_no LIMIT 1) AS r), \
+     o AS (SELECT r.* FROM (SELECT * FROM UNNEST($3::text[], $4::text[]) UNION SELECT merchant_id, order_no FROM p) \
+     AS k(merchant_id, order_no) CROSS JOIN LATERAL (SELECT ",
+    super::queries::order_columns!(),
+    " FROM orders WHERE orders.merchant_id = k.merchant_id AND orders.order_no = k.order_no LIMIT 1) AS r), \
+     a AS (SELECT r.* FROM (SELECT * FROM UNNEST($5::text[]) UNION SELECT payee_account_id FROM o UNION SELECT payer_account_id FROM p) \
+     AS k(account_id) CROSS JOIN LATERAL (SELECT ",
+    super::queries::account_columns!(),
+    " FROM accounts WHERE accounts.account_id = k.account_id LIMIT 1) AS r), \
+     c AS (SELECT r.* FROM UNNEST($6::text[], $7::text[]) AS k(scope, idempotency_key) CROSS JOIN LATERAL \
+     (SELECT scope, idempotency_key, method, request_fingerprint, encode(request_fields, 'hex') AS request_fields, \
+     encode(response, 'hex') AS response, encode(response_message, 'hex') AS response_message, caller_scope, status, \
+     created_at, expires_at FROM idempotency_record WHERE idempotency_record.scope = k.scope \
+     AND idempotency_record.idempotency_key = k.idempotency_key AND idempotency_record.response IS NOT NULL \
+     LIMIT 1) AS r) \
+     SELECT 'p' AS kind, row_to_json(p)::text AS row FROM p UNION ALL SELECT 'o', row_to_json(o)::text FROM o \
+     UNION ALL SELECT 'a', row_to_json(a)::text FROM a UNION ALL SELECT 'c', row_to_json(c)::text FROM c"
+);
+
 /// The refunds of rows `[merchant_id, out_refund_no]`; a read.
 ///
 /// PostgreSQL's form, like every batch statement of it that finds rows by key under a filter

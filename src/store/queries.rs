@@ -887,6 +887,59 @@ pub enum RowLocks {
     None,
 }
 
+/// The rows of [`Queries::read_at_once`], each as last committed, all of one snapshot, each
+/// list in no particular order.
+#[derive(Debug, Default)]
+pub struct ReadAtOnce {
+    /// The payments found by (merchant_id, out_trade_no), each with its order.
+    pub payments: Vec<(PaymentRow, OrderRow)>,
+    /// The orders found by (merchant_id, order_no), and those of the payments found.
+    pub orders: Vec<OrderRow>,
+    /// The accounts found by account_id, and the payees of the orders found and the payers of
+    /// the payments found.
+    pub accounts: Vec<AccountRow>,
+    /// The answered records found by (scope, idempotency_key).
+    pub records: Vec<IdempotencyRecordRow>,
+}
+
+/// An idempotency record as [`batch::READ_AT_ONCE_POSTGRES`] gives it: its byte columns as
+/// hexadecimal text.
+#[derive(serde::Deserialize)]
+struct RecordAsJson {
+    scope: String,
+    idempotency_key: String,
+    method: String,
+    request_fingerprint: String,
+    request_fields: String,
+    response: Option<String>,
+    response_message: Option<String>,
+    caller_scope: Option<String>,
+    status: String,
+    created_at: i64,
+    expires_at: i64,
+}
+
+impl TryFrom<RecordAsJson> for IdempotencyRecordRow {
+    type Error = hex::FromHexError;
+
+    fn try_from(record: RecordAsJson) -> Result<Self, Self::Error> {
+        let bytes = |text: Option<String>| text.map(hex::decode).transpose();
+        Ok(IdempotencyRecordRow {
+            scope: record.scope,
+            idempotency_key: record.idempotency_key,
+            method: record.method,
+            request_fingerprint: record.request_fingerprint,
+            request_fields: hex::decode(record.request_fields)?,
+            response: bytes(record.response)?,
+            response_message: bytes(record.response_message)?,
+            caller_scope: record.caller_scope,
+            status: record.status,
+            created_at: record.created_at,
+            expires_at: record.expires_at,
+        })
+    }
+}
+
 /// Statements over one connection: a write transaction's or a reader's.
 pub struct Queries<'c> {
     connection: &'c mut AnyConnection,
@@ -1329,6 +1382,64 @@ impl<'c> Queries<'c> {
             .bind(out_refund_no)
             .fetch_optional(&mut *self.connection)
             .await
+    }
+
+    /// PostgreSQL only: in one statement without locks ([`batch::READ_AT_ONCE_POSTGRES`]), the
+    /// payments of the given (merchant_id, out_trade_no) keys with their orders, the orders of
+    /// the given (merchant_id, order_no) keys, the given accounts with the payees of those
+    /// orders and the payers of those payments, and the answered records of the given (scope,
+    /// idempotency_key) keys (as [`Queries::find_answered_records`]). Another backend is
+    /// refused (a `sqlx::Error::Configuration`); a row that does not decode is a
+    /// `sqlx::Error::Decode`.
+    pub async fn read_at_once(
+        &mut self,
+        payment_keys: &[(&str, &str)],
+        order_keys: &[(&str, &str)],
+        account_ids: &[&str],
+        record_keys: &[(&str, &str)],
+    ) -> Result<ReadAtOnce, sqlx::Error> {
+        if self.dialect != Dialect::Postgres {
+            return Err(sqlx::Error::Configuration("read_at_once is PostgreSQL's only".into()));
+        }
+        let pairs = |keys: &[(&str, &str)]| -> Vec<String> {
+            let rows: Vec<[Value<'_>; 2]> =
+                keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+            batch::bind_rows(Dialect::Postgres, &rows)
+        };
+        let accounts: Vec<[Value<'_>; 1]> = account_ids.iter().map(|account_id| [Value::Text(account_id)]).collect();
+        let values = pairs(payment_keys)
+            .into_iter()
+            .chain(pairs(order_keys))
+            .chain(batch::bind_rows(Dialect::Postgres, &accounts))
+            .chain(pairs(record_keys));
+        let query = values.fold(sqlx::query(batch::READ_AT_ONCE_POSTGRES), |query, value| query.bind(value));
+        let mut read = ReadAtOnce::default();
+        let mut payments = Vec::new();
+        for row in query.fetch_all(&mut *self.connection).await? {
+            let kind: String = row.try_get("kind")?;
+            let json: String = row.try_get("row")?;
+            let decode = |error: serde_json::Error| sqlx::Error::Decode(Box::new(error));
+            match kind.as_str() {
+                "p" => payments.push(serde_json::from_str::<PaymentRow>(&json).map_err(decode)?),
+                "o" => read.orders.push(serde_json::from_str(&json).map_err(decode)?),
+                "a" => read.accounts.push(serde_json::from_str(&json).map_err(decode)?),
+                "c" => {
+                    let record = serde_json::from_str::<RecordAsJson>(&json).map_err(decode)?;
+                    read.records.push(record.try_into().map_err(|error| sqlx::Error::Decode(Box::new(error)))?);
+                }
+                other => return Err(sqlx::Error::Decode(format!("a row of unknown kind {other:?}").into())),
+            }
+        }
+        for payment in payments {
+            let order = read
+                .orders
+                .iter()
+                .find(|order| order.merchant_id == payment.merchant_id && order.order_no == payment.order_no)
+                .cloned()
+                .ok_or_else(|| sqlx::Error::Decode("a payment without its order".into()))?;
+            read.payments.push((payment, order));
+        }
+        Ok(read)
     }
 
     /// The refunds of the given (merchant_id, out_refund_no) keys that exist, in one round

@@ -364,7 +364,7 @@ mod tests {
     use crate::ledger::engine::transaction::in_transaction;
     use crate::ledger::{Deposit, Guards, Inserted, Ledger, OpenAccount};
     use crate::metrics::LedgerMetrics;
-    use crate::store::{PoolSettings, Store};
+    use crate::store::{PoolSettings, RowLocks, Store};
 
     /// A database these tests own: a SQLite file, or a database of its own on the PostgreSQL
     /// or MariaDB server of `PAYLEDGER_TEST_POSTGRES_URL` / `PAYLEDGER_TEST_MYSQL_URL`
@@ -727,6 +727,64 @@ mod tests {
             assert!(matches!(taken, Inserted::KeyTaken), "{}", database.url);
             assert_eq!(records_of("k2").await, 0, "{}", database.url);
             assert_eq!(books(&ledger).await, before, "{}", database.url);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_read_at_once_finds_each_kind_of_row_by_its_key_and_the_rows_those_name() {
+        // A batch of one without row locks reads all its rows in one statement (PostgreSQL's
+        // only): each row as stored, the accounts its order and payment name, nothing else.
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            let mut reader = ledger.store().reader().await.unwrap();
+            if ledger.store().dialect() != crate::store::Dialect::Postgres {
+                let refused = reader.queries().read_at_once(&[], &[], &["alice"], &[]).await;
+                assert!(matches!(refused, Err(sqlx::Error::Configuration(_))), "{}: {refused:?}", database.url);
+                continue;
+            }
+            drop(reader);
+            let rows = "INSERT INTO accounts (account_id, currency, kind, balance, version, created_at, updated_at) \
+                 VALUES ('carol', 'USD', 'CUSTOMER', 0, 0, 1, 1), ('dave', 'USD', 'CUSTOMER', 0, 0, 1, 1); \
+                 INSERT INTO orders (merchant_id, order_no, payee_account_id, amount, currency, subject, status, \
+                 out_trade_no, refunded_amount, created_at, updated_at, expires_at, close_reason) VALUES \
+                 ('m1', 'o1', 'bob', 100, 'USD', 'paid \"one\"', 'PAID', 't1', 0, 1, 2, NULL, NULL), \
+                 ('m1', 'o2', 'carol', 250, 'USD', 'é', 'PENDING', NULL, 0, 1, 1, 9, NULL); \
+                 INSERT INTO payment_flow (trade_no, merchant_id, out_trade_no, order_no, payer_account_id, \
+                 payee_account_id, amount, currency, status, created_at, created_by) \
+                 VALUES ('T1', 'm1', 't1', 'o1', 'dave', 'bob', 100, 'USD', 'SUCCEEDED', 2, 'merchant:m1'); \
+                 INSERT INTO idempotency_record (scope, idempotency_key, method, request_fingerprint, request_fields, \
+                 response, response_message, caller_scope, status, created_at, expires_at) VALUES \
+                 ('merchant:m1', 'k1', 'Pay', repeat('f', 64), 'amount=1.00'::bytea, ''::bytea, '\\x0a00ff'::bytea, \
+                 NULL, 'COMPLETED', 1, 4611686018427387903), \
+                 ('merchant:m1', 'k2', 'Pay', repeat('f', 64), ''::bytea, NULL, NULL, NULL, 'IN_PROGRESS', 1, 9)";
+            for statement in rows.split("; ") {
+                ledger.store().on_pooled_session(statement).await.unwrap();
+            }
+            let mut reader = ledger.store().reader().await.unwrap();
+            let mut queries = reader.queries();
+            let expected_orders = queries.lock_orders(&[("m1", "o1"), ("m1", "o2")], RowLocks::None).await.unwrap();
+            let expected_payment = queries.find_payments_and_orders(&[("m1", "t1")]).await.unwrap();
+
+            let read = queries
+                .read_at_once(
+                    &[("m1", "t1"), ("m1", "t9")],
+                    &[("m1", "o2"), ("m1", "o9")],
+                    &["alice", "nobody"],
+                    &[("merchant:m1", "k1"), ("merchant:m1", "k2"), ("merchant:m1", "k9")],
+                )
+                .await
+                .unwrap();
+
+            assert_eq!(read.payments, expected_payment, "the payment with its order");
+            let mut orders = read.orders.clone();
+            orders.sort_by(|a, b| a.order_no.cmp(&b.order_no));
+            assert_eq!(orders, expected_orders, "the order asked for and the payment's, as stored");
+            let mut accounts: Vec<&str> = read.accounts.iter().map(|account| account.account_id.as_str()).collect();
+            accounts.sort_unstable();
+            assert_eq!(accounts, ["alice", "bob", "carol", "dave"], "named, the orders' payees, the payment's payer");
+            let alice = queries.find_account("alice").await.unwrap().unwrap();
+            assert!(read.accounts.contains(&alice), "{:?}", read.accounts);
+            assert_eq!(read.records, vec![record("k1")], "the answered record only, bytes and NULLs as stored");
         }
     }
 

@@ -6,7 +6,8 @@
 //! `docs/write-engine.md`; why: `docs/decisions/003-group-commit.md`. Here, the steps of
 //! [`write_together`] as the code takes them:
 //!
-//! 0. [`read_payments`], before the transaction: the payments the writes read
+//! 0. [`read_payments`] (for a batch of one without row locks, [`read_at_once`], which reads
+//!    the rows of steps 0 and 1 together), before the transaction: the payments the writes read
 //!    ([`BatchWrite::payment_to_read`]; a write they decide, [`BatchWrite::decided_before`], is
 //!    answered so); [`runs_alone`]: a write holding a key an earlier write of the batch holds
 //!    ([`BatchWrite::batch_keys`]) runs alone after it ([`Outcome::Alone`]); in the transaction,
@@ -35,8 +36,8 @@ use prometheus_client::metrics::counter::Counter;
 use crate::error::Error;
 use crate::metrics::LedgerMetrics;
 use crate::store::{
-    Dialect, EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow, Queries,
-    RowLocks, Store,
+    AccountRow, Dialect, EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow,
+    Queries, RowLocks, Store,
 };
 
 use super::batching::{self, BatchWriter};
@@ -201,7 +202,9 @@ pub(in crate::ledger) trait BatchWrite: Send + Sync {
         false
     }
 
-    /// The accounts whose rows it locks, given its order (and hold) as locked.
+    /// The accounts whose rows it locks, given its order (and hold) as locked. Also asked with
+    /// no order, no hold and nothing read first, for the accounts a write names by itself: a
+    /// batch of one reads those with its payment and its order ([`read_at_once`]).
     fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str>;
 
     /// The key it finds taken or not once its rows are locked.
@@ -394,14 +397,26 @@ pub(in crate::ledger) type Batcher = batching::Batcher<GroupCommit>;
 /// Runs `calls` as one group commit and returns one outcome per call, in order: first one
 /// read (no transaction, no locks) finds the payments the writes read, then one transaction
 /// writes the rest; or, for a batch of one that no batch in flight shares a route with
-/// (`route_alone`), one statement without row locks ([`write_one_unlocked`]).
+/// (`route_alone`), one read of all its rows and one write, without row locks
+/// ([`write_one_unlocked`]), which leaves it to the transaction, with what it read, when it
+/// cannot write it so.
 pub(in crate::ledger) async fn write_together(
     store: &Store,
     calls: &[Batched],
     metrics: &LedgerMetrics,
     route_alone: bool,
 ) -> Vec<Outcome> {
-    let (mut outcomes, read) = match read_payments(store, calls).await {
+    let first_read = match calls {
+        [one] if route_alone && unlocked_allowed(store, one) => match write_one_unlocked(store, one, metrics).await {
+            Unlocked::Done(outcome) => {
+                count_committed(std::slice::from_ref(&outcome), metrics);
+                return vec![outcome];
+            }
+            Unlocked::UnderLocks(read) => Ok((vec![None], read)),
+        },
+        _ => read_payments(store, calls).await,
+    };
+    let (mut outcomes, read) = match first_read {
         Ok(read) => read,
         Err(error) if no_connection(&error) => return unavailable(calls.len(), &error),
         Err(error) => {
@@ -422,13 +437,6 @@ pub(in crate::ledger) async fn write_together(
     }
     let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
     let now = now_micros();
-    if let ([one], true) = (batch.as_slice(), route_alone) {
-        if let Some(outcome) = write_one_unlocked(store, one, &read, now, metrics).await {
-            count_committed(std::slice::from_ref(&outcome), metrics);
-            outcomes[open[0]] = Some(outcome);
-            return outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect();
-        }
-    }
     let result = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
         write_batch(&mut queries, &batch, &read, now).await
@@ -462,54 +470,133 @@ pub(in crate::ledger) async fn write_together(
     outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
 }
 
-/// A batch of one on PostgreSQL, without a one-time token, written without row locks in two
-/// steps instead of a transaction's six: its rows read as last committed (no transaction),
+/// Whether a batch of one may be written without row locks ([`write_one_unlocked`]): on
+/// PostgreSQL, a call without a one-time token of either store.
+fn unlocked_allowed(store: &Store, batched: &Batched) -> bool {
+    store.dialect() == Dialect::Postgres && !batched.claim.as_ref().is_some_and(BatchClaim::carries_token)
+}
+
+/// What [`write_one_unlocked`] leaves to do.
+enum Unlocked {
+    /// The call's outcome.
+    Done(Outcome),
+    /// To be written under locks, by a batch's transaction, with what it read first.
+    UnderLocks(ReadFirst),
+}
+
+/// A batch of one ([`unlocked_allowed`]) written without row locks, in two round trips for a
+/// call without an idempotency key: its rows read in one statement as last committed (no
+/// transaction; [`Queries::read_at_once`]: the payment it reads first, its order, its accounts),
 /// then, when its decision accepted it and its write set is one statement
 /// ([`WriteSet::one_statement`]), that statement sent alone, so that it commits itself, all of
 /// it or nothing: each row the decision read is guarded by the write (an order by its state's
 /// conditional UPDATE, an account by its version CAS, a key by its unique index, an
 /// idempotency key's record by its primary key), so a row that moved since the read fails the
-/// statement with nothing written. A call with an idempotency key reads its key's record first,
-/// as a locked batch does (a record found answers it, a replay), and its record is claimed by
-/// the same statement, COMPLETED with its answer; only when its answer is known before the
-/// write ([`Accepted::message`]: Pay, Refund, CreateOrder), since a record claimed IN_PROGRESS
-/// must be completed in the transaction that claimed it.
+/// statement with nothing written. A row the read could not name before (an account only its
+/// order's hold names) is read after it, as the locked batch reads it, without locks. A call
+/// with an idempotency key reads its key's record too, as a locked batch does (a record found
+/// answers it, a replay), and its record is claimed by the same statement, COMPLETED with its
+/// answer; only when its answer is known before the write ([`Accepted::message`]: Pay, Refund,
+/// CreateOrder), since a record claimed IN_PROGRESS must be completed in the transaction that
+/// claimed it.
 ///
-/// `None` when the call is to be written under locks, by the batch's transaction, as before:
-/// another backend, a call with a one-time token, a call not accepted (its refusal is made
-/// under the locks, as every refusal is), a keyed call whose answer only the write makes, a
-/// write set of several statements, a row or key moved since the read, or an error before the
-/// write. A database error of the write itself may leave its outcome unknown: the call then
-/// runs alone, which finds its key taken if it committed ([`Outcome::Alone`]). No connection
-/// within the pool's acquire timeout answers it UNAVAILABLE, as the batch would
-/// ([`no_connection`]).
-async fn write_one_unlocked(
-    store: &Store,
+/// [`Unlocked::UnderLocks`] when the call is to be written under locks, by the batch's
+/// transaction, as before: a call not accepted (its refusal is made under the locks, as every
+/// refusal is), a keyed call whose answer only the write makes, a write set of several
+/// statements, a row or key moved since the read, or an error after the first read. A
+/// database error of the write itself may leave its outcome unknown: the call then runs alone,
+/// which finds its key taken if it committed ([`Outcome::Alone`]). No connection within the
+/// pool's acquire timeout answers it UNAVAILABLE, as the batch would ([`no_connection`]).
+async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMetrics) -> Unlocked {
+    let not_read = |error: Error| {
+        if no_connection(&error) {
+            return Unlocked::Done(unavailable(1, &error).remove(0));
+        }
+        tracing::debug!(%error, "a batch of one could not read; it runs alone");
+        Unlocked::Done(Outcome::Alone)
+    };
+    let mut reader = match store.reader().await {
+        Ok(reader) => reader,
+        Err(error) => return not_read(Error::Database(error)),
+    };
+    let mut queries = reader.queries();
+    let (read, prefetched) = match read_at_once(&mut queries, batched).await {
+        Ok(read) => read,
+        Err(error) => return not_read(error),
+    };
+    if let Some(outcome) = batched.write.decided_before(&read) {
+        return Unlocked::Done(outcome);
+    }
+    if runs_alone(&[batched], &read).contains(&true) {
+        return Unlocked::Done(Outcome::Alone);
+    }
+    match write_read(&mut queries, batched, &read, &prefetched, metrics).await {
+        Some(outcome) => Unlocked::Done(outcome),
+        None => Unlocked::UnderLocks(read),
+    }
+}
+
+/// The first read of [`write_one_unlocked`]: the payment the call reads first, its order and
+/// its accounts as far as the call names them without rows ([`BatchWrite::order_to_lock`] and
+/// [`BatchWrite::accounts_to_lock`] of nothing read), with the orders of the payments found and
+/// the accounts of the orders and payments found.
+async fn read_at_once(queries: &mut Queries<'_>, batched: &Batched) -> Result<(ReadFirst, Prefetched), Error> {
+    let nothing = ReadFirst::default();
+    let payment_keys: Vec<(&str, &str)> = batched.write.payment_to_read().into_iter().collect();
+    let order_keys: Vec<(&str, &str)> = batched.write.order_to_lock(&nothing).into_iter().collect();
+    let account_ids = batched.write.accounts_to_lock(Rows { order: None, hold: None, read: &nothing });
+    let record_keys = batched.claim.as_ref().map(BatchClaim::keys_to_read).unwrap_or_default();
+    let found = queries.read_at_once(&payment_keys, &order_keys, &account_ids, &record_keys).await?;
+    let mut prefetched = Prefetched {
+        records: found.records,
+        order_keys: order_keys.iter().map(|(merchant_id, order_no)| order_key(merchant_id, order_no)).collect(),
+        account_ids: account_ids.iter().map(|account_id| (*account_id).to_owned()).collect(),
+        ..Prefetched::default()
+    };
+    let mut read = ReadFirst::default();
+    for (payment, order) in found.payments {
+        prefetched.order_keys.insert(order_key(&payment.merchant_id, &payment.order_no));
+        prefetched.account_ids.insert(payment.payer_account_id.clone());
+        read.add_payment(payment, order);
+    }
+    for order in found.orders {
+        prefetched.account_ids.insert(order.payee_account_id.clone());
+        prefetched.orders.insert(order_key(&order.merchant_id, &order.order_no), order);
+    }
+    prefetched.accounts = found.accounts.into_iter().map(|account| (account.account_id.clone(), account)).collect();
+    Ok((read, prefetched))
+}
+
+/// The rows [`read_at_once`] read, and every key it looked up, found or not: a write whose
+/// rows are all among those keys is decided from them, without reading again.
+#[derive(Default)]
+struct Prefetched {
+    /// The committed records of the call's [`BatchClaim::keys_to_read`].
+    records: Vec<IdempotencyRecordRow>,
+    orders: HashMap<OrderKey, OrderRow>,
+    order_keys: HashSet<OrderKey>,
+    accounts: HashMap<String, AccountRow>,
+    account_ids: HashSet<String>,
+}
+
+/// The rest of [`write_one_unlocked`] once its rows are read: `None` to write it under locks.
+async fn write_read(
+    queries: &mut Queries<'_>,
     batched: &Batched,
     read: &ReadFirst,
-    now: i64,
+    prefetched: &Prefetched,
     metrics: &LedgerMetrics,
 ) -> Option<Outcome> {
     let claim = batched.claim.as_ref();
-    if store.dialect() != Dialect::Postgres || claim.is_some_and(BatchClaim::carries_token) {
-        return None;
-    }
-    let mut reader = match store.reader().await {
-        Ok(reader) => reader,
-        Err(error) => {
-            let error = Error::Database(error);
-            return no_connection(&error).then(|| unavailable(1, &error).remove(0));
-        }
-    };
-    let mut queries = reader.queries();
     let batch = [batched];
+    let now = now_micros();
     let mut deciding = Deciding { batch: &batch, claims: vec![claim], read, now, outcomes: vec![None] };
-    deciding.read_guards(&mut queries).await.ok()?;
+    deciding.read_guards(queries, Some(&prefetched.records)).await.ok()?;
     if deciding.undecided().is_empty() {
         // Answered by its key's committed record, as the locked batch's same read would.
         return deciding.into_outcomes().pop();
     }
-    let locked = deciding.lock(&mut queries, RowLocks::None).await.ok()?;
+    let locked = deciding.lock(queries, RowLocks::None, Some(prefetched)).await.ok()?;
     let Applied { book, moved, accepted, refused } = deciding.apply(&locked);
     if !refused.is_empty() || accepted.is_empty() {
         return None;
@@ -523,7 +610,7 @@ async fn write_one_unlocked(
     if !set.one_statement() {
         return None;
     }
-    match book::write(&mut queries, &set, &book, now).await {
+    match book::write(queries, &set, &book, now).await {
         Ok(true) => {}
         Ok(false) => {
             metrics.unlocked_write_misses.inc();
@@ -542,7 +629,7 @@ async fn write_one_unlocked(
     // Committed: what follows reads what it wrote, which no one changes. Its records were
     // claimed COMPLETED, so its answer completes none.
     let answered = async {
-        let mut entries = entries_read_back(&mut queries, &accepted).await?;
+        let mut entries = entries_read_back(queries, &accepted).await?;
         deciding.answer(accepted, &mut entries, &locked.book)
     };
     match answered.await {
@@ -736,11 +823,11 @@ async fn write_batch(
         now,
         outcomes: batch.iter().map(|_| None).collect(),
     };
-    deciding.read_guards(queries).await?;
+    deciding.read_guards(queries, None).await?;
     if deciding.undecided().is_empty() {
         return Ok(Inserted::Done(deciding.into_outcomes()));
     }
-    let locked = deciding.lock(queries, RowLocks::Taken).await?;
+    let locked = deciding.lock(queries, RowLocks::Taken, None).await?;
     let mut claimed: HashSet<usize> = HashSet::new();
     // Until a claim of several found a key taken (see `claim_prefix_together`).
     let mut claim_together = true;
@@ -821,14 +908,22 @@ impl<'b> Deciding<'b> {
     /// 0. The committed records of the guards that the calls did not read before they queued
     ///    (an idempotency key alone), in one read: a record that answers a call takes it out
     ///    with nothing of it written, answered by that record after the batch. A record
-    ///    committed after this read is found by the claim (3).
-    async fn read_guards(&mut self, queries: &mut Queries<'_>) -> Result<(), Error> {
+    ///    committed after this read is found by the claim (3). `read`: those records, read
+    ///    already.
+    async fn read_guards(
+        &mut self,
+        queries: &mut Queries<'_>,
+        read: Option<&[IdempotencyRecordRow]>,
+    ) -> Result<(), Error> {
         let keys_to_read: Vec<(&str, &str)> =
             self.claims.iter().flatten().flat_map(|claim| claim.keys_to_read()).collect();
         if keys_to_read.is_empty() {
             return Ok(());
         }
-        let found = queries.find_answered_records(&keys_to_read).await?;
+        let found = match read {
+            Some(read) => read.to_vec(),
+            None => queries.find_answered_records(&keys_to_read).await?,
+        };
         for (outcome, claim) in self.outcomes.iter_mut().zip(&self.claims) {
             if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, self.now)) {
                 *outcome = Some(Outcome::GuardAnswered(Box::new(record)));
@@ -846,16 +941,32 @@ impl<'b> Deciding<'b> {
     ///    that account).
     ///
     /// Why two lock statements, not one: `docs/decisions/008-two-lock-statements.md`.
-    async fn lock(&self, queries: &mut Queries<'_>, locks: RowLocks) -> Result<Locked, Error> {
+    ///
+    /// Rows `prefetched` looked up (found or not) are taken from it instead of read again.
+    async fn lock(
+        &self,
+        queries: &mut Queries<'_>,
+        locks: RowLocks,
+        prefetched: Option<&Prefetched>,
+    ) -> Result<Locked, Error> {
         let undecided = self.undecided();
         let writes = || undecided.iter().map(|index| &self.batch[*index].write);
         let order_keys: BTreeSet<(&str, &str)> = writes().filter_map(|write| write.order_to_lock(self.read)).collect();
-        let order_keys: Vec<(&str, &str)> = order_keys.into_iter().collect();
-        let orders: HashMap<OrderKey, OrderRow> = if order_keys.is_empty() {
-            HashMap::new()
-        } else {
-            let rows = queries.lock_orders(&order_keys, locks).await?;
-            rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
+        let order_keys: Vec<OrderKey> =
+            order_keys.into_iter().map(|(merchant_id, order_no)| order_key(merchant_id, order_no)).collect();
+        let orders: HashMap<OrderKey, OrderRow> = match prefetched
+            .filter(|prefetched| order_keys.iter().all(|key| prefetched.order_keys.contains(key)))
+        {
+            Some(prefetched) => order_keys
+                .into_iter()
+                .filter_map(|key| prefetched.orders.get(&key).map(|order| (key, order.clone())))
+                .collect(),
+            None if order_keys.is_empty() => HashMap::new(),
+            None => {
+                let keys: Vec<(&str, &str)> = order_keys.iter().map(|(first, second)| (&**first, &**second)).collect();
+                let rows = queries.lock_orders(&keys, locks).await?;
+                rows.into_iter().map(|order| (order_key(&order.merchant_id, &order.order_no), order)).collect()
+            }
         };
         let checked_at = deadline_clock(self.now);
         let hold_keys: BTreeSet<(&str, &str)> = writes()
@@ -879,11 +990,14 @@ impl<'b> Deciding<'b> {
             })
             .collect();
         let account_ids: Vec<&str> = account_ids.into_iter().collect();
-        let book = if account_ids.is_empty() {
-            Book::default()
-        } else {
-            Book::locked(queries.lock_accounts(&account_ids, locks).await?)
-        };
+        let book =
+            match prefetched.filter(|prefetched| account_ids.iter().all(|id| prefetched.account_ids.contains(*id))) {
+                Some(prefetched) => {
+                    Book::locked(account_ids.iter().filter_map(|id| prefetched.accounts.get(*id).cloned()).collect())
+                }
+                None if account_ids.is_empty() => Book::default(),
+                None => Book::locked(queries.lock_accounts(&account_ids, locks).await?),
+            };
         let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
         let taken = find_taken(queries, &keys).await?;
         Ok(Locked { orders, holds, book, taken, checked_at })
