@@ -118,10 +118,15 @@ impl BatchWrite for Identified<Pay> {
         Some((self.command.merchant_id.as_str(), self.command.order_no.as_str()))
     }
 
-    /// Its payer, and its order's payee once its order is read.
     fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str> {
-        let payer = self.command.payer_account_id.as_str();
-        rows.order.map_or_else(|| vec![payer], |order| vec![payer, order.payee_account_id.as_str()])
+        rows.order.map_or_else(Vec::new, |order| {
+            vec![self.command.payer_account_id.as_str(), order.payee_account_id.as_str()]
+        })
+    }
+
+    /// Its payer (its order names its payee).
+    fn accounts_named(&self) -> Vec<&str> {
+        vec![self.command.payer_account_id.as_str()]
     }
 
     /// Its order's checks under the lock ([`check_pay`]: terms, state machine, deadline), its

@@ -30,7 +30,9 @@ use sqlx::{Any, AnyConnection, AnyPool, ConnectOptions, Connection, Executor, Tr
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use dialect::{classify, conflict_cause, redacted, Dialect, Fault};
-pub use queries::{BatchWrite, FundingTable, OrderRefund, Queries, ReadAtOnce, RecordCompletion, RowLocks, Savepoint};
+pub use queries::{
+    BatchWrite, FundingTable, KeysAtOnce, OrderRefund, Queries, ReadAtOnce, RecordCompletion, RowLocks, Savepoint,
+};
 pub use rows::{
     AccountRow, AuditProgress, AuditViolation, BalanceUpdate, EntryRow, FundingRow, HoldRow, IdempotencyRecordRow,
     NewEntry, OrderRow, PaymentRow, RefundRow, TokenRow, TransferRow,

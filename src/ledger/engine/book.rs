@@ -364,7 +364,7 @@ mod tests {
     use crate::ledger::engine::transaction::in_transaction;
     use crate::ledger::{Deposit, Guards, Inserted, Ledger, OpenAccount};
     use crate::metrics::LedgerMetrics;
-    use crate::store::{PoolSettings, RowLocks, Store};
+    use crate::store::{FundingTable, KeysAtOnce, PoolSettings, RowLocks, Store};
 
     /// A database these tests own: a SQLite file, or a database of its own on the PostgreSQL
     /// or MariaDB server of `PAYLEDGER_TEST_POSTGRES_URL` / `PAYLEDGER_TEST_MYSQL_URL`
@@ -738,7 +738,8 @@ mod tests {
             let ledger = ledger_of_two(&database).await;
             let mut reader = ledger.store().reader().await.unwrap();
             if ledger.store().dialect() != crate::store::Dialect::Postgres {
-                let refused = reader.queries().read_at_once(&[], &[], &["alice"], &[]).await;
+                let keys = KeysAtOnce { accounts: vec!["alice"], ..KeysAtOnce::default() };
+                let refused = reader.queries().read_at_once(&keys).await;
                 assert!(matches!(refused, Err(sqlx::Error::Configuration(_))), "{}: {refused:?}", database.url);
                 continue;
             }
@@ -756,7 +757,9 @@ mod tests {
                  response, response_message, caller_scope, status, created_at, expires_at) VALUES \
                  ('merchant:m1', 'k1', 'Pay', repeat('f', 64), 'amount=1.00'::bytea, ''::bytea, '\\x0a00ff'::bytea, \
                  NULL, 'COMPLETED', 1, 4611686018427387903), \
-                 ('merchant:m1', 'k2', 'Pay', repeat('f', 64), ''::bytea, NULL, NULL, NULL, 'IN_PROGRESS', 1, 9)";
+                 ('merchant:m1', 'k2', 'Pay', repeat('f', 64), ''::bytea, NULL, NULL, NULL, 'IN_PROGRESS', 1, 9); \
+                 INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, \
+                 reason, created_at) VALUES ('R1', 'm1', 'r1', 't1', 'o1', 10, 'USD', '', 3)";
             for statement in rows.split("; ") {
                 ledger.store().on_pooled_session(statement).await.unwrap();
             }
@@ -765,15 +768,17 @@ mod tests {
             let expected_orders = queries.lock_orders(&[("m1", "o1"), ("m1", "o2")], RowLocks::None).await.unwrap();
             let expected_payment = queries.find_payments_and_orders(&[("m1", "t1")]).await.unwrap();
 
-            let read = queries
-                .read_at_once(
-                    &[("m1", "t1"), ("m1", "t9")],
-                    &[("m1", "o2"), ("m1", "o9")],
-                    &["alice", "nobody"],
-                    &[("merchant:m1", "k1"), ("merchant:m1", "k2"), ("merchant:m1", "k9")],
-                )
-                .await
-                .unwrap();
+            let keys = KeysAtOnce {
+                payments: vec![("m1", "t1"), ("m1", "t9")],
+                orders: vec![("m1", "o2"), ("m1", "o9")],
+                accounts: vec!["alice", "nobody"],
+                records: vec![("merchant:m1", "k1"), ("merchant:m1", "k2"), ("merchant:m1", "k9")],
+                refunds: vec![("m1", "r1"), ("m1", "r9"), ("m2", "r1")],
+                // `funding` is the set-up's Deposit.
+                deposits: vec!["funding", "d9"],
+                withdrawals: vec!["funding"],
+            };
+            let read = queries.read_at_once(&keys).await.unwrap();
 
             assert_eq!(read.payments, expected_payment, "the payment with its order");
             let mut orders = read.orders.clone();
@@ -785,6 +790,8 @@ mod tests {
             let alice = queries.find_account("alice").await.unwrap().unwrap();
             assert!(read.accounts.contains(&alice), "{:?}", read.accounts);
             assert_eq!(read.records, vec![record("k1")], "the answered record only, bytes and NULLs as stored");
+            assert_eq!(read.refunds, vec![("m1".to_owned(), "r1".to_owned())], "the refund key taken only");
+            assert_eq!(read.fundings, vec![(FundingTable::Deposits, "funding".to_owned())], "each in its table");
         }
     }
 

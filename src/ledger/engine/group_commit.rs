@@ -6,8 +6,9 @@
 //! `docs/write-engine.md`; why: `docs/decisions/003-group-commit.md`. Here, the steps of
 //! [`write_together`] as the code takes them:
 //!
-//! 0. [`read_payments`] (for a batch of one without row locks, [`read_at_once`], which reads
-//!    the rows of steps 0 and 1 together), before the transaction: the payments the writes read
+//! 0. [`read_payments`] (for a batch of one without row locks, [`read_at_once`], which also
+//!    reads its record and the rows and key of step 1), before the transaction: the payments
+//!    the writes read
 //!    ([`BatchWrite::payment_to_read`]; a write they decide, [`BatchWrite::decided_before`], is
 //!    answered so); [`runs_alone`]: a write holding a key an earlier write of the batch holds
 //!    ([`BatchWrite::batch_keys`]) runs alone after it ([`Outcome::Alone`]); in the transaction,
@@ -36,8 +37,8 @@ use prometheus_client::metrics::counter::Counter;
 use crate::error::Error;
 use crate::metrics::LedgerMetrics;
 use crate::store::{
-    AccountRow, Dialect, EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, OrderRefund, OrderRow, PaymentRow,
-    Queries, RowLocks, Store,
+    AccountRow, Dialect, EntryRow, FundingTable, HoldRow, IdempotencyRecordRow, KeysAtOnce, OrderRefund, OrderRow,
+    PaymentRow, Queries, RowLocks, Store,
 };
 
 use super::batching::{self, BatchWriter};
@@ -101,6 +102,9 @@ pub(in crate::ledger) type OrderKey = (String, String);
 fn order_key(merchant_id: &str, number: &str) -> OrderKey {
     (merchant_id.to_owned(), number.to_owned())
 }
+
+/// Nothing read first: what a write names before any row is read.
+static NOTHING_READ: std::sync::LazyLock<ReadFirst> = std::sync::LazyLock::new(ReadFirst::default);
 
 /// What writes read before their rows are locked: payments (with their orders) by
 /// (merchant_id, out_trade_no), which never change once written; holds by (merchant_id,
@@ -202,10 +206,15 @@ pub(in crate::ledger) trait BatchWrite: Send + Sync {
         false
     }
 
-    /// The accounts whose rows it locks, given its order (and hold) as locked. Also asked with
-    /// no order, no hold and nothing read first, for the accounts a write names by itself: a
-    /// batch of one reads those with its payment and its order ([`read_at_once`]).
+    /// The accounts whose rows it locks, given its order (and hold) as locked.
     fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str>;
+
+    /// The accounts it names by itself, before any row is read, which a batch of one reads
+    /// with its payment and its order ([`read_at_once`]); by default those it locks when
+    /// nothing is read.
+    fn accounts_named(&self) -> Vec<&str> {
+        self.accounts_to_lock(Rows { order: None, hold: None, read: &NOTHING_READ })
+    }
 
     /// The key it finds taken or not once its rows are locked.
     fn key_to_find(&self) -> Option<KeyToFind> {
@@ -413,6 +422,7 @@ pub(in crate::ledger) async fn write_together(
                 return vec![outcome];
             }
             Unlocked::UnderLocks(read) => Ok((vec![None], read)),
+            Unlocked::Unread => read_payments(store, calls).await,
         },
         _ => read_payments(store, calls).await,
     };
@@ -482,38 +492,48 @@ enum Unlocked {
     Done(Outcome),
     /// To be written under locks, by a batch's transaction, with what it read first.
     UnderLocks(ReadFirst),
+    /// Its first read failed (not for want of a connection): to be read and written as any
+    /// batch is.
+    Unread,
 }
 
-/// A batch of one ([`unlocked_allowed`]) written without row locks, in two round trips for a
-/// call without an idempotency key: its rows read in one statement as last committed (no
-/// transaction; [`Queries::read_at_once`]: the payment it reads first, its order, its accounts),
-/// then, when its decision accepted it and its write set is one statement
-/// ([`WriteSet::one_statement`]), that statement sent alone, so that it commits itself, all of
-/// it or nothing: each row the decision read is guarded by the write (an order by its state's
-/// conditional UPDATE, an account by its version CAS, a key by its unique index, an
-/// idempotency key's record by its primary key), so a row that moved since the read fails the
-/// statement with nothing written. A row the read could not name before (an account only its
-/// order's hold names) is read after it, as the locked batch reads it, without locks. A call
-/// with an idempotency key reads its key's record too, as a locked batch does (a record found
-/// answers it, a replay), and its record is claimed by the same statement, COMPLETED with its
-/// answer; only when its answer is known before the write ([`Accepted::message`]: Pay, Refund,
-/// CreateOrder), since a record claimed IN_PROGRESS must be completed in the transaction that
-/// claimed it.
+/// A batch of one ([`unlocked_allowed`]) written without row locks: its rows read in one
+/// statement as last committed (no transaction; [`read_at_once`]: the payment it reads first,
+/// its key's record, its order, its accounts, the key it finds taken or not), then, when its
+/// decision accepted it and its write set is one statement ([`WriteSet::one_statement`]), that
+/// statement sent alone, so that it commits itself, all of it or nothing: two round trips for
+/// a Pay, Refund or CreateOrder, with an idempotency key or without (a Deposit or Withdraw
+/// three: its entries read back). Each row the decision read is guarded by the write (an order
+/// by its state's conditional UPDATE, an account by its version CAS, a key by its unique index,
+/// an idempotency key's record by its primary key), so a row that moved since the read fails
+/// the statement with nothing written. Were a write to need orders or accounts the first read
+/// could not name, they are read between the two, without locks (`READ_ORDERS`,
+/// `READ_ACCOUNTS`). A record
+/// found for the call's key answers it (a replay), as in a locked batch, and its record is
+/// claimed by the write statement, COMPLETED with its answer; only when its answer is known
+/// before the write ([`Accepted::message`]: Pay, Refund, CreateOrder), since a record claimed
+/// IN_PROGRESS must be completed in the transaction that claimed it.
 ///
 /// [`Unlocked::UnderLocks`] when the call is to be written under locks, by the batch's
 /// transaction, as before: a call not accepted (its refusal is made under the locks, as every
 /// refusal is), a keyed call whose answer only the write makes, a write set of several
-/// statements, a row or key moved since the read, or an error after the first read. A
-/// database error of the write itself may leave its outcome unknown: the call then runs alone,
-/// which finds its key taken if it committed ([`Outcome::Alone`]). No connection within the
-/// pool's acquire timeout answers it UNAVAILABLE, as the batch would ([`no_connection`]).
+/// statements, a row or key moved since the read, or an error after the first read;
+/// [`Unlocked::Unread`] when the first read fails. A database error of the write itself may
+/// leave its outcome unknown: the call then runs alone, which finds its key taken if it
+/// committed ([`Outcome::Alone`]). No connection within the pool's acquire timeout answers it
+/// UNAVAILABLE, as the batch would ([`no_connection`]).
 async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMetrics) -> Unlocked {
     let not_read = |error: Error| {
         if no_connection(&error) {
             return Unlocked::Done(unavailable(1, &error).remove(0));
         }
-        tracing::debug!(%error, "a batch of one could not read; it runs alone");
-        Unlocked::Done(Outcome::Alone)
+        if matches!(error, Error::Database(sqlx::Error::Decode(_))) {
+            // A row the statement gave that its type does not read: a bug, not a fault.
+            tracing::warn!(%error, "a batch of one could not decode its rows; it is read and written under locks");
+        } else {
+            tracing::debug!(%error, "a batch of one could not read; it is read and written under locks");
+        }
+        Unlocked::Unread
     };
     let mut reader = match store.reader().await {
         Ok(reader) => reader,
@@ -536,21 +556,41 @@ async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMe
     }
 }
 
-/// The first read of [`write_one_unlocked`]: the payment the call reads first, its order and
-/// its accounts as far as the call names them without rows ([`BatchWrite::order_to_lock`] and
-/// [`BatchWrite::accounts_to_lock`] of nothing read), with the orders of the payments found and
-/// the accounts of the orders and payments found.
+/// The first read of [`write_one_unlocked`]: the payment the call reads first, its key's
+/// record, its order and its accounts as far as the call names them before any row is read
+/// ([`BatchWrite::order_to_lock`] of nothing read, [`BatchWrite::accounts_named`]), with the
+/// orders of the payments found and the accounts of the orders and payments found, and its
+/// key to find ([`BatchWrite::key_to_find`]), taken or not.
 async fn read_at_once(queries: &mut Queries<'_>, batched: &Batched) -> Result<(ReadFirst, Prefetched), Error> {
-    let nothing = ReadFirst::default();
-    let payment_keys: Vec<(&str, &str)> = batched.write.payment_to_read().into_iter().collect();
-    let order_keys: Vec<(&str, &str)> = batched.write.order_to_lock(&nothing).into_iter().collect();
-    let account_ids = batched.write.accounts_to_lock(Rows { order: None, hold: None, read: &nothing });
-    let record_keys = batched.claim.as_ref().map(BatchClaim::keys_to_read).unwrap_or_default();
-    let found = queries.read_at_once(&payment_keys, &order_keys, &account_ids, &record_keys).await?;
+    let order_keys: Vec<(&str, &str)> = batched.write.order_to_lock(&NOTHING_READ).into_iter().collect();
+    let account_ids = batched.write.accounts_named();
+    let key_to_find = batched.write.key_to_find();
+    let mut keys = KeysAtOnce {
+        payments: batched.write.payment_to_read().into_iter().collect(),
+        orders: order_keys.clone(),
+        accounts: account_ids.clone(),
+        records: batched.claim.as_ref().map(BatchClaim::keys_to_read).unwrap_or_default(),
+        ..KeysAtOnce::default()
+    };
+    match &key_to_find {
+        Some(KeyToFind::Refund(merchant_id, out_refund_no)) => keys.refunds.push((merchant_id, out_refund_no)),
+        Some(KeyToFind::Funding(FundingTable::Deposits, request_id)) => keys.deposits.push(request_id),
+        Some(KeyToFind::Funding(FundingTable::Withdrawals, request_id)) => keys.withdrawals.push(request_id),
+        None => {}
+    }
+    let found = queries.read_at_once(&keys).await?;
+    let taken = found
+        .refunds
+        .into_iter()
+        .map(|(merchant_id, out_refund_no)| KeyToFind::Refund(merchant_id, out_refund_no))
+        .chain(found.fundings.into_iter().map(|(table, request_id)| KeyToFind::Funding(table, request_id)))
+        .collect();
     let mut prefetched = Prefetched {
         records: found.records,
         order_keys: order_keys.iter().map(|(merchant_id, order_no)| order_key(merchant_id, order_no)).collect(),
         account_ids: account_ids.iter().map(|account_id| (*account_id).to_owned()).collect(),
+        keys_to_find: key_to_find.into_iter().collect(),
+        taken,
         ..Prefetched::default()
     };
     let mut read = ReadFirst::default();
@@ -568,7 +608,7 @@ async fn read_at_once(queries: &mut Queries<'_>, batched: &Batched) -> Result<(R
 }
 
 /// The rows [`read_at_once`] read, and every key it looked up, found or not: a write whose
-/// rows are all among those keys is decided from them, without reading again.
+/// rows and keys are all among those is decided from them, without reading again.
 #[derive(Default)]
 struct Prefetched {
     /// The committed records of the call's [`BatchClaim::keys_to_read`].
@@ -577,6 +617,9 @@ struct Prefetched {
     order_keys: HashSet<OrderKey>,
     accounts: HashMap<String, AccountRow>,
     account_ids: HashSet<String>,
+    /// Of the keys looked up ([`BatchWrite::key_to_find`]), those taken.
+    taken: HashSet<KeyToFind>,
+    keys_to_find: HashSet<KeyToFind>,
 }
 
 /// The rest of [`write_one_unlocked`] once its rows are read: `None` to write it under locks.
@@ -999,7 +1042,10 @@ impl<'b> Deciding<'b> {
                 None => Book::locked(queries.lock_accounts(&account_ids, locks).await?),
             };
         let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
-        let taken = find_taken(queries, &keys).await?;
+        let taken = match prefetched.filter(|prefetched| keys.iter().all(|key| prefetched.keys_to_find.contains(key))) {
+            Some(prefetched) => keys.into_iter().filter(|key| prefetched.taken.contains(key)).collect(),
+            None => find_taken(queries, &keys).await?,
+        };
         Ok(Locked { orders, holds, book, taken, checked_at })
     }
 
