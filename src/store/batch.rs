@@ -143,14 +143,14 @@ pub(super) static FIND_PAYMENTS_AND_ORDERS: Sql = Sql {
 /// `$1`, `$2` (merchant_id, out_trade_no); the orders of `$3`, `$4` (merchant_id, order_no) and
 /// those of the payments found; the accounts of `$5` (account_id) and the payees of the orders
 /// found and the payers of the payments found; the answered records of `$6`, `$7` (scope,
-/// idempotency_key), as [`FIND_ANSWERED_RECORDS`] reads them; the refunds of `$8`, `$9`
-/// (merchant_id, out_refund_no) and the request_ids of `$10` in `deposits` and of `$11` in
-/// `withdrawals` that are taken. One statement, so one snapshot, one round trip instead of up
-/// to five. Each row as `(kind, row)`: `kind` `p`, `o`, `a`, `c` or `r`, `row` the row as a
-/// JSON object (`row_to_json`, PostgreSQL manual 9.16) whose names are the row type's fields,
-/// a record's byte columns as hexadecimal text (`encode(..., 'hex')`); `kind` `d` or `w`, `row`
-/// the request_id. Each key is looked up by a unique index, most in a `LATERAL` subquery with
-/// `LIMIT 1` (see [`FIND_REFUNDS`]), the request_ids as [`FIND_FUNDINGS`] looks them up.
+/// idempotency_key), as [`FIND_ANSWERED_RECORDS`] reads them. One statement, so one snapshot,
+/// one round trip instead of up to four. Each row as `(kind, row)`: `kind` `p`, `o`, `a` or
+/// `c`, `row` the row as a JSON object (`row_to_json`, PostgreSQL manual 9.16) whose names are
+/// the row type's fields, a record's byte columns as hexadecimal text (`encode(..., 'hex')`).
+/// Each key is looked up by its unique index in a `LATERAL` subquery with `LIMIT 1` (see
+/// [`FIND_REFUNDS`]). (The keys a write finds taken, an out_refund_no or a request_id, stay a
+/// read of their own: folded in here, they cost every call the statement's larger start-up and
+/// bought the Refunds and Deposits nothing measurable, docs/benchmarks-history.md.)
 pub(super) static READ_AT_ONCE_POSTGRES: &str = concat!(
     "WITH p AS (SELECT r.* FROM UNNEST($1::text[], $2::text[]) AS k(merchant_id, out_trade_no) CROSS JOIN LATERAL \
      (SELECT trade_no, merchant_id, out_trade_no, order_no, payer_account_id, payee_account_id, amount, currency, \
@@ -169,15 +169,9 @@ pub(super) static READ_AT_ONCE_POSTGRES: &str = concat!(
      encode(response, 'hex') AS response, encode(response_message, 'hex') AS response_message, caller_scope, status, \
      created_at, expires_at FROM idempotency_record WHERE idempotency_record.scope = k.scope \
      AND idempotency_record.idempotency_key = k.idempotency_key AND idempotency_record.response IS NOT NULL \
-     LIMIT 1) AS r), \
-     f AS (SELECT r.* FROM UNNEST($8::text[], $9::text[]) AS k(merchant_id, out_refund_no) CROSS JOIN LATERAL \
-     (SELECT merchant_id, out_refund_no FROM refunds WHERE refunds.merchant_id = k.merchant_id \
-     AND refunds.out_refund_no = k.out_refund_no LIMIT 1) AS r) \
+     LIMIT 1) AS r) \
      SELECT 'p' AS kind, row_to_json(p)::text AS row FROM p UNION ALL SELECT 'o', row_to_json(o)::text FROM o \
-     UNION ALL SELECT 'a', row_to_json(a)::text FROM a UNION ALL SELECT 'c', row_to_json(c)::text FROM c \
-     UNION ALL SELECT 'r', row_to_json(f)::text FROM f \
-     UNION ALL SELECT 'd', request_id::text FROM deposits WHERE request_id = ANY($10::text[]) \
-     UNION ALL SELECT 'w', request_id::text FROM withdrawals WHERE request_id = ANY($11::text[])"
+     UNION ALL SELECT 'a', row_to_json(a)::text FROM a UNION ALL SELECT 'c', row_to_json(c)::text FROM c"
 );
 
 /// The refunds of rows `[merchant_id, out_refund_no]`; a read.

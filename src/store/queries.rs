@@ -900,10 +900,6 @@ pub struct ReadAtOnce {
     pub accounts: Vec<AccountRow>,
     /// The answered records found by (scope, idempotency_key).
     pub records: Vec<IdempotencyRecordRow>,
-    /// The (merchant_id, out_refund_no) keys taken.
-    pub refunds: Vec<(String, String)>,
-    /// The request_ids taken, each with its table.
-    pub fundings: Vec<(FundingTable, String)>,
 }
 
 /// The keys [`Queries::read_at_once`] looks up, each kind by its unique key.
@@ -917,19 +913,6 @@ pub struct KeysAtOnce<'a> {
     pub accounts: Vec<&'a str>,
     /// Answered idempotency records by (scope, idempotency_key).
     pub records: Vec<(&'a str, &'a str)>,
-    /// Refunds by (merchant_id, out_refund_no).
-    pub refunds: Vec<(&'a str, &'a str)>,
-    /// Deposits by request_id.
-    pub deposits: Vec<&'a str>,
-    /// Withdrawals by request_id.
-    pub withdrawals: Vec<&'a str>,
-}
-
-/// A refund's key as [`batch::READ_AT_ONCE_POSTGRES`] gives it.
-#[derive(serde::Deserialize)]
-struct RefundKeyAsJson {
-    merchant_id: String,
-    out_refund_no: String,
 }
 
 /// An idempotency record as [`batch::READ_AT_ONCE_POSTGRES`] gives it: its byte columns as
@@ -1417,10 +1400,9 @@ impl<'c> Queries<'c> {
     /// PostgreSQL only: in one statement without locks ([`batch::READ_AT_ONCE_POSTGRES`]), the
     /// payments of `keys.payments` with their orders, the orders of `keys.orders`, the accounts
     /// of `keys.accounts` with the payees of those orders and the payers of those payments, the
-    /// answered records of `keys.records` (as [`Queries::find_answered_records`]), and which of
-    /// `keys.refunds`, `keys.deposits` and `keys.withdrawals` are taken (as
-    /// [`Queries::find_refunds`] and [`Queries::find_fundings`]). Another backend is refused (a
-    /// `sqlx::Error::Configuration`); a row that does not decode is a `sqlx::Error::Decode`.
+    /// answered records of `keys.records` (as [`Queries::find_answered_records`]). Another
+    /// backend is refused (a `sqlx::Error::Configuration`); a row that does not decode is a
+    /// `sqlx::Error::Decode`.
     pub async fn read_at_once(&mut self, keys: &KeysAtOnce<'_>) -> Result<ReadAtOnce, sqlx::Error> {
         if self.dialect != Dialect::Postgres {
             return Err(sqlx::Error::Configuration("read_at_once is PostgreSQL's only".into()));
@@ -1438,10 +1420,7 @@ impl<'c> Queries<'c> {
             .into_iter()
             .chain(pairs(&keys.orders))
             .chain(ids(&keys.accounts))
-            .chain(pairs(&keys.records))
-            .chain(pairs(&keys.refunds))
-            .chain(ids(&keys.deposits))
-            .chain(ids(&keys.withdrawals));
+            .chain(pairs(&keys.records));
         let query = values.fold(sqlx::query(batch::READ_AT_ONCE_POSTGRES), |query, value| query.bind(value));
         let mut read = ReadAtOnce::default();
         let mut payments = Vec::new();
@@ -1457,12 +1436,6 @@ impl<'c> Queries<'c> {
                     let record = serde_json::from_str::<RecordAsJson>(&json).map_err(decode)?;
                     read.records.push(record.try_into().map_err(|error| sqlx::Error::Decode(Box::new(error)))?);
                 }
-                "r" => {
-                    let refund = serde_json::from_str::<RefundKeyAsJson>(&json).map_err(decode)?;
-                    read.refunds.push((refund.merchant_id, refund.out_refund_no));
-                }
-                "d" => read.fundings.push((FundingTable::Deposits, json)),
-                "w" => read.fundings.push((FundingTable::Withdrawals, json)),
                 other => return Err(sqlx::Error::Decode(format!("a row of unknown kind {other:?}").into())),
             }
         }

@@ -364,7 +364,7 @@ mod tests {
     use crate::ledger::engine::transaction::in_transaction;
     use crate::ledger::{Deposit, Guards, Inserted, Ledger, OpenAccount};
     use crate::metrics::LedgerMetrics;
-    use crate::store::{FundingTable, KeysAtOnce, PoolSettings, RowLocks, Store};
+    use crate::store::{KeysAtOnce, PoolSettings, RowLocks, Store};
 
     /// A database these tests own: a SQLite file, or a database of its own on the PostgreSQL
     /// or MariaDB server of `PAYLEDGER_TEST_POSTGRES_URL` / `PAYLEDGER_TEST_MYSQL_URL`
@@ -757,9 +757,7 @@ mod tests {
                  response, response_message, caller_scope, status, created_at, expires_at) VALUES \
                  ('merchant:m1', 'k1', 'Pay', repeat('f', 64), 'amount=1.00'::bytea, ''::bytea, '\\x0a00ff'::bytea, \
                  NULL, 'COMPLETED', 1, 4611686018427387903), \
-                 ('merchant:m1', 'k2', 'Pay', repeat('f', 64), ''::bytea, NULL, NULL, NULL, 'IN_PROGRESS', 1, 9); \
-                 INSERT INTO refunds (refund_no, merchant_id, out_refund_no, out_trade_no, order_no, amount, currency, \
-                 reason, created_at) VALUES ('R1', 'm1', 'r1', 't1', 'o1', 10, 'USD', '', 3)";
+                 ('merchant:m1', 'k2', 'Pay', repeat('f', 64), ''::bytea, NULL, NULL, NULL, 'IN_PROGRESS', 1, 9)";
             for statement in rows.split("; ") {
                 ledger.store().on_pooled_session(statement).await.unwrap();
             }
@@ -773,10 +771,6 @@ mod tests {
                 orders: vec![("m1", "o2"), ("m1", "o9")],
                 accounts: vec!["alice", "nobody"],
                 records: vec![("merchant:m1", "k1"), ("merchant:m1", "k2"), ("merchant:m1", "k9")],
-                refunds: vec![("m1", "r1"), ("m1", "r9"), ("m2", "r1")],
-                // `funding` is the set-up's Deposit.
-                deposits: vec!["funding", "d9"],
-                withdrawals: vec!["funding"],
             };
             let read = queries.read_at_once(&keys).await.unwrap();
 
@@ -790,8 +784,6 @@ mod tests {
             let alice = queries.find_account("alice").await.unwrap().unwrap();
             assert!(read.accounts.contains(&alice), "{:?}", read.accounts);
             assert_eq!(read.records, vec![record("k1")], "the answered record only, bytes and NULLs as stored");
-            assert_eq!(read.refunds, vec![("m1".to_owned(), "r1".to_owned())], "the refund key taken only");
-            assert_eq!(read.fundings, vec![(FundingTable::Deposits, "funding".to_owned())], "each in its table");
         }
     }
 

@@ -7,8 +7,8 @@
 //! [`write_together`] as the code takes them:
 //!
 //! 0. [`read_payments`] (for a batch of one without row locks, [`read_at_once`], which also
-//!    reads its record and the rows and key of step 1), before the transaction: the payments
-//!    the writes read
+//!    reads its record and the orders and accounts of step 1), before the transaction: the
+//!    payments the writes read
 //!    ([`BatchWrite::payment_to_read`]; a write they decide, [`BatchWrite::decided_before`], is
 //!    answered so); [`runs_alone`]: a write holding a key an earlier write of the batch holds
 //!    ([`BatchWrite::batch_keys`]) runs alone after it ([`Outcome::Alone`]); in the transaction,
@@ -499,16 +499,16 @@ enum Unlocked {
 
 /// A batch of one ([`unlocked_allowed`]) written without row locks: its rows read in one
 /// statement as last committed (no transaction; [`read_at_once`]: the payment it reads first,
-/// its key's record, its order, its accounts, the key it finds taken or not), then, when its
-/// decision accepted it and its write set is one statement ([`WriteSet::one_statement`]), that
-/// statement sent alone, so that it commits itself, all of it or nothing: two round trips for
-/// a Pay, Refund or CreateOrder, with an idempotency key or without (a Deposit or Withdraw
-/// three: its entries read back). Each row the decision read is guarded by the write (an order
+/// its key's record, its order, its accounts), then, when its decision accepted it and its
+/// write set is one statement ([`WriteSet::one_statement`]), that statement sent alone, so
+/// that it commits itself, all of it or nothing: two round trips for a Pay or CreateOrder, with
+/// an idempotency key or without. Each row the decision read is guarded by the write (an order
 /// by its state's conditional UPDATE, an account by its version CAS, a key by its unique index,
 /// an idempotency key's record by its primary key), so a row that moved since the read fails
-/// the statement with nothing written. Were a write to need orders or accounts the first read
-/// could not name, they are read between the two, without locks (`READ_ORDERS`,
-/// `READ_ACCOUNTS`). A record
+/// the statement with nothing written. The key a write finds taken or not (a Refund's
+/// out_refund_no, a Deposit's or Withdraw's request_id: [`BatchWrite::key_to_find`]) is read
+/// between the two, without locks, as are orders or accounts the first read could not name,
+/// were a write to need them (`READ_ORDERS`, `READ_ACCOUNTS`). A record
 /// found for the call's key answers it (a replay), as in a locked batch, and its record is
 /// claimed by the write statement, COMPLETED with its answer; only when its answer is known
 /// before the write ([`Accepted::message`]: Pay, Refund, CreateOrder), since a record claimed
@@ -559,38 +559,21 @@ async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMe
 /// The first read of [`write_one_unlocked`]: the payment the call reads first, its key's
 /// record, its order and its accounts as far as the call names them before any row is read
 /// ([`BatchWrite::order_to_lock`] of nothing read, [`BatchWrite::accounts_named`]), with the
-/// orders of the payments found and the accounts of the orders and payments found, and its
-/// key to find ([`BatchWrite::key_to_find`]), taken or not.
+/// orders of the payments found and the accounts of the orders and payments found.
 async fn read_at_once(queries: &mut Queries<'_>, batched: &Batched) -> Result<(ReadFirst, Prefetched), Error> {
     let order_keys: Vec<(&str, &str)> = batched.write.order_to_lock(&NOTHING_READ).into_iter().collect();
     let account_ids = batched.write.accounts_named();
-    let key_to_find = batched.write.key_to_find();
-    let mut keys = KeysAtOnce {
+    let keys = KeysAtOnce {
         payments: batched.write.payment_to_read().into_iter().collect(),
         orders: order_keys.clone(),
         accounts: account_ids.clone(),
         records: batched.claim.as_ref().map(BatchClaim::keys_to_read).unwrap_or_default(),
-        ..KeysAtOnce::default()
     };
-    match &key_to_find {
-        Some(KeyToFind::Refund(merchant_id, out_refund_no)) => keys.refunds.push((merchant_id, out_refund_no)),
-        Some(KeyToFind::Funding(FundingTable::Deposits, request_id)) => keys.deposits.push(request_id),
-        Some(KeyToFind::Funding(FundingTable::Withdrawals, request_id)) => keys.withdrawals.push(request_id),
-        None => {}
-    }
     let found = queries.read_at_once(&keys).await?;
-    let taken = found
-        .refunds
-        .into_iter()
-        .map(|(merchant_id, out_refund_no)| KeyToFind::Refund(merchant_id, out_refund_no))
-        .chain(found.fundings.into_iter().map(|(table, request_id)| KeyToFind::Funding(table, request_id)))
-        .collect();
     let mut prefetched = Prefetched {
         records: found.records,
         order_keys: order_keys.iter().map(|(merchant_id, order_no)| order_key(merchant_id, order_no)).collect(),
         account_ids: account_ids.iter().map(|account_id| (*account_id).to_owned()).collect(),
-        keys_to_find: key_to_find.into_iter().collect(),
-        taken,
         ..Prefetched::default()
     };
     let mut read = ReadFirst::default();
@@ -608,7 +591,7 @@ async fn read_at_once(queries: &mut Queries<'_>, batched: &Batched) -> Result<(R
 }
 
 /// The rows [`read_at_once`] read, and every key it looked up, found or not: a write whose
-/// rows and keys are all among those is decided from them, without reading again.
+/// rows are all among those is decided from them, without reading them again.
 #[derive(Default)]
 struct Prefetched {
     /// The committed records of the call's [`BatchClaim::keys_to_read`].
@@ -617,9 +600,6 @@ struct Prefetched {
     order_keys: HashSet<OrderKey>,
     accounts: HashMap<String, AccountRow>,
     account_ids: HashSet<String>,
-    /// Of the keys looked up ([`BatchWrite::key_to_find`]), those taken.
-    taken: HashSet<KeyToFind>,
-    keys_to_find: HashSet<KeyToFind>,
 }
 
 /// The rest of [`write_one_unlocked`] once its rows are read: `None` to write it under locks.
@@ -1042,10 +1022,7 @@ impl<'b> Deciding<'b> {
                 None => Book::locked(queries.lock_accounts(&account_ids, locks).await?),
             };
         let keys: Vec<KeyToFind> = writes().filter_map(|write| write.key_to_find()).collect();
-        let taken = match prefetched.filter(|prefetched| keys.iter().all(|key| prefetched.keys_to_find.contains(key))) {
-            Some(prefetched) => keys.into_iter().filter(|key| prefetched.taken.contains(key)).collect(),
-            None => find_taken(queries, &keys).await?,
-        };
+        let taken = find_taken(queries, &keys).await?;
         Ok(Locked { orders, holds, book, taken, checked_at })
     }
 
