@@ -512,6 +512,11 @@ fn encode_funding<F: Funding>(receipt: DepositReceipt) -> Result<Vec<u8>, Error>
 }
 
 impl BatchWrite for FundingWrite {
+    /// Its answer holds the entry ids its write makes.
+    fn answered_before_write(&self) -> bool {
+        false
+    }
+
     /// Its funding account, the row every one of them moves: the calls of one shard share a
     /// worker.
     fn route(&self) -> &str {
@@ -719,6 +724,11 @@ impl IdempotentCall for Identified<Transfer> {
 }
 
 impl BatchWrite for Identified<Transfer> {
+    /// Its answer holds the entry ids its write makes.
+    fn answered_before_write(&self) -> bool {
+        false
+    }
+
     /// Its from_account_id: the Transfers of one account share a worker (their to-accounts may
     /// be another worker's too: those batches then wait for each other's row locks, taken in
     /// account_id order).

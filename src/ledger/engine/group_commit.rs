@@ -209,6 +209,14 @@ pub(in crate::ledger) trait BatchWrite: Send + Sync {
     /// The accounts whose rows it locks, given its order (and hold) as locked.
     fn accounts_to_lock<'a>(&'a self, rows: Rows<'a>) -> Vec<&'a str>;
 
+    /// Whether its answer, once it is accepted, is known before its write
+    /// ([`Accepted::message`] is `Some`). A call with an idempotency key whose answer only the
+    /// write makes (entry ids) is never written without row locks, since its record must be
+    /// claimed with the write COMPLETED: it goes straight to the locked batch.
+    fn answered_before_write(&self) -> bool {
+        true
+    }
+
     /// The accounts it names by itself, before any row is read, which a batch of one reads
     /// with its payment and its order ([`read_at_once`]); by default those it locks when
     /// nothing is read.
@@ -481,9 +489,14 @@ pub(in crate::ledger) async fn write_together(
 }
 
 /// Whether a batch of one may be written without row locks ([`write_one_unlocked`]): on
-/// PostgreSQL, a call without a one-time token of either store.
+/// PostgreSQL, a call without a one-time token of either store, and, when it carries an
+/// idempotency key, whose answer is known before its write
+/// ([`BatchWrite::answered_before_write`]).
 fn unlocked_allowed(store: &Store, batched: &Batched) -> bool {
-    store.dialect() == Dialect::Postgres && !batched.claim.as_ref().is_some_and(BatchClaim::carries_token)
+    let claim = batched.claim.as_ref();
+    store.dialect() == Dialect::Postgres
+        && !claim.is_some_and(BatchClaim::carries_token)
+        && (claim.is_none() || batched.write.answered_before_write())
 }
 
 /// What [`write_one_unlocked`] leaves to do.
