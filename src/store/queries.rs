@@ -1407,21 +1407,12 @@ impl<'c> Queries<'c> {
         if self.dialect != Dialect::Postgres {
             return Err(sqlx::Error::Configuration("read_at_once is PostgreSQL's only".into()));
         }
-        let pairs = |keys: &[(&str, &str)]| -> Vec<String> {
-            let rows: Vec<[Value<'_>; 2]> =
-                keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
-            batch::bind_rows(Dialect::Postgres, &rows)
-        };
-        let ids = |ids: &[&str]| -> Vec<String> {
-            let rows: Vec<[Value<'_>; 1]> = ids.iter().map(|id| [Value::Text(id)]).collect();
-            batch::bind_rows(Dialect::Postgres, &rows)
-        };
-        let values = pairs(&keys.payments)
-            .into_iter()
-            .chain(pairs(&keys.orders))
-            .chain(ids(&keys.accounts))
-            .chain(pairs(&keys.records));
-        let query = values.fold(sqlx::query(batch::READ_AT_ONCE_POSTGRES), |query, value| query.bind(value));
+        let ids: Vec<[Value<'_>; 1]> = keys.accounts.iter().map(|id| [Value::Text(id)]).collect();
+        let query = sqlx::query(batch::READ_AT_ONCE_POSTGRES)
+            .bind_rows(self.dialect, &pair_rows(&keys.payments))
+            .bind_rows(self.dialect, &pair_rows(&keys.orders))
+            .bind_rows(self.dialect, &ids)
+            .bind_rows(self.dialect, &pair_rows(&keys.records));
         let mut read = ReadAtOnce::default();
         let mut payments = Vec::new();
         for row in query.fetch_all(&mut *self.connection).await? {
@@ -1501,8 +1492,7 @@ impl<'c> Queries<'c> {
     /// The rows a batch read (one of `batch`'s statements that take one list of two-text
     /// keys) returns for `keys`, in one round trip.
     async fn read_by_pairs(&mut self, sql: &Sql, keys: &[(&str, &str)]) -> Result<Vec<AnyRow>, sqlx::Error> {
-        let rows: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        let rows = pair_rows(keys);
         sqlx::query(sql.text(self.dialect)).bind_rows(self.dialect, &rows).fetch_all(&mut *self.connection).await
     }
 
@@ -1520,7 +1510,7 @@ impl<'c> Queries<'c> {
             return Ok(completed);
         }
         let hex: Vec<[String; 2]> =
-            records.iter().map(|record| [to_hex(record.response), to_hex(record.response_message)]).collect();
+            records.iter().map(|record| [hex::encode(record.response), hex::encode(record.response_message)]).collect();
         let rows: Vec<[Value<'_>; 4]> = records
             .iter()
             .zip(&hex)
@@ -2211,16 +2201,6 @@ pub struct RecordCompletion<'a> {
     pub response_message: &'a [u8],
 }
 
-/// Bytes as lowercase hexadecimal text, two digits a byte.
-fn to_hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    let mut text = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        write!(text, "{byte:02x}").expect("writing to a String cannot fail");
-    }
-    text
-}
-
 /// An order's refund CAS in a group commit: from (`from_status`, `from_refunded`) to
 /// (`to_status`, `to_refunded`), refunded amounts in minor units.
 pub struct OrderRefund<'a> {
@@ -2230,6 +2210,11 @@ pub struct OrderRefund<'a> {
     pub from_refunded: i64,
     pub to_status: &'a str,
     pub to_refunded: i64,
+}
+
+/// Key pairs as rows of a batch statement's two text columns.
+fn pair_rows<'a>(keys: &[(&'a str, &'a str)]) -> Vec<[Value<'a>; 2]> {
+    keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect()
 }
 
 /// Binds the rows of a batch statement (see [`batch::bind_rows`]), to a query with or without
@@ -2253,8 +2238,8 @@ impl<'q, O> BindRows for QueryAs<'q, Any, O, AnyArguments<'q>> {
 /// The three byte columns of an idempotency record as hexadecimal text, for
 /// [`record_values`]: request_fields, response, response_message (an absent one empty).
 fn record_hex(record: &IdempotencyRecordRow) -> [String; 3] {
-    let bytes = |value: &Option<Vec<u8>>| value.as_deref().map(to_hex).unwrap_or_default();
-    [to_hex(&record.request_fields), bytes(&record.response), bytes(&record.response_message)]
+    let bytes = |value: &Option<Vec<u8>>| value.as_deref().map(hex::encode).unwrap_or_default();
+    [hex::encode(&record.request_fields), bytes(&record.response), bytes(&record.response_message)]
 }
 
 /// An idempotency record as a row of [`batch::CLAIM_RECORDS`] (and of the records' part of

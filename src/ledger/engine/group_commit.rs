@@ -510,22 +510,11 @@ enum Unlocked {
     Unread,
 }
 
-/// A batch of one ([`unlocked_allowed`]) written without row locks: its rows read in one
-/// statement as last committed (no transaction; [`read_at_once`]: the payment it reads first,
-/// its key's record, its order, its accounts), then, when its decision accepted it and its
-/// write set is one statement ([`WriteSet::one_statement`]), that statement sent alone, so
-/// that it commits itself, all of it or nothing: two round trips for a Pay or CreateOrder, with
-/// an idempotency key or without. Each row the decision read is guarded by the write (an order
-/// by its state's conditional UPDATE, an account by its version CAS, a key by its unique index,
-/// an idempotency key's record by its primary key), so a row that moved since the read fails
-/// the statement with nothing written. The key a write finds taken or not (a Refund's
-/// out_refund_no, a Deposit's or Withdraw's request_id: [`BatchWrite::key_to_find`]) is read
-/// between the two, without locks, as are orders or accounts the first read could not name,
-/// were a write to need them (`READ_ORDERS`, `READ_ACCOUNTS`). A record
-/// found for the call's key answers it (a replay), as in a locked batch, and its record is
-/// claimed by the write statement, COMPLETED with its answer; only when its answer is known
-/// before the write ([`Accepted::message`]: Pay, Refund, CreateOrder), since a record claimed
-/// IN_PROGRESS must be completed in the transaction that claimed it.
+/// A batch of one ([`unlocked_allowed`]) written without row locks, as docs/write-engine.md
+/// ("A batch of one on PostgreSQL, without row locks") explains: its rows read in one
+/// statement as last committed ([`read_at_once`]), the same decision as in a batch, then its
+/// write set sent as one statement that commits itself, every row the decision read guarded
+/// by it.
 ///
 /// [`Unlocked::UnderLocks`] when the call is to be written under locks, by the batch's
 /// transaction, as before: a call not accepted (its refusal is made under the locks, as every
@@ -956,12 +945,16 @@ impl<'b> Deciding<'b> {
         if keys_to_read.is_empty() {
             return Ok(());
         }
-        let found = match read {
-            Some(read) => read.to_vec(),
-            None => queries.find_answered_records(&keys_to_read).await?,
+        let fetched;
+        let found: &[IdempotencyRecordRow] = match read {
+            Some(read) => read,
+            None => {
+                fetched = queries.find_answered_records(&keys_to_read).await?;
+                &fetched
+            }
         };
         for (outcome, claim) in self.outcomes.iter_mut().zip(&self.claims) {
-            if let Some(record) = claim.and_then(|claim| claim.answering_record(&found, self.now)) {
+            if let Some(record) = claim.and_then(|claim| claim.answering_record(found, self.now)) {
                 *outcome = Some(Outcome::GuardAnswered(Box::new(record)));
             }
         }
