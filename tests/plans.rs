@@ -23,6 +23,9 @@
 //!      `Handler_read_rnd_next` also counts the rows of the batch statements' `JSON_TABLE`);
 //!    - SQLite (plans are fixed when a statement is prepared, from `sqlite_stat1`): `EXPLAIN
 //!      QUERY PLAN` of every statement the server ran, taken from sqlx's statement log.
+//!
+//! Beside them, PostgreSQL's group-commit write statement, in each of its shapes, is planned
+//! as the server's sessions plan it (generic), and its plan must set up one subplan a part.
 
 mod common;
 
@@ -54,6 +57,41 @@ async fn postgres_hot_paths_never_scan_a_grown_ledger_with_stale_statistics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_hot_paths_never_scan_a_grown_ledger_never_analyzed() {
     postgres_hot_paths_never_scan(Statistics::None).await;
+}
+
+/// PostgreSQL's group-commit write statement, in every shape it takes, counts each part's rows
+/// once: its plan sets up one subplan a part (the counts the statement checks), not one a
+/// reference to them, which PostgreSQL would make of an inlined CTE (32 for a Pay's four
+/// parts, each set up at every execution). Planned generic, as the server's sessions plan it.
+#[tokio::test]
+async fn postgres_write_statements_set_up_one_subplan_a_part() {
+    let Some(admin) = common::admin_url("PAYLEDGER_TEST_POSTGRES_URL") else { return };
+    let database = common::ServerDatabase::create(&admin, "writeplan").await;
+    let store =
+        payledger::store::Store::connect(&database.url, &common::small_pool(Duration::from_secs(5))).await.unwrap();
+    store.migrate().await.unwrap();
+    store.close().await;
+    let mut connection = sqlx::AnyConnection::connect(&database.url).await.unwrap();
+    sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut connection).await.unwrap();
+    let statements = payledger::store::Store::postgres_write_statements();
+    assert!(statements.len() >= 7, "each kind alone, keyed or not, and the mixed batch: {}", statements.len());
+    for (index, (parts, parameters, text)) in statements.into_iter().enumerate() {
+        sqlx::raw_sql(&format!("PREPARE write_{index}(bigint) AS {text}")).execute(&mut connection).await.unwrap();
+        // `updated_at` (unused by the INSERTs alone) typed as the server binds it; empty
+        // arrays: EXPLAIN plans the statement without running it.
+        let arguments = std::iter::once("0").chain(std::iter::repeat_n("'{}'", parameters - 1)).collect::<Vec<_>>();
+        let plan: Vec<String> = sqlx::raw_sql(&format!("EXPLAIN EXECUTE write_{index}({})", arguments.join(", ")))
+            .fetch_all(&mut connection)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String, _>(0))
+            .collect();
+        let subplans = plan.iter().filter(|line| line.contains("InitPlan") || line.contains("SubPlan")).count();
+        assert_eq!(subplans, parts, "{parts} parts, {subplans} subplans: {}\n{}", text, plan.join("\n"));
+    }
+    connection.close().await.unwrap();
+    drop(database);
 }
 
 async fn postgres_hot_paths_never_scan(statistics: Statistics) {

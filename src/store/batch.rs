@@ -918,6 +918,28 @@ pub(super) fn postgres_write_shape(rows: &[u64; WRITE_PARTS_POSTGRES.len()]) -> 
     }
 }
 
+/// Every text PostgreSQL's group-commit statement can take (every shape
+/// [`postgres_write_shape`] gives), each with how many parts it writes and how many
+/// parameters it binds.
+pub(super) fn postgres_write_statements() -> Vec<(usize, usize, &'static str)> {
+    let mut shapes: Vec<u16> = (1_u16..1 << WRITE_PARTS_POSTGRES.len())
+        .map(|present| {
+            let rows: [u64; WRITE_PARTS_POSTGRES.len()] = std::array::from_fn(|part| u64::from(present >> part & 1));
+            postgres_write_shape(&rows)
+        })
+        .collect();
+    shapes.sort_unstable();
+    shapes.dedup();
+    shapes
+        .into_iter()
+        .map(|shape| {
+            let parts = WRITE_PARTS_POSTGRES.iter().enumerate().filter(|(bit, _)| shape & (1 << bit) != 0);
+            let arrays: usize = parts.clone().map(|(_, part)| part.arrays).sum();
+            (parts.count(), arrays + 2, write_batch_postgres(shape))
+        })
+        .collect()
+}
+
 /// What PostgreSQL's group-commit statement fails with when a part wrote fewer rows than
 /// given (a key taken, an order's state or a version moved): the text of a cast to integer that
 /// cannot succeed, so the statement, its data-modifying CTEs with it, has no effect. The error
@@ -986,8 +1008,12 @@ pub(super) fn write_batch_postgres(shape: u16) -> &'static str {
             })
             .collect();
         // The check reads the parts' results, so it is run, never folded away as a constant.
+        // `written` is MATERIALIZED: referenced once, PostgreSQL would otherwise inline it into
+        // every `written.counts[i]` below, and each inlined copy runs one subquery a part: for a
+        // Pay's four parts 32 subplans, each an aggregate over a CTE scan set up at every
+        // execution, instead of four.
         format!(
-            "WITH {}, written AS (SELECT ARRAY[{}] AS counts) SELECT {}, \
+            "WITH {}, written AS MATERIALIZED (SELECT ARRAY[{}] AS counts) SELECT {}, \
              CAST(CASE WHEN ARRAY[{}] = ${next}::bigint[] THEN '0' ELSE '{WRITE_MISSED}' END AS integer) \
              FROM written",
             parts.join(", "),
@@ -1046,6 +1072,7 @@ mod tests {
         // The records claimed after the locks' UPDATEs and before the other INSERTs.
         assert!(keyed.contains("ARRAY[(SELECT COUNT(*) FROM o), (SELECT COUNT(*) FROM a), (SELECT COUNT(*) FROM c), (SELECT COUNT(*) FROM p), (SELECT COUNT(*) FROM e)]"), "{keyed}");
         let text = write_batch_postgres(0b1111);
+        assert!(text.contains("written AS MATERIALIZED (SELECT ARRAY["), "counted once: {text}");
         assert!(text.starts_with("WITH p AS (") && text.contains("e AS (") && !text.contains("r AS ("));
         assert!(text.contains("$35::bigint[]") && !text.contains("$36") && !text.contains('{'), "{text}");
         // Run in lock order: the order's UPDATE, the accounts', then the INSERTs; answered in

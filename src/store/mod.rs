@@ -677,6 +677,14 @@ impl Store {
         sqlx::query(sql).fetch_all(&mut *connection).await
     }
 
+    /// Every text of PostgreSQL's group-commit write statement, each with how many parts it
+    /// writes and how many parameters it binds: for tests of their plans. The service never
+    /// calls it.
+    #[doc(hidden)]
+    pub fn postgres_write_statements() -> Vec<(usize, usize, &'static str)> {
+        batch::postgres_write_statements()
+    }
+
     /// Closes the pool, waiting for connections in use to come back.
     pub async fn close(&self) {
         self.pool.close().await;
