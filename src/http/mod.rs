@@ -462,7 +462,9 @@ impl Route {
                 "the request body must be application/json (UTF-8, one Content-Type, no Content-Encoding)",
             ));
         }
-        if body.iter().all(u8::is_ascii_whitespace) {
+        // No body at all is an empty message; anything else must be one JSON object
+        // (whitespace alone is not a JSON text, RFC 8259 section 2).
+        if body.is_empty() {
             return Ok((DynamicMessage::new(self.input.clone()), HashSet::new()));
         }
         let named = match serde_json::from_slice::<Unambiguous>(body) {

@@ -231,6 +231,9 @@ pub async fn http_refusals_carry_their_status_and_a_google_rpc_status_body_and_l
     // The transport's own refusals.
     let malformed = http.raw(Method::POST, PAY_PATH, &[], Some(Bytes::from_static(b"{\"out_trade_no\":"))).await;
     malformed.assert_refused(400, 3, "MALFORMED_REQUEST");
+    // No body is an empty message; whitespace alone is not a JSON text.
+    let blank = http.raw(Method::POST, "/v1/merchants/m1/tokens", &[], Some(Bytes::from_static(b"\n"))).await;
+    blank.assert_refused(400, 3, "MALFORMED_REQUEST");
     let unknown = http.post(PAY_PATH, &[], json!({"out_trade_no": "t-x", "bogus": 1})).await;
     unknown.assert_refused(400, 3, "MALFORMED_REQUEST");
     let wrong_type = http.post(PAY_PATH, &[], json!({"out_trade_no": 7})).await;
