@@ -1740,8 +1740,7 @@ impl<'c> Queries<'c> {
     /// on them). Missing keys are simply absent from the result, which comes in no particular
     /// order.
     pub async fn lock_orders(&mut self, keys: &[(&str, &str)], locks: RowLocks) -> Result<Vec<OrderRow>, sqlx::Error> {
-        let rows: Vec<[Value<'_>; 2]> =
-            keys.iter().map(|(first, second)| [Value::Text(first), Value::Text(second)]).collect();
+        let rows = pair_rows(keys);
         let sql = match locks {
             RowLocks::Taken => &batch::LOCK_ORDERS,
             RowLocks::None => &batch::READ_ORDERS,
