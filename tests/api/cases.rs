@@ -3350,7 +3350,8 @@ pub async fn a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_star
     }
     let held = hold_the_pool(app).await;
     let depth = || app.ledger.metrics().group_commit_queue_depth.get();
-    // The worker takes o1's Pay and waits for a connection.
+    // o1's Pay starts its batch (a batch of one, started by its caller), which waits for a
+    // connection.
     let first = tokio::spawn({
         let payments = app.payments.clone();
         let request = app.pay_request("m1", "t1", "o1", "alice", "1.00");
@@ -3359,9 +3360,9 @@ pub async fn a_full_group_commit_queue_refuses_and_a_gone_callers_pay_never_star
     let in_flight =
         r#"payledger_rpc_in_flight{grpc_service="payledger.v1.PaymentService",grpc_method="Pay",grpc_type="unary"}"#;
     eventually("the first Pay is in flight", async || app.metrics().await.get(in_flight) == Some(&1.0)).await;
-    // The worker takes it within microseconds; a second is room for a loaded machine.
+    // It starts within microseconds; a second is room for a loaded machine.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(depth(), 0, "the worker took the first Pay");
+    assert_eq!(depth(), 0, "the first Pay's batch started");
     // o2's Pay fills the queue of one; its caller then goes away (cancelled).
     let (presence, call) = CallerPresence::new(None);
     let gone = tokio::spawn({

@@ -1,18 +1,19 @@
 //! Batch workers: each worker takes the calls routed to it that have queued up and hands them
 //! to a [`BatchWriter`] as one batch, whose outcome answers each call. Batching is natural (no
-//! timer): under light load a batch holds one call and starts at once; under load calls queue
-//! for the next batch. The workers know no use case: the writer says how a call is routed and
+//! timer): under light load a batch holds one call and starts at once, started by its caller
+//! with no hand-off to the worker; under load calls queue for the next batch. The workers know
+//! no use case: the writer says how a call is routed and
 //! how a batch is written.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use opentelemetry::trace::TraceContextExt as _;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
@@ -128,10 +129,99 @@ struct Job<W: BatchWriter> {
     reply: oneshot::Sender<W::Outcome>,
 }
 
+/// A worker's queue and what its batches in flight hold, shared by the worker and the callers
+/// that start a batch of one themselves (see [`Batcher::submit`]).
+struct Worker<W: BatchWriter> {
+    queue: mpsc::Sender<Job<W>>,
+    shared: Arc<Shared>,
+}
+
+/// What one worker's batches in flight hold, and the signal that one of them finished.
+struct Shared {
+    in_flight: Mutex<InFlight>,
+    finished: Notify,
+    settings: GroupCommitSettings,
+}
+
+/// A worker's batches in flight: at most `pipeline` of them, each of at most `max_batch` calls,
+/// so `routes` holds at most `pipeline` times `max_batch` entries.
+struct InFlight {
+    batches: usize,
+    calls: usize,
+    /// The routes of the calls in flight, each with its number of calls.
+    routes: HashMap<String, usize>,
+    cooling: [u8; ROUTE_SLOTS],
+    /// Calls queued and not yet in a batch the worker started (those it holds count too): while
+    /// any wait, a caller does not start a batch of its own ahead of them.
+    waiting: usize,
+}
+
+impl InFlight {
+    /// Whether a batch may start now: at once when none runs; while batches run, only while
+    /// fewer than `pipeline` run and each of them holds one call (light load).
+    fn may_start(&self, pipeline: usize) -> bool {
+        self.batches == 0 || (self.batches < pipeline && self.calls <= self.batches)
+    }
+
+    /// Counts a batch of calls with `routes` in flight; whether it is `route_alone`.
+    fn start(&mut self, routes: &[String], unlocked: bool) -> bool {
+        let route_alone = unlocked && starts_route_alone(routes, &self.routes, self.batches, &mut self.cooling);
+        for route in routes {
+            *self.routes.entry(route.clone()).or_default() += 1;
+        }
+        self.batches += 1;
+        self.calls += routes.len();
+        route_alone
+    }
+
+    /// A batch done: its calls and their routes no longer in flight.
+    fn finish(&mut self, routes: &[String]) {
+        self.batches -= 1;
+        self.calls -= routes.len();
+        for route in routes {
+            if let Some(count) = self.routes.get_mut(route) {
+                *count -= 1;
+                if *count == 0 {
+                    self.routes.remove(route);
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn new(settings: GroupCommitSettings) -> Self {
+        let in_flight =
+            InFlight { batches: 0, calls: 0, routes: HashMap::new(), cooling: [0; ROUTE_SLOTS], waiting: 0 };
+        Self { in_flight: Mutex::new(in_flight), finished: Notify::new(), settings }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, InFlight> {
+        // The state is counts, updated whole under the lock: one left by a panic is consistent.
+        self.in_flight.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A batch in flight, counted in its worker's [`InFlight`] until dropped, when the batch has
+/// ended (its task finished or panicked): then its routes are no longer in flight and the
+/// worker is told.
+struct Started {
+    shared: Arc<Shared>,
+    routes: Vec<String>,
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        self.shared.lock().finish(&self.routes);
+        self.shared.finished.notify_one();
+    }
+}
+
 /// The queues in front of the batch workers, one per worker, each call routed to one by
 /// [`BatchWriter::route`]. Dropping it ends the workers once their batches in flight finish.
 pub(in crate::ledger) struct Batcher<W: BatchWriter> {
-    queues: Vec<mpsc::Sender<Job<W>>>,
+    workers: Vec<Worker<W>>,
+    writer: Arc<W>,
     metrics: LedgerMetrics,
 }
 
@@ -139,33 +229,65 @@ impl<W: BatchWriter> Batcher<W> {
     /// Starts `settings.workers` workers on the current tokio runtime, writing with `writer`.
     pub(in crate::ledger) fn start(writer: W, settings: GroupCommitSettings, metrics: LedgerMetrics) -> Self {
         let writer = Arc::new(writer);
-        let queues = (0..settings.workers.max(1))
+        let workers = (0..settings.workers.max(1))
             .map(|_| {
-                let (jobs, queue) = mpsc::channel(settings.queue_max.max(1));
-                tokio::spawn(work(writer.clone(), queue, settings, metrics.clone()));
-                jobs
+                let (queue, jobs) = mpsc::channel(settings.queue_max.max(1));
+                let shared = Arc::new(Shared::new(settings));
+                tokio::spawn(work(writer.clone(), jobs, shared.clone(), metrics.clone()));
+                Worker { queue, shared }
             })
             .collect();
-        Self { queues, metrics }
+        Self { workers, writer, metrics }
     }
 
-    /// Queues a call and waits for its batch. [`BatchWriter::not_started`] with OVERLOADED when
-    /// its queue is full (nothing read or written), with `None` when the workers are gone.
+    /// Writes a call in a batch and waits for its outcome. When its worker would start a batch
+    /// of it at once (no call waits, and a batch may start: see [`GroupCommitSettings::pipeline`])
+    /// the call starts a batch of one itself, with no hand-off to the worker; otherwise it is
+    /// queued for the worker's next batch. [`BatchWriter::not_started`] with OVERLOADED when its
+    /// queue is full (nothing read or written), with `Some(CallerGone)` when its caller has
+    /// gone before its batch starts, with `None` when the workers are gone. The batch runs on a
+    /// task of its own: a caller that goes away once it started leaves it to finish.
     pub(in crate::ledger) async fn submit(&self, call: W::Call, presence: CallerPresence) -> W::Outcome {
         let mut hasher = std::hash::DefaultHasher::new();
         W::route(&call).hash(&mut hasher);
-        let queue = &self.queues[(hasher.finish() % self.queues.len() as u64) as usize];
-        let (reply, outcome) = oneshot::channel();
+        let worker = &self.workers[(hasher.finish() % self.workers.len() as u64) as usize];
+        if let Some(deadline_passed) = presence.gone() {
+            self.metrics.group_commit_not_started.inc();
+            return W::not_started(Some(Error::CallerGone { deadline_passed }));
+        }
         let link = tracing::Span::current().context().span().span_context().clone();
-        match queue.try_send(Job { call, presence, link, reply }) {
-            Ok(()) => {
-                self.metrics.group_commit_queue_depth.inc();
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
+        let shared = &worker.shared;
+        let started = {
+            let mut in_flight = shared.lock();
+            if in_flight.waiting == 0 && in_flight.may_start(shared.settings.pipeline.max(1)) {
+                let routes = vec![W::route(&call).to_owned()];
+                let route_alone = in_flight.start(&routes, shared.settings.unlocked);
+                Some((Started { shared: shared.clone(), routes }, route_alone))
+            } else if in_flight.waiting >= shared.settings.queue_max.max(1) {
+                drop(in_flight);
                 self.metrics.shed(SHED_QUEUE_FULL);
                 return W::not_started(Some(Error::Overloaded(SHED_QUEUE_FULL)));
+            } else {
+                in_flight.waiting += 1;
+                self.metrics.group_commit_queue_depth.inc();
+                None
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => return W::not_started(None),
+        };
+        if let Some((started, route_alone)) = started {
+            let writer = self.writer.clone();
+            let batch = tokio::spawn(async move {
+                let mut outcomes = write_batch(&*writer, vec![call], &[link], route_alone).await;
+                drop(started);
+                outcomes.pop().unwrap_or_else(|| W::not_started(None))
+            });
+            return batch.await.unwrap_or_else(|_| W::not_started(None));
+        }
+        let (reply, outcome) = oneshot::channel();
+        // The queue holds no more than `waiting`, which stays within `queue_max`: it is never full.
+        if worker.queue.try_send(Job { call, presence, link, reply }).is_err() {
+            shared.lock().waiting -= 1;
+            self.metrics.group_commit_queue_depth.dec();
+            return W::not_started(None);
         }
         outcome.await.unwrap_or_else(|_| W::not_started(None))
     }
@@ -177,9 +299,10 @@ impl<W: BatchWriter> Batcher<W> {
 /// served beside the first instead of after it, and once batches hold several calls (the
 /// database is busy) calls queue up for the next batch, which takes them together: on two
 /// cores a batch's CPU, not its round trips, bounds the rate there, and more, smaller batches in
-/// flight lose (docs/benchmarks-history.md, "Batches in flight under light load"). A call whose caller has
-/// gone when its batch is formed is answered [`BatchWriter::not_started`] and left out. Once the
-/// queue is closed, the batches in flight finish before the worker ends.
+/// flight lose (docs/benchmarks-history.md, "Batches in flight under light load"). The batches
+/// callers start themselves ([`Batcher::submit`]) count among those in flight. A call whose
+/// caller has gone when its batch is formed is answered [`BatchWriter::not_started`] and left
+/// out. Once the queue is closed, the batches in flight finish before the worker ends.
 ///
 /// Batches in flight at once take their row locks in one order (orders by key, then accounts
 /// by account_id, as every transaction of the ledger does), so two batches on the same rows
@@ -187,39 +310,17 @@ impl<W: BatchWriter> Batcher<W> {
 async fn work<W: BatchWriter>(
     writer: Arc<W>,
     mut queue: mpsc::Receiver<Job<W>>,
-    settings: GroupCommitSettings,
+    shared: Arc<Shared>,
     metrics: LedgerMetrics,
 ) {
-    let (max_batch, pipeline) = (settings.max_batch.max(1), settings.pipeline.max(1));
-    // Each batch in flight returns the routes of the calls it holds.
-    let mut running = tokio::task::JoinSet::new();
-    let mut running_calls = 0;
-    // The routes of the calls in flight, each with its number of calls: at most `pipeline`
-    // batches of `max_batch` calls.
-    let mut routes: HashMap<String, usize> = HashMap::new();
-    let mut cooling = [0_u8; ROUTE_SLOTS];
+    let (max_batch, pipeline) = (shared.settings.max_batch.max(1), shared.settings.pipeline.max(1));
     loop {
-        // Each batch in flight holds one call: the database is not busy.
-        let light_load = running_calls <= running.len();
-        let may_start = running.is_empty() || (running.len() < pipeline && light_load);
-        if !may_start {
-            if let Some(Ok(done)) = running.join_next().await {
-                finished(done, &mut running_calls, &mut routes);
-            }
+        // Calls queue up while no batch may start, for the next batch to take together.
+        if !shared.lock().may_start(pipeline) {
+            shared.finished.notified().await;
             continue;
         }
-        let first = tokio::select! {
-            job = queue.recv() => match job {
-                Some(job) => job,
-                None => break,
-            },
-            Some(done) = running.join_next(), if !running.is_empty() => {
-                if let Ok(done) = done {
-                    finished(done, &mut running_calls, &mut routes);
-                }
-                continue;
-            }
-        };
+        let Some(first) = queue.recv().await else { break };
         let mut taken = vec![first];
         while taken.len() < max_batch {
             match queue.try_recv() {
@@ -227,32 +328,44 @@ async fn work<W: BatchWriter>(
                 Err(_) => break,
             }
         }
-        metrics.group_commit_queue_depth.dec_by(taken.len() as i64);
-        let mut jobs = Vec::with_capacity(taken.len());
-        for job in taken {
-            match job.presence.gone() {
-                Some(deadline_passed) => {
-                    metrics.group_commit_not_started.inc();
-                    let _ = job.reply.send(W::not_started(Some(Error::CallerGone { deadline_passed })));
+        // Batches callers started may have taken the room meanwhile: the calls taken wait for it.
+        let (started, route_alone) = loop {
+            {
+                let mut in_flight = shared.lock();
+                if in_flight.may_start(pipeline) {
+                    in_flight.waiting -= taken.len();
+                    metrics.group_commit_queue_depth.dec_by(taken.len() as i64);
+                    let mut jobs = Vec::with_capacity(taken.len());
+                    for job in taken.drain(..) {
+                        match job.presence.gone() {
+                            Some(deadline_passed) => {
+                                metrics.group_commit_not_started.inc();
+                                let _ = job.reply.send(W::not_started(Some(Error::CallerGone { deadline_passed })));
+                            }
+                            None => jobs.push(job),
+                        }
+                    }
+                    if jobs.is_empty() {
+                        break (None, false);
+                    }
+                    let routes: Vec<String> = jobs.iter().map(|job| W::route(&job.call).to_owned()).collect();
+                    let route_alone = in_flight.start(&routes, shared.settings.unlocked);
+                    break (Some((Started { shared: shared.clone(), routes }, jobs)), route_alone);
                 }
-                None => jobs.push(job),
             }
-        }
-        if !jobs.is_empty() {
-            let calls: Vec<String> = jobs.iter().map(|job| W::route(&job.call).to_owned()).collect();
-            let route_alone = settings.unlocked && starts_route_alone(&calls, &routes, running.len(), &mut cooling);
-            for route in &calls {
-                *routes.entry(route.clone()).or_default() += 1;
-            }
-            running_calls += calls.len();
-            let batch = run_batch(writer.clone(), jobs, route_alone);
-            running.spawn(async move {
-                batch.await;
-                calls
+            shared.finished.notified().await;
+        };
+        if let Some((started, jobs)) = started {
+            let writer = writer.clone();
+            tokio::spawn(async move {
+                run_batch(&*writer, jobs, route_alone).await;
+                drop(started);
             });
         }
     }
-    while running.join_next().await.is_some() {}
+    while shared.lock().batches > 0 {
+        shared.finished.notified().await;
+    }
 }
 
 /// The most other batches in flight beside which a batch may be `route_alone`: past it the
@@ -297,38 +410,155 @@ fn starts_route_alone(
     alone
 }
 
-/// A batch done: its calls and their routes no longer in flight.
-fn finished(calls: Vec<String>, running_calls: &mut usize, routes: &mut HashMap<String, usize>) {
-    *running_calls -= calls.len();
-    for route in calls {
-        if let Some(count) = routes.get_mut(&route) {
-            *count -= 1;
-            if *count == 0 {
-                routes.remove(&route);
-            }
-        }
-    }
-}
-
 /// Writes one batch and answers each of its calls.
-async fn run_batch<W: BatchWriter>(writer: Arc<W>, jobs: Vec<Job<W>>, route_alone: bool) {
-    let span = tracing::info_span!("group_commit", calls = jobs.len());
-    for job in &jobs {
-        if job.link.is_valid() {
-            span.add_link(job.link.clone());
-        }
-    }
+async fn run_batch<W: BatchWriter>(writer: &W, jobs: Vec<Job<W>>, route_alone: bool) {
+    let links: Vec<_> = jobs.iter().map(|job| job.link.clone()).collect();
     let (calls, replies): (Vec<W::Call>, Vec<_>) = jobs.into_iter().map(|job| (job.call, job.reply)).unzip();
-    let outcomes = writer.write(calls, route_alone).instrument(span).await;
+    let outcomes = write_batch(writer, calls, &links, route_alone).await;
     for (reply, outcome) in replies.into_iter().zip(outcomes) {
         // The caller may be gone (client cancelled); the batch is committed regardless.
         let _ = reply.send(outcome);
     }
 }
 
+/// Writes one batch in a span of its own linked to each call's span; one outcome per call.
+async fn write_batch<W: BatchWriter>(
+    writer: &W,
+    calls: Vec<W::Call>,
+    links: &[opentelemetry::trace::SpanContext],
+    route_alone: bool,
+) -> Vec<W::Outcome> {
+    let span = tracing::info_span!("group_commit", calls = calls.len());
+    for link in links.iter().filter(|link| link.is_valid()) {
+        span.add_link(link.clone());
+    }
+    writer.write(calls, route_alone).instrument(span).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+
+    /// Writes each call (a route) as its outcome (the route and the size of its batch), after a
+    /// pause, noting the most batches in flight at once; a call routed "panic" panics its batch.
+    #[derive(Default)]
+    struct Recorder {
+        in_flight: AtomicUsize,
+        most_in_flight: AtomicUsize,
+        batches: AtomicUsize,
+    }
+
+    impl BatchWriter for Arc<Recorder> {
+        type Call = String;
+        type Outcome = Option<(String, usize)>;
+
+        fn route(call: &String) -> &str {
+            call
+        }
+
+        async fn write(&self, calls: Vec<String>, _route_alone: bool) -> Vec<Self::Outcome> {
+            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_in_flight.fetch_max(now, Ordering::SeqCst);
+            self.batches.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            assert!(!calls.iter().any(|call| call == "panic"), "a planted panic");
+            let size = calls.len();
+            calls.into_iter().map(|call| Some((call, size))).collect()
+        }
+
+        fn not_started(_refusal: Option<Error>) -> Self::Outcome {
+            None
+        }
+    }
+
+    fn settings(pipeline: usize) -> GroupCommitSettings {
+        GroupCommitSettings { pipeline, ..GroupCommitSettings::default() }
+    }
+
+    /// `submit`, failing after 20 s rather than hanging on a batch that never ends.
+    async fn submit(batcher: &Batcher<Arc<Recorder>>, call: &str) -> Option<(String, usize)> {
+        let submitted = batcher.submit(call.to_owned(), CallerPresence::default());
+        tokio::time::timeout(Duration::from_secs(20), submitted).await.expect("answered within 20 s")
+    }
+
+    /// Waits until every batch of the batcher's workers has ended and nothing waits.
+    async fn settled(batcher: &Batcher<Arc<Recorder>>) -> bool {
+        for _ in 0..200 {
+            let idle = batcher.workers.iter().all(|worker| {
+                let in_flight = worker.shared.lock();
+                in_flight.batches == 0 && in_flight.calls == 0 && in_flight.routes.is_empty() && in_flight.waiting == 0
+            });
+            if idle {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        false
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_alone_is_a_batch_of_one_and_every_call_gets_its_own_outcome() {
+        let recorder = Arc::new(Recorder::default());
+        let batcher = Batcher::start(recorder.clone(), settings(DEFAULT_PIPELINE), LedgerMetrics::default());
+        for n in 0..3 {
+            let outcome = submit(&batcher, &format!("m{n}")).await;
+            assert_eq!(outcome, Some((format!("m{n}"), 1)));
+        }
+        assert_eq!(recorder.batches.load(Ordering::SeqCst), 3);
+        assert!(settled(&batcher).await);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn under_load_calls_queue_into_batches_and_never_exceed_the_pipeline() {
+        for pipeline in [1, 2, DEFAULT_PIPELINE] {
+            let recorder = Arc::new(Recorder::default());
+            let batcher = Arc::new(Batcher::start(recorder.clone(), settings(pipeline), LedgerMetrics::default()));
+            let calls: Vec<_> = (0..200)
+                .map(|n| {
+                    let batcher = batcher.clone();
+                    tokio::spawn(async move { submit(&batcher, &format!("m{}", n % 7)).await })
+                })
+                .collect();
+            let mut answered = 0;
+            for (n, call) in calls.into_iter().enumerate() {
+                let (route, size) = call.await.unwrap().expect("every call is written");
+                assert_eq!(route, format!("m{}", n % 7));
+                assert!((1..=64).contains(&size));
+                answered += 1;
+            }
+            assert_eq!(answered, 200);
+            let most = recorder.most_in_flight.load(Ordering::SeqCst);
+            assert!(most <= pipeline, "pipeline {pipeline}: {most} batches in flight at once");
+            assert!(recorder.batches.load(Ordering::SeqCst) < 200, "pipeline {pipeline}: calls were batched");
+            assert!(settled(&batcher).await, "pipeline {pipeline}: nothing left in flight");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_panics_answers_its_calls_not_started_and_leaves_nothing_in_flight() {
+        let recorder = Arc::new(Recorder::default());
+        let batcher = Arc::new(Batcher::start(recorder.clone(), settings(DEFAULT_PIPELINE), LedgerMetrics::default()));
+        assert_eq!(submit(&batcher, "panic").await, None);
+        assert!(settled(&batcher).await, "a batch started by its caller");
+        let calls: Vec<_> = ["panic", "m1", "panic", "m2"]
+            .into_iter()
+            .map(|call| {
+                let batcher = batcher.clone();
+                tokio::spawn(async move { submit(&batcher, call).await })
+            })
+            .collect();
+        for call in calls {
+            if let Some((route, _)) = call.await.unwrap() {
+                assert_ne!(route, "panic");
+            }
+        }
+        assert!(settled(&batcher).await, "batches started by the worker");
+        assert_eq!(submit(&batcher, "m3").await, Some(("m3".to_owned(), 1)));
+    }
 
     #[test]
     fn a_batch_is_route_alone_only_beside_few_batches_none_of_its_route_nor_lately() {
