@@ -95,9 +95,9 @@ pub struct WriteSettings {
     /// batch locks its rows first. No effect on MariaDB or SQLite.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_UNLOCKED", default_value_t = true, action = clap::ArgAction::Set)]
     pub pay_batch_unlocked: bool,
-    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting in one
-    /// group-commit worker's queue; a call that finds it full is refused RESOURCE_EXHAUSTED
-    /// (reason OVERLOADED, pushback 100 ms) before any work.
+    /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting for a
+    /// batch of one group-commit worker; a call that finds that many waiting is refused
+    /// RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
     #[arg(long, env = "PAYLEDGER_PAY_QUEUE_MAX", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub pay_queue_max: u32,

@@ -57,8 +57,9 @@ pub struct GroupCommitSettings {
     /// beside the first, and under load calls queue for the next batch instead (see `work`).
     /// 1: one batch after another.
     pub pipeline: usize,
-    /// Most calls waiting in one worker's queue; a call that finds it full is refused
-    /// RESOURCE_EXHAUSTED (OVERLOADED).
+    /// Most calls waiting for a batch of one worker (queued, or taken by the worker and waiting
+    /// for room in the pipeline); a call that finds them full is refused RESOURCE_EXHAUSTED
+    /// (OVERLOADED).
     pub queue_max: usize,
     /// Whether a batch may be `route_alone` at all (see [`BatchWriter::write`]): on PostgreSQL
     /// such a batch of one is written without row locks. False: every batch locks its rows.
@@ -322,17 +323,18 @@ async fn work<W: BatchWriter>(
         }
         let Some(first) = queue.recv().await else { break };
         let mut taken = vec![first];
-        while taken.len() < max_batch {
-            match queue.try_recv() {
-                Ok(job) => taken.push(job),
-                Err(_) => break,
-            }
-        }
         // Batches callers started may have taken the room meanwhile: the calls taken wait for it.
         let (started, route_alone) = loop {
             {
                 let mut in_flight = shared.lock();
                 if in_flight.may_start(pipeline) {
+                    // What else has queued goes with them.
+                    while taken.len() < max_batch {
+                        match queue.try_recv() {
+                            Ok(job) => taken.push(job),
+                            Err(_) => break,
+                        }
+                    }
                     in_flight.waiting -= taken.len();
                     metrics.group_commit_queue_depth.dec_by(taken.len() as i64);
                     let mut jobs = Vec::with_capacity(taken.len());
@@ -443,7 +445,9 @@ mod tests {
     use std::time::Duration;
 
     /// Writes each call (a route) as its outcome (the route and the size of its batch), after a
-    /// pause, noting the most batches in flight at once; a call routed "panic" panics its batch.
+    /// pause (5 ms; 1 s for a call routed "slow"), noting the most batches in flight at
+    /// once; a call routed "panic" panics its batch. A call no batch started is answered with
+    /// the refusal's debug text ("gone" without one).
     #[derive(Default)]
     struct Recorder {
         in_flight: AtomicUsize,
@@ -451,38 +455,70 @@ mod tests {
         batches: AtomicUsize,
     }
 
+    type Answer = Result<(String, usize), String>;
+
     impl BatchWriter for Arc<Recorder> {
         type Call = String;
-        type Outcome = Option<(String, usize)>;
+        type Outcome = Answer;
 
         fn route(call: &String) -> &str {
             call
         }
 
-        async fn write(&self, calls: Vec<String>, _route_alone: bool) -> Vec<Self::Outcome> {
+        async fn write(&self, calls: Vec<String>, _route_alone: bool) -> Vec<Answer> {
             let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
             self.most_in_flight.fetch_max(now, Ordering::SeqCst);
             self.batches.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            let pause = if calls.iter().any(|call| call == "slow") { 1_000 } else { 5 };
+            tokio::time::sleep(Duration::from_millis(pause)).await;
             self.in_flight.fetch_sub(1, Ordering::SeqCst);
             assert!(!calls.iter().any(|call| call == "panic"), "a planted panic");
             let size = calls.len();
-            calls.into_iter().map(|call| Some((call, size))).collect()
+            calls.into_iter().map(|call| Ok((call, size))).collect()
         }
 
-        fn not_started(_refusal: Option<Error>) -> Self::Outcome {
-            None
+        fn not_started(refusal: Option<Error>) -> Answer {
+            Err(refusal.map_or_else(|| "gone".to_owned(), |error| format!("{error:?}")))
         }
     }
 
-    fn settings(pipeline: usize) -> GroupCommitSettings {
-        GroupCommitSettings { pipeline, ..GroupCommitSettings::default() }
+    fn settings(pipeline: usize, queue_max: usize) -> GroupCommitSettings {
+        GroupCommitSettings { pipeline, queue_max, ..GroupCommitSettings::default() }
+    }
+
+    fn start(pipeline: usize, queue_max: usize) -> (Arc<Recorder>, Arc<Batcher<Arc<Recorder>>>) {
+        let recorder = Arc::new(Recorder::default());
+        let batcher = Batcher::start(recorder.clone(), settings(pipeline, queue_max), LedgerMetrics::default());
+        (recorder, Arc::new(batcher))
     }
 
     /// `submit`, failing after 20 s rather than hanging on a batch that never ends.
-    async fn submit(batcher: &Batcher<Arc<Recorder>>, call: &str) -> Option<(String, usize)> {
+    async fn submit(batcher: &Batcher<Arc<Recorder>>, call: &str) -> Answer {
         let submitted = batcher.submit(call.to_owned(), CallerPresence::default());
         tokio::time::timeout(Duration::from_secs(20), submitted).await.expect("answered within 20 s")
+    }
+
+    /// `submit` on a task of its own.
+    fn spawn_submit(batcher: &Arc<Batcher<Arc<Recorder>>>, call: &str) -> tokio::task::JoinHandle<Answer> {
+        let (batcher, call) = (batcher.clone(), call.to_owned());
+        tokio::spawn(async move { submit(&batcher, &call).await })
+    }
+
+    /// The only worker's count of batches in flight and of calls waiting.
+    fn counts(batcher: &Batcher<Arc<Recorder>>) -> (usize, usize) {
+        let in_flight = batcher.workers[0].shared.lock();
+        (in_flight.batches, in_flight.waiting)
+    }
+
+    /// Polls until `check` holds (at most 10 s).
+    async fn until(what: &str, check: impl Fn() -> bool) {
+        for _ in 0..1_000 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("never: {what}");
     }
 
     /// Waits until every batch of the batcher's workers has ended and nothing waits.
@@ -492,7 +528,7 @@ mod tests {
                 let in_flight = worker.shared.lock();
                 in_flight.batches == 0 && in_flight.calls == 0 && in_flight.routes.is_empty() && in_flight.waiting == 0
             });
-            if idle {
+            if idle && batcher.metrics.group_commit_queue_depth.get() == 0 {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -502,11 +538,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_alone_is_a_batch_of_one_and_every_call_gets_its_own_outcome() {
-        let recorder = Arc::new(Recorder::default());
-        let batcher = Batcher::start(recorder.clone(), settings(DEFAULT_PIPELINE), LedgerMetrics::default());
+        let (recorder, batcher) = start(DEFAULT_PIPELINE, 1024);
         for n in 0..3 {
-            let outcome = submit(&batcher, &format!("m{n}")).await;
-            assert_eq!(outcome, Some((format!("m{n}"), 1)));
+            assert_eq!(submit(&batcher, &format!("m{n}")).await, Ok((format!("m{n}"), 1)));
         }
         assert_eq!(recorder.batches.load(Ordering::SeqCst), 3);
         assert!(settled(&batcher).await);
@@ -515,22 +549,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn under_load_calls_queue_into_batches_and_never_exceed_the_pipeline() {
         for pipeline in [1, 2, DEFAULT_PIPELINE] {
-            let recorder = Arc::new(Recorder::default());
-            let batcher = Arc::new(Batcher::start(recorder.clone(), settings(pipeline), LedgerMetrics::default()));
-            let calls: Vec<_> = (0..200)
-                .map(|n| {
-                    let batcher = batcher.clone();
-                    tokio::spawn(async move { submit(&batcher, &format!("m{}", n % 7)).await })
-                })
-                .collect();
-            let mut answered = 0;
+            let (recorder, batcher) = start(pipeline, 1024);
+            let calls: Vec<_> = (0..200).map(|n| spawn_submit(&batcher, &format!("m{}", n % 7))).collect();
             for (n, call) in calls.into_iter().enumerate() {
                 let (route, size) = call.await.unwrap().expect("every call is written");
                 assert_eq!(route, format!("m{}", n % 7));
                 assert!((1..=64).contains(&size));
-                answered += 1;
             }
-            assert_eq!(answered, 200);
             let most = recorder.most_in_flight.load(Ordering::SeqCst);
             assert!(most <= pipeline, "pipeline {pipeline}: {most} batches in flight at once");
             assert!(recorder.batches.load(Ordering::SeqCst) < 200, "pipeline {pipeline}: calls were batched");
@@ -539,25 +564,38 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_batch_that_panics_answers_its_calls_not_started_and_leaves_nothing_in_flight() {
-        let recorder = Arc::new(Recorder::default());
-        let batcher = Arc::new(Batcher::start(recorder.clone(), settings(DEFAULT_PIPELINE), LedgerMetrics::default()));
-        assert_eq!(submit(&batcher, "panic").await, None);
-        assert!(settled(&batcher).await, "a batch started by its caller");
-        let calls: Vec<_> = ["panic", "m1", "panic", "m2"]
-            .into_iter()
-            .map(|call| {
-                let batcher = batcher.clone();
-                tokio::spawn(async move { submit(&batcher, call).await })
-            })
-            .collect();
-        for call in calls {
-            if let Some((route, _)) = call.await.unwrap() {
-                assert_ne!(route, "panic");
-            }
+    async fn calls_past_queue_max_are_overloaded_and_the_waiting_ones_go_as_one_batch() {
+        let (recorder, batcher) = start(1, 2);
+        let slow = spawn_submit(&batcher, "slow");
+        until("the slow call's batch started", || counts(&batcher) == (1, 0)).await;
+        let queued: Vec<_> = ["m1", "m2"].iter().map(|call| spawn_submit(&batcher, call)).collect();
+        until("two calls wait", || counts(&batcher) == (1, 2)).await;
+        assert_eq!(batcher.metrics.group_commit_queue_depth.get(), 2);
+        let refused = submit(&batcher, "m3").await.unwrap_err();
+        assert!(refused.contains("Overloaded"), "{refused}");
+        assert_eq!(slow.await.unwrap(), Ok(("slow".to_owned(), 1)));
+        for (call, answer) in ["m1", "m2"].iter().zip(queued) {
+            assert_eq!(answer.await.unwrap(), Ok(((*call).to_owned(), 2)), "both in the worker's one batch");
         }
-        assert!(settled(&batcher).await, "batches started by the worker");
-        assert_eq!(submit(&batcher, "m3").await, Some(("m3".to_owned(), 1)));
+        assert_eq!(recorder.batches.load(Ordering::SeqCst), 2);
+        assert!(settled(&batcher).await);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_panics_answers_its_calls_not_started_and_leaves_nothing_in_flight() {
+        let (_, batcher) = start(1, 1024);
+        // Started by its caller.
+        assert_eq!(submit(&batcher, "panic").await, Err("gone".to_owned()));
+        assert!(settled(&batcher).await, "after a batch its caller started");
+        // Started by the worker: queued behind a batch in flight.
+        let first = spawn_submit(&batcher, "slow");
+        until("the slow call's batch started", || counts(&batcher) == (1, 0)).await;
+        let queued = spawn_submit(&batcher, "panic");
+        until("the planted panic waits", || counts(&batcher) == (1, 1)).await;
+        assert_eq!(first.await.unwrap(), Ok(("slow".to_owned(), 1)));
+        assert_eq!(queued.await.unwrap(), Err("gone".to_owned()));
+        assert!(settled(&batcher).await, "after a batch the worker started");
+        assert_eq!(submit(&batcher, "m1").await, Ok(("m1".to_owned(), 1)));
     }
 
     #[test]
