@@ -204,7 +204,9 @@ impl Ledger {
     /// [`Error::NotFound`] (ACCOUNT_NOT_FOUND).
     pub async fn get_account(&self, account_id: &AccountId) -> Result<AccountRow, Error> {
         let mut reader = self.store.reader().await?;
-        reader.queries().find_account(account_id.as_str()).await?.ok_or(Error::NotFound(Resource::Account))
+        let account = reader.queries().find_account(account_id.as_str()).await?;
+        reader.release();
+        account.ok_or(Error::NotFound(Resource::Account))
     }
 
     /// # Errors

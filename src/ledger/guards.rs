@@ -395,6 +395,7 @@ impl GuardSession<'_> {
         let Some(token) = self.token else { return Ok(false) };
         let mut reader = self.ledger.store.reader().await?;
         let record = reader.queries().find_record(TOKEN_SCOPE, token.as_str()).await?;
+        reader.release();
         Ok(record.is_some_and(|record| record.response.is_some()))
     }
 
@@ -493,7 +494,9 @@ impl GuardSession<'_> {
         let consume_token = self.database_token().map(str::to_owned);
         if let Some(token) = &consume_token {
             let mut reader = self.ledger.store.reader().await?;
-            let row = reader.queries().find_token(token).await?.ok_or(Rejection::TokenInvalid)?;
+            let row = reader.queries().find_token(token).await?;
+            reader.release();
+            let row = row.ok_or(Rejection::TokenInvalid)?;
             if !self.may_use(&token_owner(&row.merchant_id, row.caller_tag.as_deref())) {
                 return Err(Rejection::TokenInvalid.into());
             }

@@ -762,8 +762,9 @@ impl Ledger {
         let mut queries = reader.queries();
         let merchant_id = command.merchant_id.as_str();
         // One round trip: the payment by its key, with its order.
-        let Some((payment, order)) = queries.find_payment_and_order(merchant_id, command.out_trade_no.as_str()).await?
-        else {
+        let found = queries.find_payment_and_order(merchant_id, command.out_trade_no.as_str()).await?;
+        reader.release();
+        let Some((payment, order)) = found else {
             return Ok(None);
         };
         self.replay_of(command, payment, order).map(Some)
@@ -1024,7 +1025,9 @@ impl IdempotentCall for NewOrder {
     async fn natural_replay(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
         let mut reader = ledger.store.reader().await?;
         let (merchant_id, order_no) = (self.command.merchant_id.as_str(), self.command.order_no.as_str());
-        let Some((order, hold)) = reader.queries().find_order_and_hold(merchant_id, order_no).await? else {
+        let found = reader.queries().find_order_and_hold(merchant_id, order_no).await?;
+        reader.release();
+        let Some((order, hold)) = found else {
             return Ok(None);
         };
         // A capture leaves the order's amount at what was captured; the order was created for
@@ -1077,7 +1080,9 @@ impl IdempotentCall for CloseOrder {
     /// Closing a closed order changes nothing and answers the order as it stands.
     async fn replay_after_taken(&self, ledger: &Ledger) -> Result<Option<OrderRow>, Error> {
         let mut reader = ledger.store.reader().await?;
-        Ok(reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await?)
+        let order = reader.queries().find_order(self.merchant_id.as_str(), self.order_no.as_str()).await?;
+        reader.release();
+        Ok(order)
     }
 
     async fn body(&self, queries: &mut Queries<'_>, now: i64) -> Result<Inserted<OrderRow>, Error> {
@@ -1289,10 +1294,9 @@ impl IdempotentCall for Identified<Refund> {
         if !fields.is_empty() {
             return Err(Error::KeyReused { key: ReusedKey::OutRefundNo, fields });
         }
-        let (payment, order) = queries
-            .find_payment_and_order(merchant_id, &refund.out_trade_no)
-            .await?
-            .ok_or_else(|| Error::Internal("a refund's payment is missing".into()))?;
+        let found = queries.find_payment_and_order(merchant_id, &refund.out_trade_no).await?;
+        reader.release();
+        let (payment, order) = found.ok_or_else(|| Error::Internal("a refund's payment is missing".into()))?;
         let order = order_as_refunded(&refund, &payment, order)?;
         Ok(Some(RefundReceipt { refund, order }))
     }

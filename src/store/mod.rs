@@ -16,6 +16,7 @@ mod dialect;
 mod migrations;
 mod queries;
 mod rows;
+mod warm;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -109,6 +110,8 @@ fn without_reaper(options: AnyPoolOptions, max_age: Option<Duration>) -> AnyPool
 #[derive(Clone)]
 pub struct Store {
     pool: AnyPool,
+    /// Connections of the pool released last by readers, handed out first (see [`warm`]).
+    warm: Arc<warm::WarmSet>,
     dialect: Dialect,
     /// SQLite has one writer at a time. Write transactions of this process queue here, in
     /// FIFO order, instead of polling SQLite's busy handler; the busy timeout still covers
@@ -302,8 +305,11 @@ impl Store {
         // `PoolSettings::plan_lifetime`); an older connection is closed when it is released or
         // next taken. The other backends plan at each execution (MariaDB, MySQL) or from fixed
         // estimates (SQLite), and keep their connections.
+        // A connection kept warm passes through the pool at least every tenth of that age
+        // (`warm`), so the pool's own bound is the rest: none is used past the plan lifetime.
         let max_age = (dialect == Dialect::Postgres).then_some(settings.plan_lifetime);
-        let pool = without_reaper(AnyPoolOptions::new(), max_age)
+        let warm_hold = max_age.map_or(warm::WARM_HOLD, |max_age| max_age / 10);
+        let pool = without_reaper(AnyPoolOptions::new(), max_age.map(|max_age| max_age - warm_hold))
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)
             // No ping on every checkout: it costs a round trip per request. A connection that
@@ -334,6 +340,8 @@ impl Store {
         up.set(1);
         Ok(Self {
             pool,
+            // None kept on MySQL/MariaDB (see `warm`).
+            warm: Arc::new(warm::WarmSet::new(warm_hold, dialect != Dialect::MySql)),
             dialect,
             write_gate,
             lock_timeout: settings.lock_timeout,
@@ -511,7 +519,8 @@ impl Store {
             ),
             None => None,
         };
-        let connection = self.acquire().await?;
+        // A transaction's connection goes back through sqlx's pool (see `warm`).
+        let connection = self.acquire().await?.into_pool_connection();
         let begin = if self.galera { dialect::GALERA_BEGIN } else { self.dialect.begin_statement() };
         // What `Pool::begin_with` does, after the acquire is timed.
         let transaction = Transaction::begin(connection, Some(begin.into())).await?;
@@ -546,7 +555,8 @@ impl Store {
         // The guard first: a future dropped while a statement below is in flight closes the
         // connection rather than pooling it inside the transaction (or, on MySQL, with the
         // next transaction's isolation level set).
-        let mut snapshot = Snapshot { connection: Some(self.acquire().await?), dialect: self.dialect };
+        let connection = self.acquire().await?.into_pool_connection();
+        let mut snapshot = Snapshot { connection: Some(connection), dialect: self.dialect };
         let (before, begin) = self.dialect.snapshot_statements();
         let connection = snapshot.connection.as_mut().expect("just taken");
         for statement in before.into_iter().chain([begin]) {
@@ -555,9 +565,9 @@ impl Store {
         Ok(snapshot)
     }
 
-    async fn acquire(&self) -> Result<PoolConnection<Any>, sqlx::Error> {
+    async fn acquire(&self) -> Result<warm::Pooled, sqlx::Error> {
         let started = Instant::now();
-        let connection = self.pool.acquire().await;
+        let connection = self.warm.take(&self.pool).await;
         self.acquire_duration.observe(started.elapsed().as_secs_f64());
         let mut connection = connection?;
         if self.galera {
@@ -589,7 +599,7 @@ impl Store {
 
     /// The pool now: connections open, of those idle, and the most it opens.
     pub fn pool_state(&self) -> (u32, u32, u32) {
-        let idle = u32::try_from(self.pool.num_idle()).unwrap_or(u32::MAX);
+        let idle = u32::try_from(self.pool.num_idle() + self.warm.len()).unwrap_or(u32::MAX);
         (self.pool.size(), idle, self.max_connections)
     }
 
@@ -687,6 +697,7 @@ impl Store {
 
     /// Closes the pool, waiting for connections in use to come back.
     pub async fn close(&self) {
+        self.warm.close();
         self.pool.close().await;
         self.probe.close().await;
     }
@@ -991,7 +1002,7 @@ impl Drop for Snapshot {
 
 /// A pooled connection for reads.
 pub struct Reader {
-    connection: PoolConnection<Any>,
+    connection: warm::Pooled,
     dialect: Dialect,
 }
 
@@ -1007,5 +1018,13 @@ impl Reader {
     /// The driver error.
     pub async fn ping(&mut self) -> Result<(), sqlx::Error> {
         self.connection.ping().await
+    }
+
+    /// Ends the reads, each of which succeeded (a statement that commits itself included): on
+    /// PostgreSQL and SQLite the connection is kept warm, handed out first (see [`warm`]). A
+    /// reader dropped without it (after an error, say) goes back through sqlx's pool, whose
+    /// release ping closes a broken connection.
+    pub fn release(mut self) {
+        self.connection.released_clean();
     }
 }

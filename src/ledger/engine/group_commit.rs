@@ -546,13 +546,21 @@ async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMe
         Ok(read) => read,
         Err(error) => return not_read(error),
     };
+    // The connection is kept warm after a read or write that succeeded; after anything else
+    // it goes back through the pool, which checks it (see `Reader::release`).
     if let Some(outcome) = batched.write.decided_before(&read) {
+        reader.release();
         return Unlocked::Done(outcome);
     }
     if runs_alone(&[batched], &read).contains(&true) {
+        reader.release();
         return Unlocked::Done(Outcome::Alone);
     }
     match write_read(&mut queries, batched, &read, &prefetched, metrics).await {
+        Some(outcome @ Outcome::Written(..)) => {
+            reader.release();
+            Unlocked::Done(outcome)
+        }
         Some(outcome) => Unlocked::Done(outcome),
         None => Unlocked::UnderLocks(read),
     }
@@ -766,6 +774,7 @@ async fn read_payments(store: &Store, calls: &[Batched]) -> Result<(Vec<Option<O
     for (payment, order) in reader.queries().find_payments_and_orders(&keys).await? {
         found.add_payment(payment, order);
     }
+    reader.release();
     let outcomes = calls.iter().map(|batched| batched.write.decided_before(&found)).collect();
     Ok((outcomes, found))
 }
