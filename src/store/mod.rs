@@ -109,6 +109,8 @@ fn without_reaper(options: AnyPoolOptions, max_age: Option<Duration>) -> AnyPool
 /// A connection pool to one database, and the rules of its dialect.
 #[derive(Clone)]
 pub struct Store {
+    /// Taken from directly only at start (migrations, the schema check): a taker there waits
+    /// uncounted by `warm`, which may then keep a connection it could have had.
     pool: AnyPool,
     /// Connections of the pool released last by readers, handed out first (see [`warm`]).
     warm: Arc<warm::WarmSet>,
@@ -305,10 +307,11 @@ impl Store {
         // `PoolSettings::plan_lifetime`); an older connection is closed when it is released or
         // next taken. The other backends plan at each execution (MariaDB, MySQL) or from fixed
         // estimates (SQLite), and keep their connections.
-        // A connection kept warm passes through the pool at least every tenth of that age
-        // (`warm`), so the pool's own bound is the rest: none is used past the plan lifetime.
+        // A connection kept warm is handed out at most a tenth of that age (and at most 5 s)
+        // after it last left the pool (`warm`), so the pool's own bound is the rest: none is
+        // used past the plan lifetime.
         let max_age = (dialect == Dialect::Postgres).then_some(settings.plan_lifetime);
-        let warm_hold = max_age.map_or(warm::WARM_HOLD, |max_age| max_age / 10);
+        let warm_hold = max_age.map_or(warm::WARM_HOLD, |max_age| (max_age / 10).min(warm::WARM_HOLD));
         let pool = without_reaper(AnyPoolOptions::new(), max_age.map(|max_age| max_age - warm_hold))
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.acquire_timeout)

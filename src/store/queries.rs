@@ -1885,8 +1885,12 @@ impl<'c> Queries<'c> {
                 expected.iter().enumerate().filter(|(part, _)| has(*part)).map(|(_, count)| *count as i64).collect();
             let array: Vec<String> = counts.iter().map(i64::to_string).collect();
             query = query.bind(format!("{{{}}}", array.join(",")));
-            let row = match query.fetch_one(&mut *self.connection).await {
-                Ok(row) => row,
+            // Read to its end, not to its first row (sqlx's Any driver stops there in
+            // `fetch_one`, leaving the rest for the connection's next user): an error raised at
+            // the statement's end (an AFTER trigger's check) or by its implicit commit comes
+            // after the row, and `Ok(true)` must mean committed.
+            let row = match query.fetch_all(&mut *self.connection).await {
+                Ok(rows) => rows.into_iter().next().ok_or(sqlx::Error::RowNotFound)?,
                 Err(error) if batch::is_write_missed(&error) => return Ok(false),
                 Err(error) => return Err(error),
             };

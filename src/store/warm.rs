@@ -8,23 +8,24 @@
 //! pool of one connection than with the default 16 (docs/benchmarks-history.md, "Readers'
 //! connections, the one released last handed out first").
 //!
-//! So a [`Reader`](super::Reader) whose statements all succeeded (reads, and the write of a
-//! batch of one that commits itself: [`Pooled::released_clean`]) leaves its connection here,
+//! So a [`Reader`](super::Reader) whose statements all succeeded (the read before a batch, a
+//! replay's read, and a batch of one's read and write that commits itself:
+//! [`Pooled::released_clean`]) leaves its connection here,
 //! still checked out of sqlx's pool, and the next taker, reader or transaction, gets the one
 //! released last, with no ping. Everything else goes back through sqlx's pool as before:
-//! - a transaction's connection (a write transaction, a snapshot): kept here, a connection
-//!   reused by transaction after transaction with no ping between them made `transfer` at one
-//!   caller about 10% slower on PostgreSQL, and `pay` on MariaDB 25 to 30% slower (there only
-//!   with readers' connections kept too; the server counted the same statements, the pings
-//!   aside). The cause was not found;
+//! - a transaction's connection (a write transaction, a snapshot). Keeping those too was
+//!   measured: a connection reused by transaction after transaction with no ping between them
+//!   made `transfer` at one caller about 10% slower on PostgreSQL, and `pay` on MariaDB 25 to
+//!   30% slower (there only with readers' connections kept too; the server counted the same
+//!   statements, the pings aside). The cause was not found;
 //! - a connection dropped after an error or a cancellation: sqlx's release ping closes a broken
 //!   one, so a connection the database ended fails one use at most;
 //! - one released while a taker waits on sqlx's pool, so no taker waits while a connection
 //!   sits here;
-//! - one out of sqlx's pool longer than its hold, so sqlx's age and idle bounds still apply (a
-//!   connection passes through them at least that often). On PostgreSQL the hold is a tenth of
-//!   `--plan-lifetime-seconds` and sqlx's age bound the rest, so no connection is used past
-//!   the plan lifetime; elsewhere it is [`WARM_HOLD`];
+//! - one whose hold is over: none is handed out or kept longer than its hold after it last
+//!   left sqlx's pool, so sqlx's age and idle bounds still apply. The hold is [`WARM_HOLD`]
+//!   (5 s), on PostgreSQL at most a tenth of `--plan-lifetime-seconds`, and sqlx's own age bound
+//!   is lowered by as much, so no connection is used past the plan lifetime;
 //! - every one on MySQL/MariaDB, where keeping readers' connections alone measured no faster;
 //! - every one once the store closes.
 //!
@@ -78,8 +79,9 @@ impl WarmSet {
     /// error of opening a new connection.
     pub(super) async fn take(self: &Arc<Self>, pool: &AnyPool) -> Result<Pooled, sqlx::Error> {
         let mut stale = Vec::new();
+        let mut waiting = None;
         let warm = {
-            let mut state = self.state.lock().expect("warm set lock");
+            let mut state = self.state();
             let mut warm = None;
             while let Some(idle) = state.idle.pop() {
                 if idle.taken.elapsed() > self.hold {
@@ -91,6 +93,7 @@ impl WarmSet {
             }
             if warm.is_none() {
                 state.waiting += 1;
+                waiting = Some(Waiting(self.as_ref()));
             }
             warm
         };
@@ -104,7 +107,6 @@ impl WarmSet {
                 clean: false,
             });
         }
-        let waiting = Waiting(self);
         let taken = pool.acquire().await;
         drop(waiting);
         Ok(Pooled { connection: Some(taken?), taken: Instant::now(), home: self.clone(), clean: false })
@@ -114,20 +116,26 @@ impl WarmSet {
     /// the pool closes, which waits for its connections to come back).
     pub(super) fn close(&self) {
         let idle = {
-            let mut state = self.state.lock().expect("warm set lock");
+            let mut state = self.state();
             state.closed = true;
             std::mem::take(&mut state.idle)
         };
         drop(idle);
     }
 
+    /// The set's state. Nothing panics while holding it; were it poisoned, its counts are
+    /// still whole (each is changed by one statement), so it is used as is.
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// How many connections are kept here.
     pub(super) fn len(&self) -> usize {
-        self.state.lock().expect("warm set lock").idle.len()
+        self.state().idle.len()
     }
 
     fn release(&self, connection: PoolConnection<Any>, taken: Instant) {
-        let mut state = self.state.lock().expect("warm set lock");
+        let mut state = self.state();
         if !self.keeps || state.closed || state.waiting > 0 || taken.elapsed() > self.hold {
             drop(state);
             drop(connection);
@@ -143,7 +151,7 @@ struct Waiting<'a>(&'a WarmSet);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.state.lock().expect("warm set lock").waiting -= 1;
+        self.0.state().waiting -= 1;
     }
 }
 
@@ -297,7 +305,7 @@ mod tests {
     async fn a_connection_held_past_its_hold_goes_back_through_the_pool() {
         let directory = tempfile::tempdir().unwrap();
         let pool = sqlite_pool(&directory, 2).await;
-        let warm = Arc::new(WarmSet::new(Duration::from_millis(100), true));
+        let warm = Arc::new(WarmSet::new(Duration::from_secs(1), true));
         let mut old = take(&warm, &pool).await;
         let mut other = take(&warm, &pool).await;
         mark(&mut old, "old").await;
@@ -306,16 +314,42 @@ mod tests {
         old.released_clean();
         drop(old);
         assert_eq!(warm.len(), 1);
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         // Past its hold, the kept one goes back to sqlx's pool, behind the one already there.
         let mut next = take(&warm, &pool).await;
         assert_eq!(warm.len(), 0);
         assert!(is_marked(&mut next, "other").await, "sqlx's pool's idle connection, not the stale one");
         // Released clean past its hold: not kept either.
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         next.released_clean();
         drop(next);
         assert_eq!(warm.len(), 0);
+    }
+
+    /// The hold counts from when the connection left sqlx's pool, not from its last use: one
+    /// reused warm without a pause still passes through sqlx's pool once its hold is over.
+    #[tokio::test]
+    async fn a_connection_reused_without_a_pause_still_goes_back_after_its_hold() {
+        let directory = tempfile::tempdir().unwrap();
+        let pool = sqlite_pool(&directory, 2).await;
+        let warm = Arc::new(WarmSet::new(Duration::from_secs(1), true));
+        let mut reused = take(&warm, &pool).await;
+        let other = take(&warm, &pool).await;
+        mark(&mut reused, "reused").await;
+        // Idle in sqlx's pool, ahead of the reused one when that one goes back.
+        drop(other);
+        reused.released_clean();
+        drop(reused);
+        let mut takes = Vec::new();
+        for _ in 0..25 {
+            let mut connection = take(&warm, &pool).await;
+            takes.push(is_marked(&mut connection, "reused").await);
+            connection.released_clean();
+            drop(connection);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(takes[0], "the kept one is handed out first");
+        assert!(takes.contains(&false), "past its hold it went back to sqlx's pool: {takes:?}");
     }
 
     #[tokio::test]
@@ -352,8 +386,10 @@ mod tests {
             return;
         };
         sqlx::any::install_default_drivers();
+        // One connection: the take after the failure has the pool's only slot, so it works only
+        // if sqlx's release ping closed the ended one.
         let pool = AnyPoolOptions::new()
-            .max_connections(2)
+            .max_connections(1)
             .acquire_timeout(Duration::from_secs(5))
             .test_before_acquire(false)
             .connect(&url)
