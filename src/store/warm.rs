@@ -10,9 +10,8 @@
 //!
 //! So a [`Reader`](super::Reader) whose statements all succeeded (the read before a batch, a
 //! replay's read, and a batch of one's read and write that commits itself:
-//! [`Pooled::released_clean`]) leaves its connection here,
-//! still checked out of sqlx's pool, and the next taker, reader or transaction, gets the one
-//! released last, with no ping. Everything else goes back through sqlx's pool as before:
+//! [`Pooled::released_clean`]) leaves its connection here, still checked out of sqlx's pool,
+//! and the next taker, reader or transaction, gets the one released last, with no ping. Everything else goes back through sqlx's pool as before:
 //! - a transaction's connection (a write transaction, a snapshot). Keeping those too was
 //!   measured: a connection reused by transaction after transaction with no ping between them
 //!   made `transfer` at one caller about 10% slower on PostgreSQL, and `pay` on MariaDB 25 to
@@ -22,10 +21,11 @@
 //!   one, so a connection the database ended fails one use at most;
 //! - one released while a taker waits on sqlx's pool, so no taker waits while a connection
 //!   sits here;
-//! - one whose hold is over: none is handed out or kept longer than its hold after it last
-//!   left sqlx's pool, so sqlx's age and idle bounds still apply. The hold is [`WARM_HOLD`]
-//!   (5 s), on PostgreSQL at most a tenth of `--plan-lifetime-seconds`, and sqlx's own age bound
-//!   is lowered by as much, so no connection is used past the plan lifetime;
+//! - one whose hold is over: none is handed out more than its hold after it last left sqlx's
+//!   pool (one past it goes back when next taken or released), so sqlx's age and idle bounds
+//!   still apply. The hold is [`WARM_HOLD`] (5 s), on PostgreSQL at most a tenth of
+//!   `--plan-lifetime-seconds`, and sqlx's own age bound is lowered by as much, so no
+//!   connection is used past the plan lifetime;
 //! - every one on MySQL/MariaDB, where keeping readers' connections alone measured no faster;
 //! - every one once the store closes.
 //!
@@ -37,14 +37,14 @@ use std::time::{Duration, Instant};
 use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool};
 
-/// The longest a connection stays out of sqlx's pool between two passes through it, where the
-/// connections' age is not bounded: 5 s.
+/// The longest a kept connection is handed out after it last left sqlx's pool: 5 s (on
+/// PostgreSQL at most a tenth of `--plan-lifetime-seconds`).
 pub(super) const WARM_HOLD: Duration = Duration::from_secs(5);
 
 /// Connections taken from sqlx's pool and released cleanly, most recent last.
 pub(super) struct WarmSet {
     state: Mutex<State>,
-    /// The longest a connection stays out of sqlx's pool between two passes through it.
+    /// The longest a kept connection is handed out after it last left sqlx's pool.
     hold: Duration,
     /// False: none is kept, every connection goes back through sqlx's pool.
     keeps: bool,
@@ -65,8 +65,8 @@ struct Idle {
 }
 
 impl WarmSet {
-    /// A warm set whose connections pass through sqlx's pool at least every `hold`; with
-    /// `keeps` false, one that keeps none.
+    /// A warm set that hands out no kept connection more than `hold` after it last left
+    /// sqlx's pool; with `keeps` false, one that keeps none.
     pub(super) fn new(hold: Duration, keeps: bool) -> Self {
         Self { state: Mutex::default(), hold, keeps }
     }
