@@ -11,6 +11,9 @@
 #                 itself (two-round-trips.sql): what an optimistic write path could cost;
 #   one-statement every row of a Pay in one statement, one round trip (one-statement.sql);
 #   pay           payledger's `pay` scenario through a release server (gRPC, 1 call = 1 Pay).
+#   health        `grpc.health.v1.Health/Check` of the same server (the `health` scenario): a
+#                 gRPC round trip through its transport and observation with no ledger work and
+#                 no statement, what any call costs before a Pay's own work.
 # The floor scripts run through pgbench on the server's own database (their own orders and
 # accounts, seeded by seed.sql) with the server's session settings (generic plans). Prints
 # each rate and its ratio to tpcb-like, and writes $OUT/floor-postgres.csv.
@@ -69,6 +72,8 @@ for clients in $CONCURRENCIES; do
   done
   COUNT=$(( 5000 * SECONDS_RUN )) bench "pay-$clients" pay "$clients" --duration-seconds "$SECONDS_RUN"
   echo "$clients,pay,$(rate "pay-$clients"),$(python3 -c "import json; print(json.load(open('$RESULTS/pay-$clients.json'))['latency_us']['mean'] / 1000)")" >> "$CSV"
+  COUNT=$(( 40000 * SECONDS_RUN )) bench "health-$clients" health "$clients" --duration-seconds "$SECONDS_RUN"
+  echo "$clients,health,$(rate "health-$clients"),$(python3 -c "import json; print(json.load(open('$RESULTS/health-$clients.json'))['latency_us']['mean'] / 1000)")" >> "$CSV"
   python3 - "$CSV" "$clients" <<'PY'
 import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["concurrency"] == sys.argv[2]]

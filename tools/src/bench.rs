@@ -22,6 +22,7 @@ use tower::Layer;
 use payledger_client::proto::account_service_client::AccountServiceClient;
 use payledger_client::proto::payment_service_client::PaymentServiceClient;
 use payledger_client::proto::{self, query_request::Key};
+use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
 
 use crate::AnyError;
 
@@ -62,6 +63,11 @@ pub enum Scenario {
     HotRefund,
     /// Query of paid orders by out_trade_no (the read path), each order about ten times.
     Query,
+    /// `grpc.health.v1.Health/Check` of the server as a whole: a gRPC round trip through the
+    /// server's transport, router and observation (metrics, access line) with no ledger work
+    /// and no database statement, the floor under every other scenario's call. Prepares no
+    /// data.
+    Health,
     /// 45% Pay (a third of the orders with an `expires_at` an hour ahead), 5% Authorize then
     /// Capture of part of it, 5% Authorize then Void (two calls each, timed as one), 5%
     /// Withdraw, 10% Refund, 10% Query, 10% Deposit, 10% Transfer; `--duplicate-ratio` re-sent.
@@ -144,6 +150,7 @@ pub struct BenchReport {
 struct Clients<S = Stub> {
     accounts: Vec<AccountServiceClient<S>>,
     payments: Vec<PaymentServiceClient<S>>,
+    health: Vec<HealthClient<S>>,
 }
 
 /// The preparation's stubs retry what a careful caller retries (UNAVAILABLE, ABORTED,
@@ -158,6 +165,10 @@ impl<S: Clone> Clients<S> {
 
     fn payment(&self, n: u64) -> PaymentServiceClient<S> {
         self.payments[usize::try_from(n).unwrap_or(0) % self.payments.len()].clone()
+    }
+
+    fn health(&self, n: u64) -> HealthClient<S> {
+        self.health[usize::try_from(n).unwrap_or(0) % self.health.len()].clone()
     }
 }
 
@@ -184,6 +195,9 @@ fn payer_draw(settings: &BenchSettings, count: usize) -> Box<dyn Fn(u64) -> usiz
 
 async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Result<Prepared, AnyError> {
     let run = uuid::Uuid::now_v7().simple().to_string()[18..].to_owned();
+    if settings.scenario == Scenario::Health {
+        return Ok(Prepared { run, payers: Vec::new(), shops: Vec::new(), orders: Vec::new(), paid: Vec::new() });
+    }
     let payers: Vec<String> = (0..settings.payers.max(1)).map(|n| format!("b{run}-p{n}")).collect();
     let merchants =
         if matches!(settings.scenario, Scenario::Hot | Scenario::HotRefund) { 1 } else { settings.merchants.max(1) };
@@ -213,7 +227,7 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
 
     let order_count = match settings.scenario {
         Scenario::Pay | Scenario::KeyedPay | Scenario::Hot => settings.total,
-        Scenario::Transfer | Scenario::Deposit | Scenario::CreateOrder => 0,
+        Scenario::Transfer | Scenario::Deposit | Scenario::CreateOrder | Scenario::Health => 0,
         Scenario::Replay => 1,
         Scenario::Refund | Scenario::HotRefund => settings.total.div_ceil(REFUNDS_PER_ORDER),
         Scenario::Query => settings.total.div_ceil(QUERIES_PER_ORDER),
@@ -262,7 +276,8 @@ async fn prepare(settings: &BenchSettings, clients: &Clients<PrepareStub>) -> Re
         | Scenario::Hot
         | Scenario::Transfer
         | Scenario::Deposit
-        | Scenario::CreateOrder => 0,
+        | Scenario::CreateOrder
+        | Scenario::Health => 0,
     };
     let paid: Vec<(String, String)> = stream::iter(prepared.orders.drain(..to_pay).enumerate())
         .map(|(n, (merchant, order_no, payer))| {
@@ -359,6 +374,10 @@ async fn call(
         Scenario::Query => {
             let (merchant, out_trade_no) = &prepared.paid[index % prepared.paid.len()];
             query(clients, n, merchant, out_trade_no).await
+        }
+        Scenario::Health => {
+            let request = HealthCheckRequest { service: String::new() };
+            clients.health(n).check(request).await.map(|_| false).map_err(|s| s.code())
         }
         Scenario::Mixed => {
             let (draw, duplicate) = {
@@ -483,21 +502,23 @@ async fn mixed_call(draw: u32, n: u64, prepared: &Prepared, clients: &Clients) -
 /// # Errors
 /// When the target cannot be reached or the preparation fails.
 pub async fn bench(settings: &BenchSettings) -> Result<BenchReport, AnyError> {
-    let (mut accounts, mut payments) = (Vec::new(), Vec::new());
-    let (mut prepare_accounts, mut prepare_payments) = (Vec::new(), Vec::new());
+    let (mut accounts, mut payments, mut health) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut prepare_accounts, mut prepare_payments, mut prepare_health) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..settings.connections.max(1) {
         let (channel, bearer) = settings.access.connect(&settings.target).await?;
         let retrying = payledger_client::RetryLayer::new(payledger_client::RetrySettings::default())
             .with_bearer_token(bearer.clone())
             .layer(channel.clone());
         prepare_accounts.push(AccountServiceClient::new(retrying.clone()));
-        prepare_payments.push(PaymentServiceClient::new(retrying));
+        prepare_payments.push(PaymentServiceClient::new(retrying.clone()));
+        prepare_health.push(HealthClient::new(retrying));
         accounts.push(AccountServiceClient::with_interceptor(channel.clone(), bearer.clone()));
-        payments.push(PaymentServiceClient::with_interceptor(channel, bearer));
+        payments.push(PaymentServiceClient::with_interceptor(channel.clone(), bearer.clone()));
+        health.push(HealthClient::with_interceptor(channel, bearer));
     }
-    let clients = Clients { accounts, payments };
+    let clients = Clients { accounts, payments, health };
     eprintln!("preparing {:?} data (untimed)...", settings.scenario);
-    let prepare_clients = Clients { accounts: prepare_accounts, payments: prepare_payments };
+    let prepare_clients = Clients { accounts: prepare_accounts, payments: prepare_payments, health: prepare_health };
     let prepared = Arc::new(prepare(settings, &prepare_clients).await?);
     match settings.rate {
         Some(rate) => eprintln!(
