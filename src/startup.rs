@@ -25,7 +25,7 @@ use crate::proto;
 use crate::proto::account_service_server::AccountServiceServer;
 use crate::proto::payment_service_server::PaymentServiceServer;
 use crate::store::{ConnectError, Store};
-use crate::tls::{ServerTls, TlsError};
+use crate::tls::{PrefaceDeadline, ServerTls, TlsError};
 
 /// The largest request message accepted, in bytes; every field has a far smaller limit.
 const REQUEST_BYTES_MAX: usize = 64 * 1024;
@@ -261,6 +261,8 @@ pub struct Application {
     connection_age: Option<Duration>,
     /// Server-side HTTP/2 keepalive (gRFC A8).
     keepalive: Option<Keepalive>,
+    /// Longest an accepted connection may send nothing (after its TLS handshake, if any).
+    preface_timeout: Duration,
     metrics_listener: Option<TcpListener>,
     rpc_metrics: RpcMetrics,
 }
@@ -321,6 +323,7 @@ impl Application {
             max_concurrent_calls: Some(512),
             connection_age: None,
             keepalive: None,
+            preface_timeout: crate::tls::PREFACE_TIMEOUT,
             metrics_listener: None,
             rpc_metrics: RpcMetrics::default(),
         }
@@ -361,6 +364,14 @@ impl Application {
     /// sets `--keepalive-interval-seconds`).
     pub fn with_keepalive(mut self, keepalive: Option<Keepalive>) -> Self {
         self.keepalive = keepalive;
+        self
+    }
+
+    /// Closes a connection that sends nothing for `timeout` after it is accepted (on TLS,
+    /// after its handshake): no HTTP/2 preface, no HTTP/1 request. Default
+    /// [`crate::tls::PREFACE_TIMEOUT`] (10 s).
+    pub fn with_preface_timeout(mut self, timeout: Duration) -> Self {
+        self.preface_timeout = timeout;
         self
     }
 
@@ -456,6 +467,7 @@ impl Application {
             max_concurrent_calls,
             connection_age,
             keepalive,
+            preface_timeout,
             metrics_listener,
             rpc_metrics,
         } = self;
@@ -525,16 +537,27 @@ impl Application {
         };
         // TCP_NODELAY on every accepted connection: without it Nagle's algorithm holds small
         // responses back until the client's delayed ACK, some 40 ms per call.
-        let (server, tls_reloader): (BoxFuture<Result<(), tonic::transport::Error>>, _) = match tls {
-            None => {
-                let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-                (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None)
-            }
-            Some(tls) => {
-                let reloader = tls_reload.and_then(|interval| tls.reload_every(interval));
-                (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(listener, tls_refused), stopped)), reloader)
-            }
-        };
+        let (server, tls_reloader): (BoxFuture<Result<(), tonic::transport::Error>>, _) =
+            match tls {
+                None => {
+                    // A connection that sends nothing is closed after `preface_timeout`, as on TLS.
+                    let incoming = futures_util::StreamExt::map(
+                        TcpIncoming::from(listener).with_nodelay(Some(true)),
+                        move |accepted| accepted.map(|stream| PrefaceDeadline::new(stream, preface_timeout)),
+                    );
+                    (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None)
+                }
+                Some(tls) => {
+                    let reloader = tls_reload.and_then(|interval| tls.reload_every(interval));
+                    (
+                        Box::pin(router.serve_with_incoming_shutdown(
+                            tls.incoming(listener, tls_refused, preface_timeout),
+                            stopped,
+                        )),
+                        reloader,
+                    )
+                }
+            };
         let _tls_reloader = AbortOnDrop(tls_reloader);
         let mut server = server;
         tokio::select! {

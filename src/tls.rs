@@ -16,8 +16,9 @@
 //! each bounded by [`HANDSHAKE_TIMEOUT`], at most [`HANDSHAKES_MAX`] at once and
 //! [`HANDSHAKES_PER_PEER_MAX`] from one IP address: a connection past either is closed at
 //! once, so that peers holding handshakes open cannot keep others waiting. After the
-//! handshake, a connection that sends nothing for [`PREFACE_TIMEOUT`] (no HTTP/2 preface) is
-//! closed.
+//! handshake, a connection that sends nothing for its preface timeout ([`PREFACE_TIMEOUT`] by
+//! default; no HTTP/2 preface, no HTTP/1 request) is closed, as a plaintext connection is
+//! after it is accepted ([`PrefaceDeadline`]).
 
 use std::collections::HashMap;
 use std::future::Future as _;
@@ -53,8 +54,10 @@ pub const HANDSHAKES_MAX: usize = 1_024;
 /// Room for a burst of reconnections through one proxy or NAT address (callers behind an L4
 /// load balancer share its address), while one address alone cannot take every slot.
 pub const HANDSHAKES_PER_PEER_MAX: usize = 128;
-/// Longest a connection may send nothing after its TLS handshake (an HTTP/2 client sends its
-/// preface at once); past it the connection is closed.
+/// Longest a connection may send nothing after its TLS handshake, or on a plaintext listener
+/// after it is accepted (an HTTP/2 client sends its preface at once, an HTTP/1 client its
+/// request); past it the connection is closed. The server's default
+/// (`Application::with_preface_timeout`).
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TLS file or configuration that cannot be used.
@@ -327,11 +330,13 @@ impl ServerTls {
     /// connection past the handshake bounds is closed at once; a handshake that fails or takes
     /// longer than [`HANDSHAKE_TIMEOUT`] closes its connection; each is counted in `refused` by
     /// its reason ([`crate::metrics::TLS_REFUSALS`]) and logged at debug level (a peer can
-    /// cause as many as it likes). Ends when the receiving side is dropped.
+    /// cause as many as it likes); one that then sends nothing for `preface_timeout` is closed
+    /// ([`PrefaceDeadline`]). Ends when the receiving side is dropped.
     pub fn incoming(
         &self,
         listener: TcpListener,
         refused: Family<ReasonLabel, Counter>,
+        preface_timeout: Duration,
     ) -> impl futures_util::Stream<Item = io::Result<PrefaceDeadline<TlsStream<TcpStream>>>> {
         let refuse = move |reason: &'static str| {
             refused.get_or_create(&ReasonLabel { reason }).inc();
@@ -374,7 +379,7 @@ impl ServerTls {
                     drop((permit, peer_slot));
                     match handshake {
                         Ok(Ok(stream)) => {
-                            let _ = connections.send(Ok(PrefaceDeadline::new(stream, PREFACE_TIMEOUT))).await;
+                            let _ = connections.send(Ok(PrefaceDeadline::new(stream, preface_timeout))).await;
                         }
                         // The peer closed the connection before the handshake ended: a TCP
                         // probe or a port scan (nothing sent), or a client that gave up.
@@ -432,14 +437,16 @@ impl Drop for PeerSlot {
 }
 
 /// A stream whose reads fail with `TimedOut` when no byte has arrived within its deadline
-/// since it was made; once one has, it is the stream itself.
+/// since it was made; once one has, it is the stream itself. Every accepted connection, TLS or
+/// plaintext, is served through one, so that a peer that connects and sends nothing holds its
+/// socket at most that long.
 pub struct PrefaceDeadline<S> {
     inner: S,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> PrefaceDeadline<S> {
-    fn new(inner: S, timeout: Duration) -> Self {
+    pub(crate) fn new(inner: S, timeout: Duration) -> Self {
         Self { inner, deadline: Some(Box::pin(tokio::time::sleep(timeout))) }
     }
 }
@@ -459,7 +466,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<S> {
                     if deadline.as_mut().poll(context).is_ready() {
                         return Poll::Ready(Err(io::Error::new(
                             io::ErrorKind::TimedOut,
-                            "no HTTP/2 preface after the TLS handshake",
+                            "no byte within the preface timeout",
                         )));
                     }
                 }

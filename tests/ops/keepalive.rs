@@ -1,6 +1,8 @@
 //! Server-side HTTP/2 keepalive (gRFC A8): a caller's connection that stops answering PINGs
 //! (a host gone without closing, a NAT mapping dropped) is closed, one that answers stays. The
 //! caller here speaks raw HTTP/2 frames, so that the test decides which PINGs are answered.
+//! And the bound before any frame: a plaintext connection that sends nothing is closed after
+//! the preface timeout.
 
 use crate::common;
 
@@ -29,10 +31,19 @@ struct Seen {
 }
 
 async fn server(keepalive: Option<Keepalive>) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    server_with(keepalive, payledger::tls::PREFACE_TIMEOUT).await
+}
+
+async fn server_with(
+    keepalive: Option<Keepalive>,
+    preface_timeout: Duration,
+) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let directory = tempfile::tempdir().unwrap();
     let ledger = common::sqlite_ledger(directory.path()).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let application = Application::with_listener(listener, ledger, Duration::from_secs(1)).with_keepalive(keepalive);
+    let application = Application::with_listener(listener, ledger, Duration::from_secs(1))
+        .with_keepalive(keepalive)
+        .with_preface_timeout(preface_timeout);
     let address = application.local_addr();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -115,5 +126,31 @@ async fn without_keepalive_the_server_sends_no_ping() {
     let seen = watch_connection(address, false, Duration::from_secs(1)).await;
     assert_eq!(seen.pings, 0, "{seen:?}");
     assert!(!seen.closed, "{seen:?}");
+    let _ = stop.send(());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plaintext_connection_that_sends_nothing_is_closed_after_the_preface_timeout() {
+    let preface_timeout = Duration::from_millis(300);
+    let (address, stop) = server_with(None, preface_timeout).await;
+
+    let mut silent = TcpStream::connect(address).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(WAIT_MAX, silent.read(&mut byte)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "the server closed a connection that sent nothing within {WAIT_MAX:?}: {read:?}"
+    );
+
+    // One that sent its preface is served past it, with no keepalive to close it either.
+    let spoken = watch_connection(address, false, preface_timeout * 5).await;
+    assert!(!spoken.closed && !spoken.goaway, "{spoken:?}");
+
+    // An HTTP/1 caller (HTTP/JSON) that sent its request is answered as before.
+    let mut http1 = TcpStream::connect(address).await.unwrap();
+    http1.write_all(b"GET /v1/nothing-here HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT_MAX, http1.read_to_end(&mut answer)).await.unwrap().unwrap();
+    assert!(answer.starts_with(b"HTTP/1.1 "), "{}", String::from_utf8_lossy(&answer));
     let _ = stop.send(());
 }
