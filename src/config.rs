@@ -467,6 +467,13 @@ pub struct ServeSettings {
     #[arg(long, env = "PAYLEDGER_KEEPALIVE_TIMEOUT_SECONDS", default_value_t = 20,
           value_parser = clap::value_parser!(u64).range(1..=3_600))]
     pub keepalive_timeout_seconds: u64,
+    /// Seconds an accepted connection (on TLS, from the end of its handshake) may take to send
+    /// a whole HTTP/2 preface or the start of an HTTP/1 request; past it the connection is
+    /// closed, so that a peer that connects and sends nothing, or a preface a byte at a time,
+    /// holds a socket no longer (RFC 9113, section 3.4).
+    #[arg(long, env = "PAYLEDGER_PREFACE_TIMEOUT_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    pub preface_timeout_seconds: u64,
     /// Milliseconds between two health checks of the database (on a connection of their
     /// own, a new session at each check on PostgreSQL and MySQL): a check that finds the
     /// database unreachable or refusing writes (read-only; an UPDATE of no row, which writes

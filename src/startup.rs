@@ -261,7 +261,8 @@ pub struct Application {
     connection_age: Option<Duration>,
     /// Server-side HTTP/2 keepalive (gRFC A8).
     keepalive: Option<Keepalive>,
-    /// Longest an accepted connection may send nothing (after its TLS handshake, if any).
+    /// Longest an accepted connection may take to send its HTTP/2 preface or the start of an
+    /// HTTP/1 request (after its TLS handshake, if any).
     preface_timeout: Duration,
     metrics_listener: Option<TcpListener>,
     rpc_metrics: RpcMetrics,
@@ -304,6 +305,7 @@ impl Application {
             .with_max_concurrent_calls(
                 (settings.max_concurrent_calls > 0).then_some(settings.max_concurrent_calls as usize),
             )
+            .with_preface_timeout(Duration::from_secs(settings.preface_timeout_seconds))
             .with_metrics_listener(metrics_listener))
     }
 
@@ -367,8 +369,8 @@ impl Application {
         self
     }
 
-    /// Closes a connection that sends nothing for `timeout` after it is accepted (on TLS,
-    /// after its handshake): no HTTP/2 preface, no HTTP/1 request. Default
+    /// Closes a connection that has sent neither a whole HTTP/2 preface nor the start of an
+    /// HTTP/1 request `timeout` after it was accepted (on TLS, after its handshake). Default
     /// [`crate::tls::PREFACE_TIMEOUT`] (10 s).
     pub fn with_preface_timeout(mut self, timeout: Duration) -> Self {
         self.preface_timeout = timeout;
@@ -540,7 +542,7 @@ impl Application {
         let (server, tls_reloader): (BoxFuture<Result<(), tonic::transport::Error>>, _) =
             match tls {
                 None => {
-                    // A connection that sends nothing is closed after `preface_timeout`, as on TLS.
+                    // A connection without a preface is closed after `preface_timeout`, as on TLS.
                     let incoming = futures_util::StreamExt::map(
                         TcpIncoming::from(listener).with_nodelay(Some(true)),
                         move |accepted| accepted.map(|stream| PrefaceDeadline::new(stream, preface_timeout)),

@@ -16,9 +16,9 @@
 //! each bounded by [`HANDSHAKE_TIMEOUT`], at most [`HANDSHAKES_MAX`] at once and
 //! [`HANDSHAKES_PER_PEER_MAX`] from one IP address: a connection past either is closed at
 //! once, so that peers holding handshakes open cannot keep others waiting. After the
-//! handshake, a connection that sends nothing for its preface timeout ([`PREFACE_TIMEOUT`] by
-//! default; no HTTP/2 preface, no HTTP/1 request) is closed, as a plaintext connection is
-//! after it is accepted ([`PrefaceDeadline`]).
+//! handshake, a connection that has sent neither a whole HTTP/2 preface nor the start of an
+//! HTTP/1 request within its preface timeout ([`PREFACE_TIMEOUT`] by default) is closed, as a
+//! plaintext connection is, counted from when it was accepted ([`PrefaceDeadline`]).
 
 use std::collections::HashMap;
 use std::future::Future as _;
@@ -54,10 +54,10 @@ pub const HANDSHAKES_MAX: usize = 1_024;
 /// Room for a burst of reconnections through one proxy or NAT address (callers behind an L4
 /// load balancer share its address), while one address alone cannot take every slot.
 pub const HANDSHAKES_PER_PEER_MAX: usize = 128;
-/// Longest a connection may send nothing after its TLS handshake, or on a plaintext listener
-/// after it is accepted (an HTTP/2 client sends its preface at once, an HTTP/1 client its
-/// request); past it the connection is closed. The server's default
-/// (`Application::with_preface_timeout`).
+/// Longest a connection may take, after its TLS handshake or on a plaintext listener after it
+/// is accepted, to send a whole HTTP/2 preface or the start of an HTTP/1 request (an HTTP/2
+/// client sends its preface at once, an HTTP/1 client its request); past it the connection is
+/// closed. The server's default (`Application::with_preface_timeout`).
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TLS file or configuration that cannot be used.
@@ -436,18 +436,41 @@ impl Drop for PeerSlot {
     }
 }
 
-/// A stream whose reads fail with `TimedOut` when no byte has arrived within its deadline
-/// since it was made; once one has, it is the stream itself. Every accepted connection, TLS or
-/// plaintext, is served through one, so that a peer that connects and sends nothing holds its
-/// socket at most that long.
+/// The client connection preface of HTTP/2 (RFC 9113, section 3.4): the first bytes an
+/// HTTP/2 client sends.
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A stream whose reads fail with `TimedOut` when its deadline passes before it has received
+/// either a whole HTTP/2 preface or a byte that cannot begin one (an HTTP/1 request, which
+/// hyper's own header-read timeout bounds from then on, or bytes hyper refuses at once); after
+/// that it is the stream itself. Every accepted connection, TLS or plaintext, is served
+/// through one, so that a peer that connects and sends nothing, or part of a preface, holds
+/// its socket at most that long.
 pub struct PrefaceDeadline<S> {
     inner: S,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes of [`HTTP2_PREFACE`] received so far, while the deadline holds.
+    matched: usize,
 }
 
 impl<S> PrefaceDeadline<S> {
     pub(crate) fn new(inner: S, timeout: Duration) -> Self {
-        Self { inner, deadline: Some(Box::pin(tokio::time::sleep(timeout))) }
+        Self { inner, deadline: Some(Box::pin(tokio::time::sleep(timeout))), matched: 0 }
+    }
+
+    /// Follows `received`, the bytes a read just gave: the deadline ends with the preface's
+    /// last byte, or with the first byte that departs from it.
+    fn saw(&mut self, received: &[u8]) {
+        let expected = &HTTP2_PREFACE[self.matched..];
+        let compared = received.len().min(expected.len());
+        if received[..compared] == expected[..compared] {
+            self.matched += compared;
+            if self.matched == HTTP2_PREFACE.len() {
+                self.deadline = None;
+            }
+        } else {
+            self.deadline = None;
+        }
     }
 }
 
@@ -460,13 +483,15 @@ impl<S: AsyncRead + Unpin> AsyncRead for PrefaceDeadline<S> {
         let before = buffer.filled().len();
         let read = Pin::new(&mut self.inner).poll_read(context, buffer);
         match &read {
-            Poll::Ready(Ok(())) if buffer.filled().len() > before => self.deadline = None,
+            Poll::Ready(Ok(())) if self.deadline.is_some() && buffer.filled().len() > before => {
+                self.saw(&buffer.filled()[before..]);
+            }
             Poll::Pending => {
                 if let Some(deadline) = self.deadline.as_mut() {
                     if deadline.as_mut().poll(context).is_ready() {
                         return Poll::Ready(Err(io::Error::new(
                             io::ErrorKind::TimedOut,
-                            "no byte within the preface timeout",
+                            "no HTTP/2 preface or HTTP/1 request within the preface timeout",
                         )));
                     }
                 }
@@ -516,24 +541,43 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    #[tokio::test]
-    async fn a_stream_silent_past_its_preface_deadline_fails_and_one_that_spoke_does_not() {
-        let (client, server) = tokio::io::duplex(64);
-        let mut silent = PrefaceDeadline::new(server, Duration::from_millis(100));
-        let mut buffer = [0u8; 8];
-        let error = silent.read(&mut buffer).await.unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
-        drop(client);
+    const DEADLINE: Duration = Duration::from_millis(100);
 
+    /// Sends `pieces` one after another into a fresh stream, each read back whole, then reads
+    /// once more with the client silent: what that read gave within four deadlines.
+    async fn silent_after(pieces: &[&[u8]]) -> Result<io::Result<usize>, tokio::time::error::Elapsed> {
         let (mut client, server) = tokio::io::duplex(64);
-        let mut spoken = PrefaceDeadline::new(server, Duration::from_millis(100));
-        client.write_all(b"PRI").await.unwrap();
-        assert_eq!(spoken.read(&mut buffer).await.unwrap(), 3);
-        // Silent for longer than the deadline after its first bytes: still open.
-        let waited = tokio::time::timeout(Duration::from_millis(400), spoken.read(&mut buffer)).await;
-        assert!(waited.is_err(), "no deadline once the preface began");
-        client.write_all(b" *").await.unwrap();
-        assert_eq!(spoken.read(&mut buffer).await.unwrap(), 2);
+        let mut stream = PrefaceDeadline::new(server, DEADLINE);
+        let mut buffer = [0u8; 64];
+        for piece in pieces {
+            client.write_all(piece).await.unwrap();
+            assert_eq!(stream.read(&mut buffer).await.unwrap(), piece.len());
+        }
+        let result = tokio::time::timeout(DEADLINE * 4, stream.read(&mut buffer)).await;
+        drop(client);
+        result
+    }
+
+    fn timed_out(result: &Result<io::Result<usize>, tokio::time::error::Elapsed>) -> bool {
+        matches!(result, Ok(Err(error)) if error.kind() == io::ErrorKind::TimedOut)
+    }
+
+    #[tokio::test]
+    async fn a_stream_fails_at_its_deadline_until_it_has_sent_a_whole_preface_or_bytes_that_are_not_one() {
+        assert!(timed_out(&silent_after(&[]).await), "nothing sent");
+        assert!(timed_out(&silent_after(&[b"P"]).await), "one byte of the preface");
+        assert!(timed_out(&silent_after(&[b"PRI * HTTP/2.0\r\n", b"\r\nSM\r\n"]).await), "a preface cut short");
+        // Done: the whole preface, at once, in pieces, or with the first frame behind it.
+        assert!(silent_after(&[HTTP2_PREFACE]).await.is_err(), "still open, silent past the deadline");
+        assert!(silent_after(&[b"PRI * HTTP/2.0", b"\r\n\r\nSM", b"\r\n\r\n"]).await.is_err(), "in pieces");
+        let mut with_settings = HTTP2_PREFACE.to_vec();
+        with_settings.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        assert!(silent_after(&[&with_settings]).await.is_err(), "with a SETTINGS frame behind it");
+        // Not HTTP/2: an HTTP/1 request (its first byte already) or bytes that fit no protocol,
+        // bounded from then on by hyper.
+        assert!(silent_after(&[b"G"]).await.is_err(), "an HTTP/1 GET");
+        assert!(silent_after(&[b"POST /v1/pay HTTP/1.1\r\n"]).await.is_err(), "a POST, departing at its second byte");
+        assert!(silent_after(&[b"\x16\x03"]).await.is_err(), "TLS to the plaintext port");
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Server-side HTTP/2 keepalive (gRFC A8): a caller's connection that stops answering PINGs
 //! (a host gone without closing, a NAT mapping dropped) is closed, one that answers stays. The
 //! caller here speaks raw HTTP/2 frames, so that the test decides which PINGs are answered.
-//! And the bound before any frame: a plaintext connection that sends nothing is closed after
-//! the preface timeout.
+//! And the bound before any frame: a plaintext connection that sends nothing, or part of the
+//! HTTP/2 preface, is closed after the preface timeout.
 
 use crate::common;
 
@@ -130,17 +130,20 @@ async fn without_keepalive_the_server_sends_no_ping() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plaintext_connection_that_sends_nothing_is_closed_after_the_preface_timeout() {
+async fn a_plaintext_connection_without_a_preface_is_closed_after_the_preface_timeout() {
     let preface_timeout = Duration::from_millis(300);
     let (address, stop) = server_with(None, preface_timeout).await;
 
-    let mut silent = TcpStream::connect(address).await.unwrap();
-    let mut byte = [0u8; 1];
-    let read = tokio::time::timeout(WAIT_MAX, silent.read(&mut byte)).await;
-    assert!(
-        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "the server closed a connection that sent nothing within {WAIT_MAX:?}: {read:?}"
-    );
+    for sent in [&b""[..], b"P", b"PRI * HTTP/2.0\r\n\r\n"] {
+        let mut stalled = TcpStream::connect(address).await.unwrap();
+        stalled.write_all(sent).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(WAIT_MAX, stalled.read(&mut byte)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "the server closed, within {WAIT_MAX:?}, a connection that sent {sent:?} and stalled: {read:?}"
+        );
+    }
 
     // One that sent its preface is served past it, with no keepalive to close it either.
     let spoken = watch_connection(address, false, preface_timeout * 5).await;
