@@ -330,7 +330,8 @@ impl ServerTls {
     /// connection past the handshake bounds is closed at once; a handshake that fails or takes
     /// longer than [`HANDSHAKE_TIMEOUT`] closes its connection; each is counted in `refused` by
     /// its reason ([`crate::metrics::TLS_REFUSALS`]) and logged at debug level (a peer can
-    /// cause as many as it likes); one that then sends nothing for `preface_timeout` is closed
+    /// cause as many as it likes); one that has then sent neither a whole HTTP/2 preface nor
+    /// the start of an HTTP/1 request `preface_timeout` after its handshake is closed
     /// ([`PrefaceDeadline`]). Ends when the receiving side is dropped.
     pub fn incoming(
         &self,
