@@ -28,6 +28,12 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1_000);
 /// loaded machine's scheduling, well under a second wait for a connection.
 const MARGIN: Duration = Duration::from_millis(700);
 
+/// Ports the proxy listens on: below Linux's ephemeral range (32768 to 60999 by default), from
+/// which the kernel gives outgoing connections their local port. Cut, the proxy frees its
+/// port; one of the ephemeral range could meanwhile become some other test's connection's
+/// own, and `restore` could not bind it again.
+const PROXY_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
 /// A TCP proxy to the database that can be cut and restored.
 struct Proxy {
     address: std::net::SocketAddr,
@@ -38,11 +44,25 @@ struct Proxy {
 
 impl Proxy {
     async fn start(target: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = Self::bind_outside_ephemeral_range().await;
         let address = listener.local_addr().unwrap();
         let proxy = Self { address, target, carried: Arc::default(), accepting: Mutex::new(None) };
         proxy.accept(listener);
         proxy
+    }
+
+    /// A listener on a free port of [`PROXY_PORTS`], tried from a point that differs between
+    /// runs and tests.
+    async fn bind_outside_ephemeral_range() -> TcpListener {
+        let span = u32::from(PROXY_PORTS.end - PROXY_PORTS.start);
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        for step in 0..span {
+            let port = PROXY_PORTS.start + u16::try_from((seed + step) % span).unwrap();
+            if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)).await {
+                return listener;
+            }
+        }
+        panic!("no free port in {PROXY_PORTS:?} for the proxy");
     }
 
     fn accept(&self, listener: TcpListener) {
