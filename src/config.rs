@@ -95,6 +95,15 @@ pub struct WriteSettings {
     /// batch locks its rows first. No effect on MariaDB or SQLite.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_UNLOCKED", default_value_t = true, action = clap::ArgAction::Set)]
     pub pay_batch_unlocked: bool,
+    /// On PostgreSQL, with --pay-batch-unlocked, the most orders, and the most accounts, kept
+    /// as last seen committed (read, or written by a write that committed), least recently used
+    /// dropped first, so that a batch of one whose order and accounts are all kept (a Pay of an
+    /// order created or read here) is decided from them and written in one round trip; every
+    /// row it read is guarded by the write, and one that moved meanwhile sends the call through
+    /// the read (docs/write-engine.md, "Known rows"). 0: every batch of one reads first.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_KNOWN_ROWS", default_value_t = 16_384,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub pay_batch_known_rows: u32,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting for a
     /// batch of one group-commit worker; a call that finds that many waiting is refused
     /// RESOURCE_EXHAUSTED (reason OVERLOADED, pushback 100 ms) before any work.
@@ -119,6 +128,7 @@ impl Default for WriteSettings {
             pay_batch_workers: 1,
             pay_batch_pipeline: 4,
             pay_batch_unlocked: true,
+            pay_batch_known_rows: 16_384,
             pay_queue_max: 1024,
             funding_account_shards: None,
         }
@@ -138,6 +148,7 @@ impl WriteSettings {
             pipeline: usize::from(self.pay_batch_pipeline.max(1)),
             queue_max: self.pay_queue_max.max(1) as usize,
             unlocked: self.pay_batch_unlocked,
+            known_rows: self.pay_batch_known_rows as usize,
         }
     }
 }

@@ -106,6 +106,11 @@ pub struct LedgerMetrics {
     /// Writes without row locks (a batch of one on PostgreSQL) that found a row they read moved
     /// and were written under locks instead.
     pub unlocked_write_misses: Counter,
+    /// Batches of one decided from known rows and written in one round trip.
+    pub known_row_writes: Counter,
+    /// Batches of one decided from known rows and not written so (a row moved, a key taken, or
+    /// the decision did not accept the call), then read and written as before.
+    pub known_row_misses: Counter,
     pub transaction_retries: Family<CauseLabel, Counter>,
     pub reaper_deletions: Counter,
     pub orders_expired: Counter,
@@ -143,6 +148,8 @@ impl Default for LedgerMetrics {
             cas_retries: Counter::default(),
             cas_aborts: Counter::default(),
             unlocked_write_misses: Counter::default(),
+            known_row_writes: Counter::default(),
+            known_row_misses: Counter::default(),
             transaction_retries: Family::default(),
             reaper_deletions: Counter::default(),
             orders_expired: Counter::default(),
@@ -248,6 +255,16 @@ impl LedgerMetrics {
             "payledger_unlocked_write_misses",
             "Writes without row locks (a batch of one on PostgreSQL) that found a row they read moved, then written under row locks",
             self.unlocked_write_misses.clone(),
+        );
+        registry.register(
+            "payledger_known_row_writes",
+            "Batches of one on PostgreSQL decided from the orders and accounts last seen committed and written in one round trip",
+            self.known_row_writes.clone(),
+        );
+        registry.register(
+            "payledger_known_row_misses",
+            "Batches of one decided from known rows and not written so (a row moved, a key taken, or the decision did not accept the call; nothing written), then read and written as before",
+            self.known_row_misses.clone(),
         );
         registry.register(
             "payledger_transaction_retries",

@@ -217,7 +217,7 @@ async fn release_expired(
     let Some(released) = release(order, hold, OrderEvent::HoldExpire, now, &mut book)? else { return Ok(None) };
     let mut set = WriteSet::default();
     released.add_to(hold, &mut set);
-    if !book::write(queries, &set, &book, now).await? {
+    if book::write(queries, &set, &book, now).await?.is_none() {
         return Err(Error::Contention);
     }
     Ok(Some(released))

@@ -525,7 +525,7 @@ impl Ledger {
         (settings.max_batch > 1).then(|| {
             self.batcher.get_or_init(|| {
                 Batcher::start(
-                    GroupCommit { store: self.store.clone(), metrics: self.metrics.clone() },
+                    GroupCommit::new(self.store.clone(), self.metrics.clone(), &settings),
                     settings,
                     self.metrics.clone(),
                 )
@@ -581,7 +581,7 @@ impl Ledger {
                 claim: None,
             })
             .collect();
-        let decisions = write_together(&self.store, &batch, &self.metrics, true).await;
+        let decisions = write_together(&self.store, &batch, &self.metrics, true, None).await;
         let mut answers = Vec::with_capacity(commands.len());
         for (command, decision) in commands.into_iter().zip(decisions) {
             let answer = match self.answer_decided(&command, decision).await {
@@ -689,7 +689,7 @@ impl Ledger {
                 }
             }
         }
-        let decisions = write_together(&self.store, &batch, &self.metrics, true).await;
+        let decisions = write_together(&self.store, &batch, &self.metrics, true, None).await;
         for ((index, mut session), decision) in sessions.into_iter().zip(decisions) {
             answers[index] = Some(match &calls[index] {
                 Together::Pay(call) => self.settle_together(call, &mut session, decision, now, BatchAnswer::Pay).await,

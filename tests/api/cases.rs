@@ -3733,6 +3733,44 @@ pub async fn a_second_caller_is_served_beside_a_batch_of_one_waiting_for_a_row_l
     a_batch_waiting_for_a_row_lock_does_not_hold_up_the_next_batch(app).await;
 }
 
+/// On PostgreSQL a batch of one whose order and accounts the server saw committed is decided
+/// from them and written in one round trip (docs/write-engine.md, "Known rows"). Rows another
+/// writer moved meanwhile (here `pay_together`, which passes by the known rows, as another
+/// instance's write would) fail that write whole, with nothing of it written, and the call is
+/// read and written again: a payer's funds are not spent twice, and a paid order is forgotten,
+/// so that a retry of its Pay reads its payment at once and is a replay.
+pub async fn pays_decided_from_known_rows_that_moved_meanwhile_are_read_again_and_move_money_once(app: &TestApp) {
+    app.funded("alice", "3.00").await;
+    app.open("shop", "USD").await;
+    for order_no in ["k1", "k2", "k3", "k4"] {
+        app.create_order("m1", order_no, "shop", "1.00").await.unwrap();
+    }
+    let counts = async || {
+        let metrics = app.metrics().await;
+        let count = |name| sample(&metrics, name, "");
+        (count("payledger_known_row_writes_total"), count("payledger_known_row_misses_total"))
+    };
+    let before = counts().await;
+
+    // Both are decided from rows the server saw committed: the accounts as opened and funded
+    // and the orders as created, then alice and the shop as k1 left them.
+    assert!(!replayed(&app.pay("m1", "t1", "k1", "alice", "1.00").await.unwrap()));
+    assert!(!replayed(&app.pay("m1", "t2", "k2", "alice", "1.00").await.unwrap()));
+    let other = app.ledger.pay_together(vec![pay_command("t3", "k3", "alice", "1.00")]).await;
+    assert!(other[0].is_ok(), "{:?}", other[0]);
+    // alice has nothing left, and the row the server knows says 1.00.
+    let refused = app.pay("m1", "t4", "k4", "alice", "1.00").await.unwrap_err();
+    assert_status(&refused, Code::FailedPrecondition, "INSUFFICIENT_FUNDS");
+    assert!(replayed(&app.pay("m1", "t2", "k2", "alice", "1.00").await.unwrap()));
+
+    let (writes, misses) = counts().await;
+    let expected = if app.backend == crate::helpers::Backend::Postgres { (2.0, 1.0) } else { (0.0, 0.0) };
+    assert_eq!((writes - before.0, misses - before.1), expected, "(writes from known rows, misses)");
+    assert_eq!((app.balance("alice").await, app.balance("shop").await), ("0.00".to_owned(), "3.00".to_owned()));
+    assert_eq!(app.rows("payment_flow").await, 3);
+    assert!(app.ledger.audit().await.unwrap().is_empty());
+}
+
 /// [`racing_calls_with_one_key_and_other_terms_are_answered_by_the_key`] with each call in its
 /// own transaction (group commit off): a loser reads the order, taken, before its key has a
 /// record, and is answered by the key's record.

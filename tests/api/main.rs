@@ -132,6 +132,7 @@ backend_suite!(
     a_malformed_protobuf_message_is_invalid_argument,
     a_call_answered_by_its_natural_key_leaves_no_half_done_idempotency_record,
     one_group_commit_decides_each_pay_on_its_own,
+    pays_decided_from_known_rows_that_moved_meanwhile_are_read_again_and_move_money_once,
     one_group_commit_of_keyed_and_token_pays_decides_each_on_its_own,
     a_key_taken_under_a_group_commit_is_replayed_and_the_pays_after_it_are_applied_again,
     one_group_commit_of_pays_and_refunds_decides_each_on_its_own,

@@ -64,11 +64,21 @@ pub struct GroupCommitSettings {
     /// Whether a batch may be `route_alone` at all (see [`BatchWriter::write`]): on PostgreSQL
     /// such a batch of one is written without row locks. False: every batch locks its rows.
     pub unlocked: bool,
+    /// Most orders, and most accounts, kept as last seen committed for a batch of one written
+    /// without row locks to be decided from before it reads (`engine::known`). 0: none.
+    pub known_rows: usize,
 }
 
 impl Default for GroupCommitSettings {
     fn default() -> Self {
-        Self { max_batch: 64, workers: 1, pipeline: DEFAULT_PIPELINE, queue_max: 1024, unlocked: true }
+        Self {
+            max_batch: 64,
+            workers: 1,
+            pipeline: DEFAULT_PIPELINE,
+            queue_max: 1024,
+            unlocked: true,
+            known_rows: DEFAULT_KNOWN_ROWS,
+        }
     }
 }
 
@@ -84,6 +94,10 @@ impl GroupCommitSettings {
 /// four, which serve two callers a quarter faster than one batch at a time and keep the rate
 /// at 32 callers (docs/benchmarks-history.md, "Batches in flight under light load").
 pub const DEFAULT_PIPELINE: usize = 4;
+
+/// The default of [`GroupCommitSettings::known_rows`] (`--pay-batch-known-rows`): about 8 MB of
+/// orders at most, and of accounts less.
+pub const DEFAULT_KNOWN_ROWS: usize = 16_384;
 
 /// Whether a call's caller still waits for its answer: its deadline (`grpc-timeout`) and
 /// whether the transport dropped the call (cancelled by the client, or the connection

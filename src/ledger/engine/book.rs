@@ -231,7 +231,8 @@ impl WriteSet<'_> {
 /// so that every entry records its account's balance and version right after it; at `now`
 /// (microseconds since the epoch). False when a key (a hold's out_auth_no or its order's one
 /// hold among them), an order's or hold's state or a version was taken under the batch (roll
-/// back).
+/// back). Otherwise the accounts as it left them, new ones among them: each row as its
+/// transaction writes it, to be known once that commits ([`super::known`]).
 ///
 /// # Errors
 /// [`Error::InvariantBroken`] with nothing written; [`Error::Database`].
@@ -240,7 +241,7 @@ pub(in crate::ledger) async fn write(
     set: &WriteSet<'_>,
     book: &Book,
     now: i64,
-) -> Result<bool, Error> {
+) -> Result<Option<Vec<AccountRow>>, Error> {
     let mut entries: Vec<NewEntry<'_>> =
         set.postings.iter().flat_map(|(posting, legs)| posting.entries(*legs, now)).collect();
     let heads = book.chain(&mut entries)?;
@@ -288,7 +289,16 @@ pub(in crate::ledger) async fn write(
         records: &set.records,
         now,
     };
-    write_checked(queries, &moves, &holds, set, &written).await
+    if !write_checked(queries, &moves, &holds, set, &written).await? {
+        return Ok(None);
+    }
+    let moved = balances.iter().map(|update| {
+        let mut row = book.get(update.account_id).expect("a moved account is in its book").clone();
+        row.chain_hash = update.chain_hash.map(str::to_owned);
+        row.updated_at = now;
+        row
+    });
+    Ok(Some(set.accounts.iter().cloned().chain(moved).collect()))
 }
 
 /// Checks the write set's money invariants ([`invariants::check`]), then writes it: its holds

@@ -41,8 +41,9 @@ use crate::store::{
     PaymentRow, Queries, RowLocks, Store,
 };
 
-use super::batching::{self, BatchWriter};
+use super::batching::{self, BatchWriter, GroupCommitSettings};
 use super::book::{self, Book, WriteSet};
+use super::known::{Known, Learned};
 use super::transaction::in_transaction;
 use crate::ledger::guards::{complete_claims, BatchClaim};
 use crate::ledger::idempotent::IdempotentCall;
@@ -389,6 +390,19 @@ pub(in crate::ledger) struct Batched {
 pub(in crate::ledger) struct GroupCommit {
     pub(in crate::ledger) store: Store,
     pub(in crate::ledger) metrics: LedgerMetrics,
+    /// The rows a batch of one may be decided from before it reads (`None`: off).
+    known: Option<Known>,
+}
+
+impl GroupCommit {
+    /// The batch writer of `store`, keeping at most `known_rows` orders and accounts known
+    /// (0: none) where a batch of one may be written without row locks (`unlocked`, on
+    /// PostgreSQL: [`unlocked_allowed`]), the one place they are used.
+    pub(in crate::ledger) fn new(store: Store, metrics: LedgerMetrics, settings: &GroupCommitSettings) -> Self {
+        let used = settings.unlocked && store.dialect() == Dialect::Postgres;
+        let known = if used { Known::new(settings.known_rows) } else { None };
+        Self { store, metrics, known }
+    }
 }
 
 impl BatchWriter for GroupCommit {
@@ -400,7 +414,7 @@ impl BatchWriter for GroupCommit {
     }
 
     async fn write(&self, calls: Vec<Batched>, route_alone: bool) -> Vec<Outcome> {
-        write_together(&self.store, &calls, &self.metrics, route_alone).await
+        write_together(&self.store, &calls, &self.metrics, route_alone, self.known.as_ref()).await
     }
 
     fn not_started(refusal: Option<Error>) -> Outcome {
@@ -416,22 +430,25 @@ pub(in crate::ledger) type Batcher = batching::Batcher<GroupCommit>;
 /// writes the rest; or, for a batch of one that no batch in flight shares a route with
 /// (`route_alone`), one read of all its rows and one write, without row locks
 /// ([`write_one_unlocked`]), which leaves it to the transaction, with what it read, when it
-/// cannot write it so.
+/// cannot write it so. What a committed write leaves is told to `known`.
 pub(in crate::ledger) async fn write_together(
     store: &Store,
     calls: &[Batched],
     metrics: &LedgerMetrics,
     route_alone: bool,
+    known: Option<&Known>,
 ) -> Vec<Outcome> {
     let first_read = match calls {
-        [one] if route_alone && unlocked_allowed(store, one) => match write_one_unlocked(store, one, metrics).await {
-            Unlocked::Done(outcome) => {
-                count_committed(std::slice::from_ref(&outcome), metrics);
-                return vec![outcome];
+        [one] if route_alone && unlocked_allowed(store, one) => {
+            match write_one_unlocked(store, one, metrics, known).await {
+                Unlocked::Done(outcome) => {
+                    count_committed(std::slice::from_ref(&outcome), metrics);
+                    return vec![outcome];
+                }
+                Unlocked::UnderLocks(read) => Ok((vec![None], read)),
+                Unlocked::Unread => read_payments(store, calls).await,
             }
-            Unlocked::UnderLocks(read) => Ok((vec![None], read)),
-            Unlocked::Unread => read_payments(store, calls).await,
-        },
+        }
         _ => read_payments(store, calls).await,
     };
     let (mut outcomes, read) = match first_read {
@@ -455,10 +472,14 @@ pub(in crate::ledger) async fn write_together(
     }
     let batch: Vec<&Batched> = open.iter().map(|index| &calls[*index]).collect();
     let now = now_micros();
+    let mut learned = None;
     let result = in_transaction!(store, metrics, tx => {
         let mut queries = tx.queries();
-        write_batch(&mut queries, &batch, &read, now).await
+        write_batch(&mut queries, &batch, &read, now, &mut learned).await
     });
+    if let (Ok(Inserted::Done(_)), Some(known), Some(learned)) = (&result, known, learned) {
+        known.committed(learned);
+    }
     let written: Vec<Outcome> = match result {
         Ok(Inserted::Done(written)) => written
             .into_iter()
@@ -524,7 +545,12 @@ enum Unlocked {
 /// leave its outcome unknown: the call then runs alone, which finds its key taken if it
 /// committed ([`Outcome::Alone`]). No connection within the pool's acquire timeout answers it
 /// UNAVAILABLE, as the batch would ([`no_connection`]).
-async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMetrics) -> Unlocked {
+async fn write_one_unlocked(
+    store: &Store,
+    batched: &Batched,
+    metrics: &LedgerMetrics,
+    known: Option<&Known>,
+) -> Unlocked {
     let not_read = |error: Error| {
         if no_connection(&error) {
             return Unlocked::Done(unavailable(1, &error).remove(0));
@@ -542,10 +568,19 @@ async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMe
         Err(error) => return not_read(Error::Database(error)),
     };
     let mut queries = reader.queries();
+    if let Some(outcome) = write_known(&mut queries, batched, metrics, known).await {
+        if matches!(outcome, Outcome::Written(..)) {
+            reader.release();
+        }
+        return Unlocked::Done(outcome);
+    }
     let (read, prefetched) = match read_at_once(&mut queries, batched).await {
         Ok(read) => read,
         Err(error) => return not_read(error),
     };
+    if let Some(known) = known {
+        known.read(prefetched.orders.values(), prefetched.accounts.values());
+    }
     // The connection is kept warm after a read or write that succeeded; after anything else
     // it goes back through the pool, which checks it (see `Reader::release`).
     if let Some(outcome) = batched.write.decided_before(&read) {
@@ -556,7 +591,8 @@ async fn write_one_unlocked(store: &Store, batched: &Batched, metrics: &LedgerMe
         reader.release();
         return Unlocked::Done(Outcome::Alone);
     }
-    match write_read(&mut queries, batched, &read, &prefetched, metrics).await {
+    let misses = Some(&metrics.unlocked_write_misses);
+    match write_read(&mut queries, batched, &read, &prefetched, misses, known).await {
         Some(outcome @ Outcome::Written(..)) => {
             reader.release();
             Unlocked::Done(outcome)
@@ -612,13 +648,64 @@ struct Prefetched {
     account_ids: HashSet<String>,
 }
 
+/// A batch of one decided from the rows `known` holds (its order, then the accounts that
+/// names) instead of read, and written as [`write_read`] writes: its outcome once written, or
+/// once its write failed with its outcome unknown (`Alone`); `None` when its rows are not all
+/// known, their score says not to try ([`Known::try_now`]), or the write missed (a row moved,
+/// a key taken: nothing of it was written) or the decision did not accept it: it is then read
+/// and written as before. Only a write that names its order before reading anything, with no
+/// key to find under the locks and no hold to read, is decided so: its payment to read, and
+/// its idempotency key's record, are taken as not found, which the write's unique indexes
+/// guard (a Pay inserts its out_trade_no, a keyed call claims its key).
+async fn write_known(
+    queries: &mut Queries<'_>,
+    batched: &Batched,
+    metrics: &LedgerMetrics,
+    known: Option<&Known>,
+) -> Option<Outcome> {
+    let known = known.filter(|known| known.try_now())?;
+    let write = batched.write.as_ref();
+    if write.reads_hold() || write.key_to_find().is_some() {
+        return None;
+    }
+    let (merchant_id, order_no) = write.order_to_lock(&NOTHING_READ)?;
+    let key = order_key(merchant_id, order_no);
+    let (order, accounts) = known.rows(&key, |order| {
+        let rows = Rows { order: Some(order), hold: None, read: &NOTHING_READ };
+        write.accounts_to_lock(rows).into_iter().map(str::to_owned).collect()
+    })?;
+    let prefetched = Prefetched {
+        records: Vec::new(),
+        order_keys: HashSet::from([key.clone()]),
+        orders: HashMap::from([(key, order)]),
+        account_ids: accounts.iter().map(|account| account.account_id.clone()).collect(),
+        accounts: accounts.into_iter().map(|account| (account.account_id.clone(), account)).collect(),
+    };
+    let outcome = write_read(queries, batched, &NOTHING_READ, &prefetched, None, Some(known)).await;
+    match &outcome {
+        Some(Outcome::Written(..)) => {
+            known.hit();
+            metrics.known_row_writes.inc();
+        }
+        Some(_) => {}
+        None => {
+            known.missed();
+            metrics.known_row_misses.inc();
+        }
+    }
+    outcome
+}
+
 /// The rest of [`write_one_unlocked`] once its rows are read: `None` to write it under locks.
+/// A write that finds a row moved or a key taken counts in `misses`; what a committed one
+/// leaves is told to `known`.
 async fn write_read(
     queries: &mut Queries<'_>,
     batched: &Batched,
     read: &ReadFirst,
     prefetched: &Prefetched,
-    metrics: &LedgerMetrics,
+    misses: Option<&Counter>,
+    known: Option<&Known>,
 ) -> Option<Outcome> {
     let claim = batched.claim.as_ref();
     let batch = [batched];
@@ -643,10 +730,18 @@ async fn write_read(
     if !set.one_statement() {
         return None;
     }
+    let new_orders = known.map(|_| set.orders.clone()).unwrap_or_default();
     match book::write(queries, &set, &book, now).await {
-        Ok(true) => {}
-        Ok(false) => {
-            metrics.unlocked_write_misses.inc();
+        Ok(Some(accounts)) => {
+            if let Some(known) = known {
+                let forget = prefetched.order_keys.iter().cloned().collect();
+                known.committed(Learned { accounts, orders: new_orders, forget });
+            }
+        }
+        Ok(None) => {
+            if let Some(misses) = misses {
+                misses.inc();
+            }
             return None;
         }
         Err(Error::InvariantBroken(invariant)) => {
@@ -755,7 +850,8 @@ async fn decide_alone(
     read: &ReadFirst,
     now: i64,
 ) -> Result<Option<Outcome>, Error> {
-    Ok(match write_batch(queries, &[batched], read, now).await? {
+    // Its transaction is committed by the idempotency driver: what it leaves is not known.
+    Ok(match write_batch(queries, &[batched], read, now, &mut None).await? {
         Inserted::Done(mut outcomes) => Some(outcomes.pop().expect("one outcome a call")),
         Inserted::KeyTaken => None,
     })
@@ -844,12 +940,16 @@ fn runs_alone(batch: &[&Batched], read: &ReadFirst) -> Vec<bool> {
 
 /// The batch's writes (none of them one [`runs_alone`] names), in the steps of the module doc.
 /// `Inserted::KeyTaken` means "roll back, every call runs alone".
+/// `learned`: what the batch leaves, to be known once its transaction commits.
 async fn write_batch(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
     read: &ReadFirst,
     now: i64,
+    learned: &mut Option<Learned>,
 ) -> Result<Inserted<Vec<Outcome>>, Error> {
+    // Of this run of the transaction only: an earlier run's write was rolled back.
+    *learned = None;
     let mut deciding = Deciding {
         batch,
         claims: batch.iter().map(|batched| batched.claim.as_ref()).collect(),
@@ -882,10 +982,12 @@ async fn write_batch(
             return Ok(Inserted::KeyTaken);
         }
     };
-    if !accepted.is_empty()
-        && !write_accepted(queries, &accepted, &locked.orders, &moved_orders, &book_after, now).await?
-    {
-        return Ok(Inserted::KeyTaken);
+    if !accepted.is_empty() {
+        let Some(written) = write_accepted(queries, &accepted, &locked.orders, &moved_orders, &book_after, now).await?
+        else {
+            return Ok(Inserted::KeyTaken);
+        };
+        *learned = Some(written);
     }
     let mut entries = entries_read_back(queries, &accepted).await?;
     let completions = deciding.answer(accepted, &mut entries, &locked.book)?;
@@ -1212,7 +1314,9 @@ async fn entries_read_back(
 }
 
 /// Step 4: the write set of the accepted writes ([`write_set`]), written by [`book::write`]:
-/// false when a key, an order's state or a version was taken under the batch (roll back).
+/// `None` when a key, an order's state or a version was taken under the batch (roll back);
+/// otherwise what it leaves, to be known once the batch commits (the orders it locked
+/// forgotten).
 async fn write_accepted(
     queries: &mut Queries<'_>,
     accepted: &[(usize, Box<dyn Accepted>)],
@@ -1220,8 +1324,10 @@ async fn write_accepted(
     moved: &BTreeMap<OrderKey, OrderRow>,
     book: &Book,
     now: i64,
-) -> Result<bool, Error> {
-    book::write(queries, &write_set(accepted, orders, moved), book, now).await
+) -> Result<Option<Learned>, Error> {
+    let set = write_set(accepted, orders, moved);
+    let Some(accounts) = book::write(queries, &set, book, now).await? else { return Ok(None) };
+    Ok(Some(Learned { accounts, orders: set.orders, forget: orders.keys().cloned().collect() }))
 }
 
 /// The write set of the accepted writes: each row in its table and each posting in the order

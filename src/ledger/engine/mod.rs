@@ -15,7 +15,9 @@
 //!   (each balance by a version CAS from the row read under its lock);
 //! - [`group_commit`]: the batch writer: it locks and reads what each write says it needs,
 //!   runs each write's decision in arrival order, claims the writes' guards and writes one
-//!   write set, many calls in one transaction or one alone.
+//!   write set, many calls in one transaction or one alone;
+//! - [`known`]: the orders and accounts last seen committed, from which a batch of one is
+//!   decided and written in one round trip, every row it read guarded by its write.
 //!
 //! The use cases (`payments`, `accounts`, `holds`) decide what a write does, each once
 //! (`group_commit::BatchWrite`). The whole write path is explained in `docs/write-engine.md`.
@@ -24,5 +26,6 @@ pub(in crate::ledger) mod batching;
 pub(in crate::ledger) mod book;
 pub(in crate::ledger) mod group_commit;
 pub(in crate::ledger) mod invariants;
+pub(in crate::ledger) mod known;
 pub(in crate::ledger) mod posting;
 pub(in crate::ledger) mod transaction;
