@@ -97,8 +97,8 @@ pub struct WriteSettings {
     pub pay_batch_unlocked: bool,
     /// On PostgreSQL, with --pay-batch-unlocked, the most orders, and the most accounts, kept
     /// as last seen committed (read, or written by a write that committed), least recently used
-    /// dropped first, so that a batch of one whose order and accounts are all kept (a Pay of an
-    /// order created or read here) is decided from them and written in one round trip; every
+    /// dropped first, so that a batch whose orders and accounts are all kept (Pays of orders
+    /// created or read here) is decided from them and written in one round trip; every
     /// row it read is guarded by the write, and one that moved meanwhile sends the call through
     /// the read (docs/write-engine.md, "Known rows"). 0: every batch of one reads first.
     #[arg(long, env = "PAYLEDGER_PAY_BATCH_KNOWN_ROWS", default_value_t = 16_384,

@@ -106,9 +106,9 @@ pub struct LedgerMetrics {
     /// Writes without row locks (a batch of one on PostgreSQL) that found a row they read moved
     /// and were written under locks instead.
     pub unlocked_write_misses: Counter,
-    /// Batches of one decided from known rows and written in one round trip.
+    /// Batches (of one call or several) decided from known rows and written in one round trip.
     pub known_row_writes: Counter,
-    /// Batches of one decided from known rows and not written so (a row moved, a key taken, or
+    /// Batches decided from known rows and not written so (a row moved, a key taken, or
     /// the decision did not accept the call), then read and written as before.
     pub known_row_misses: Counter,
     pub transaction_retries: Family<CauseLabel, Counter>,
@@ -258,12 +258,12 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_known_row_writes",
-            "Batches of one on PostgreSQL decided from the orders and accounts last seen committed and written in one round trip",
+            "Batches on PostgreSQL decided from the orders and accounts last seen committed and written in one round trip",
             self.known_row_writes.clone(),
         );
         registry.register(
             "payledger_known_row_misses",
-            "Batches of one decided from known rows and not written so (a row moved, a key taken, or the decision did not accept the call; nothing written), then read and written as before",
+            "Batches decided from known rows and not written so (a row moved, a key taken, or the decision did not accept the call; nothing written), then read and written as before",
             self.known_row_misses.clone(),
         );
         registry.register(

@@ -64,8 +64,9 @@ pub struct GroupCommitSettings {
     /// Whether a batch may be `route_alone` at all (see [`BatchWriter::write`]): on PostgreSQL
     /// such a batch of one is written without row locks. False: every batch locks its rows.
     pub unlocked: bool,
-    /// Most orders, and most accounts, kept as last seen committed for a batch of one written
-    /// without row locks to be decided from before it reads (`engine::known`). 0: none.
+    /// Most orders, and most accounts, kept as last seen committed, for a batch to be decided
+    /// from and written without reading first (`engine::known`; PostgreSQL, with `unlocked`).
+    /// 0: none.
     pub known_rows: usize,
 }
 

@@ -449,7 +449,13 @@ pub(in crate::ledger) async fn write_together(
                 Unlocked::Unread => read_payments(store, calls).await,
             }
         }
-        _ => read_payments(store, calls).await,
+        _ => {
+            if let Some(outcomes) = write_several_known(store, calls, metrics, known).await {
+                count_committed(&outcomes, metrics);
+                return outcomes;
+            }
+            read_payments(store, calls).await
+        }
     };
     let (mut outcomes, read) = match first_read {
         Ok(read) => read,
@@ -507,6 +513,26 @@ pub(in crate::ledger) async fn write_together(
         outcomes[index] = Some(outcome);
     }
     outcomes.into_iter().map(|outcome| outcome.unwrap_or(Outcome::Alone)).collect()
+}
+
+/// A batch of several calls decided from known rows and written in one round trip
+/// ([`write_known`]), on a pooled connection of its own, outside any transaction; `None` when
+/// it is not (then it is read and written under locks, as before).
+async fn write_several_known(
+    store: &Store,
+    calls: &[Batched],
+    metrics: &LedgerMetrics,
+    known: Option<&Known>,
+) -> Option<Vec<Outcome>> {
+    let batch: Vec<&Batched> = calls.iter().collect();
+    let known = known.filter(|_| batch.len() > 1)?;
+    let prefetched = known_rows(store, &batch, known)?;
+    let mut reader = store.reader().await.ok()?;
+    let outcomes = write_known(&mut reader.queries(), &batch, &prefetched, metrics, known).await?;
+    if matches!(outcomes.first(), Some(Outcome::Written(..))) {
+        reader.release();
+    }
+    Some(outcomes)
 }
 
 /// Whether a batch of one may be written without row locks ([`write_one_unlocked`]): on
@@ -568,11 +594,15 @@ async fn write_one_unlocked(
         Err(error) => return not_read(Error::Database(error)),
     };
     let mut queries = reader.queries();
-    if let Some(outcome) = write_known(&mut queries, batched, metrics, known).await {
-        if matches!(outcome, Outcome::Written(..)) {
-            reader.release();
+    let from_known = known.and_then(|known| Some((known_rows(store, &[batched], known)?, known)));
+    if let Some((prefetched, known)) = from_known {
+        if let Some(mut outcomes) = write_known(&mut queries, &[batched], &prefetched, metrics, known).await {
+            let outcome = outcomes.remove(0);
+            if matches!(outcome, Outcome::Written(..)) {
+                reader.release();
+            }
+            return Unlocked::Done(outcome);
         }
-        return Unlocked::Done(outcome);
     }
     let (read, prefetched) = match read_at_once(&mut queries, batched).await {
         Ok(read) => read,
@@ -592,7 +622,8 @@ async fn write_one_unlocked(
         return Unlocked::Done(Outcome::Alone);
     }
     let misses = Some(&metrics.unlocked_write_misses);
-    match write_read(&mut queries, batched, &read, &prefetched, misses, known).await {
+    let written = write_read(&mut queries, &[batched], &read, &prefetched, misses, known).await;
+    match written.map(|mut one| one.remove(0)) {
         Some(outcome @ Outcome::Written(..)) => {
             reader.release();
             Unlocked::Done(outcome)
@@ -648,42 +679,60 @@ struct Prefetched {
     account_ids: HashSet<String>,
 }
 
-/// A batch of one decided from the rows `known` holds (its order, then the accounts that
-/// names) instead of read, and written as [`write_read`] writes: its outcome once written, or
-/// once its write failed with its outcome unknown (`Alone`); `None` when its rows are not all
-/// known, their score says not to try ([`Known::try_now`]), or the write missed (a row moved,
-/// a key taken: nothing of it was written) or the decision did not accept it: it is then read
-/// and written as before. Only a write that names its order before reading anything, with no
-/// key to find under the locks and no hold to read, is decided so: its payment to read, and
-/// its idempotency key's record, are taken as not found, which the write's unique indexes
-/// guard (a Pay inserts its out_trade_no, a keyed call claims its key).
-async fn write_known(
-    queries: &mut Queries<'_>,
-    batched: &Batched,
-    metrics: &LedgerMetrics,
-    known: Option<&Known>,
-) -> Option<Outcome> {
-    let known = known.filter(|known| known.try_now())?;
-    let write = batched.write.as_ref();
-    if write.reads_hold() || write.key_to_find().is_some() {
+/// The rows `known` holds for a batch to be decided from instead of read: every call's order
+/// and the accounts each then locks; `None` when one is not known, their score says not to
+/// try ([`Known::try_now`]), or a call is not one a write from known rows takes. Only a call
+/// written without row locks at all ([`unlocked_allowed`]) that names its order before reading
+/// anything, with no key to find under the locks and no hold to read, and shares no key with
+/// another of the batch ([`runs_alone`]), is: its payment to read and its idempotency key's
+/// record are taken as not found, which the write's unique indexes guard (a Pay inserts its
+/// out_trade_no, a keyed call claims its key).
+fn known_rows(store: &Store, batch: &[&Batched], known: &Known) -> Option<Prefetched> {
+    let order_of = |batched: &Batched| {
+        batched.write.order_to_lock(&NOTHING_READ).map(|(merchant_id, order_no)| order_key(merchant_id, order_no))
+    };
+    let writes_known = |batched: &&Batched| {
+        let write = batched.write.as_ref();
+        unlocked_allowed(store, batched)
+            && !write.reads_hold()
+            && write.key_to_find().is_none()
+            && order_of(batched).is_some()
+    };
+    if !batch.iter().all(writes_known) || runs_alone(batch, &NOTHING_READ).contains(&true) || !known.try_now() {
         return None;
     }
-    let (merchant_id, order_no) = write.order_to_lock(&NOTHING_READ)?;
-    let key = order_key(merchant_id, order_no);
-    let (order, accounts) = known.rows(&key, |order| {
-        let rows = Rows { order: Some(order), hold: None, read: &NOTHING_READ };
-        write.accounts_to_lock(rows).into_iter().map(str::to_owned).collect()
-    })?;
-    let prefetched = Prefetched {
+    let keys: Vec<OrderKey> = batch.iter().filter_map(|batched| order_of(batched)).collect();
+    let accounts_of = |order: &OrderRow| -> Vec<String> {
+        let key = Some(order_key(&order.merchant_id, &order.order_no));
+        let rows = || Rows { order: Some(order), hold: None, read: &NOTHING_READ };
+        let writes = batch.iter().filter(|batched| order_of(batched) == key);
+        writes.flat_map(|batched| batched.write.accounts_to_lock(rows()).into_iter().map(str::to_owned)).collect()
+    };
+    let (orders, accounts) = known.rows(&keys, accounts_of)?;
+    Some(Prefetched {
         records: Vec::new(),
-        order_keys: HashSet::from([key.clone()]),
-        orders: HashMap::from([(key, order)]),
+        order_keys: keys.iter().cloned().collect(),
+        orders: keys.into_iter().zip(orders).collect(),
         account_ids: accounts.iter().map(|account| account.account_id.clone()).collect(),
         accounts: accounts.into_iter().map(|account| (account.account_id.clone(), account)).collect(),
-    };
-    let outcome = write_read(queries, batched, &NOTHING_READ, &prefetched, None, Some(known)).await;
-    match &outcome {
-        Some(Outcome::Written(..)) => {
+    })
+}
+
+/// A batch decided from the rows `known` holds ([`known_rows`]) and written as [`write_read`]
+/// writes it, one statement, without reading: each call's outcome once written, or once the
+/// write failed with its outcome unknown (`Alone`); `None` when the write missed (a row moved,
+/// a key taken: nothing of it was written) or the decision did not accept every call: the
+/// batch is then read and written as before.
+async fn write_known(
+    queries: &mut Queries<'_>,
+    batch: &[&Batched],
+    prefetched: &Prefetched,
+    metrics: &LedgerMetrics,
+    known: &Known,
+) -> Option<Vec<Outcome>> {
+    let outcomes = write_read(queries, batch, &NOTHING_READ, prefetched, None, Some(known)).await;
+    match outcomes.as_deref() {
+        Some([Outcome::Written(..), ..]) => {
             known.hit();
             metrics.known_row_writes.inc();
         }
@@ -693,28 +742,30 @@ async fn write_known(
             metrics.known_row_misses.inc();
         }
     }
-    outcome
+    outcomes
 }
 
-/// The rest of [`write_one_unlocked`] once its rows are read: `None` to write it under locks.
-/// A write that finds a row moved or a key taken counts in `misses`; what a committed one
-/// leaves is told to `known`.
+/// The rest of [`write_one_unlocked`] once its rows are read, and of [`write_known`]: the
+/// batch decided from `prefetched` and written by one statement that commits itself; `None` to
+/// write it under locks (a call not accepted, a write set of several statements, a row moved or
+/// a key taken). A write that finds a row moved or a key taken counts in `misses`; what a
+/// committed one leaves is told to `known`.
 async fn write_read(
     queries: &mut Queries<'_>,
-    batched: &Batched,
+    batch: &[&Batched],
     read: &ReadFirst,
     prefetched: &Prefetched,
     misses: Option<&Counter>,
     known: Option<&Known>,
-) -> Option<Outcome> {
-    let claim = batched.claim.as_ref();
-    let batch = [batched];
+) -> Option<Vec<Outcome>> {
     let now = now_micros();
-    let mut deciding = Deciding { batch: &batch, claims: vec![claim], read, now, outcomes: vec![None] };
+    let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
+    let outcomes = batch.iter().map(|_| None).collect();
+    let mut deciding = Deciding { batch, claims, read, now, outcomes };
     deciding.read_guards(queries, Some(&prefetched.records)).await.ok()?;
     if deciding.undecided().is_empty() {
-        // Answered by its key's committed record, as the locked batch's same read would.
-        return deciding.into_outcomes().pop();
+        // Answered by their keys' committed records, as the locked batch's same read would.
+        return Some(deciding.into_outcomes());
     }
     let locked = deciding.lock(queries, RowLocks::None, Some(prefetched)).await.ok()?;
     let Applied { book, moved, accepted, refused } = deciding.apply(&locked);
@@ -722,14 +773,16 @@ async fn write_read(
         return None;
     }
     let mut set = write_set(&accepted, &locked.orders, &moved);
-    if let Some(claim) = claim {
-        let message = accepted.first().map(|(_, accepted_one)| accepted_one.message());
-        let Some(Ok(Some(message))) = message else { return None };
-        set.records = claim.completed_records(&message);
+    for (index, accepted_one) in &accepted {
+        if let Some(claim) = deciding.claims[*index] {
+            let Ok(Some(message)) = accepted_one.message() else { return None };
+            set.records.extend(claim.completed_records(&message));
+        }
     }
     if !set.one_statement() {
         return None;
     }
+    let all = |outcome: fn() -> Outcome| Some(batch.iter().map(|_| outcome()).collect());
     let new_orders = known.map(|_| set.orders.clone()).unwrap_or_default();
     match book::write(queries, &set, &book, now).await {
         Ok(Some(accounts)) => {
@@ -745,33 +798,33 @@ async fn write_read(
             return None;
         }
         Err(Error::InvariantBroken(invariant)) => {
-            tracing::error!(invariant, "a write refused; nothing of it was written");
-            return Some(Outcome::Rejected(Error::InvariantBroken(invariant)));
+            tracing::error!(invariant, calls = batch.len(), "a write refused; nothing of it was written");
+            return Some(batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect());
         }
         Err(error) => {
-            tracing::debug!(%error, "a write without row locks failed; it runs alone");
-            return Some(Outcome::Alone);
+            tracing::debug!(%error, calls = batch.len(), "a write without row locks failed; its calls run alone");
+            return all(|| Outcome::Alone);
         }
     }
     drop(set);
     // Committed: what follows reads what it wrote, which no one changes. Its records were
-    // claimed COMPLETED, so its answer completes none.
+    // claimed COMPLETED, so its answers complete none.
     let answered = async {
         let mut entries = entries_read_back(queries, &accepted).await?;
         deciding.answer(accepted, &mut entries, &locked.book)
     };
     match answered.await {
-        Ok(completions) if completions.is_empty() => deciding.into_outcomes().pop(),
+        Ok(completions) if completions.is_empty() => Some(deciding.into_outcomes()),
         Ok(_) => {
-            // Only a call whose answer was known before the write comes here, and its records
+            // Only calls whose answers were known before the write come here, and their records
             // were claimed COMPLETED: an answer to store after it would be lost. The committed
-            // write is answered from its record, a replay.
-            tracing::error!("a write without row locks left an answer to store; it is answered as a replay");
-            Some(Outcome::Alone)
+            // write is answered from its records, replays.
+            tracing::error!("a write without row locks left an answer to store; its calls are answered as replays");
+            all(|| Outcome::Alone)
         }
         Err(error) => {
-            tracing::debug!(%error, "a committed write could not be answered; it runs alone, a replay");
-            Some(Outcome::Alone)
+            tracing::debug!(%error, "a committed write could not be answered; its calls run alone, replays");
+            all(|| Outcome::Alone)
         }
     }
 }

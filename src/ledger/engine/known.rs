@@ -1,11 +1,11 @@
 //! Known rows: the orders and accounts this process last saw committed, most recently used
-//! first, a bounded number of each (`--pay-batch-known-rows`). A batch of one written without
-//! row locks whose order and accounts are all known is decided from them and its write sent at
-//! once, one round trip instead of two ([`super::group_commit`]; docs/write-engine.md, "Known
-//! rows"). Nothing here decides anything: the write guards every row the decision read (the
+//! first, a bounded number of each (`--pay-batch-known-rows`). A batch (of one call, or of
+//! several under load) whose orders and accounts are all known is decided from them and its
+//! write sent at once, one round trip ([`super::group_commit`]; docs/write-engine.md, "Known
+//! rows"). Nothing here decides anything: the write guards every row the decisions read (an
 //! order by its state's conditional UPDATE, each account by its version CAS, which compares
 //! the held amount too, the out_trade_no and the idempotency key by their unique indexes), so
-//! a known row that is no longer current fails the write whole, and the call is then read and
+//! a known row that is no longer current fails the write whole, and the batch is then read and
 //! written as before.
 //!
 //! Only committed rows are known: rows read outside a transaction, and the rows of a write once
@@ -94,20 +94,21 @@ impl Known {
         state.score = (state.score + MISS_WEIGHT).min(SCORE_MAX);
     }
 
-    /// The order `key` and the accounts `account_ids` of it names (`accounts_of`), all known, or
-    /// `None`.
+    /// The orders `keys` and the accounts each names (`accounts_of`), every one known, each
+    /// account once; or `None`.
     pub(in crate::ledger) fn rows(
         &self,
-        key: &OrderKey,
-        accounts_of: impl FnOnce(&OrderRow) -> Vec<String>,
-    ) -> Option<(OrderRow, Vec<AccountRow>)> {
+        keys: &[OrderKey],
+        accounts_of: impl Fn(&OrderRow) -> Vec<String>,
+    ) -> Option<(Vec<OrderRow>, Vec<AccountRow>)> {
         let mut state = self.state();
-        let order = state.orders.get(key)?.clone();
-        let accounts = accounts_of(&order)
-            .iter()
-            .map(|account_id| state.accounts.get(account_id).cloned())
-            .collect::<Option<Vec<_>>>()?;
-        Some((order, accounts))
+        let orders = keys.iter().map(|key| state.orders.get(key).cloned()).collect::<Option<Vec<_>>>()?;
+        let mut account_ids: Vec<String> = orders.iter().flat_map(&accounts_of).collect();
+        account_ids.sort_unstable();
+        account_ids.dedup();
+        let accounts =
+            account_ids.iter().map(|account_id| state.accounts.get(account_id).cloned()).collect::<Option<Vec<_>>>()?;
+        Some((orders, accounts))
     }
 
     /// Rows read as last committed, outside a transaction. An account known at a later version
@@ -198,19 +199,17 @@ mod tests {
     }
 
     #[test]
-    fn rows_are_given_only_when_the_order_and_every_account_it_names_are_known() {
+    fn rows_are_given_only_when_every_order_and_every_account_they_name_are_known() {
         let known = Known::new(8).unwrap();
         known.read([&order("o1", "shop")], [&account("payer", 3, 500)]);
         let payer_and_payee = |order: &OrderRow| vec!["payer".to_owned(), order.payee_account_id.clone()];
-        assert!(known.rows(&key("o1"), payer_and_payee).is_none(), "the payee is not known");
-        known.read([], [&account("shop", 7, 0)]);
-        let (order, accounts) = known.rows(&key("o1"), payer_and_payee).unwrap();
-        assert_eq!(order.order_no, "o1");
-        assert_eq!(
-            accounts.iter().map(|a| (a.account_id.as_str(), a.version)).collect::<Vec<_>>(),
-            [("payer", 3), ("shop", 7)]
-        );
-        assert!(known.rows(&key("o2"), payer_and_payee).is_none(), "the order is not known");
+        assert!(known.rows(&[key("o1")], payer_and_payee).is_none(), "the payee is not known");
+        known.read([&order("o2", "shop")], [&account("shop", 7, 0)]);
+        let (orders, accounts) = known.rows(&[key("o1"), key("o2")], payer_and_payee).unwrap();
+        assert_eq!(orders.iter().map(|order| order.order_no.as_str()).collect::<Vec<_>>(), ["o1", "o2"]);
+        let accounts: Vec<_> = accounts.iter().map(|a| (a.account_id.as_str(), a.version)).collect();
+        assert_eq!(accounts, [("payer", 3), ("shop", 7)], "each account once");
+        assert!(known.rows(&[key("o1"), key("o3")], payer_and_payee).is_none(), "an order is not known");
     }
 
     #[test]
@@ -223,12 +222,12 @@ mod tests {
             forget: vec![key("o1")],
         });
         let both = |order: &OrderRow| vec!["payer".to_owned(), order.payee_account_id.clone()];
-        assert!(known.rows(&key("o1"), both).is_none(), "a paid order is forgotten");
-        let (_, accounts) = known.rows(&key("o2"), both).unwrap();
+        assert!(known.rows(&[key("o1")], both).is_none(), "a paid order is forgotten");
+        let (_, accounts) = known.rows(&[key("o2")], both).unwrap();
         assert_eq!(accounts.iter().map(|a| (a.version, a.balance)).collect::<Vec<_>>(), [(4, 400), (8, 100)]);
         // A read that raced the write, as last committed before it, does not take it back.
         known.read([], [&account("payer", 3, 500)]);
-        let (_, accounts) = known.rows(&key("o2"), both).unwrap();
+        let (_, accounts) = known.rows(&[key("o2")], both).unwrap();
         assert_eq!(accounts[0].version, 4);
     }
 
@@ -238,8 +237,8 @@ mod tests {
         known.read([&order("o1", "a"), &order("o2", "a"), &order("o3", "a")], [&account("a", 0, 0)]);
         assert_eq!(known.len(), (2, 1));
         let one = |_: &OrderRow| vec!["a".to_owned()];
-        assert!(known.rows(&key("o1"), one).is_none());
-        assert!(known.rows(&key("o3"), one).is_some());
+        assert!(known.rows(&[key("o1")], one).is_none());
+        assert!(known.rows(&[key("o3")], one).is_some());
         assert!(Known::new(0).is_none(), "0 turns known rows off");
     }
 
