@@ -108,8 +108,8 @@ pub struct LedgerMetrics {
     pub unlocked_write_misses: Counter,
     /// Batches (of one call or several) decided from known rows and written in one round trip.
     pub known_row_writes: Counter,
-    /// Batches decided from known rows and not written so (a row moved, a key taken, or
-    /// the decision did not accept the call), then read and written as before.
+    /// Writes from known rows that found a row moved or a key taken (nothing written), then
+    /// read and written as before.
     pub known_row_misses: Counter,
     pub transaction_retries: Family<CauseLabel, Counter>,
     pub reaper_deletions: Counter,
@@ -263,7 +263,7 @@ impl LedgerMetrics {
         );
         registry.register(
             "payledger_known_row_misses",
-            "Batches decided from known rows and not written so (a row moved, a key taken, or the decision did not accept the call; nothing written), then read and written as before",
+            "Writes from known rows that found a row moved or a key taken (nothing written), then read and written as before",
             self.known_row_misses.clone(),
         );
         registry.register(

@@ -1781,9 +1781,12 @@ impl<'c> Queries<'c> {
     pub async fn write_batch(&mut self, written: &BatchWrite<'_>) -> Result<bool, sqlx::Error> {
         let dialect = self.dialect;
         let payments: Vec<[Value<'_>; batch::PAYMENT_COLUMNS]> = written.payments.iter().map(payment_values).collect();
-        let orders: Vec<[Value<'_>; 3]> = written
-            .payments
-            .iter()
+        // The orders' UPDATEs in key order, as a locked batch locks them, so that a write
+        // without row locks of several orders cannot deadlock with one (docs/write-engine.md).
+        let mut paid: Vec<&PaymentRow> = written.payments.iter().collect();
+        paid.sort_by(|a, b| (&a.merchant_id, &a.order_no).cmp(&(&b.merchant_id, &b.order_no)));
+        let orders: Vec<[Value<'_>; 3]> = paid
+            .into_iter()
             .map(|row| [Value::Text(&row.merchant_id), Value::Text(&row.order_no), Value::Text(&row.out_trade_no)])
             .collect();
         let balances: Vec<[Value<'_>; 7]> = written
@@ -1803,9 +1806,10 @@ impl<'c> Queries<'c> {
             .collect();
         let entries: Vec<[Value<'_>; batch::ENTRY_COLUMNS]> = written.entries.iter().map(entry_values).collect();
         let refunds: Vec<[Value<'_>; batch::REFUND_COLUMNS]> = written.refunds.iter().map(refund_values).collect();
-        let refunded: Vec<[Value<'_>; 6]> = written
-            .refunded_orders
-            .iter()
+        let mut refunded_orders: Vec<&OrderRefund<'_>> = written.refunded_orders.iter().collect();
+        refunded_orders.sort_by(|a, b| (a.merchant_id, a.order_no).cmp(&(b.merchant_id, b.order_no)));
+        let refunded: Vec<[Value<'_>; 6]> = refunded_orders
+            .into_iter()
             .map(|order| {
                 [
                     Value::Text(order.merchant_id),

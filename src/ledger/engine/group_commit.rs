@@ -623,7 +623,7 @@ async fn write_one_unlocked(
     }
     let misses = Some(&metrics.unlocked_write_misses);
     let written = write_read(&mut queries, &[batched], &read, &prefetched, misses, known).await;
-    match written.map(|mut one| one.remove(0)) {
+    match written.ok().map(|mut one| one.remove(0)) {
         Some(outcome @ Outcome::Written(..)) => {
             reader.release();
             Unlocked::Done(outcome)
@@ -721,8 +721,9 @@ fn known_rows(store: &Store, batch: &[&Batched], known: &Known) -> Option<Prefet
 /// A batch decided from the rows `known` holds ([`known_rows`]) and written as [`write_read`]
 /// writes it, one statement, without reading: each call's outcome once written, or once the
 /// write failed with its outcome unknown (`Alone`); `None` when the write missed (a row moved,
-/// a key taken: nothing of it was written) or the decision did not accept every call: the
-/// batch is then read and written as before.
+/// a key taken: nothing of it was written; counted, and weighed by [`Known::missed`]) or was
+/// not sent (the decision did not accept every call, or its write set is not one statement: no
+/// round trip was spent): the batch is then read and written as before.
 async fn write_known(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
@@ -732,24 +733,33 @@ async fn write_known(
 ) -> Option<Vec<Outcome>> {
     let outcomes = write_read(queries, batch, &NOTHING_READ, prefetched, None, Some(known)).await;
     match outcomes.as_deref() {
-        Some([Outcome::Written(..), ..]) => {
+        Ok([Outcome::Written(..), ..]) => {
             known.hit();
             metrics.known_row_writes.inc();
         }
-        Some(_) => {}
-        None => {
+        Ok(_) | Err(Unwritten::NotSent) => {}
+        Err(Unwritten::Missed) => {
             known.missed();
             metrics.known_row_misses.inc();
         }
     }
-    outcomes
+    outcomes.ok()
+}
+
+/// Why [`write_read`] did not write a batch, which is then written under locks.
+enum Unwritten {
+    /// A row it read moved or a key was taken: its one statement wrote nothing.
+    Missed,
+    /// Not every call was accepted, or the write set is not one statement, or a read it needed
+    /// failed: nothing was sent.
+    NotSent,
 }
 
 /// The rest of [`write_one_unlocked`] once its rows are read, and of [`write_known`]: the
-/// batch decided from `prefetched` and written by one statement that commits itself; `None` to
-/// write it under locks (a call not accepted, a write set of several statements, a row moved or
-/// a key taken). A write that finds a row moved or a key taken counts in `misses`; what a
-/// committed one leaves is told to `known`.
+/// batch decided from `prefetched` and written by one statement that commits itself, or why
+/// not (then it is written under locks: a call not accepted, a write set of several
+/// statements, a row moved or a key taken). A write that finds a row moved or a key taken
+/// counts in `misses`; what a committed one leaves is told to `known`.
 async fn write_read(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
@@ -757,32 +767,32 @@ async fn write_read(
     prefetched: &Prefetched,
     misses: Option<&Counter>,
     known: Option<&Known>,
-) -> Option<Vec<Outcome>> {
+) -> Result<Vec<Outcome>, Unwritten> {
     let now = now_micros();
     let claims: Vec<Option<&BatchClaim>> = batch.iter().map(|batched| batched.claim.as_ref()).collect();
     let outcomes = batch.iter().map(|_| None).collect();
     let mut deciding = Deciding { batch, claims, read, now, outcomes };
-    deciding.read_guards(queries, Some(&prefetched.records)).await.ok()?;
+    deciding.read_guards(queries, Some(&prefetched.records)).await.map_err(|_| Unwritten::NotSent)?;
     if deciding.undecided().is_empty() {
         // Answered by their keys' committed records, as the locked batch's same read would.
-        return Some(deciding.into_outcomes());
+        return Ok(deciding.into_outcomes());
     }
-    let locked = deciding.lock(queries, RowLocks::None, Some(prefetched)).await.ok()?;
+    let locked = deciding.lock(queries, RowLocks::None, Some(prefetched)).await.map_err(|_| Unwritten::NotSent)?;
     let Applied { book, moved, accepted, refused } = deciding.apply(&locked);
     if !refused.is_empty() || accepted.is_empty() {
-        return None;
+        return Err(Unwritten::NotSent);
     }
     let mut set = write_set(&accepted, &locked.orders, &moved);
     for (index, accepted_one) in &accepted {
         if let Some(claim) = deciding.claims[*index] {
-            let Ok(Some(message)) = accepted_one.message() else { return None };
+            let Ok(Some(message)) = accepted_one.message() else { return Err(Unwritten::NotSent) };
             set.records.extend(claim.completed_records(&message));
         }
     }
     if !set.one_statement() {
-        return None;
+        return Err(Unwritten::NotSent);
     }
-    let all = |outcome: fn() -> Outcome| Some(batch.iter().map(|_| outcome()).collect());
+    let all = |outcome: fn() -> Outcome| Ok(batch.iter().map(|_| outcome()).collect());
     let new_orders = known.map(|_| set.orders.clone()).unwrap_or_default();
     match book::write(queries, &set, &book, now).await {
         Ok(Some(accounts)) => {
@@ -795,11 +805,11 @@ async fn write_read(
             if let Some(misses) = misses {
                 misses.inc();
             }
-            return None;
+            return Err(Unwritten::Missed);
         }
         Err(Error::InvariantBroken(invariant)) => {
             tracing::error!(invariant, calls = batch.len(), "a write refused; nothing of it was written");
-            return Some(batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect());
+            return Ok(batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect());
         }
         Err(error) => {
             tracing::debug!(%error, calls = batch.len(), "a write without row locks failed; its calls run alone");
@@ -814,7 +824,7 @@ async fn write_read(
         deciding.answer(accepted, &mut entries, &locked.book)
     };
     match answered.await {
-        Ok(completions) if completions.is_empty() => Some(deciding.into_outcomes()),
+        Ok(completions) if completions.is_empty() => Ok(deciding.into_outcomes()),
         Ok(_) => {
             // Only calls whose answers were known before the write come here, and their records
             // were claimed COMPLETED: an answer to store after it would be lost. The committed

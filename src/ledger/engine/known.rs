@@ -88,7 +88,7 @@ impl Known {
         state.score = state.score.saturating_sub(1);
     }
 
-    /// A write from known rows that did not: a row moved, a key taken, or its decision refused.
+    /// A write from known rows that found a row moved or a key taken, and wrote nothing.
     pub(in crate::ledger) fn missed(&self) {
         let mut state = self.state();
         state.score = (state.score + MISS_WEIGHT).min(SCORE_MAX);
