@@ -753,12 +753,21 @@ pub(super) static INSERT_ORDERS: StepSql = StepSql {
 /// k-th array, `{now}` the `updated_at` of the UPDATEs. A batch never pays and refunds one
 /// order, nor creates one it pays or refunds, so no order row is written twice.
 ///
-/// Each UPDATE finds its row by a lookup in the statement's snapshot (the LATERAL subquery,
-/// whose generic plan is an index lookup), then states its condition (the order's state, the
-/// account's version and held amount) again on the row it updates: a row another transaction
-/// moved after the snapshot is re-checked there by PostgreSQL's EvalPlanQual, where a TID
-/// condition alone may not be (PostgreSQL rechecked TID scans only from the fix "Fix missing
-/// EvalPlanQual recheck for TID scans", 2025). A write without row locks relies on it.
+/// Each UPDATE finds its row, and locks it, by a lookup with its condition (the order's state,
+/// the account's version and held amount) in a LATERAL subquery (`LIMIT 1 FOR NO KEY UPDATE`,
+/// whose generic plan is an index lookup), then updates the row by its ctid. A row another
+/// transaction moved after the statement's snapshot is waited for and its condition checked
+/// again on its latest version by PostgreSQL's EvalPlanQual of the lookup (an index scan, which
+/// rechecks its quals; a TID scan did so only from the fix "Fix missing EvalPlanQual recheck for
+/// TID scans", 2025): a row that no longer meets it is not found, and one that does is not
+/// visible to the UPDATE's snapshot, so either way the part writes fewer rows than it was given
+/// and the statement fails whole. A write without row locks relies on it. The lookups run one
+/// an element of the arrays, in their order, since each depends on its element: so the rows are
+/// locked in that order (the orders' and accounts' in key order, as a locked batch locks them)
+/// whatever join PostgreSQL plans between them and the rows they update. A condition restated
+/// on the updated row, in the WHERE, would let a planner that sees a small table (one never
+/// analyzed) join that table's rows to the arrays by it first, and lock them in the table's
+/// order: a write without row locks of several rows could then deadlock with a locked batch.
 pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 11] = [
     WritePart {
         name: "p",
@@ -776,7 +785,7 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 11] = [
                out_trade_no = k.out_trade_no FROM UNNEST({1}::text[], {2}::text[], {3}::text[]) \
                AS k(merchant_id, order_no, out_trade_no) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM orders AS paid WHERE paid.merchant_id = k.merchant_id \
-               AND paid.order_no = k.order_no AND paid.status = 'PENDING' LIMIT 1) AS found \
+               AND paid.order_no = k.order_no AND paid.status = 'PENDING' LIMIT 1 FOR NO KEY UPDATE) AS found \
                WHERE orders.ctid = found.row_id AND orders.status = 'PENDING' RETURNING 1",
     },
     WritePart {
@@ -787,9 +796,8 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 11] = [
                FROM UNNEST({1}::text[], {2}::bigint[], {3}::bigint[], {4}::bigint[], {5}::bigint[], {6}::text[], \
                {7}::bigint[]) AS k(account_id, balance, expected_version, version, held, chain_hash, expected_held) \
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM accounts AS moved WHERE moved.account_id = k.account_id \
-               AND moved.version = k.expected_version AND moved.held = k.expected_held LIMIT 1) AS found \
-               WHERE accounts.ctid = found.row_id AND accounts.version = k.expected_version \
-               AND accounts.held = k.expected_held RETURNING 1",
+               AND moved.version = k.expected_version AND moved.held = k.expected_held LIMIT 1 FOR NO KEY UPDATE) \
+               AS found WHERE accounts.ctid = found.row_id RETURNING 1",
     },
     WritePart {
         name: "e",
@@ -822,9 +830,8 @@ pub(super) const WRITE_PARTS_POSTGRES: [WritePart; 11] = [
                CROSS JOIN LATERAL (SELECT ctid AS row_id FROM orders AS refunded \
                WHERE refunded.merchant_id = k.merchant_id AND refunded.order_no = k.order_no \
                AND refunded.status = k.from_status AND refunded.refunded_amount = k.from_refunded \
-               AND k.to_refunded <= refunded.amount LIMIT 1) AS found \
-               WHERE orders.ctid = found.row_id AND orders.status = k.from_status \
-               AND orders.refunded_amount = k.from_refunded RETURNING 1",
+               AND k.to_refunded <= refunded.amount LIMIT 1 FOR NO KEY UPDATE) AS found \
+               WHERE orders.ctid = found.row_id RETURNING 1",
     },
     WritePart {
         name: "x",

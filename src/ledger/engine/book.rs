@@ -741,6 +741,56 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_write_locks_its_accounts_in_account_id_order_whatever_join_is_planned() {
+        // PostgreSQL writes a batch as one statement, which may be sent without row locks taken
+        // before it (a batch written from known rows): it must lock its accounts in account_id
+        // order, as a locked batch does, or the two could deadlock. alice's row, moved by her
+        // deposit, now lies after bob's in the table, and this fresh database has no
+        // statistics, the case where a planner joins the table to the statement's rows in the
+        // table's order. Another transaction holds alice: the write must wait there, holding
+        // nothing, so that bob is free.
+        use sqlx::Connection as _;
+        for database in test_databases().await {
+            let ledger = ledger_of_two(&database).await;
+            if ledger.store().dialect() != crate::store::Dialect::Postgres {
+                continue;
+            }
+            let connect = || sqlx::PgConnection::connect(&database.url);
+            let (mut holder, mut watcher) = (connect().await.unwrap(), connect().await.unwrap());
+            sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+            let lock = "SELECT 1 FROM accounts WHERE account_id = $1 FOR NO KEY UPDATE";
+            sqlx::query(lock).bind("alice").execute(&mut holder).await.unwrap();
+            let before = books(&ledger).await;
+            let store = ledger.store().clone();
+            let write = tokio::spawn(async move {
+                let mut reader = store.reader().await.unwrap();
+                let mut queries = reader.queries();
+                let alice = queries.find_account("alice").await.unwrap().unwrap();
+                let bob = queries.find_account("bob").await.unwrap().unwrap();
+                let (moves, balances, entries) = posting("X11", &alice, &bob, 100, 1);
+                let set = WriteSet::default();
+                write_checked(&mut queries, &moves, &[], &set, &write_set(&balances, &entries)).await
+            });
+            let waiting = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE '%UPDATE accounts%'";
+            for _ in 0..500 {
+                let count: i64 = sqlx::query_scalar(waiting).fetch_one(&mut watcher).await.unwrap();
+                if count > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            sqlx::query("SET LOCAL lock_timeout = '500ms'").execute(&mut holder).await.unwrap();
+            let bob = sqlx::query(lock).bind("bob").execute(&mut holder).await;
+            assert!(bob.is_ok(), "the write waiting for alice holds bob: {bob:?}");
+            sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+            assert!(write.await.unwrap().unwrap(), "written once alice is free");
+            let (entries, [alice, bob]) = books(&ledger).await;
+            assert_eq!((entries, alice, bob), (before.0 + 2, (before.1[0].0 - 100, before.1[0].1 + 1), (100, 1)));
+        }
+    }
+
+    #[tokio::test]
     async fn the_read_at_once_finds_each_kind_of_row_by_its_key_and_the_rows_those_name() {
         // A batch of one without row locks reads all its rows in one statement (PostgreSQL's
         // only): each row as stored, the accounts its order and payment name, nothing else.
