@@ -100,8 +100,8 @@ pub struct WriteSettings {
     /// dropped first, so that a batch whose orders and accounts are all kept (Pays of orders
     /// created or read here) is decided from them and written in one round trip; every
     /// row it read is guarded by the write, and one that moved meanwhile sends the call through
-    /// the read (docs/write-engine.md, "Known rows"). 0: every batch of one reads first.
-    #[arg(long, env = "PAYLEDGER_PAY_BATCH_KNOWN_ROWS", default_value_t = 16_384,
+    /// the read (docs/write-engine.md, "Known rows"). 0: every batch reads or locks its rows first.
+    #[arg(long, env = "PAYLEDGER_PAY_BATCH_KNOWN_ROWS", default_value_t = 32_768,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub pay_batch_known_rows: u32,
     /// Most calls (Pays, Refunds, Transfers, Deposits, Withdraws, CreateOrders) waiting for a
@@ -128,7 +128,7 @@ impl Default for WriteSettings {
             pay_batch_workers: 1,
             pay_batch_pipeline: 4,
             pay_batch_unlocked: true,
-            pay_batch_known_rows: 16_384,
+            pay_batch_known_rows: 32_768,
             pay_queue_max: 1024,
             funding_account_shards: None,
         }
