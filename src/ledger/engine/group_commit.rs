@@ -25,6 +25,10 @@
 //!    (checked against the money invariants); [`entries_read_back`] and [`complete_claims`];
 //! 5. [`Deciding::answer`]: each accepted write's answer.
 //!
+//! A batch whose rows are all known ([`known_rows`]: the orders and accounts last seen
+//! committed) skips 0 and 1, takes its rows from them and is written by [`write_known`] as one
+//! statement that commits itself; a miss sends it through the steps above.
+//!
 //! A call refused before its batch (queue full: OVERLOADED; caller gone) is
 //! [`Outcome::NotStarted`], with nothing read or written.
 

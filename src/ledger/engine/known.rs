@@ -6,7 +6,7 @@
 //! order by its state's conditional UPDATE, each account by its version CAS, which compares
 //! the held amount too, the out_trade_no and the idempotency key by their unique indexes), so
 //! a known row that is no longer current fails the write whole, and the batch is then read and
-//! written as before.
+//! written as before. Why: `docs/decisions/012-known-rows.md`.
 //!
 //! Only committed rows are known: rows read outside a transaction, and the rows of a write once
 //! its commit succeeded. Never a row a write left before its commit: a version it wrote that was
