@@ -394,14 +394,14 @@ pub(in crate::ledger) struct Batched {
 pub(in crate::ledger) struct GroupCommit {
     pub(in crate::ledger) store: Store,
     pub(in crate::ledger) metrics: LedgerMetrics,
-    /// The rows a batch of one may be decided from before it reads (`None`: off).
+    /// The rows a batch may be decided from instead of read (`None`: off).
     known: Option<Known>,
 }
 
 impl GroupCommit {
     /// The batch writer of `store`, keeping at most `known_rows` orders and accounts known
-    /// (0: none) where a batch of one may be written without row locks (`unlocked`, on
-    /// PostgreSQL: [`unlocked_allowed`]), the one place they are used.
+    /// (0: none) where a batch may be written without row locks (`unlocked`, on PostgreSQL,
+    /// whose write is one statement: [`unlocked_allowed`]), the one place they are used.
     pub(in crate::ledger) fn new(store: Store, metrics: LedgerMetrics, settings: &GroupCommitSettings) -> Self {
         let used = settings.unlocked && store.dialect() == Dialect::Postgres;
         let known = if used { Known::new(settings.known_rows) } else { None };
