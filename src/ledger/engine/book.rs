@@ -773,13 +773,16 @@ mod tests {
             });
             let waiting = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
                  AND wait_event_type = 'Lock' AND query LIKE '%UPDATE accounts%'";
+            let mut waits = false;
             for _ in 0..500 {
                 let count: i64 = sqlx::query_scalar(waiting).fetch_one(&mut watcher).await.unwrap();
-                if count > 0 {
+                waits = count > 0;
+                if waits {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
+            assert!(waits, "the write waits for a row lock");
             sqlx::query("SET LOCAL lock_timeout = '500ms'").execute(&mut holder).await.unwrap();
             let bob = sqlx::query(lock).bind("bob").execute(&mut holder).await;
             assert!(bob.is_ok(), "the write waiting for alice holds bob: {bob:?}");
