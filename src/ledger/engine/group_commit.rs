@@ -625,15 +625,19 @@ async fn write_one_unlocked(
         reader.release();
         return Unlocked::Done(Outcome::Alone);
     }
-    let misses = Some(&metrics.unlocked_write_misses);
-    let written = write_read(&mut queries, &[batched], &read, &prefetched, misses, known).await;
-    match written.ok().map(|mut one| one.remove(0)) {
-        Some(outcome @ Outcome::Written(..)) => {
-            reader.release();
-            Unlocked::Done(outcome)
+    match write_read(&mut queries, &[batched], &read, &prefetched, known).await {
+        Ok(mut one) => match one.remove(0) {
+            outcome @ Outcome::Written(..) => {
+                reader.release();
+                Unlocked::Done(outcome)
+            }
+            outcome => Unlocked::Done(outcome),
+        },
+        Err(Unwritten::Missed) => {
+            metrics.unlocked_write_misses.inc();
+            Unlocked::UnderLocks(read)
         }
-        Some(outcome) => Unlocked::Done(outcome),
-        None => Unlocked::UnderLocks(read),
+        Err(Unwritten::NotSent) => Unlocked::UnderLocks(read),
     }
 }
 
@@ -735,7 +739,7 @@ async fn write_known(
     metrics: &LedgerMetrics,
     known: &Known,
 ) -> Option<Vec<Outcome>> {
-    let outcomes = write_read(queries, batch, &NOTHING_READ, prefetched, None, Some(known)).await;
+    let outcomes = write_read(queries, batch, &NOTHING_READ, prefetched, Some(known)).await;
     match outcomes.as_deref() {
         Ok([Outcome::Written(..), ..]) => {
             known.hit();
@@ -762,14 +766,12 @@ enum Unwritten {
 /// The rest of [`write_one_unlocked`] once its rows are read, and of [`write_known`]: the
 /// batch decided from `prefetched` and written by one statement that commits itself, or why
 /// not (then it is written under locks: a call not accepted, a write set of several
-/// statements, a row moved or a key taken). A write that finds a row moved or a key taken
-/// counts in `misses`; what a committed one leaves is told to `known`.
+/// statements, a row moved or a key taken). What a committed one leaves is told to `known`.
 async fn write_read(
     queries: &mut Queries<'_>,
     batch: &[&Batched],
     read: &ReadFirst,
     prefetched: &Prefetched,
-    misses: Option<&Counter>,
     known: Option<&Known>,
 ) -> Result<Vec<Outcome>, Unwritten> {
     let now = now_micros();
@@ -805,12 +807,7 @@ async fn write_read(
                 known.committed(Learned { accounts, orders: new_orders, forget });
             }
         }
-        Ok(None) => {
-            if let Some(misses) = misses {
-                misses.inc();
-            }
-            return Err(Unwritten::Missed);
-        }
+        Ok(None) => return Err(Unwritten::Missed),
         Err(Error::InvariantBroken(invariant)) => {
             tracing::error!(invariant, calls = batch.len(), "a write refused; nothing of it was written");
             return Ok(batch.iter().map(|_| Outcome::Rejected(Error::InvariantBroken(invariant))).collect());
